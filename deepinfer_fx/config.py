@@ -1,0 +1,288 @@
+"""Model configuration: one frozen dataclass parsed from an HF ``config.json``.
+
+Two spellings of the same config reach us: DeepSeek's released files (``compress_ratios``,
+``num_hash_layers``, ``rope_scaling``, ``qk_rope_head_dim``) and what HF transformers writes
+with ``save_pretrained`` (``layer_types`` + ``compress_rates``, ``mlp_layer_types``, nested
+``rope_parameters``, ``partial_rotary_factor``). Both are normalised here, once, so the model
+code only ever sees per-layer compression ratios and plain numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+_LAYER_TYPE_NAMES = {
+    "sliding_attention": 0,
+    "compressed_sparse_attention": "csa",
+    "heavily_compressed_attention": "hca",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a model we run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Yarn:
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    # One entry per backbone layer (0 = window only, 4 = CSA, 128 = HCA); MTP layers are window-only.
+    compress_ratios: tuple[int, ...]
+    csa_ratio: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_theta: float
+    compress_rope_theta: float
+    yarn: Yarn | None
+    max_position_embeddings: int
+    rms_norm_eps: float
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    scoring_func: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    num_hash_layers: int
+    swiglu_limit: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    num_nextn_predict_layers: int
+    dspark_stages: int  # > 0: mtp.* is a DSpark drafter (not an MTP-1 block)
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    # Checkpoint storage: FP8 block size of the dense weights (None = unquantised) and the
+    # routed experts' format ("fp4" = MXFP4, "fp8" = block FP8, None = same as dense).
+    fp8_block: int | None
+    expert_dtype: str | None
+    # The official reference's QAT fake-quant points (spec §2.3, §3.3, §3.5). HF transformers'
+    # V4 leaves them out, so HF parity runs with this off; real checkpoints were trained with it on.
+    fake_quant: bool = True
+
+    @property
+    def hca_ratios(self) -> set[int]:
+        return {r for r in self.compress_ratios if r not in (0, self.csa_ratio)}
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    def layer_kind(self, layer: int) -> str:
+        """'swa', 'csa' or 'hca' for a backbone layer."""
+        r = self.compress_ratios[layer]
+        return "swa" if r == 0 else ("csa" if r == self.csa_ratio else "hca")
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _need(d: dict, key: str, where: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"{where}: required field '{key}' is missing")
+    return d[key]
+
+
+def _ratios(d: dict, n_layers: int, n_draft: int, where: str) -> tuple[tuple[int, ...], int]:
+    if "compress_ratios" in d and d["compress_ratios"] is not None:
+        ratios = [int(r) for r in d["compress_ratios"]]
+        if len(ratios) not in (n_layers, n_layers + n_draft):
+            raise ConfigError(
+                f"{where}: 'compress_ratios' has {len(ratios)} entries; expected num_hidden_layers "
+                f"({n_layers}) or that plus one per draft layer ({n_layers + n_draft})"
+            )
+        if any(ratios[n_layers:]):
+            raise ConfigError(f"{where}: 'compress_ratios' entries after the backbone (draft layers) must be 0")
+        ratios = ratios[:n_layers]
+        nonzero = sorted({r for r in ratios if r})
+        csa = 4 if 4 in nonzero else (min(nonzero) if len(nonzero) > 1 else 4)
+        return tuple(ratios), csa
+    types = _need(d, "layer_types", where)
+    if len(types) != n_layers:
+        raise ConfigError(f"{where}: 'layer_types' has {len(types)} entries; expected num_hidden_layers ({n_layers})")
+    rates = d.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    out = []
+    for i, t in enumerate(types):
+        if t not in _LAYER_TYPE_NAMES:
+            raise ConfigError(f"{where}: 'layer_types[{i}]' is {t!r}; expected one of {sorted(_LAYER_TYPE_NAMES)}")
+        out.append(0 if t == "sliding_attention" else int(rates[t]))
+    return tuple(out), int(rates["compressed_sparse_attention"])
+
+
+def _hash_layers(d: dict, n_layers: int, where: str) -> int:
+    mlp = d.get("mlp_layer_types")
+    if mlp is None:
+        return int(d.get("num_hash_layers", 0) or 0)
+    if len(mlp) != n_layers:
+        raise ConfigError(f"{where}: 'mlp_layer_types' has {len(mlp)} entries; expected num_hidden_layers ({n_layers})")
+    n = sum(1 for t in mlp if t == "hash_moe")
+    if list(mlp) != ["hash_moe"] * n + ["moe"] * (n_layers - n):
+        raise ConfigError(f"{where}: 'mlp_layer_types' must be 'hash_moe' for a prefix of layers, then 'moe'")
+    return n
+
+
+def _rope(d: dict, where: str) -> tuple[float, float, Yarn | None]:
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
+        main, comp = rp["main"], rp["compress"]
+        theta, ctheta, scaling = float(main["rope_theta"]), float(comp["rope_theta"]), comp
+    else:
+        theta = float(d.get("rope_theta", 10000.0))
+        ctheta = float(d.get("compress_rope_theta", theta))
+        scaling = d.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, ctheta, None
+    if kind != "yarn":
+        raise ConfigError(f"{where}: rope scaling type {kind!r} is not supported; DeepSeek-V4 uses 'yarn'")
+    yarn = Yarn(
+        factor=float(_need(scaling, "factor", where + " rope_scaling")),
+        original_max_position_embeddings=int(_need(scaling, "original_max_position_embeddings", where + " rope_scaling")),
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+    )
+    return theta, ctheta, yarn
+
+
+def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
+    """Parse and validate an HF-style config dict (DeepSeek's or HF's own spelling)."""
+    mt = d.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{where}: model_type {mt!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    n_layers = int(_need(d, "num_hidden_layers", where))
+    n_mtp = int(d.get("num_nextn_predict_layers", 0) or 0)
+    # V4-Flash-0731 ships a 3-stage DSpark drafter under mtp.0..2 but still says
+    # num_nextn_predict_layers = 1; the DSpark fields are what identify it.
+    dspark = len(d.get("dspark_target_layer_ids") or [])
+    ratios, csa = _ratios(d, n_layers, dspark or n_mtp, where)
+    head_dim = int(_need(d, "head_dim", where))
+    rope_dim = d.get("qk_rope_head_dim")
+    if rope_dim is None:
+        rope_dim = int(head_dim * float(_need(d, "partial_rotary_factor", where)))
+    theta, ctheta, yarn = _rope(d, where)
+    quant = d.get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    if quant and quant.get("quant_method", "fp8") != "fp8":
+        raise ConfigError(f"{where}: quantization_config.quant_method {quant.get('quant_method')!r} is not supported (fp8 only)")
+    if block is not None and (len(block) != 2 or block[0] != block[1]):
+        raise ConfigError(f"{where}: quantization_config.weight_block_size {block} must be square, e.g. [128, 128]")
+    eos = d.get("eos_token_id", 1)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    n_kv = int(d.get("num_key_value_heads", 1))
+    cfg = ModelConfig(
+        model_type=mt,
+        vocab_size=int(_need(d, "vocab_size", where)),
+        hidden_size=int(_need(d, "hidden_size", where)),
+        num_hidden_layers=n_layers,
+        num_attention_heads=int(_need(d, "num_attention_heads", where)),
+        head_dim=head_dim,
+        qk_rope_head_dim=int(rope_dim),
+        q_lora_rank=int(_need(d, "q_lora_rank", where)),
+        o_groups=int(_need(d, "o_groups", where)),
+        o_lora_rank=int(_need(d, "o_lora_rank", where)),
+        sliding_window=int(_need(d, "sliding_window", where)),
+        compress_ratios=ratios,
+        csa_ratio=csa,
+        index_n_heads=int(_need(d, "index_n_heads", where)),
+        index_head_dim=int(_need(d, "index_head_dim", where)),
+        index_topk=int(_need(d, "index_topk", where)),
+        rope_theta=theta,
+        compress_rope_theta=ctheta,
+        yarn=yarn,
+        max_position_embeddings=int(d.get("max_position_embeddings", 1 << 20)),
+        rms_norm_eps=float(_need(d, "rms_norm_eps", where)),
+        moe_intermediate_size=int(_need(d, "moe_intermediate_size", where)),
+        n_routed_experts=int(_need(d, "n_routed_experts", where)),
+        n_shared_experts=int(d.get("n_shared_experts", 1)),
+        num_experts_per_tok=int(_need(d, "num_experts_per_tok", where)),
+        scoring_func=str(d.get("scoring_func", "sqrtsoftplus")),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(_need(d, "routed_scaling_factor", where)),
+        num_hash_layers=_hash_layers(d, n_layers, where),
+        swiglu_limit=float(d.get("swiglu_limit", 0.0) or 0.0),
+        hc_mult=int(_need(d, "hc_mult", where)),
+        hc_sinkhorn_iters=int(_need(d, "hc_sinkhorn_iters", where)),
+        hc_eps=float(_need(d, "hc_eps", where)),
+        num_nextn_predict_layers=n_mtp,
+        dspark_stages=dspark,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        fp8_block=int(block[0]) if block else None,
+        expert_dtype=d.get("expert_dtype", quant.get("expert_dtype")),
+    )
+    _validate(cfg, n_kv, where)
+    return cfg
+
+
+def _validate(c: ModelConfig, n_kv: int, where: str) -> None:
+    def bad(field: str, why: str) -> None:
+        raise ConfigError(f"{where}: '{field}' {why}")
+
+    if n_kv != 1:
+        bad("num_key_value_heads", f"is {n_kv}; DeepSeek-V4 attention has one shared K=V head")
+    if c.num_attention_heads % c.o_groups:
+        bad("o_groups", f"({c.o_groups}) must divide num_attention_heads ({c.num_attention_heads})")
+    if not 0 < c.qk_rope_head_dim <= c.head_dim or c.qk_rope_head_dim % 2:
+        bad("qk_rope_head_dim", f"({c.qk_rope_head_dim}) must be even and at most head_dim ({c.head_dim})")
+    if c.index_head_dim < c.qk_rope_head_dim:
+        bad("index_head_dim", f"({c.index_head_dim}) must be at least qk_rope_head_dim ({c.qk_rope_head_dim})")
+    if c.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
+        bad("scoring_func", f"is {c.scoring_func!r}; expected sqrtsoftplus, sigmoid or softmax")
+    if not 0 < c.num_experts_per_tok <= c.n_routed_experts:
+        bad("num_experts_per_tok", f"({c.num_experts_per_tok}) must be in 1..n_routed_experts ({c.n_routed_experts})")
+    if not 0 <= c.num_hash_layers <= c.num_hidden_layers:
+        bad("num_hash_layers", f"({c.num_hash_layers}) must be in 0..num_hidden_layers")
+    for i, r in enumerate(c.compress_ratios):
+        if r < 0:
+            bad("compress_ratios", f"entry {i} is {r}; ratios are >= 0")
+    if c.expert_dtype not in (None, "fp4", "fp8", "bf16"):
+        bad("expert_dtype", f"is {c.expert_dtype!r}; expected fp4, fp8 or bf16")
+    if c.sliding_window <= 0:
+        bad("sliding_window", "must be positive")
+    if c.hc_mult < 1 or c.hc_sinkhorn_iters < 1:
+        bad("hc_mult", "and hc_sinkhorn_iters must be positive")
+    if not math.isfinite(c.rms_norm_eps) or c.rms_norm_eps <= 0:
+        bad("rms_norm_eps", "must be a positive number")
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        d = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no config.json; a checkpoint directory needs one") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{p}: expected a JSON object")
+    return config_from_dict(d, where=str(p))

@@ -1,0 +1,47 @@
+"""Lightning indexer of CSA layers: scores compressed entries per query and keeps the top k.
+
+``score_t(w) = sum_h w_h * ReLU(q_h . K_w)`` with per-head weights from the layer input; only
+entries whose window is complete are eligible, and at most ``index_topk`` of them are kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from .compressor import compress, visible_entries
+from .fake_quant import index_fake_quant
+from .norm import linear, linear_fp32
+from .rope import apply_rope, cos_sin
+
+
+def select_entries(
+    p: dict,
+    st: dict,
+    c: ModelConfig,
+    x: torch.Tensor,
+    q_r: torch.Tensor,
+    start: int,
+    freq: torch.Tensor,
+) -> torch.Tensor:
+    """Boolean ``[T, n_entries]``: which compressed entries each query of the chunk attends."""
+    t = x.shape[0]
+    ratio = c.csa_ratio
+    finish = index_fake_quant if c.fake_quant else None
+    keys = compress(p["compressor"], st, x, start, ratio, True, freq, c.rms_norm_eps, finish)
+    n = keys.shape[0]
+    q_pos = torch.arange(start, start + t, device=x.device)
+    if n == 0:
+        return torch.zeros(t, 0, dtype=torch.bool, device=x.device)
+    q = linear(q_r, p["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
+    q = apply_rope(q, *cos_sin(q_pos, freq))
+    if c.fake_quant:
+        q = index_fake_quant(q)
+    head_w = linear_fp32(x, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
+    dots = torch.relu(torch.einsum("thd,nd->thn", q.float(), keys.float()))
+    scores = (dots * head_w[:, :, None]).sum(1)
+    visible = visible_entries(q_pos, n, ratio)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.topk(min(c.index_topk, n), dim=-1).indices
+    chosen = torch.zeros(t, n, dtype=torch.bool, device=x.device).scatter_(1, top, True)
+    return chosen & visible

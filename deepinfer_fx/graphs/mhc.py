@@ -1,0 +1,53 @@
+"""Manifold-constrained hyper-connections: the residual is ``hc_mult`` streams per token.
+
+Each site (before attention, before the FFN) derives from the streams a collapse vector
+``pre``, an expand vector ``post`` and a doubly-stochastic mixing matrix ``comb`` (Sinkhorn).
+All of it runs in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .norm import rms_norm
+
+
+def _mixes(X: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
+    flat = rms_norm(X.flatten(-2).float(), None, rms_eps)
+    return flat @ fn.float().T
+
+
+def mhc_coeffs(
+    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float, iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X ``[T, N, D]`` -> pre ``[T, N]``, post ``[T, N]``, comb ``[T, N, N]`` (all fp32)."""
+    n = X.shape[-2]
+    m = _mixes(X, fn, rms_eps)
+    m_pre, m_post, m_comb = m.split([n, n, n * n], dim=-1)
+    b_pre, b_post, b_comb = base.float().split([n, n, n * n])
+    s = scale.float()
+    pre = torch.sigmoid(m_pre * s[0] + b_pre) + hc_eps
+    post = 2 * torch.sigmoid(m_post * s[1] + b_post)
+    comb = torch.softmax((m_comb * s[2] + b_comb).unflatten(-1, (n, n)), dim=-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def mhc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_j pre_j X_j``: the sublayer input ``[T, D]``."""
+    return (pre.unsqueeze(-1) * X.float()).sum(-2).to(X.dtype)
+
+
+def mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``X'_k = post_k y + sum_j comb[j, k] X_j`` (the sum runs over comb's first index)."""
+    dt = X.dtype
+    return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ X
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float) -> torch.Tensor:
+    """Final learned collapse of the streams before the output norm."""
+    pre = torch.sigmoid(_mixes(X, fn, rms_eps) * scale.float() + base.float()) + hc_eps
+    return mhc_collapse(X, pre)

@@ -1,0 +1,236 @@
+"""Parameter specs: every parameter declared once.
+
+A spec names the tree path the model functions read, the checkpoint key (DeepSeek's own
+spelling), the logical shape, the storage class, the logical axes the sharding rules map to
+mesh axes, the initialiser for random models and the quantised format the checkpoint uses.
+The same list builds random models, counts parameters without allocating, and drives loading.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    path: str  # tree path, e.g. "layers.3.attn.wq_a"
+    key: str  # checkpoint key; "{e}" marks a per-expert key stacked on dim 0
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical axis per dim
+    init: str = "normal"  # normal (fan-in scaled) | ones (1 + noise) | zeros (small noise)
+    fp32: bool = False  # kept in float32 whatever the activation dtype (mHC, sinks, biases, ape)
+    quant: str | None = None  # checkpoint storage: "fp8" (block), "fp4" (MXFP4) or None
+    integer: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stacked(self) -> bool:
+        return "{e}" in self.key
+
+
+def _linear(path: str, out: int, inp: int, axes: tuple[str | None, str | None], quant: str | None) -> ParamSpec:
+    return ParamSpec(path, path + ".weight", (out, inp), axes, quant=quant)
+
+
+def _norm(path: str, dim: int) -> ParamSpec:
+    return ParamSpec(path, path + ".weight", (dim,), (None,), init="ones")
+
+
+def _hc_site(prefix: str, site: str, c: ModelConfig) -> list[ParamSpec]:
+    n, d = c.hc_mult, c.hidden_size
+    return [
+        ParamSpec(f"{prefix}.hc_{site}_fn", f"{prefix}.hc_{site}_fn", ((2 + n) * n, n * d), (None, None), fp32=True),
+        ParamSpec(f"{prefix}.hc_{site}_base", f"{prefix}.hc_{site}_base", ((2 + n) * n,), (None,), init="zeros", fp32=True),
+        ParamSpec(f"{prefix}.hc_{site}_scale", f"{prefix}.hc_{site}_scale", (3,), (None,), init="ones", fp32=True),
+    ]
+
+
+def _hc_head(prefix: str, c: ModelConfig) -> list[ParamSpec]:
+    n, d = c.hc_mult, c.hidden_size
+    p = f"{prefix}." if prefix else ""
+    return [
+        ParamSpec(f"{p}hc_head_fn", f"{p}hc_head_fn", (n, n * d), (None, None), fp32=True),
+        ParamSpec(f"{p}hc_head_base", f"{p}hc_head_base", (n,), (None,), init="zeros", fp32=True),
+        ParamSpec(f"{p}hc_head_scale", f"{p}hc_head_scale", (1,), (None,), init="ones", fp32=True),
+    ]
+
+
+def _compressor(prefix: str, c: ModelConfig, dim: int, ratio: int) -> list[ParamSpec]:
+    width = dim * (2 if ratio == c.csa_ratio else 1)  # CSA overlaps two windows: two series per token
+    return [
+        _linear(f"{prefix}.wkv", width, c.hidden_size, ("compress", "embed"), None),
+        _linear(f"{prefix}.wgate", width, c.hidden_size, ("compress", "embed"), None),
+        ParamSpec(f"{prefix}.ape", f"{prefix}.ape", (ratio, width), (None, None), init="zeros", fp32=True),
+        _norm(f"{prefix}.norm", dim),
+    ]
+
+
+def _attention(prefix: str, c: ModelConfig, ratio: int) -> list[ParamSpec]:
+    h, hd, d = c.num_attention_heads, c.head_dim, c.hidden_size
+    a = f"{prefix}.attn"
+    specs = [
+        _linear(f"{a}.wq_a", c.q_lora_rank, d, (None, "embed"), "fp8"),
+        _norm(f"{a}.q_norm", c.q_lora_rank),
+        _linear(f"{a}.wq_b", h * hd, c.q_lora_rank, ("heads", None), "fp8"),
+        _linear(f"{a}.wkv", hd, d, (None, "embed"), "fp8"),
+        _norm(f"{a}.kv_norm", hd),
+        _linear(f"{a}.wo_a", c.o_groups * c.o_lora_rank, h * hd // c.o_groups, ("heads", None), "fp8"),
+        _linear(f"{a}.wo_b", d, c.o_groups * c.o_lora_rank, ("embed", None), "fp8"),
+        ParamSpec(f"{a}.attn_sink", f"{a}.attn_sink", (h,), ("heads",), init="zeros", fp32=True),
+    ]
+    if ratio:
+        specs += _compressor(f"{a}.compressor", c, hd, ratio)
+    if ratio == c.csa_ratio:
+        hi, di = c.index_n_heads, c.index_head_dim
+        specs += [
+            _linear(f"{a}.indexer.wq_b", hi * di, c.q_lora_rank, (None, None), "fp8"),
+            _linear(f"{a}.indexer.weights_proj", hi, d, (None, "embed"), None),
+        ]
+        specs += _compressor(f"{a}.indexer.compressor", c, di, ratio)
+    return specs
+
+
+def _moe(prefix: str, c: ModelConfig, hashed: bool) -> list[ParamSpec]:
+    e, i, d = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+    f = f"{prefix}.ffn"
+    xq = None if c.expert_dtype == "bf16" else ("fp8" if c.expert_dtype == "fp8" else "fp4")
+    specs = [ParamSpec(f"{f}.gate.weight", f"{f}.gate.weight", (e, d), ("experts", "embed"))]
+    if hashed:
+        specs.append(
+            ParamSpec(f"{f}.gate.tid2eid", f"{f}.gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), ("vocab", None), init="tid2eid", integer=True)
+        )
+    else:
+        specs.append(ParamSpec(f"{f}.gate.bias", f"{f}.gate.bias", (e,), ("experts",), init="zeros", fp32=True))
+    for w, shape, axes in (("w1", (e, i, d), ("experts", "expert_mlp", "embed")),
+                           ("w3", (e, i, d), ("experts", "expert_mlp", "embed")),
+                           ("w2", (e, d, i), ("experts", "embed", "expert_mlp"))):
+        specs.append(ParamSpec(f"{f}.experts.{w}", f"{f}.experts.{{e}}.{w}.weight", shape, axes, quant=xq))
+    si = i * c.n_shared_experts
+    specs += [
+        _linear(f"{f}.shared_experts.w1", si, d, ("mlp", "embed"), "fp8"),
+        _linear(f"{f}.shared_experts.w3", si, d, ("mlp", "embed"), "fp8"),
+        _linear(f"{f}.shared_experts.w2", d, si, ("embed", "mlp"), "fp8"),
+    ]
+    return specs
+
+
+def _block(prefix: str, c: ModelConfig, ratio: int, hashed: bool) -> list[ParamSpec]:
+    return (
+        [_norm(f"{prefix}.attn_norm", c.hidden_size), _norm(f"{prefix}.ffn_norm", c.hidden_size)]
+        + _hc_site(prefix, "attn", c)
+        + _hc_site(prefix, "ffn", c)
+        + _attention(prefix, c, ratio)
+        + _moe(prefix, c, hashed)
+    )
+
+
+def backbone_specs(c: ModelConfig) -> list[ParamSpec]:
+    v, d = c.vocab_size, c.hidden_size
+    specs = [
+        ParamSpec("embed", "embed.weight", (v, d), ("vocab", "embed")),
+        ParamSpec("head", "head.weight", (v, d), ("vocab", "embed"), fp32=True),
+        _norm("norm", d),
+    ] + _hc_head("", c)
+    for layer, ratio in enumerate(c.compress_ratios):
+        specs += _block(f"layers.{layer}", c, ratio, layer < c.num_hash_layers)
+    return specs
+
+
+def mtp_specs(c: ModelConfig) -> list[ParamSpec]:
+    """The MTP-1 blocks (``mtp.{s}``): a window-only block plus the input projections and own head."""
+    specs: list[ParamSpec] = []
+    d = c.hidden_size
+    if c.dspark_stages:  # mtp.* holds a DSpark drafter, not MTP-1 blocks
+        return specs
+    for s in range(c.num_nextn_predict_layers):
+        p = f"mtp.{s}"
+        specs += _block(p, c, 0, False)
+        specs += [
+            _linear(f"{p}.e_proj", d, d, ("embed", None), "fp8"),
+            _linear(f"{p}.h_proj", d, d, ("embed", None), "fp8"),
+            _norm(f"{p}.enorm", d),
+            _norm(f"{p}.hnorm", d),
+            _norm(f"{p}.norm", d),
+        ] + _hc_head(p, c)
+    return specs
+
+
+def param_specs(c: ModelConfig, mtp: bool = True) -> list[ParamSpec]:
+    return backbone_specs(c) + (mtp_specs(c) if mtp else [])
+
+
+def count_params(c: ModelConfig, mtp: bool = False) -> int:
+    """Parameters of a config, counted from the specs without allocating (MTP excluded by default)."""
+    return sum(s.numel for s in param_specs(c, mtp=mtp))
+
+
+# --- trees -------------------------------------------------------------------------------------
+
+def set_path(tree: dict, path: str, value: object) -> None:
+    parts = path.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            idx = int(part)
+            while len(node) <= idx:
+                node.append({} if not nxt.isdigit() else [])
+            node = node[idx]
+        else:
+            node = node.setdefault(part, [] if nxt.isdigit() else {})
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last)
+        while len(node) <= idx:
+            node.append(None)
+        node[idx] = value
+    else:
+        node[last] = value
+
+
+def build_tree(values: dict[str, object]) -> dict:
+    """Nested dicts (numeric components become lists) from flat tree paths."""
+    tree: dict = {}
+    for path in sorted(values, key=_natural):
+        set_path(tree, path, values[path])
+    return tree
+
+
+def iter_tree(tree: object, prefix: str = "") -> Iterator[tuple[str, object]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from iter_tree(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from iter_tree(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], tree
+
+
+def _natural(path: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
+
+
+def init_param(spec: ParamSpec, gen: torch.Generator, dtype: torch.dtype, n_experts: int) -> torch.Tensor:
+    """Random value for a spec. Every parameter gets a non-trivial value (norm weights and biases
+    too), so a checkpoint key mapped to the wrong place changes the logits and tests notice."""
+    if spec.integer:  # hash routing table: distinct experts for each token id
+        k = spec.shape[1]
+        return torch.argsort(torch.rand(spec.shape[0], n_experts, generator=gen), dim=1)[:, :k].contiguous()
+    noise = torch.randn(spec.shape, generator=gen)
+    if spec.init == "normal":
+        value = noise * spec.shape[-1] ** -0.5  # fan-in scaling keeps tiny random models well conditioned
+    elif spec.init == "ones":
+        value = 1.0 + 0.1 * noise
+    else:
+        value = 0.1 * noise
+    return value.to(torch.float32 if spec.fp32 else dtype)

@@ -1,0 +1,60 @@
+"""Rotary embedding on the tail of each head: adjacent channel pairs, optional YaRN.
+
+Only the last ``rope_dim`` channels of a vector rotate; pairs are (2i, 2i+1) read as one
+complex number. Window-only layers use ``rope_theta`` without scaling; layers with a
+compressor use ``compress_rope_theta`` with YaRN (and no mscale), for every tensor they rotate.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from ..config import ModelConfig, Yarn
+
+
+@lru_cache(maxsize=32)
+def _inv_freq(rope_dim: int, theta: float, yarn: Yarn | None) -> torch.Tensor:
+    freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    if yarn is None:
+        return freq
+
+    def corr(rotations: float) -> float:
+        return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(corr(yarn.beta_fast)), 0)
+    high = min(math.ceil(corr(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 1e-3
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return freq / yarn.factor * ramp + freq * (1 - ramp)
+
+
+def inv_freq(c: ModelConfig, compressed: bool) -> torch.Tensor:
+    """Per-pair frequencies for a layer: ``compressed`` layers (ratio != 0) use the YaRN table."""
+    if compressed:
+        return _inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)
+    return _inv_freq(c.rope_dim, c.rope_theta, None)
+
+
+def cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 tables ``[len(positions), rope_dim // 2]``."""
+    angles = positions.float()[:, None] * freq.to(positions.device)[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last ``2 * cos.shape[-1]`` channels of x. x is ``[T, ..., d]``; cos/sin are
+    ``[T, rd/2]`` and broadcast over the middle dims. ``inverse`` rotates by the negative angle."""
+    rd = 2 * cos.shape[-1]
+    mid = x.dim() - 2
+    cos = cos.reshape(cos.shape[0], *([1] * mid), cos.shape[-1])
+    sin = sin.reshape(sin.shape[0], *([1] * mid), sin.shape[-1])
+    if inverse:
+        sin = -sin
+    tail = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))
+    a, b = tail[..., 0], tail[..., 1]
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)

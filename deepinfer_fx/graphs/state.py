@@ -1,0 +1,61 @@
+"""Explicit per-sequence cache state, allocated once and updated in place.
+
+Everything a layer needs to continue a sequence at position ``start`` lives here, and nothing
+else does: how many tokens came before is the caller's ``start``, and which slot holds which
+position follows from it. So one-shot prefill, chunked prefill and token-by-token decode run
+the same functions on the same state.
+
+Per layer (a plain dict of tensors):
+- ``window``: ring ``[sliding_window, head_dim]`` of this layer's kv; position p sits at slot
+  ``p % sliding_window``.
+- ``comp`` (layers with a compressor): ``rows_kv`` / ``rows_gate`` ring of raw projected rows
+  (fp32, ``ratio`` slots, or ``2 * ratio`` where windows overlap, so the previous window's
+  rows are still there), and ``entries`` ``[max_len // ratio, head_dim]`` of compressed kv.
+- ``index`` (CSA layers): the same for the indexer's own compressor (index keys).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+
+
+def _compressor_state(ratio: int, overlap: bool, dim: int, max_len: int, dtype: torch.dtype, device) -> dict:
+    width = dim * (2 if overlap else 1)
+    ring = ratio * (2 if overlap else 1)
+    return {
+        "rows_kv": torch.zeros(ring, width, dtype=torch.float32, device=device),
+        "rows_gate": torch.zeros(ring, width, dtype=torch.float32, device=device),
+        "entries": torch.zeros(max(max_len // ratio, 1), dim, dtype=dtype, device=device),
+    }
+
+
+def layer_state(c: ModelConfig, ratio: int, max_len: int, dtype: torch.dtype, device=None) -> dict:
+    st = {"window": torch.zeros(c.sliding_window, c.head_dim, dtype=dtype, device=device)}
+    overlap = ratio == c.csa_ratio
+    if ratio:
+        st["comp"] = _compressor_state(ratio, overlap, c.head_dim, max_len, dtype, device)
+    if overlap:
+        st["index"] = _compressor_state(ratio, True, c.index_head_dim, max_len, dtype, device)
+    return st
+
+
+def init_state(c: ModelConfig, max_len: int, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True) -> dict:
+    """State for one sequence of up to ``max_len`` tokens (backbone layers and MTP blocks)."""
+    return {
+        "max_len": max_len,
+        "layers": [layer_state(c, r, max_len, dtype, device) for r in c.compress_ratios],
+        "mtp": [layer_state(c, 0, max_len, dtype, device) for _ in range(c.num_nextn_predict_layers if mtp and not c.dspark_stages else 0)],
+    }
+
+
+def check_room(state: dict, start: int, n_tokens: int) -> None:
+    end = start + n_tokens
+    if start < 0 or n_tokens < 1:
+        raise ValueError(f"a step needs start >= 0 and at least one token (got start={start}, tokens={n_tokens})")
+    if end > state["max_len"]:
+        raise ValueError(
+            f"sequence of {end} tokens does not fit the cache state allocated for {state['max_len']}; "
+            "allocate the state with a larger max_len"
+        )
