@@ -1,0 +1,456 @@
+"""deepinfer_fx.config: the released configs parse, parameter counts, layer roles, validation
+errors (each naming its field) and HF's ``save_pretrained`` spelling == DeepSeek's spelling."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+import deepinfer_fx
+from deepinfer_fx.config import ConfigError, ModelConfig, Yarn, config_from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _configs_dir() -> Path | None:
+    env = os.environ.get("DEEPINFER_SPEC_CONFIGS")
+    for cand in ([Path(env)] if env else []) + [REPO / "shared/spec/configs", REPO.parent / "shared/spec/configs"]:
+        if cand.is_dir():
+            return cand
+    return None
+
+
+CONFIGS = _configs_dir()
+ALL_FILES = sorted(CONFIGS.glob("*.json")) if CONFIGS else []
+needs_configs = pytest.mark.skipif(CONFIGS is None, reason="released configs (shared/spec/configs) not available")
+
+
+def _model_type(path: Path):
+    return json.loads(path.read_text()).get("model_type")
+
+
+def _released(name: str) -> Path:
+    p = CONFIGS / f"{name}.json"
+    assert p.is_file(), f"{p} missing"
+    return p
+
+
+YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
+
+# A tiny DeepSeek-spelled config (the released files' fields, small numbers).
+TINY = {
+    "model_type": "deepseek_v4",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 32,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "sliding_window": 16,
+    "compress_ratios": [0, 4, 128, 4, 0],
+    "index_n_heads": 16,
+    "index_head_dim": 32,
+    "index_topk": 4,
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": dict(YARN),
+    "max_position_embeddings": 1048576,
+    "rms_norm_eps": 1e-6,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "num_hash_layers": 1,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+def tiny(**changes) -> dict:
+    d = copy.deepcopy(TINY)
+    d.update(changes)
+    return d
+
+
+def tiny_hf(**changes) -> dict:
+    """The same model in HF's spelling (layer_types / compress_rates / mlp_layer_types)."""
+    d = tiny()
+    del d["compress_ratios"], d["num_hash_layers"]
+    d["layer_types"] = [
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ]
+    d["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    d["mlp_layer_types"] = ["hash_moe", "moe", "moe", "moe"]
+    d.update(changes)
+    return d
+
+
+def raises_naming(d: dict, *words: str) -> str:
+    with pytest.raises(ConfigError) as ei:
+        config_from_dict(d)
+    msg = str(ei.value)
+    for w in words:
+        assert w in msg, f"ConfigError message {msg!r} does not name {w!r}"
+    return msg
+
+
+# --------------------------------------------------------------------------- released configs
+
+
+@needs_configs
+def test_released_configs_present():
+    v4 = [p.name for p in ALL_FILES if _model_type(p) == "deepseek_v4"]
+    assert {"deepseek_v4_flash.json", "deepseek_v4_pro.json", "deepseek_v4_flash_0731_dspark.json"} <= set(v4), v4
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=lambda p: p.name)
+def test_released_config_parses_or_is_rejected(path: Path):
+    mt = _model_type(path)
+    raw = json.loads(path.read_text())
+    if mt == "deepseek_v4":
+        c = load_config(path)
+        assert isinstance(c, ModelConfig)
+        assert c.model_type == "deepseek_v4"
+        n = raw["num_hidden_layers"]
+        assert c.num_hidden_layers == n
+        # Trailing draft-layer zeros are dropped: one ratio per backbone layer.
+        assert c.compress_ratios == tuple(raw["compress_ratios"][:n]), path.name
+        assert all(r == 0 for r in raw["compress_ratios"][n:])
+        assert c.hidden_size == raw["hidden_size"] and c.head_dim == raw["head_dim"]
+        assert c.qk_rope_head_dim == raw["qk_rope_head_dim"] == 64
+        assert c.csa_ratio == 4 and c.hca_ratios == {128}
+        assert c.rope_theta == 10000.0 and c.compress_rope_theta == 160000.0
+        assert c.yarn == Yarn(16.0, 65536, 32.0, 1.0)
+        assert c.n_routed_experts == raw["n_routed_experts"] and c.index_topk == raw["index_topk"]
+        assert c.routed_scaling_factor == raw["routed_scaling_factor"]
+        assert c.eos_token_ids == (1,) and c.bos_token_id == 0
+        assert c.dspark_stages == len(raw.get("dspark_target_layer_ids") or [])
+        # the directory form reads the same file
+        assert load_config(path) == config_from_dict(raw, where=str(path))
+    elif mt == "deepseek_v41":
+        with pytest.raises(ConfigError, match="model_type") as ei:
+            load_config(path)
+        assert "deepseek_v41" in str(ei.value), str(ei.value)
+    else:
+        assert mt is None, f"{path.name}: unexpected model_type {mt!r}; add it to this test"
+        pytest.skip(f"{path.name} is not an HF config (no model_type)")
+
+
+@needs_configs
+def test_flash_layer_roles():
+    c = load_config(_released("deepseek_v4_flash"))
+    assert c.num_hidden_layers == 43 and len(c.compress_ratios) == 43
+    assert [c.layer_kind(i) for i in (0, 1)] == ["swa", "swa"]
+    for i in range(2, 43, 2):
+        assert c.layer_kind(i) == "csa", (i, c.compress_ratios[i])
+        assert c.compress_ratios[i] == 4
+    for i in range(3, 42, 2):
+        assert c.layer_kind(i) == "hca", (i, c.compress_ratios[i])
+        assert c.compress_ratios[i] == 128
+    assert c.num_hash_layers == 3
+    assert c.fp8_block == 128
+    assert c.expert_dtype == "fp4"
+    assert c.yarn is not None and c.yarn.factor == 16.0 and c.yarn.original_max_position_embeddings == 65536
+    assert c.num_nextn_predict_layers == 1 and c.dspark_stages == 0
+    assert c.sliding_window == 128 and c.hc_mult == 4 and c.hc_sinkhorn_iters == 20
+
+
+@needs_configs
+def test_dspark_config_is_flash_trunk_with_three_stages():
+    flash = load_config(_released("deepseek_v4_flash"))
+    dspark = load_config(_released("deepseek_v4_flash_0731_dspark"))
+    assert dspark.dspark_stages == 3
+    assert dspark.compress_ratios == flash.compress_ratios
+    assert dspark.replace(dspark_stages=0) == flash
+
+
+@needs_configs
+def test_count_params_released():
+    flash = deepinfer_fx.count_params(str(_released("deepseek_v4_flash")))
+    pro = deepinfer_fx.count_params(_released("deepseek_v4_pro"))
+    dspark = deepinfer_fx.count_params(str(_released("deepseek_v4_flash_0731_dspark")))
+    assert abs(flash / 284.3e9 - 1) < 0.005, flash
+    assert abs(pro / 1573e9 - 1) < 0.005, pro
+    assert dspark == flash, (dspark, flash)
+    # the three accepted inputs agree
+    raw = json.loads(_released("deepseek_v4_flash").read_text())
+    assert deepinfer_fx.count_params(raw) == flash
+    assert deepinfer_fx.count_params(load_config(_released("deepseek_v4_flash"))) == flash
+    # MTP is excluded by default and adds parameters when asked for
+    assert deepinfer_fx.count_params(raw, mtp=True) > flash
+
+
+def test_count_params_scales_with_layers_and_experts():
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    base = deepinfer_fx.count_params(tiny())
+    # One more HCA layer (not a hash layer) adds exactly the per-layer count of an HCA layer.
+    extra = rng.randrange(1, 4)
+    more = tiny(num_hidden_layers=4 + extra, compress_ratios=[0, 4, 128, 4] + [128] * extra)
+    one = deepinfer_fx.count_params(tiny(num_hidden_layers=5, compress_ratios=[0, 4, 128, 4, 128]))
+    assert deepinfer_fx.count_params(more) - base == extra * (one - base), f"seed={seed}"
+    # Routed experts: each adds 3 * inter * hidden weights and one gate row + one bias per non-hash layer.
+    e = 8 * rng.randrange(2, 5)
+    d, i, layers, hashed = 64, 32, 4, 1
+    got = deepinfer_fx.count_params(tiny(n_routed_experts=e)) - base
+    want = (e - 8) * (layers * (3 * i * d + d) + (layers - hashed))
+    assert got == want, f"seed={seed} experts={e}: {got} != {want}"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_tiny_config_is_valid():
+    c = config_from_dict(tiny())
+    assert c.compress_ratios == (0, 4, 128, 4)
+    assert [c.layer_kind(i) for i in range(4)] == ["swa", "csa", "hca", "csa"]
+    assert c.num_hash_layers == 1 and c.fp8_block is None and c.expert_dtype is None
+
+
+@pytest.mark.parametrize("mt", ["llama", "deepseek_v3", "deepseek_v41", None])
+def test_unknown_model_type(mt):
+    d = tiny(model_type=mt)
+    if mt is None:
+        del d["model_type"]
+    raises_naming(d, "model_type")
+
+
+@pytest.mark.parametrize("ratios", [[0, 4, 128], [0, 4, 128, 4, 0, 0], [0, 4, 128, 4, 0, 0, 0], []])
+def test_compress_ratios_wrong_length(ratios):
+    raises_naming(tiny(compress_ratios=ratios), "compress_ratios", str(len(ratios)))
+
+
+def test_compress_ratios_draft_entries_must_be_zero():
+    raises_naming(tiny(compress_ratios=[0, 4, 128, 4, 4]), "compress_ratios")
+    # with three DSpark stages, every trailing entry must be 0
+    d = tiny(compress_ratios=[0, 4, 128, 4, 0, 128, 0], dspark_target_layer_ids=[1, 2, 3])
+    raises_naming(d, "compress_ratios")
+    ok = config_from_dict(tiny(compress_ratios=[0, 4, 128, 4, 0, 0, 0], dspark_target_layer_ids=[1, 2, 3]))
+    assert ok.compress_ratios == (0, 4, 128, 4) and ok.dspark_stages == 3
+
+
+def test_negative_compress_ratio():
+    raises_naming(tiny(compress_ratios=[0, 4, -128, 4]), "compress_ratios")
+
+
+REQUIRED = [
+    "hidden_size", "q_lora_rank", "index_topk", "vocab_size", "num_hidden_layers", "num_attention_heads",
+    "head_dim", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
+    "rms_norm_eps", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+    "routed_scaling_factor", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+]
+
+
+@pytest.mark.parametrize("field", REQUIRED)
+def test_missing_required_field(field):
+    d = tiny()
+    del d[field]
+    raises_naming(d, f"'{field}'", "missing")
+    raises_naming(tiny(**{field: None}), f"'{field}'")
+
+
+def test_missing_rope_dim_and_partial_rotary_factor():
+    d = tiny()
+    del d["qk_rope_head_dim"]
+    raises_naming(d, "partial_rotary_factor")
+    assert config_from_dict({**d, "partial_rotary_factor": 0.25}).qk_rope_head_dim == 16
+
+
+def test_missing_compress_ratios_and_layer_types():
+    d = tiny()
+    del d["compress_ratios"]
+    raises_naming(d, "layer_types")
+
+
+@pytest.mark.parametrize("n", [3, 5, 0])
+def test_layer_types_wrong_length(n):
+    types = (["sliding_attention", "compressed_sparse_attention"] * 4)[:n]
+    raises_naming(tiny_hf(layer_types=types), "layer_types", str(n))
+
+
+def test_unknown_layer_type():
+    types = ["sliding_attention", "compressed_sparse_attention", "full_attention", "compressed_sparse_attention"]
+    msg = raises_naming(tiny_hf(layer_types=types), "layer_types")
+    assert "full_attention" in msg and "[2]" in msg, msg
+
+
+@pytest.mark.parametrize("n_kv", [0, 2, 4])
+def test_num_key_value_heads_must_be_one(n_kv):
+    raises_naming(tiny(num_key_value_heads=n_kv), "num_key_value_heads")
+
+
+@pytest.mark.parametrize("groups", [3, 8])
+def test_o_groups_must_divide_heads(groups):
+    raises_naming(tiny(o_groups=groups), "o_groups")
+    assert config_from_dict(tiny(o_groups=4)).o_groups == 4
+
+
+@pytest.mark.parametrize(
+    "mlp",
+    [["moe", "hash_moe", "moe", "moe"], ["hash_moe", "moe", "hash_moe", "moe"], ["hash_moe", "moe", "moe"]],
+)
+def test_mlp_layer_types_must_be_hash_prefix(mlp):
+    raises_naming(tiny_hf(mlp_layer_types=mlp), "mlp_layer_types")
+
+
+def test_mlp_layer_types_prefix_counts():
+    for n in range(5):
+        c = config_from_dict(tiny_hf(mlp_layer_types=["hash_moe"] * n + ["moe"] * (4 - n)))
+        assert c.num_hash_layers == n
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("qk_rope_head_dim", 15),
+        ("qk_rope_head_dim", 128),
+        ("index_head_dim", 8),
+        ("scoring_func", "relu"),
+        ("num_experts_per_tok", 9),
+        ("num_experts_per_tok", 0),
+        ("num_hash_layers", 5),
+        ("expert_dtype", "int4"),
+        ("sliding_window", 0),
+        ("rms_norm_eps", 0.0),
+    ],
+)
+def test_other_invalid_values(field, value):
+    raises_naming(tiny(**{field: value}), field)
+
+
+def test_rope_scaling_errors():
+    raises_naming(tiny(rope_scaling={"type": "linear", "factor": 2}), "linear")
+    missing = dict(YARN)
+    del missing["factor"]
+    raises_naming(tiny(rope_scaling=missing), "factor")
+    assert config_from_dict(tiny(rope_scaling=None)).yarn is None
+
+
+def test_quantization_config_errors():
+    q = {"quant_method": "fp8", "weight_block_size": [128, 64]}
+    raises_naming(tiny(quantization_config=q), "weight_block_size")
+    raises_naming(tiny(quantization_config={"quant_method": "awq"}), "quant_method")
+    c = config_from_dict(tiny(quantization_config={"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"}))
+    assert c.fp8_block == 32 and c.expert_dtype == "fp4"
+
+
+def test_load_config_dir_without_config_json(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        load_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(ei.value), str(ei.value)
+
+
+def test_load_config_invalid_json(tmp_path):
+    f = tmp_path / "config.json"
+    f.write_text('{"model_type": "deepseek_v4", ')
+    for arg in (f, tmp_path):
+        with pytest.raises(ConfigError) as ei:
+            load_config(arg)
+        assert str(f) in str(ei.value) and "JSON" in str(ei.value), str(ei.value)
+    f.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_config(f)
+
+
+def test_load_config_dir_and_errors_name_the_file(tmp_path):
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(tiny()))
+    assert load_config(tmp_path) == load_config(f) == config_from_dict(tiny())
+    d = tiny()
+    del d["hidden_size"]
+    f.write_text(json.dumps(d))
+    with pytest.raises(ConfigError) as ei:
+        load_config(tmp_path)
+    assert str(f) in str(ei.value) and "'hidden_size'" in str(ei.value), str(ei.value)
+
+
+# --------------------------------------------------------------------------- HF spelling
+
+
+def _hf_small_config(**extra):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip("transformers without DeepseekV4Config")
+    return transformers.DeepseekV4Config(
+        vocab_size=256,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=64,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        o_groups=2,
+        o_lora_rank=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        index_n_heads=16,
+        index_head_dim=32,
+        index_topk=4,
+        sliding_window=16,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        num_hash_layers=1,
+        rope_scaling=dict(YARN),
+        **extra,
+    )
+
+
+def test_hf_spelling_equals_deepseek_spelling():
+    hf = _hf_small_config().to_dict()
+    # what save_pretrained writes goes through JSON
+    hf = json.loads(json.dumps(hf))
+    assert "compress_ratios" not in hf and "layer_types" in hf and "rope_parameters" in hf
+    ds = tiny(compress_ratios=[0, 4, 16, 4], num_hash_layers=1)
+    a, b = config_from_dict(hf), config_from_dict(ds)
+    da, db = dataclasses.asdict(a), dataclasses.asdict(b)
+    diff = {k: (da[k], db[k]) for k in da if da[k] != db[k]}
+    assert not diff, f"HF vs DeepSeek spelling differ: {diff}"
+    assert a == b
+    # and the shared values are the intended ones (not equal-but-both-wrong)
+    assert a.compress_ratios == (0, 4, 16, 4) and a.csa_ratio == 4 and a.hca_ratios == {16}
+    assert [a.layer_kind(i) for i in range(4)] == ["swa", "csa", "hca", "csa"]
+    assert a.num_hash_layers == 1 and a.qk_rope_head_dim == 16
+    assert a.rope_theta == 10000.0 and a.compress_rope_theta == 160000.0
+    assert a.yarn == Yarn(16.0, 65536, 32.0, 1.0)
+
+
+def test_hf_spelling_rope_dim_from_partial_rotary_factor():
+    hf = json.loads(json.dumps(_hf_small_config().to_dict()))
+    del hf["qk_rope_head_dim"]
+    assert config_from_dict(hf).qk_rope_head_dim == 16
+
+
+def test_hf_spelling_default_compress_rates():
+    d = tiny_hf()
+    del d["compress_rates"]
+    c = config_from_dict(d)
+    assert c.compress_ratios == (0, 4, 128, 4)
+    assert c == config_from_dict(tiny(compress_ratios=[0, 4, 128, 4]))
