@@ -103,10 +103,31 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+_REQUIRED = object()
+
+
 def _need(d: dict, key: str, where: str) -> Any:
     if key not in d or d[key] is None:
         raise ConfigError(f"{where}: required field '{key}' is missing")
     return d[key]
+
+
+def _num(d: dict, key: str, where: str, kind: type, default: Any = _REQUIRED) -> Any:
+    """``kind(d[key])`` (int or float), with the field named when it is missing or not a number."""
+    value = _need(d, key, where) if default is _REQUIRED else d.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{where}: '{key}' must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{where}: '{key}' must be a number, got {value!r}") from None
+    if kind is int:
+        if number != int(number):
+            raise ConfigError(f"{where}: '{key}' must be an integer, got {value!r}")
+        return int(number)
+    return number
 
 
 def _ratios(d: dict, n_layers: int, n_draft: int, where: str) -> tuple[tuple[int, ...], int]:
@@ -126,13 +147,13 @@ def _ratios(d: dict, n_layers: int, n_draft: int, where: str) -> tuple[tuple[int
     types = _need(d, "layer_types", where)
     if len(types) != n_layers:
         raise ConfigError(f"{where}: 'layer_types' has {len(types)} entries; expected num_hidden_layers ({n_layers})")
-    rates = d.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **(d.get("compress_rates") or {})}
     out = []
     for i, t in enumerate(types):
         if t not in _LAYER_TYPE_NAMES:
             raise ConfigError(f"{where}: 'layer_types[{i}]' is {t!r}; expected one of {sorted(_LAYER_TYPE_NAMES)}")
-        out.append(0 if t == "sliding_attention" else int(rates[t]))
-    return tuple(out), int(rates["compressed_sparse_attention"])
+        out.append(0 if t == "sliding_attention" else _num(rates, t, where + " compress_rates", int))
+    return tuple(out), _num(rates, "compressed_sparse_attention", where + " compress_rates", int)
 
 
 def _hash_layers(d: dict, n_layers: int, where: str) -> int:
@@ -175,16 +196,16 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
     mt = d.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-    n_layers = int(_need(d, "num_hidden_layers", where))
-    n_mtp = int(d.get("num_nextn_predict_layers", 0) or 0)
+    n_layers = _num(d, "num_hidden_layers", where, int)
+    n_mtp = _num(d, "num_nextn_predict_layers", where, int, 0) or 0
     # V4-Flash-0731 ships a 3-stage DSpark drafter under mtp.0..2 but still says
     # num_nextn_predict_layers = 1; the DSpark fields are what identify it.
     dspark = len(d.get("dspark_target_layer_ids") or [])
     ratios, csa = _ratios(d, n_layers, dspark or n_mtp, where)
-    head_dim = int(_need(d, "head_dim", where))
+    head_dim = _num(d, "head_dim", where, int)
     rope_dim = d.get("qk_rope_head_dim")
     if rope_dim is None:
-        rope_dim = int(head_dim * float(_need(d, "partial_rotary_factor", where)))
+        rope_dim = int(head_dim * _num(d, "partial_rotary_factor", where, float))
     theta, ctheta, yarn = _rope(d, where)
     quant = d.get("quantization_config") or {}
     block = quant.get("weight_block_size")
@@ -194,41 +215,41 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: quantization_config.weight_block_size {block} must be square, e.g. [128, 128]")
     eos = d.get("eos_token_id", 1)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    n_kv = int(d.get("num_key_value_heads", 1))
+    n_kv = _num(d, "num_key_value_heads", where, int, 1)
     cfg = ModelConfig(
         model_type=mt,
-        vocab_size=int(_need(d, "vocab_size", where)),
-        hidden_size=int(_need(d, "hidden_size", where)),
+        vocab_size=_num(d, "vocab_size", where, int),
+        hidden_size=_num(d, "hidden_size", where, int),
         num_hidden_layers=n_layers,
-        num_attention_heads=int(_need(d, "num_attention_heads", where)),
+        num_attention_heads=_num(d, "num_attention_heads", where, int),
         head_dim=head_dim,
         qk_rope_head_dim=int(rope_dim),
-        q_lora_rank=int(_need(d, "q_lora_rank", where)),
-        o_groups=int(_need(d, "o_groups", where)),
-        o_lora_rank=int(_need(d, "o_lora_rank", where)),
-        sliding_window=int(_need(d, "sliding_window", where)),
+        q_lora_rank=_num(d, "q_lora_rank", where, int),
+        o_groups=_num(d, "o_groups", where, int),
+        o_lora_rank=_num(d, "o_lora_rank", where, int),
+        sliding_window=_num(d, "sliding_window", where, int),
         compress_ratios=ratios,
         csa_ratio=csa,
-        index_n_heads=int(_need(d, "index_n_heads", where)),
-        index_head_dim=int(_need(d, "index_head_dim", where)),
-        index_topk=int(_need(d, "index_topk", where)),
+        index_n_heads=_num(d, "index_n_heads", where, int),
+        index_head_dim=_num(d, "index_head_dim", where, int),
+        index_topk=_num(d, "index_topk", where, int),
         rope_theta=theta,
         compress_rope_theta=ctheta,
         yarn=yarn,
-        max_position_embeddings=int(d.get("max_position_embeddings", 1 << 20)),
-        rms_norm_eps=float(_need(d, "rms_norm_eps", where)),
-        moe_intermediate_size=int(_need(d, "moe_intermediate_size", where)),
-        n_routed_experts=int(_need(d, "n_routed_experts", where)),
-        n_shared_experts=int(d.get("n_shared_experts", 1)),
-        num_experts_per_tok=int(_need(d, "num_experts_per_tok", where)),
+        max_position_embeddings=_num(d, "max_position_embeddings", where, int, 1 << 20),
+        rms_norm_eps=_num(d, "rms_norm_eps", where, float),
+        moe_intermediate_size=_num(d, "moe_intermediate_size", where, int),
+        n_routed_experts=_num(d, "n_routed_experts", where, int),
+        n_shared_experts=_num(d, "n_shared_experts", where, int, 1),
+        num_experts_per_tok=_num(d, "num_experts_per_tok", where, int),
         scoring_func=str(d.get("scoring_func", "sqrtsoftplus")),
         norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(_need(d, "routed_scaling_factor", where)),
+        routed_scaling_factor=_num(d, "routed_scaling_factor", where, float),
         num_hash_layers=_hash_layers(d, n_layers, where),
-        swiglu_limit=float(d.get("swiglu_limit", 0.0) or 0.0),
-        hc_mult=int(_need(d, "hc_mult", where)),
-        hc_sinkhorn_iters=int(_need(d, "hc_sinkhorn_iters", where)),
-        hc_eps=float(_need(d, "hc_eps", where)),
+        swiglu_limit=_num(d, "swiglu_limit", where, float, 0.0) or 0.0,
+        hc_mult=_num(d, "hc_mult", where, int),
+        hc_sinkhorn_iters=_num(d, "hc_sinkhorn_iters", where, int),
+        hc_eps=_num(d, "hc_eps", where, float),
         num_nextn_predict_layers=n_mtp,
         dspark_stages=dspark,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -266,8 +287,10 @@ def _validate(c: ModelConfig, n_kv: int, where: str) -> None:
         bad("expert_dtype", f"is {c.expert_dtype!r}; expected fp4, fp8 or bf16")
     if c.sliding_window <= 0:
         bad("sliding_window", "must be positive")
-    if c.hc_mult < 1 or c.hc_sinkhorn_iters < 1:
-        bad("hc_mult", "and hc_sinkhorn_iters must be positive")
+    if c.hc_mult < 1:
+        bad("hc_mult", "must be positive")
+    if c.hc_sinkhorn_iters < 1:
+        bad("hc_sinkhorn_iters", "must be positive")
     if not math.isfinite(c.rms_norm_eps) or c.rms_norm_eps <= 0:
         bad("rms_norm_eps", "must be a positive number")
 
