@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .batch import Batch
 from .compressor import compress, visible_entries
 from .fake_quant import kv_fake_quant
 from .indexer import select_entries
 from .norm import linear, rms_norm
 from .rope import apply_rope, cos_sin, inv_freq
+from .state import slot_view
 from .window import window_bias, window_keys
 
 
@@ -38,35 +40,42 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, grou
     return linear(z, wo_b)
 
 
-def attention(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, start: int, ratio: int) -> torch.Tensor:
-    """One attention sublayer over a chunk ``x`` ``[T, D]`` (already normed) at ``start``."""
-    t = x.shape[0]
+def attention(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, batch: Batch, ratio: int) -> torch.Tensor:
+    """One attention sublayer over the packed tokens ``x`` ``[N, D]`` (already normed).
+    Projections run on all tokens; the cache-reading core runs per chunk on its state slot."""
     eps = c.rms_norm_eps
-    q_pos = torch.arange(start, start + t, device=x.device)
     freq = inv_freq(c, compressed=ratio != 0)
-    cos, sin = cos_sin(q_pos, freq)
+    cos, sin = cos_sin(batch.positions, freq)
 
     q_r = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
     q = linear(q_r, p["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
     q = apply_rope(rms_norm(q, None, eps), cos, sin)
-
     kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps), cos, sin)
     if c.fake_quant:
         kv = kv_fake_quant(kv, c.rope_dim)
+
+    o = torch.empty_like(q)
+    for ch in batch.chunks:
+        rows = ch.rows
+        o[rows] = _attend(p, slot_view(st, ch.slot), c, x[rows], q_r[rows], q[rows], kv[rows], batch.positions[rows], ch.start, ratio, freq)
+    o = apply_rope(o, cos, sin, inverse=True)
+    return grouped_output(o, p["wo_a"], p["wo_b"], c.o_groups)
+
+
+def _attend(
+    p: dict, st: dict, c: ModelConfig, x, q_r, q, kv, q_pos: torch.Tensor, start: int, ratio: int, freq: torch.Tensor
+) -> torch.Tensor:
+    """One sequence's chunk: window keys, compressed entries (all, or the indexer's top-k), softmax."""
     keys, k_pos = window_keys(st["window"], kv, start)
     bias = window_bias(q_pos, k_pos, c.sliding_window)
-
     if ratio:
         finish = (lambda e: kv_fake_quant(e, c.rope_dim)) if c.fake_quant else None
         overlap = ratio == c.csa_ratio
-        entries = compress(p["compressor"], st["comp"], x, start, ratio, overlap, freq, eps, finish)
+        entries = compress(p["compressor"], st["comp"], x, start, ratio, overlap, freq, c.rms_norm_eps, finish)
         if overlap:
             chosen = select_entries(p["indexer"], st["index"], c, x, q_r, start, freq)
         else:
             chosen = visible_entries(q_pos, entries.shape[0], ratio)
         keys = torch.cat([keys, entries.to(keys.dtype)])
         bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], dim=1)
-
-    o = mqa_with_sink(q, keys, bias, p["attn_sink"])
-    o = apply_rope(o, cos, sin, inverse=True)
-    return grouped_output(o, p["wo_a"], p["wo_b"], c.o_groups)
+    return mqa_with_sink(q, keys, bias, p["attn_sink"])

@@ -1,9 +1,9 @@
 """The DeepSeek-V4 backbone as pure functions: ``(params, state, token_ids, start) -> logits``.
 
 ``params`` is the nested tree built from the parameter specs (``layers`` is a list);
-``state`` is the explicit cache of ``state.init_state``, updated in place. A call processes one
-chunk of one sequence at absolute positions ``start .. start + T - 1``: a whole prompt, a
-prefill chunk or a single decode token all take this path.
+``state`` is the explicit cache of ``state.init_state``, updated in place. A call processes a
+``Batch``: one chunk per sequence (a whole prompt, a prefill chunk or one decode token), packed
+into one token dimension. ``forward`` is the one-sequence form (slot 0).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from .attention import attention
+from .batch import Batch, make_batch
 from .mhc import hc_head, mhc_coeffs, mhc_collapse, mhc_expand
 from .moe import moe
 from .norm import linear, rms_norm
@@ -30,22 +31,23 @@ def _site(lp: dict, name: str, c: ModelConfig, X: torch.Tensor):
     )
 
 
-def block(lp: dict, ls: dict, c: ModelConfig, X: torch.Tensor, token_ids: torch.Tensor, start: int, ratio: int) -> torch.Tensor:
-    """One decoder block (attention site, FFN site) on the streams ``X`` ``[T, N, D]``."""
+def block(lp: dict, ls: dict, c: ModelConfig, X: torch.Tensor, batch: Batch, ratio: int) -> torch.Tensor:
+    """One decoder block (attention site, FFN site) on the streams ``X`` ``[N, hc, D]``."""
     pre, post, comb = _site(lp, "attn", c, X)
-    a = attention(lp["attn"], ls, c, rms_norm(mhc_collapse(X, pre), lp["attn_norm"], c.rms_norm_eps), start, ratio)
+    a = attention(lp["attn"], ls, c, rms_norm(mhc_collapse(X, pre), lp["attn_norm"], c.rms_norm_eps), batch, ratio)
     X = mhc_expand(X, a, post, comb)
     pre, post, comb = _site(lp, "ffn", c, X)
-    f = moe(lp["ffn"], c, rms_norm(mhc_collapse(X, pre), lp["ffn_norm"], c.rms_norm_eps), token_ids)
+    f = moe(lp["ffn"], c, rms_norm(mhc_collapse(X, pre), lp["ffn_norm"], c.rms_norm_eps), batch.token_ids)
     return mhc_expand(X, f, post, comb)
 
 
-def hidden_streams(params: dict, state: dict, c: ModelConfig, token_ids: torch.Tensor, start: int) -> torch.Tensor:
-    """Residual streams after the last layer (before ``hc_head``): ``[T, N, D]``."""
-    check_room(state, start, token_ids.shape[0])
-    X = embed(params, c, token_ids, params["norm"].dtype)
+def hidden_streams(params: dict, state: dict, c: ModelConfig, batch: Batch) -> torch.Tensor:
+    """Residual streams after the last layer (before ``hc_head``): ``[N, hc, D]``."""
+    for ch in batch.chunks:
+        check_room(state, ch.slot, ch.start, ch.length)
+    X = embed(params, c, batch.token_ids, params["norm"].dtype)
     for layer, (lp, ls) in enumerate(zip(params["layers"], state["layers"])):
-        X = block(lp, ls, c, X, token_ids, start, c.compress_ratios[layer])
+        X = block(lp, ls, c, X, batch, c.compress_ratios[layer])
     return X
 
 
@@ -58,7 +60,14 @@ def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None
     return linear(u.float(), params["head"])
 
 
-def forward(params: dict, state: dict, c: ModelConfig, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits ``[T, vocab]`` (fp32) for a chunk, and the final streams (input of the MTP block)."""
-    X = hidden_streams(params, state, c, token_ids, start)
+def forward_batch(params: dict, state: dict, c: ModelConfig, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[N, vocab]`` (fp32) for every packed token, and the final streams (MTP input)."""
+    X = hidden_streams(params, state, c, batch)
     return head(params, c, X), X
+
+
+def forward(
+    params: dict, state: dict, c: ModelConfig, token_ids: torch.Tensor, start: int, slot: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's chunk at ``start`` in state ``slot``: logits ``[T, vocab]`` and streams."""
+    return forward_batch(params, state, c, make_batch([token_ids], [slot], [start], token_ids.device))

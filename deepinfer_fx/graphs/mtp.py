@@ -7,19 +7,27 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .batch import Batch, make_batch
 from .model import block, head
 from .norm import linear, rms_norm
 
 
-def mtp_forward(
-    params: dict, state: dict, c: ModelConfig, X: torch.Tensor, next_ids: torch.Tensor, start: int, stage: int = 0
+def mtp_forward_batch(
+    params: dict, state: dict, c: ModelConfig, X: torch.Tensor, batch: Batch, stage: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """X ``[T, N, D]``: target streams at positions ``start..``; next_ids ``[T]``: the token after
-    each position. Returns fp32 logits ``[T, vocab]`` for the token after that, and the block's
-    output streams (fed back as X to chain further steps)."""
+    """X ``[N, hc, D]``: target streams at the batch's positions; ``batch.token_ids``: the token
+    after each position. Returns fp32 logits ``[N, vocab]`` for the token after that, and the
+    block's output streams (fed back as X to chain further steps)."""
     mp, ms = params["mtp"][stage], state["mtp"][stage]
     eps = c.rms_norm_eps
-    e = rms_norm(params["embed"][next_ids].to(X.dtype), mp["enorm"], eps)
+    e = rms_norm(params["embed"][batch.token_ids].to(X.dtype), mp["enorm"], eps)
     Y = linear(rms_norm(X, mp["hnorm"], eps), mp["h_proj"]) + linear(e, mp["e_proj"])[:, None, :]
-    Y = block(mp, ms, c, Y, next_ids, start, 0)
+    Y = block(mp, ms, c, Y, batch, 0)
     return head(params, c, Y, head_prefix=mp), Y
+
+
+def mtp_forward(
+    params: dict, state: dict, c: ModelConfig, X: torch.Tensor, next_ids: torch.Tensor, start: int, stage: int = 0, slot: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's form of ``mtp_forward_batch`` (positions ``start..``, state ``slot``)."""
+    return mtp_forward_batch(params, state, c, X, make_batch([next_ids], [slot], [start], X.device), stage)

@@ -6,6 +6,8 @@ position follows from it. So one-shot prefill, chunked prefill and token-by-toke
 the same functions on the same state.
 
 Per layer (a plain dict of tensors):
+All tensors carry a leading slot dim (one slot per sequence of a batch).
+
 - ``window``: ring ``[sliding_window, head_dim]`` of this layer's kv; position p sits at slot
   ``p % sliding_window``.
 - ``comp`` (layers with a compressor): ``rows_kv`` / ``rows_gate`` ring of raw projected rows
@@ -21,37 +23,49 @@ import torch
 from ..config import ModelConfig
 
 
-def _compressor_state(ratio: int, overlap: bool, dim: int, max_len: int, dtype: torch.dtype, device) -> dict:
+def _compressor_state(slots: int, ratio: int, overlap: bool, dim: int, max_len: int, dtype: torch.dtype, device) -> dict:
     width = dim * (2 if overlap else 1)
     ring = ratio * (2 if overlap else 1)
     return {
-        "rows_kv": torch.zeros(ring, width, dtype=torch.float32, device=device),
-        "rows_gate": torch.zeros(ring, width, dtype=torch.float32, device=device),
-        "entries": torch.zeros(max(max_len // ratio, 1), dim, dtype=dtype, device=device),
+        "rows_kv": torch.zeros(slots, ring, width, dtype=torch.float32, device=device),
+        "rows_gate": torch.zeros(slots, ring, width, dtype=torch.float32, device=device),
+        "entries": torch.zeros(slots, max(max_len // ratio, 1), dim, dtype=dtype, device=device),
     }
 
 
-def layer_state(c: ModelConfig, ratio: int, max_len: int, dtype: torch.dtype, device=None) -> dict:
-    st = {"window": torch.zeros(c.sliding_window, c.head_dim, dtype=dtype, device=device)}
+def layer_state(c: ModelConfig, ratio: int, max_len: int, dtype: torch.dtype, device=None, slots: int = 1) -> dict:
+    st = {"window": torch.zeros(slots, c.sliding_window, c.head_dim, dtype=dtype, device=device)}
     overlap = ratio == c.csa_ratio
     if ratio:
-        st["comp"] = _compressor_state(ratio, overlap, c.head_dim, max_len, dtype, device)
+        st["comp"] = _compressor_state(slots, ratio, overlap, c.head_dim, max_len, dtype, device)
     if overlap:
-        st["index"] = _compressor_state(ratio, True, c.index_head_dim, max_len, dtype, device)
+        st["index"] = _compressor_state(slots, ratio, True, c.index_head_dim, max_len, dtype, device)
     return st
 
 
-def init_state(c: ModelConfig, max_len: int, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True) -> dict:
-    """State for one sequence of up to ``max_len`` tokens (backbone layers and MTP blocks)."""
+def init_state(
+    c: ModelConfig, max_len: int, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True, slots: int = 1
+) -> dict:
+    """State for ``slots`` sequences of up to ``max_len`` tokens each (backbone and MTP blocks).
+    Every tensor has the slot as its leading dim; ``slot_view`` gives one sequence's part."""
+    n_mtp = c.num_nextn_predict_layers if mtp and not c.dspark_stages else 0
     return {
         "max_len": max_len,
-        "layers": [layer_state(c, r, max_len, dtype, device) for r in c.compress_ratios],
-        "mtp": [layer_state(c, 0, max_len, dtype, device) for _ in range(c.num_nextn_predict_layers if mtp and not c.dspark_stages else 0)],
+        "slots": slots,
+        "layers": [layer_state(c, r, max_len, dtype, device, slots) for r in c.compress_ratios],
+        "mtp": [layer_state(c, 0, max_len, dtype, device, slots) for _ in range(n_mtp)],
     }
 
 
-def check_room(state: dict, start: int, n_tokens: int) -> None:
+def slot_view(tree: dict, slot: int) -> dict:
+    """One slot's state: the same dict shape, each tensor a view (writes land in the pool)."""
+    return {k: slot_view(v, slot) if isinstance(v, dict) else v[slot] for k, v in tree.items()}
+
+
+def check_room(state: dict, slot: int, start: int, n_tokens: int) -> None:
     end = start + n_tokens
+    if not 0 <= slot < state["slots"]:
+        raise ValueError(f"state slot {slot} does not exist; the state has {state['slots']} slots")
     if start < 0 or n_tokens < 1:
         raise ValueError(f"a step needs start >= 0 and at least one token (got start={start}, tokens={n_tokens})")
     if end > state["max_len"]:

@@ -18,7 +18,7 @@ from deepinfer_fx.graphs.attention import mqa_with_sink
 from deepinfer_fx.graphs.compressor import compress, visible_entries
 from deepinfer_fx.graphs.mhc import hc_head, mhc_coeffs, mhc_collapse, mhc_expand
 from deepinfer_fx.graphs.moe import route
-from deepinfer_fx.graphs.state import layer_state
+from deepinfer_fx.graphs.state import layer_state, slot_view
 from deepinfer_fx.graphs.window import window_bias, window_keys
 
 YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
@@ -319,13 +319,13 @@ def test_compress_chunked_equals_one_shot_and_reference(seed, ratio, overlap):
     x = torch.randn(T, hidden, generator=g)
     freq = rope.inv_freq(c, compressed=True)
 
-    st = layer_state(c, ratio, max_len, torch.float32)["comp"]
+    st = slot_view(layer_state(c, ratio, max_len, torch.float32), 0)["comp"]
     one = compress(p, st, x, 0, ratio, overlap, freq, eps, finish=None).clone()
     assert one.shape == (T // ratio, dim), f"seed={seed}"
     close(one, _compress_ref(p, x, ratio, overlap, freq, eps, dim), f"seed={seed} T={T}: entries vs explicit formula",
           atol=1e-4, rtol=1e-4)
 
-    st2 = layer_state(c, ratio, max_len, torch.float32)["comp"]
+    st2 = slot_view(layer_state(c, ratio, max_len, torch.float32), 0)["comp"]
     start, sizes = 0, []
     while start < T:
         n = min(rng.randrange(1, 2 * ratio + 3), T - start)
@@ -343,9 +343,9 @@ def test_compress_finish_applies_to_new_entries_only(seed):
     p = _compressor_params(g, c.hidden_size, dim, ratio, False)
     x = torch.randn(20, c.hidden_size, generator=g)
     freq = rope.inv_freq(c, True)
-    st = layer_state(c, ratio, 32, torch.float32)["comp"]
+    st = slot_view(layer_state(c, ratio, 32, torch.float32), 0)["comp"]
     plain = compress(p, st, x, 0, ratio, False, freq, c.rms_norm_eps).clone()
-    st = layer_state(c, ratio, 32, torch.float32)["comp"]
+    st = slot_view(layer_state(c, ratio, 32, torch.float32), 0)["comp"]
     calls = []
     def finish(e):
         calls.append(e.shape[0])
@@ -360,7 +360,7 @@ def test_compress_rejects_overflow(seed):
     g = gen(seed)
     c = tiny_config()
     p = _compressor_params(g, c.hidden_size, c.head_dim, 8, False)
-    st = layer_state(c, 8, 16, torch.float32)["comp"]
+    st = slot_view(layer_state(c, 8, 16, torch.float32), 0)["comp"]
     with pytest.raises(ValueError):
         compress(p, st, torch.randn(24, c.hidden_size, generator=g), 0, 8, False, rope.inv_freq(c, True), 1e-6)
 
@@ -391,7 +391,7 @@ def test_window_ring_and_bias(seed):
     c = tiny_config()
     W, d = c.sliding_window, c.head_dim
     T = rng.randrange(2 * W, 5 * W)
-    ring = layer_state(c, 0, T, torch.float32)["window"]
+    ring = slot_view(layer_state(c, 0, T, torch.float32), 0)["window"]
     assert ring.shape == (W, d)
     kv_all = torch.randn(T, d, generator=g)
     start, sizes = 0, []
