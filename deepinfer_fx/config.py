@@ -5,10 +5,17 @@ Two spellings of the same config reach us: DeepSeek's released files (``compress
 with ``save_pretrained`` (``layer_types`` + ``compress_rates``, ``mlp_layer_types``, nested
 ``rope_parameters``, ``partial_rotary_factor``). Both are normalised here, once, so the model
 code only ever sees per-layer compression ratios and plain numbers.
+
+Two generations share the dataclass. DeepSeek-V4 (``model_type: deepseek_v4``) and
+DeepSeek-V4.1 (``deepseek_v41``: a composite config whose ``text_config`` is a
+``deepseek_v41_text`` dict; a bare ``deepseek_v41_text`` dict is accepted too). V4.1-only fields
+default to values that leave a V4 config unchanged; the CSA2 layer roles of spec §7.2 are
+derived from them by the methods of ``ModelConfig`` (pure functions of the config).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -17,7 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v41_text")
+V41 = "deepseek_v41"  # ModelConfig.model_type of every V4.1 config, composite or bare text config
+# V4's CSA ratio. V4.1 has no CSA layer (its ratios are 0/2/1): its csa_ratio keeps this value,
+# which no V4.1 layer has, so V4 code asking ``ratio == csa_ratio`` never takes the CSA path.
+_V4_CSA_RATIO = 4
+# Keys of the composite V4.1 config that live beside text_config and describe the text model.
+_COMPOSITE_KEYS = ("eos_token_id", "bos_token_id", "image_token_id", "quantization_config")
 _LAYER_TYPE_NAMES = {
     "sliding_attention": 0,
     "compressed_sparse_attention": "csa",
@@ -86,8 +99,47 @@ class ModelConfig:
     # V4 leaves them out, so HF parity runs with this off; real checkpoints were trained with it on.
     fake_quant: bool = True
 
+    # ---- V4.1 only (spec §1.2). The defaults describe "absent", so V4 configs are unchanged.
+    # CSA2 sharing: KV sources own a compressor + compressed cache (and the index keys); index
+    # sources run the indexer; the candidate source publishes the two-level top-k block mask
+    # (None: no second level).
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    candidate_source_layer_id: int | None = None
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    # Engram n-gram memory (spec §7.7); engram_num_embeddings = table rows, one per engram layer.
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 0
+    engram_n_heads: int = 0
+    engram_head_dim: int = 0
+    engram_vocab_size: int = 0
+    engram_pad_token_id: int | None = None
+    # Tokenizer-derived (spec §7.7 step 1); None when the config does not state it.
+    engram_compressed_vocab_size: int | None = None
+    # DSpark drafter (spec §7.9); the number of stages is dspark_stages.
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int | None = None
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
+    gate_temp: float = 1.0  # router logits are divided by it before the score function
+    image_token_id: int | None = None
+    # Spec §11.1: True reproduces the official reference's index-key publishing quirk (ratio-2
+    # index sources score against the last published keys while their group is open); False is
+    # the intended behaviour (each owner scores against its own keys). Not in config.json.
+    index_key_quirk: bool = False
+
+    @property
+    def is_v41(self) -> bool:
+        return self.model_type == V41
+
     @property
     def hca_ratios(self) -> set[int]:
+        if self.is_v41:
+            return set()
         return {r for r in self.compress_ratios if r not in (0, self.csa_ratio)}
 
     @property
@@ -95,12 +147,91 @@ class ModelConfig:
         return self.qk_rope_head_dim
 
     def layer_kind(self, layer: int) -> str:
-        """'swa', 'csa' or 'hca' for a backbone layer."""
+        """Attention kind of a backbone layer: V4 'swa', 'csa' or 'hca'; V4.1 'swa' (ratio 0),
+        'pooled' (ratio > 1: non-overlapping pooled groups, the CED encoder side) or 'unpooled'
+        (ratio 1: one latent per token, the CED decoder side)."""
         r = self.compress_ratios[layer]
-        return "swa" if r == 0 else ("csa" if r == self.csa_ratio else "hca")
+        if r == 0:
+            return "swa"
+        if self.is_v41:
+            return "pooled" if r > 1 else "unpooled"
+        return "csa" if r == self.csa_ratio else "hca"
+
+    # ---- V4.1 CSA2 layer roles (spec §7.2). V4 has no shared sources (every compressed layer
+    # owns its compressor), so asking a V4 config is a caller bug and raises.
+
+    def _require_v41(self, what: str) -> None:
+        if not self.is_v41:
+            raise ValueError(f"{what} is a DeepSeek-V4.1 layer role; this config is {self.model_type}")
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose compressed KV ``layer`` attends: the last KV source at or before it
+        (None for a window-only layer)."""
+        self._require_v41("kv_source")
+        return _last_at_or_before(self.kv_source_layer_ids, layer) if self.compress_ratios[layer] else None
+
+    def index_source(self, layer: int) -> int | None:
+        """The layer whose top-k selection ``layer`` uses: the last index source at or before it
+        (None for a window-only layer)."""
+        self._require_v41("index_source")
+        return _last_at_or_before(self.index_source_layer_ids, layer) if self.compress_ratios[layer] else None
+
+    def is_kv_source(self, layer: int) -> bool:
+        self._require_v41("is_kv_source")
+        return layer in self.kv_source_layer_ids
+
+    def is_index_source(self, layer: int) -> bool:
+        self._require_v41("is_index_source")
+        return layer in self.index_source_layer_ids
+
+    def is_reindex(self, layer: int) -> bool:
+        """An index source that borrows its keys from its KV source (own wq_b/weights_proj only)."""
+        return self.is_index_source(layer) and not self.is_kv_source(layer)
+
+    def is_candidate_source(self, layer: int) -> bool:
+        self._require_v41("is_candidate_source")
+        return layer == self.candidate_source_layer_id
+
+    def uses_candidates(self, layer: int) -> bool:
+        """An index source after the candidate source: its top-k is restricted to the candidate
+        blocks that the candidate source published."""
+        c = self.candidate_source_layer_id
+        return self.is_index_source(layer) and c is not None and layer > c
+
+    def layer_role(self, layer: int) -> str:
+        """Mode column of spec §7.2: 'swa' (window only), 'full' (owns compressor and indexer),
+        'reindex' (own indexer queries over its KV source's keys) or 'reuse' (borrows both)."""
+        self._require_v41("layer_role")
+        if not self.compress_ratios[layer]:
+            return "swa"
+        if self.is_kv_source(layer):
+            return "full"
+        return "reindex" if self.is_index_source(layer) else "reuse"
+
+    @property
+    def decoder_layers(self) -> tuple[int, ...]:
+        """CED decoder: the layers from the last KV source on. They read only that source's
+        compressed KV, which is what lets prefill replay them on a bounded suffix (spec §8.2)."""
+        self._require_v41("decoder_layers")
+        first = self.kv_source_layer_ids[-1] if self.kv_source_layer_ids else self.num_hidden_layers
+        return tuple(range(first, self.num_hidden_layers))
+
+    @property
+    def encoder_layers(self) -> tuple[int, ...]:
+        """CED encoder: the layers before the decoder; they run on every prompt token."""
+        first_decoder = self.num_hidden_layers - len(self.decoder_layers)
+        return tuple(range(first_decoder))
+
+    def is_engram_layer(self, layer: int) -> bool:
+        return layer in self.engram_layer_ids
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _last_at_or_before(sorted_ids: tuple[int, ...], layer: int) -> int | None:
+    i = bisect.bisect_right(sorted_ids, layer)
+    return sorted_ids[i - 1] if i else None
 
 
 _REQUIRED = object()
@@ -196,12 +327,24 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
     mt = d.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    if mt == V41:
+        d, where = _unwrap_composite(d, where)
+    v41 = mt != "deepseek_v4"
     n_layers = _num(d, "num_hidden_layers", where, int)
     n_mtp = _num(d, "num_nextn_predict_layers", where, int, 0) or 0
-    # V4-Flash-0731 ships a 3-stage DSpark drafter under mtp.0..2 but still says
-    # num_nextn_predict_layers = 1; the DSpark fields are what identify it.
-    dspark = len(d.get("dspark_target_layer_ids") or [])
+    if v41:
+        # V4.1's mtp.0..N-1 are always DSpark stages, one per num_nextn_predict_layers.
+        dspark = n_mtp
+        if d.get("compress_ratios") is None:
+            # HF's V4.1 layer_types only mark KV sources; the ratios cannot be recovered from them.
+            raise ConfigError(f"{where}: required field 'compress_ratios' is missing (V4.1 needs the explicit list)")
+    else:
+        # V4-Flash-0731 ships a 3-stage DSpark drafter under mtp.0..2 but still says
+        # num_nextn_predict_layers = 1; the DSpark fields are what identify it.
+        dspark = len(d.get("dspark_target_layer_ids") or [])
     ratios, csa = _ratios(d, n_layers, dspark or n_mtp, where)
+    if v41:
+        csa = _V4_CSA_RATIO
     head_dim = _num(d, "head_dim", where, int)
     rope_dim = d.get("qk_rope_head_dim")
     if rope_dim is None:
@@ -217,7 +360,7 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     n_kv = _num(d, "num_key_value_heads", where, int, 1)
     cfg = ModelConfig(
-        model_type=mt,
+        model_type=V41 if v41 else mt,
         vocab_size=_num(d, "vocab_size", where, int),
         hidden_size=_num(d, "hidden_size", where, int),
         num_hidden_layers=n_layers,
@@ -257,9 +400,77 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
         eos_token_ids=tuple(int(e) for e in eos_ids),
         fp8_block=int(block[0]) if block else None,
         expert_dtype=d.get("expert_dtype", quant.get("expert_dtype")),
+        **(_v41_fields(d, where) if v41 else {}),
     )
     _validate(cfg, n_kv, where)
+    if v41:
+        _validate_v41(cfg, where)
     return cfg
+
+
+def _unwrap_composite(d: dict, where: str) -> tuple[dict, str]:
+    """The text model's fields of a composite ``deepseek_v41`` config, with the top-level keys
+    that describe it (eos ids, image token, quantization) folded in; ``vision_config`` is ignored."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: model_type 'deepseek_v41' is a composite config and needs a 'text_config' object")
+    inner = text.get("model_type", "deepseek_v41_text")
+    if inner != "deepseek_v41_text":
+        raise ConfigError(f"{where}: 'text_config.model_type' is {inner!r}; expected 'deepseek_v41_text'")
+    flat = dict(text)
+    # The released file states eos [1, 2] only at the top level: the outer value wins.
+    flat.update({k: d[k] for k in _COMPOSITE_KEYS if d.get(k) is not None})
+    return flat, f"{where} (text_config)"
+
+
+def _layer_ids(d: dict, key: str, where: str, required: bool) -> tuple[int, ...]:
+    value = d.get(key)
+    if value is None:
+        if required:
+            raise ConfigError(f"{where}: required field '{key}' is missing")
+        return ()
+    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise ConfigError(f"{where}: '{key}' must be a list of integers, got {value!r}")
+    return tuple(value)
+
+
+def _v41_fields(d: dict, where: str) -> dict[str, Any]:
+    """ModelConfig's V4.1 fields. Absent optional fields take HF ``DeepseekV41TextConfig``'s
+    defaults, so a config HF can load means the same model here; the exception is
+    engram_compressed_vocab_size, left None (it must then come from the tokenizer)."""
+    kv = _layer_ids(d, "kv_source_layer_ids", where, required=True)
+    candidate = _num(d, "candidate_source_layer_id", where, int, None)
+    if candidate is None:
+        candidate = kv[-1] if kv else None  # HF's default: the last KV source
+    elif candidate < 0:
+        candidate = None  # HF: a negative id switches the two-level top-k off
+    pad = _num(d, "engram_pad_token_id", where, int, None)
+    alias = _num(d, "engram_pad_id", where, int, None)  # HF's name for the same field
+    if pad is not None and alias is not None and pad != alias:
+        raise ConfigError(f"{where}: 'engram_pad_token_id' ({pad}) and its alias 'engram_pad_id' ({alias}) differ")
+    return dict(
+        kv_source_layer_ids=kv,
+        index_source_layer_ids=_layer_ids(d, "index_source_layer_ids", where, required=True),
+        candidate_source_layer_id=candidate,
+        candidate_topk_blocks=_num(d, "candidate_topk_blocks", where, int, 2048),
+        candidate_block_size=_num(d, "candidate_block_size", where, int, 8),
+        engram_layer_ids=_layer_ids(d, "engram_layer_ids", where, required=False),
+        engram_num_embeddings=_layer_ids(d, "engram_num_embeddings", where, required=False),
+        engram_max_ngram_size=_num(d, "engram_max_ngram_size", where, int, 4),
+        engram_n_heads=_num(d, "engram_n_heads", where, int, 8),
+        engram_head_dim=_num(d, "engram_head_dim", where, int, 256),
+        engram_vocab_size=_num(d, "engram_vocab_size", where, int, 16_000_000),
+        engram_pad_token_id=next((p for p in (pad, alias) if p is not None), 2),  # HF's default: 2
+        engram_compressed_vocab_size=_num(d, "engram_compressed_vocab_size", where, int, None),
+        dspark_block_size=_num(d, "dspark_block_size", where, int, 5),
+        dspark_noise_token_id=_num(d, "dspark_noise_token_id", where, int, 128799),
+        dspark_target_layer_ids=_layer_ids(d, "dspark_target_layer_ids", where, required=False),
+        dspark_markov_rank=_num(d, "dspark_markov_rank", where, int, 256),
+        dspark_n_routed_experts=_num(d, "dspark_n_routed_experts", where, int, 128),
+        dspark_num_experts_per_tok=_num(d, "dspark_num_experts_per_tok", where, int, 3),
+        gate_temp=_num(d, "gate_temp", where, float, 1.0),
+        image_token_id=_num(d, "image_token_id", where, int, None),
+    )
 
 
 def _validate(c: ModelConfig, n_kv: int, where: str) -> None:
@@ -293,6 +504,95 @@ def _validate(c: ModelConfig, n_kv: int, where: str) -> None:
         bad("hc_sinkhorn_iters", "must be positive")
     if not math.isfinite(c.rms_norm_eps) or c.rms_norm_eps <= 0:
         bad("rms_norm_eps", "must be a positive number")
+
+
+def _validate_v41(c: ModelConfig, where: str) -> None:
+    def bad(field: str, why: str) -> None:
+        raise ConfigError(f"{where}: '{field}' {why}")
+
+    n, ratios = c.num_hidden_layers, c.compress_ratios
+
+    def layer_list(field: str, ids: tuple[int, ...]) -> None:
+        if list(ids) != sorted(set(ids)):
+            bad(field, f"{list(ids)} must be sorted and without repeats")
+        if ids and not (0 <= ids[0] and ids[-1] < n):
+            bad(field, f"{list(ids)} has a layer outside 0..{n - 1}")
+
+    kv, idx, cand = c.kv_source_layer_ids, c.index_source_layer_ids, c.candidate_source_layer_id
+    for field, ids in (
+        ("kv_source_layer_ids", kv),
+        ("index_source_layer_ids", idx),
+        ("engram_layer_ids", c.engram_layer_ids),
+        ("dspark_target_layer_ids", c.dspark_target_layer_ids),
+    ):
+        layer_list(field, ids)
+    if c.num_hash_layers:
+        bad("num_hash_layers", f"is {c.num_hash_layers}; DeepSeek-V4.1 has no hash-routed layers")
+    for field, ids in (("kv_source_layer_ids", kv), ("index_source_layer_ids", idx)):
+        window_only = [s for s in ids if ratios[s] == 0]
+        if window_only:
+            bad(field, f"lists window-only layers {window_only} (compress ratio 0); a source needs a compressed branch")
+    compressed = [i for i, r in enumerate(ratios) if r]
+    if compressed and (not kv or kv[0] > compressed[0]):
+        bad(
+            "kv_source_layer_ids",
+            f"must start at or before the first compressed layer ({compressed[0]}): every layer with "
+            f"compress ratio > 0 reads the last KV source at or before it; got {list(kv)}",
+        )
+    for layer in compressed:
+        src = c.kv_source(layer)
+        if ratios[layer] != ratios[src]:
+            bad(
+                "compress_ratios",
+                f"layer {layer} has ratio {ratios[layer]} but reads the compressed KV of layer {src} "
+                f"(ratio {ratios[src]}); a KV group has one ratio",
+            )
+    if set(kv) - set(idx):
+        bad("index_source_layer_ids", f"must include every KV source (they own the index keys); missing {sorted(set(kv) - set(idx))}")
+    if cand is not None:
+        if cand not in idx:
+            bad("candidate_source_layer_id", f"({cand}) must be one of index_source_layer_ids {list(idx)}")
+        if kv and cand < kv[-1]:
+            bad(
+                "candidate_source_layer_id",
+                f"({cand}) must be in the last KV group (at or after layer {kv[-1]}): its block mask "
+                f"indexes that group's compressed cache",
+            )
+        for field in ("candidate_topk_blocks", "candidate_block_size"):
+            if getattr(c, field) < 1:
+                bad(field, "must be positive when a candidate source is set")
+    if len(c.engram_num_embeddings) != len(c.engram_layer_ids):
+        bad(
+            "engram_num_embeddings",
+            f"has {len(c.engram_num_embeddings)} entries; expected one per engram layer ({len(c.engram_layer_ids)})",
+        )
+    if c.engram_layer_ids:
+        if any(rows < 1 for rows in c.engram_num_embeddings):
+            bad("engram_num_embeddings", f"{list(c.engram_num_embeddings)} must be positive")
+        if c.engram_max_ngram_size < 2:
+            bad("engram_max_ngram_size", f"is {c.engram_max_ngram_size}; Engram hashes n-grams of size 2 and up")
+        for field in ("engram_n_heads", "engram_head_dim", "engram_vocab_size"):
+            if getattr(c, field) < 1:
+                bad(field, "must be positive")
+        if not 0 <= c.engram_pad_token_id < c.vocab_size:
+            bad("engram_pad_token_id", f"({c.engram_pad_token_id}) must be a token id below vocab_size ({c.vocab_size})")
+        if c.engram_compressed_vocab_size is not None and c.engram_compressed_vocab_size < 1:
+            bad("engram_compressed_vocab_size", "must be positive")
+    if c.dspark_stages:
+        if not c.dspark_target_layer_ids:
+            bad("dspark_target_layer_ids", "is missing; the DSpark stages read the streams of these layers")
+        if not 0 < c.dspark_num_experts_per_tok <= c.dspark_n_routed_experts:
+            bad(
+                "dspark_num_experts_per_tok",
+                f"({c.dspark_num_experts_per_tok}) must be in 1..dspark_n_routed_experts ({c.dspark_n_routed_experts})",
+            )
+        if c.dspark_block_size < 1:
+            bad("dspark_block_size", "must be positive")
+    # dspark_noise_token_id and image_token_id are not range-checked: HF-written tiny configs keep
+    # the released ids (128799, 129264) beside a small vocabulary, and such a text-only checkpoint
+    # without mtp.* weights must still load.
+    if not math.isfinite(c.gate_temp) or c.gate_temp <= 0:
+        bad("gate_temp", "must be a positive number")
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

@@ -1,8 +1,7 @@
-"""``python -m deepinfer_fx.generate``: greedy generation from the command line.
+"""``python -m deepinfer_fx.generate``: offline generation from the command line.
 
-This is the foundation's minimal driver (one sequence, eager, greedy); the engine issue grows it
-into the full CLI. With no ``--model`` and no ``DEEPINFER_HF_MODEL_DIR`` it writes and runs the
-built-in tiny demo model: a real tokenizer with RANDOM weights, so its text is gibberish.
+With no ``--model`` and no ``DEEPINFER_HF_MODEL_DIR`` it writes and runs the built-in tiny
+demo model: a real tokenizer with RANDOM weights, so its text is gibberish.
 """
 
 from __future__ import annotations
@@ -10,17 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
-import torch
-
-from .api import load_model
-from .graphs.model import forward
-from .graphs.state import init_state
 from .io.checkpoint import ENV_MODEL_DIR, CheckpointError
-from .io.tokenizer import decode, encode, load_tokenizer
 from .io.writer import write_random_checkpoint
+from .sharding.mesh import parse_mesh
 
 DEMO_CONFIG = {
     "model_type": "deepseek_v4", "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 4,
@@ -46,57 +39,82 @@ def demo_model_dir() -> Path:
     return DEMO_DIR
 
 
-@torch.no_grad()
-def greedy(model, prompt_ids: list[int], max_tokens: int, eos: tuple[int, ...]) -> tuple[list[int], float, float]:
-    """Prefill the prompt in one pass, then decode one token per step. -> (ids, prefill s, decode s)."""
-    c, params = model
-    dev = params["norm"].device
-    state = init_state(c, len(prompt_ids) + max_tokens, params["norm"].dtype, dev, mtp=False)
-    t0 = time.perf_counter()
-    logits, _ = forward(params, state, c, torch.tensor(prompt_ids, device=dev), 0)
-    nxt = int(logits[-1].argmax())
-    t1 = time.perf_counter()
-    out = [nxt]
-    pos = len(prompt_ids)
-    while len(out) < max_tokens and nxt not in eos:
-        logits, _ = forward(params, state, c, torch.tensor([nxt], device=dev), pos)
-        nxt = int(logits[-1].argmax())
-        out.append(nxt)
-        pos += 1
-    return out, t1 - t0, time.perf_counter() - t1
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m deepinfer_fx.generate", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help=f"checkpoint directory or hub repo id (default: ${ENV_MODEL_DIR}, else the tiny demo)")
+    ap.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    ap.add_argument("--prompts-file", help="a text file with one prompt per line")
+    s = ap.add_argument_group("sampling")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--seed", type=int, default=0, help="engine seed; each request's stream derives from it")
+    e = ap.add_argument_group("engine")
+    e.add_argument("--mesh", default=None, help="e.g. ep8, ep2,dp4 (multi-rank runs arrive with the sharding work)")
+    e.add_argument("--eager", action="store_true", help="run the model functions uncompiled (currently the only mode)")
+    e.add_argument("--no-overlap", action="store_true", help="run steps synchronously (no host/device overlap)")
+    e.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    e.add_argument("--device", default=None)
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--no-fake-quant", action="store_true", help="skip the official fake-quant points")
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deepinfer_fx.generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help=f"checkpoint directory or hub repo id (default: ${ENV_MODEL_DIR}, else the tiny demo)")
-    ap.add_argument("--prompt", default="The weather today is")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--no-fake-quant", action="store_true", help="skip the official fake-quant points")
+    ap = build_parser()
     args = ap.parse_args(argv)
-    if args.max_tokens < 1:
-        ap.error("--max-tokens must be at least 1")
+    from .engine import LLM, SamplingParams  # after argparse: --help stays instant
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            prompts += [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+        except OSError as e:
+            ap.error(f"--prompts-file: {e}")
+    if not prompts:
+        prompts = ["The weather today is"]
+    try:
+        if args.mesh:
+            parse_mesh(args.mesh)
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+        )
+    except ValueError as e:
+        ap.error(str(e))
 
     path = args.model or os.environ.get(ENV_MODEL_DIR)
     if path is None:
         path = demo_model_dir()
         print(f"[demo] no checkpoint given: using the built-in tiny demo model at {path} (random weights: output is gibberish)")
     try:
-        model = load_model(path, dtype=getattr(torch, args.dtype), device=args.device, fake_quant=False if args.no_fake_quant else None)
-        tok = load_tokenizer(model.path)
+        llm = LLM(
+            path, dtype=args.dtype, device=args.device, eager=True, overlap=not args.no_overlap,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, seed=args.seed, mesh=args.mesh,
+            fake_quant=False if args.no_fake_quant else None,
+        )
+        outs = llm.generate(prompts, params, use_tqdm=True)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ids = encode(tok, args.prompt)
-    if len(ids) + args.max_tokens > model.config.max_position_embeddings:
-        print(f"error: prompt ({len(ids)} tokens) + max tokens exceeds the model's limit "
-              f"({model.config.max_position_embeddings}); shorten the prompt or lower --max-tokens", file=sys.stderr)
-        return 2
-    out, t_prefill, t_decode = greedy(model, ids, args.max_tokens, model.config.eos_token_ids)
-    print(args.prompt + decode(tok, out))
-    print(f"prefill: {len(ids)} tokens in {t_prefill:.3f}s ({len(ids) / t_prefill:.1f} tok/s); "
-          f"decode: {len(out)} tokens in {t_decode:.3f}s ({len(out) / max(t_decode, 1e-9):.1f} tok/s)")
+    for o in outs:
+        print(f"--- request {o.request_id} ({o.outputs[0].finish_reason})")
+        print((o.prompt or "") + o.outputs[0].text)
+    st = llm.last_stats
+    plan = llm.plan
+    print(
+        f"prefill: {st.prefill_tokens} tokens, {st.prefill_tokens / max(st.prefill_time, 1e-9):.1f} tok/s; "
+        f"decode: {st.decode_tokens} tokens, {st.decode_tokens / max(st.decode_time, 1e-9):.1f} tok/s; "
+        f"{st.steps} steps in {st.wall:.2f}s"
+    )
+    print(f"cache: {llm.bytes_per_token():.0f} B/token compressed state, {plan.slots} slots x {plan.max_len} tokens")
     return 0
 
 

@@ -161,9 +161,17 @@ def test_released_config_parses_or_is_rejected(path: Path):
         # the directory form reads the same file
         assert load_config(path) == config_from_dict(raw, where=str(path))
     elif mt == "deepseek_v41":
-        with pytest.raises(ConfigError, match="model_type") as ei:
-            load_config(path)
-        assert "deepseek_v41" in str(ei.value), str(ei.value)
+        c = load_config(path)
+        text = raw["text_config"]
+        n = text["num_hidden_layers"]
+        assert c.model_type == "deepseek_v41" and c.is_v41
+        assert c.compress_ratios == tuple(text["compress_ratios"][:n]), path.name
+        assert all(r == 0 for r in text["compress_ratios"][n:])
+        assert c.hidden_size == text["hidden_size"] and c.n_routed_experts == text["n_routed_experts"]
+        assert c.kv_source_layer_ids == tuple(text["kv_source_layer_ids"])
+        assert c.eos_token_ids == tuple(raw["eos_token_id"]) and c.image_token_id == raw["image_token_id"]
+        assert c.fp8_block == raw["quantization_config"]["weight_block_size"][0]
+        assert load_config(path) == config_from_dict(raw, where=str(path))
     else:
         # The official reference's flat ModelArgs files are not HF configs and must be refused.
         assert mt is None and "dim" in json.loads(path.read_text()), f"{path.name}: unexpected file; add it to this test"
@@ -466,3 +474,253 @@ def test_hf_spelling_default_compress_rates():
     c = config_from_dict(d)
     assert c.compress_ratios == (0, 4, 128, 4)
     assert c == config_from_dict(tiny(compress_ratios=[0, 4, 128, 4]))
+
+
+# --------------------------------------------------------------------------- V4.1
+
+
+@needs_configs
+def test_v41_flash_values():
+    c = load_config(_released("deepseek_v41_flash"))
+    assert c.num_hidden_layers == 40 and len(c.compress_ratios) == 40
+    assert c.compress_ratios == (0, 0) + (2,) * 18 + (1,) * 20
+    assert c.rms_norm_eps == 1e-20 and c.num_hash_layers == 0 and c.gate_temp == 1.0
+    assert c.csa_ratio not in c.compress_ratios and c.hca_ratios == set()
+    assert c.num_nextn_predict_layers == 3 and c.dspark_stages == 3
+    assert c.dspark_target_layer_ids == (37, 38, 39) and c.dspark_block_size == 5
+    assert c.dspark_noise_token_id == 128799 and c.dspark_markov_rank == 256
+    assert (c.dspark_n_routed_experts, c.dspark_num_experts_per_tok) == (128, 3)
+    assert c.engram_layer_ids == (1, 14) and c.engram_num_embeddings == (384006168, 384016682)
+    assert (c.engram_max_ngram_size, c.engram_n_heads, c.engram_head_dim) == (4, 8, 256)
+    assert (c.engram_vocab_size, c.engram_pad_token_id, c.engram_compressed_vocab_size) == (16000000, 2, 99092)
+    assert (c.candidate_source_layer_id, c.candidate_topk_blocks, c.candidate_block_size) == (20, 2048, 8)
+    assert c.fp8_block == 32 and c.expert_dtype == "fp4" and c.eos_token_ids == (1, 2)
+    assert c.image_token_id == 129264 and c.index_key_quirk is False
+    assert c.yarn == Yarn(16.0, 65536, 32.0, 1.0) and c.compress_rope_theta == 160000.0
+
+
+@needs_configs
+def test_v41_flash_layer_roles_match_spec_table():
+    """Spec §7.2's table, row by row: (layers, kind, KV source, index source, mode)."""
+    c = load_config(_released("deepseek_v41_flash"))
+    table = [
+        ([0, 1], "swa", None, None, "swa"),
+        ([2], "pooled", 2, 2, "full"),
+        ([8], "pooled", 8, 8, "full"),
+        ([14], "pooled", 14, 14, "full"),
+        ([3, 4, 5, 6, 7], "pooled", 2, 2, "reuse"),
+        ([9, 10, 11, 12, 13], "pooled", 8, 8, "reuse"),
+        ([15, 16, 17, 18, 19], "pooled", 14, 14, "reuse"),
+        ([20], "unpooled", 20, 20, "full"),
+        ([21, 22, 23], "unpooled", 20, 20, "reuse"),
+        ([24], "unpooled", 20, 24, "reindex"),
+        ([28], "unpooled", 20, 28, "reindex"),
+        ([32], "unpooled", 20, 32, "reindex"),
+        ([36], "unpooled", 20, 36, "reindex"),
+        ([25, 26, 27], "unpooled", 20, 24, "reuse"),
+        ([29, 30, 31], "unpooled", 20, 28, "reuse"),
+        ([33, 34, 35], "unpooled", 20, 32, "reuse"),
+        ([37, 38, 39], "unpooled", 20, 36, "reuse"),
+    ]
+    covered = sorted(layer for layers, *_ in table for layer in layers)
+    assert covered == list(range(40))
+    for layers, kind, kv, index, role in table:
+        for layer in layers:
+            got = (c.layer_kind(layer), c.kv_source(layer), c.index_source(layer), c.layer_role(layer))
+            assert got == (kind, kv, index, role), (layer, got)
+            assert c.is_kv_source(layer) == (role == "full")
+            assert c.is_index_source(layer) == (role in ("full", "reindex"))
+            assert c.is_reindex(layer) == (role == "reindex")
+    assert [i for i in range(40) if c.is_reindex(i)] == [24, 28, 32, 36]
+    assert [i for i in range(40) if c.is_candidate_source(i)] == [20]
+    assert [i for i in range(40) if c.uses_candidates(i)] == [24, 28, 32, 36]
+    assert c.encoder_layers == tuple(range(20)) and c.decoder_layers == tuple(range(20, 40))
+    assert [i for i in range(40) if c.is_engram_layer(i)] == [1, 14]
+
+
+# A tiny bare text config (deepseek_v41_text): 10 layers, ratio-2 groups at 2 and 4, a ratio-1
+# decoder from layer 6 with a reindex source at 8, Engram at 1 and 4, two DSpark stages.
+TINY41 = {
+    "model_type": "deepseek_v41_text",
+    **{k: v for k, v in TINY.items() if k not in ("model_type", "compress_ratios", "num_hash_layers", "num_hidden_layers")},
+    "num_hidden_layers": 10,
+    "rms_norm_eps": 1e-20,
+    "compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0],
+    "kv_source_layer_ids": [2, 4, 6],
+    "index_source_layer_ids": [2, 4, 6, 8],
+    "candidate_source_layer_id": 6,
+    "candidate_topk_blocks": 4,
+    "candidate_block_size": 2,
+    "engram_layer_ids": [1, 4],
+    "engram_num_embeddings": [300, 320],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 50,
+    "engram_pad_token_id": 2,
+    "num_nextn_predict_layers": 2,
+    "dspark_target_layer_ids": [8, 9],
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+}
+
+
+def tiny41(**changes) -> dict:
+    d = copy.deepcopy(TINY41)
+    d.update(changes)
+    return d
+
+
+def composite41(text: dict, **top) -> dict:
+    return {
+        "model_type": "deepseek_v41",
+        "eos_token_id": [1, 2],
+        "image_token_id": 200,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"},
+        "text_config": text,
+        "vision_config": {"model_type": "deepseek_v41_vision", "hidden_size": 8},
+        **top,
+    }
+
+
+def test_tiny41_roles():
+    c = config_from_dict(tiny41())
+    assert c.is_v41 and c.model_type == "deepseek_v41" and c.compress_ratios == (0, 0, 2, 2, 2, 2, 1, 1, 1, 1)
+    assert [c.layer_role(i) for i in range(10)] == ["swa", "swa", "full", "reuse", "full", "reuse", "full", "reuse", "reindex", "reuse"]
+    assert [c.kv_source(i) for i in range(10)] == [None, None, 2, 2, 4, 4, 6, 6, 6, 6]
+    assert [c.index_source(i) for i in range(10)] == [None, None, 2, 2, 4, 4, 6, 6, 8, 8]
+    assert c.encoder_layers == tuple(range(6)) and c.decoder_layers == (6, 7, 8, 9)
+    assert c.dspark_stages == 2 and c.num_hash_layers == 0 and c.engram_compressed_vocab_size is None
+
+
+def test_v41_composite_equals_bare_text_config():
+    text = tiny41()
+    bare = tiny41(eos_token_id=[1, 2], image_token_id=200, quantization_config=composite41({})["quantization_config"])
+    a, b = config_from_dict(composite41(text)), config_from_dict(bare)
+    assert a == b
+    assert a.eos_token_ids == (1, 2) and a.image_token_id == 200 and a.fp8_block == 32 and a.expert_dtype == "fp4"
+    # the outer eos wins over the text config's own
+    assert config_from_dict(composite41(tiny41(eos_token_id=1))).eos_token_ids == (1, 2)
+
+
+def test_v41_hf_spellings_and_defaults():
+    d = tiny41()
+    del d["engram_pad_token_id"]
+    assert config_from_dict({**d, "engram_pad_id": 5}).engram_pad_token_id == 5
+    assert config_from_dict(d).engram_pad_token_id == 2
+    raises_naming(tiny41(engram_pad_id=3), "engram_pad_token_id", "engram_pad_id")
+    # candidate source: absent -> the last KV source (HF's default); negative -> no second level
+    d = tiny41()
+    del d["candidate_source_layer_id"]
+    assert config_from_dict(d).candidate_source_layer_id == 6
+    off = config_from_dict(tiny41(candidate_source_layer_id=-1))
+    assert off.candidate_source_layer_id is None and not any(off.is_candidate_source(i) or off.uses_candidates(i) for i in range(10))
+    assert config_from_dict(tiny41(gate_temp=0.5)).gate_temp == 0.5
+    # HF-written tiny configs keep the released token ids beside a small vocabulary: still loadable
+    released_ids = config_from_dict(composite41(tiny41(), image_token_id=129264))
+    assert released_ids.image_token_id == 129264 and released_ids.dspark_noise_token_id == 128799
+    assert config_from_dict(tiny41(engram_compressed_vocab_size=77)).engram_compressed_vocab_size == 77
+    # ratios may list the backbone only or also the draft stages
+    assert config_from_dict(tiny41(compress_ratios=TINY41["compress_ratios"][:10])) == config_from_dict(tiny41())
+    # HF's nested rope_parameters spelling
+    rp = {"main": {"rope_type": "default", "rope_theta": 10000.0}, "compress": {**YARN, "rope_type": "yarn", "rope_theta": 160000.0}}
+    assert config_from_dict(tiny41(rope_parameters=rp)) == config_from_dict(tiny41())
+
+
+def test_v4_configs_keep_v41_defaults_and_refuse_roles():
+    c = config_from_dict(tiny())
+    assert not c.is_v41 and c.kv_source_layer_ids == () and c.engram_layer_ids == () and c.gate_temp == 1.0
+    assert c.index_key_quirk is False and c.image_token_id is None
+    assert not c.is_engram_layer(1)
+    for call in (lambda: c.kv_source(1), lambda: c.layer_role(1), lambda: c.decoder_layers, lambda: c.is_reindex(1)):
+        with pytest.raises(ValueError, match="V4.1"):
+            call()
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"kv_source_layer_ids": [4, 2, 6]}, "kv_source_layer_ids"),
+        ({"kv_source_layer_ids": [2, 2, 4, 6]}, "kv_source_layer_ids"),
+        ({"kv_source_layer_ids": [2, 4, 6, 10], "index_source_layer_ids": [2, 4, 6, 8, 10]}, "kv_source_layer_ids"),
+        ({"kv_source_layer_ids": [2, "4", 6]}, "kv_source_layer_ids"),
+        ({"index_source_layer_ids": [2, 4, 8, 6]}, "index_source_layer_ids"),
+        ({"index_source_layer_ids": [-1, 2, 4, 6, 8]}, "index_source_layer_ids"),
+        # the first KV source after the first compressed layer (2), or none at all
+        ({"kv_source_layer_ids": [3, 4, 6], "index_source_layer_ids": [3, 4, 6, 8]}, "kv_source_layer_ids"),
+        ({"kv_source_layer_ids": [], "index_source_layer_ids": [], "candidate_source_layer_id": -1}, "kv_source_layer_ids"),
+        # a source on a window-only layer
+        ({"kv_source_layer_ids": [1, 2, 4, 6], "index_source_layer_ids": [1, 2, 4, 6, 8]}, "kv_source_layer_ids"),
+        ({"index_source_layer_ids": [1, 2, 4, 6, 8]}, "index_source_layer_ids"),
+        # KV sources must be index sources
+        ({"index_source_layer_ids": [2, 6, 8]}, "index_source_layer_ids"),
+        # a KV group with two ratios
+        ({"compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 1, 1]}, "compress_ratios"),
+        ({"compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1]}, "compress_ratios"),
+        ({"compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 1]}, "compress_ratios"),
+        ({"compress_ratios": None}, "compress_ratios"),
+        ({"candidate_source_layer_id": 7}, "candidate_source_layer_id"),
+        ({"candidate_source_layer_id": 4}, "candidate_source_layer_id"),
+        ({"candidate_block_size": 0}, "candidate_block_size"),
+        ({"engram_layer_ids": [1, 10]}, "engram_layer_ids"),
+        ({"engram_layer_ids": [4, 1]}, "engram_layer_ids"),
+        ({"engram_num_embeddings": [300]}, "engram_num_embeddings"),
+        ({"engram_num_embeddings": [300, 0]}, "engram_num_embeddings"),
+        ({"engram_max_ngram_size": 1}, "engram_max_ngram_size"),
+        ({"engram_pad_token_id": 256}, "engram_pad_token_id"),
+        ({"dspark_target_layer_ids": None}, "dspark_target_layer_ids"),
+        ({"dspark_target_layer_ids": [8, 10]}, "dspark_target_layer_ids"),
+        ({"dspark_num_experts_per_tok": 5}, "dspark_num_experts_per_tok"),
+        ({"num_hash_layers": 1}, "num_hash_layers"),
+        ({"gate_temp": 0.0}, "gate_temp"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
+    ],
+)
+def test_v41_validation_errors(changes, field):
+    raises_naming(tiny41(**changes), f"'{field}'")
+    # the same error through the composite config
+    raises_naming(composite41(tiny41(**changes)), f"'{field}'")
+
+
+@pytest.mark.parametrize("field", ["kv_source_layer_ids", "index_source_layer_ids", "hidden_size"])
+def test_v41_missing_required(field):
+    d = tiny41()
+    del d[field]
+    raises_naming(d, f"'{field}'", "missing")
+
+
+def test_v41_composite_errors():
+    d = composite41(tiny41())
+    del d["text_config"]
+    raises_naming(d, "text_config")
+    raises_naming(composite41(tiny41(model_type="deepseek_v4")), "text_config.model_type")
+    raises_naming(composite41(tiny41(), quantization_config={"quant_method": "fp8", "weight_block_size": [32, 64]}), "weight_block_size")
+
+
+def test_v41_roles_match_definitions_on_random_layouts():
+    """Random valid CSA2 layouts: every role method equals its definition computed by brute force."""
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    for _ in range(30):
+        n = rng.randrange(4, 24)
+        n_swa = rng.randrange(0, 3)
+        n_enc = rng.randrange(1, n - n_swa)
+        ratios = [0] * n_swa + [2] * n_enc + [1] * (n - n_swa - n_enc)
+        enc_sources = [n_swa] + sorted(rng.sample(range(n_swa + 1, n_swa + n_enc), rng.randrange(0, n_enc)))
+        dec_sources = [n_swa + n_enc] if n_swa + n_enc < n else []
+        kv = enc_sources + dec_sources
+        extra = [i for i in range(n_swa, n) if i not in kv and rng.random() < 0.3]
+        index = sorted(kv + extra)
+        c = config_from_dict(tiny41(
+            num_hidden_layers=n, compress_ratios=ratios, kv_source_layer_ids=kv, index_source_layer_ids=index,
+            candidate_source_layer_id=kv[-1], engram_layer_ids=[], engram_num_embeddings=[],
+            num_nextn_predict_layers=0, dspark_target_layer_ids=[],
+        ))
+        for layer in range(n):
+            at_or_before = lambda ids: max((s for s in ids if s <= layer), default=None) if ratios[layer] else None
+            assert c.kv_source(layer) == at_or_before(kv), f"seed={seed} layer={layer}"
+            assert c.index_source(layer) == at_or_before(index), f"seed={seed} layer={layer}"
+            assert c.is_reindex(layer) == (layer in index and layer not in kv), f"seed={seed}"
+            assert c.uses_candidates(layer) == (layer in index and layer > kv[-1]), f"seed={seed}"
+        assert c.decoder_layers == tuple(range(kv[-1], n)), f"seed={seed}"
+        assert c.encoder_layers + c.decoder_layers == tuple(range(n)), f"seed={seed}"

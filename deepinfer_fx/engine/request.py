@@ -1,0 +1,110 @@
+"""Requests as the engine tracks them, and the outputs users get back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine. ``num_scheduled`` counts positions handed to the device
+    (the host may run ahead of the results by one step); ``output_ids`` holds only tokens the
+    host has read back."""
+
+    id: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    num_scheduled: int = 0  # positions whose kv the device has been asked to compute
+    num_sampled_scheduled: int = 0  # sampling steps handed to the device
+    inflight: int = 0  # steps launched whose results the host has not processed yet
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished_at: float | None = None
+    imported: bool = False  # COMPLETION engine: state came from an export
+    import_path: object = None  # the export directory it came from
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_scheduled >= self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length" or "abort"
+    stop_reason: int | str | None  # the stop string or stop token id that ended it
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+def to_output(seq: Sequence) -> RequestOutput:
+    p = seq.params
+    return RequestOutput(
+        request_id=seq.id,
+        prompt=seq.prompt,
+        prompt_token_ids=list(seq.prompt_ids),
+        prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
+        outputs=[
+            CompletionOutput(0, seq.text, list(seq.output_ids), list(seq.logprobs) if p.logprobs is not None else None,
+                             seq.finish_reason, seq.stop_reason)
+        ],
+        finished=seq.finished,
+        metrics=RequestMetrics(seq.arrival, seq.first_scheduled, seq.first_token, seq.finished_at),
+    )
