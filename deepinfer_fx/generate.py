@@ -114,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         f"decode: {st.decode_tokens} tokens, {st.decode_tokens / max(st.decode_time, 1e-9):.1f} tok/s; "
         f"{st.steps} steps in {st.wall:.2f}s"
     )
-    print(f"cache: {llm.bytes_per_token():.0f} B/token compressed state, {plan.slots} slots x {plan.max_len} tokens")
+    print(
+        f"cache: {llm.bytes_per_token():.0f} B/token of compressed state + {plan.fixed_bytes_per_slot / 2**20:.2f} MiB/sequence "
+        f"fixed; the pool holds {plan.slots} sequences x {plan.max_len} tokens ({plan.tokens_capacity} tokens)"
+    )
     return 0
 
 

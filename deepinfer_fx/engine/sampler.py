@@ -164,16 +164,19 @@ def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
     # row's outcome cannot depend on the sort's treatment of its neighbours.
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     rank = torch.arange(V, device=logits.device).unsqueeze(0)
-    k = torch.where(t.top_k > 0, t.top_k, torch.full_like(t.top_k, V)).unsqueeze(-1)
+    k = torch.where((t.top_k > 0) & (t.top_k < V), t.top_k, torch.full_like(t.top_k, V)).unsqueeze(-1)
     keep = rank < k
 
-    kept_p = sorted_p * keep
-    renorm = kept_p / kept_p.sum(dim=-1, keepdim=True)
-    mass_before = torch.cumsum(renorm, dim=-1) - renorm
+    # Top-k keeps a prefix of the sorted row, so the cumulative sum of the raw sorted
+    # probabilities already is the top-k one; renormalising means comparing with top_p times the
+    # kept mass (the cumsum at rank k-1) instead of dividing. Scanning the plain sort output also
+    # sidesteps an Inductor (torch 2.11) codegen failure on a split scan fused with pointwise ops.
+    csum = torch.cumsum(sorted_p, dim=-1)
+    kept_mass = csum.gather(-1, k - 1)
     top_p = t.top_p.unsqueeze(-1)
     # top_p = 1 means off: without the explicit test, float32 rounding of the cumulative sum can
-    # reach 1 early and silently drop tail tokens. Rank 0 always has mass_before 0 < top_p.
-    keep = keep & ((mass_before < top_p) | (top_p >= 1.0))
+    # reach the total early and silently drop tail tokens. Rank 0 always has mass 0 before it.
+    keep = keep & ((csum - sorted_p < top_p * kept_mass) | (top_p >= 1.0))
 
     keep = keep & (sorted_p >= t.min_p.unsqueeze(-1) * sorted_p[:, :1])
 
