@@ -31,7 +31,9 @@ import torch
 from ..config import ModelConfig
 from ..graphs.state import init_state, slot_view
 
-GROWING_KEY = "entries"  # the only state tensors whose size scales with max_len
+# The only state tensors whose size scales with max_len: compressed entries and (V4.1) the
+# index keys stored beside them.
+GROWING_KEYS = ("entries", "index_keys")
 
 
 def iter_tensors(tree: dict, prefix: str = ""):
@@ -63,7 +65,7 @@ def state_bytes_per_slot(c: ModelConfig, max_len: int, dtype: torch.dtype, mtp: 
     state = init_state(c, max_len, dtype, device="meta", mtp=mtp, slots=1)
     fixed = growing = 0
     for path, t in iter_tensors(state):
-        if path.endswith(GROWING_KEY):
+        if path.endswith(GROWING_KEYS):
             growing += _nbytes(t)
         else:
             fixed += _nbytes(t)
@@ -209,8 +211,11 @@ class CachePool:
     def slot_state(self, slot: int) -> dict:
         """One slot's part of the state (views: writes land in the pool)."""
         self._check_slot(slot)
-        return {"layers": [slot_view(ls, slot) for ls in self.state["layers"]],
-                "mtp": [slot_view(ls, slot) for ls in self.state["mtp"]]}
+        return {
+            key: [slot_view(x, slot) for x in value] if isinstance(value, list) else slot_view(value, slot)
+            for key, value in self.state.items()
+            if isinstance(value, (dict, list))  # skip the scalar bookkeeping (max_len, slots)
+        }
 
     def slot_tensors(self, slot: int) -> dict[str, torch.Tensor]:
         """``{path: view}`` of every tensor of one slot, e.g. ``layers.3.comp.entries``."""

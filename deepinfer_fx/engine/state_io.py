@@ -64,7 +64,7 @@ def config_fingerprint(c: ModelConfig) -> str:
 
 def _live_rows(c: ModelConfig, path: str, n_tokens: int) -> int | None:
     """Rows of ``path`` to store: ``n_tokens // ratio`` for entries tensors, else None (all)."""
-    if not path.endswith(".entries"):
+    if not path.endswith((".entries", ".index_keys")):
         return None
     layer = int(path.split(".")[1])  # only backbone layers ("layers.{i}.…") compress
     return n_tokens // c.compress_ratios[layer]

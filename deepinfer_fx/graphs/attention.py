@@ -1,8 +1,11 @@
-"""V4 attention: one shared K=V latent per token (MQA), per-head sink, grouped output.
+"""Attention: one shared K=V latent per token (MQA), per-head sink, grouped output.
 
 Keys for a query are this layer's window (the last ``sliding_window`` positions) plus
-compressed entries: none (SWA), all complete ones (HCA) or the indexer's top-k (CSA).
-The value's rotary tail is un-rotated on the output, so it carries relative position only.
+compressed entries: none (window-only layers), all complete ones (V4 HCA), the indexer's
+top-k (V4 CSA, ``indexer.py``) or a selection over the group's shared cache (V4.1 CSA2,
+``csa2.py``). The value's rotary tail is un-rotated on the output, so it carries relative
+position only. V4 and V4.1 differ here only in data: the per-head q norm (V4) and where the
+compressed entries come from.
 """
 
 from __future__ import annotations
@@ -10,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from . import fake_quant as fq
 from .batch import Batch
 from .compressor import compress, visible_entries
-from .fake_quant import kv_fake_quant
+from .csa2 import csa2_entries
 from .indexer import select_entries
 from .norm import linear, rms_norm
 from .rope import apply_rope, cos_sin, inv_freq
@@ -40,8 +44,12 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, grou
     return linear(z, wo_b)
 
 
-def attention(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, batch: Batch, ratio: int) -> torch.Tensor:
+def attention(
+    p: dict, states: list, c: ModelConfig, x: torch.Tensor, batch: Batch, layer: int, ratio: int, ctx: dict
+) -> torch.Tensor:
     """One attention sublayer over the packed tokens ``x`` ``[N, D]`` (already normed).
+    ``states`` holds every layer's pooled state (V4.1 layers read their KV source's);
+    ``ctx`` carries per-forward results shared across layers (V4.1 selections).
     Projections run on all tokens; the cache-reading core runs per chunk on its state slot."""
     eps = c.rms_norm_eps
     freq = inv_freq(c, compressed=ratio != 0)
@@ -49,33 +57,35 @@ def attention(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, batch: Batch, 
 
     q_r = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
     q = linear(q_r, p["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
-    q = apply_rope(rms_norm(q, None, eps), cos, sin)
-    kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps), cos, sin)
-    if c.fake_quant:
-        kv = kv_fake_quant(kv, c.rope_dim)
+    if not c.is_v41:  # V4 normalises each query head
+        q = rms_norm(q, None, eps)
+    q = apply_rope(q, cos, sin)
+    kv = fq.window_kv(c, apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps), cos, sin))
 
     o = torch.empty_like(q)
-    for ch in batch.chunks:
+    for i, ch in enumerate(batch.chunks):
         rows = ch.rows
-        o[rows] = _attend(p, slot_view(st, ch.slot), c, x[rows], q_r[rows], q[rows], kv[rows], batch.positions[rows], ch.start, ratio, freq)
+        st = slot_view(states[layer], ch.slot)
+        q_pos = batch.positions[rows]
+        keys, k_pos = window_keys(st["window"], kv[rows], ch.start)
+        bias = window_bias(q_pos, k_pos, c.sliding_window)
+        if ratio:
+            if c.is_v41:
+                chunk_ctx = ctx.setdefault(i, {})
+                entries, chosen = csa2_entries(p, states, c, x[rows], q_r[rows], q_pos, ch, layer, freq, chunk_ctx)
+            else:
+                entries, chosen = _v4_entries(p, st, c, x[rows], q_r[rows], q_pos, ch.start, ratio, freq)
+            keys = torch.cat([keys, entries.to(keys.dtype)])
+            bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], dim=1)
+        o[rows] = mqa_with_sink(q[rows], keys, bias, p["attn_sink"])
     o = apply_rope(o, cos, sin, inverse=True)
     return grouped_output(o, p["wo_a"], p["wo_b"], c.o_groups)
 
 
-def _attend(
-    p: dict, st: dict, c: ModelConfig, x, q_r, q, kv, q_pos: torch.Tensor, start: int, ratio: int, freq: torch.Tensor
-) -> torch.Tensor:
-    """One sequence's chunk: window keys, compressed entries (all, or the indexer's top-k), softmax."""
-    keys, k_pos = window_keys(st["window"], kv, start)
-    bias = window_bias(q_pos, k_pos, c.sliding_window)
-    if ratio:
-        finish = (lambda e: kv_fake_quant(e, c.rope_dim)) if c.fake_quant else None
-        overlap = ratio == c.csa_ratio
-        entries = compress(p["compressor"], st["comp"], x, start, ratio, overlap, freq, c.rms_norm_eps, finish)
-        if overlap:
-            chosen = select_entries(p["indexer"], st["index"], c, x, q_r, start, freq)
-        else:
-            chosen = visible_entries(q_pos, entries.shape[0], ratio)
-        keys = torch.cat([keys, entries.to(keys.dtype)])
-        bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], dim=1)
-    return mqa_with_sink(q, keys, bias, p["attn_sink"])
+def _v4_entries(p, st, c: ModelConfig, x, q_r, q_pos, start: int, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4: the layer's own compressed entries; all visible ones (HCA) or the indexer's top-k (CSA)."""
+    overlap = ratio == c.csa_ratio
+    entries = compress(p["compressor"], st["comp"], x, start, ratio, overlap, freq, c.rms_norm_eps, lambda e: fq.compressed_entry(c, e))
+    if overlap:
+        return entries, select_entries(p["indexer"], st["index"], c, x, q_r, start, freq)
+    return entries, visible_entries(q_pos, entries.shape[0], ratio)

@@ -16,26 +16,21 @@ from .norm import linear_fp32, rms_norm
 from .rope import apply_rope, cos_sin
 
 
-def compress(
-    p: dict,
-    st: dict,
-    x: torch.Tensor,
-    start: int,
-    ratio: int,
-    overlap: bool,
-    freq: torch.Tensor,
-    eps: float,
-    finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Feed the chunk ``x`` ``[T, D]`` (positions ``start..start+T-1``) to the compressor and
-    return every entry complete so far, ``[(start + T) // ratio, dim]``. ``finish`` is the
-    fake-quant applied to new entries after RoPE."""
+def new_latents(
+    p: dict, st: dict, x: torch.Tensor, start: int, ratio: int, overlap: bool, eps: float
+) -> tuple[int, torch.Tensor | None]:
+    """Feed the chunk ``x`` ``[T, D]`` (positions ``start..start+T-1``) to the compressor.
+    Returns ``(w0, latents)``: the normed, not yet rotated latents ``[n_new, dim]`` of the
+    windows that complete in this chunk (``w0`` is the first one's index), or ``None``.
+    Without ``wgate`` (V4.1 ratio 1) every token is its own window."""
     t = x.shape[0]
     end = start + t
     dev = x.device
     pos = torch.arange(start, end, device=dev)
     kv = linear_fp32(x, p["wkv"])
-    gate = linear_fp32(x, p["wgate"]) + p["ape"].float()[torch.remainder(pos, ratio)]
+    gate = linear_fp32(x, p["wgate"]) if "wgate" in p else torch.zeros_like(kv)
+    if "ape" in p:
+        gate = gate + p["ape"].float()[torch.remainder(pos, ratio)]
 
     # Rows of the open window (and, with overlap, of the window before it) come from the ring.
     ring = st["rows_kv"].shape[0]
@@ -51,25 +46,50 @@ def compress(
     st["rows_gate"][keep_slots] = rows_gate[-keep:]
 
     w0, n_new = start // ratio, end // ratio - start // ratio
-    entries = st["entries"]
-    if n_new > 0:
-        if end // ratio > entries.shape[0]:
-            raise ValueError(f"compressed cache holds {entries.shape[0]} entries; position {end - 1} needs more")
-        dim = p["norm"].shape[0]
-        n_win = n_new + (1 if overlap else 0)
-        kv_w = rows_kv[: n_win * ratio].unflatten(0, (n_win, ratio))
-        gate_w = rows_gate[: n_win * ratio].unflatten(0, (n_win, ratio))
-        if overlap:  # slots: A halves of the previous window, then B halves of this one
-            kv_w = torch.cat([kv_w[:-1, :, :dim], kv_w[1:, :, dim:]], dim=1)
-            gate_w = torch.cat([gate_w[:-1, :, :dim], gate_w[1:, :, dim:]], dim=1)
-        pooled = (kv_w * torch.softmax(gate_w, dim=1)).sum(1)
-        pooled = rms_norm(pooled, p["norm"], eps)
-        cos, sin = cos_sin(torch.arange(w0, w0 + n_new, device=dev) * ratio, freq)
-        pooled = apply_rope(pooled, cos, sin)
-        if finish is not None:
-            pooled = finish(pooled)
-        entries[w0 : w0 + n_new] = pooled.to(entries.dtype)
-    return entries[: end // ratio]
+    if n_new <= 0:
+        return w0, None
+    dim = p["norm"].shape[0]
+    n_win = n_new + (1 if overlap else 0)
+    kv_w = rows_kv[: n_win * ratio].unflatten(0, (n_win, ratio))
+    gate_w = rows_gate[: n_win * ratio].unflatten(0, (n_win, ratio))
+    if overlap:  # slots: A halves of the previous window, then B halves of this one
+        kv_w = torch.cat([kv_w[:-1, :, :dim], kv_w[1:, :, dim:]], dim=1)
+        gate_w = torch.cat([gate_w[:-1, :, :dim], gate_w[1:, :, dim:]], dim=1)
+    pooled = (kv_w * torch.softmax(gate_w, dim=1)).sum(1)
+    return w0, rms_norm(pooled, p["norm"], eps)
+
+
+def store_entries(entries: torch.Tensor, w0: int, values: torch.Tensor) -> None:
+    """Write new entries ``w0 ..`` into a slot's entry buffer, with a clear error when full."""
+    if w0 + values.shape[0] > entries.shape[0]:
+        raise ValueError(f"compressed cache holds {entries.shape[0]} entries; entry {w0 + values.shape[0] - 1} does not fit")
+    entries[w0 : w0 + values.shape[0]] = values.to(entries.dtype)
+
+
+def entry_rope(latents: torch.Tensor, w0: int, ratio: int, freq: torch.Tensor) -> torch.Tensor:
+    """An entry's RoPE position is its window's first token."""
+    pos = torch.arange(w0, w0 + latents.shape[0], device=latents.device) * ratio
+    return apply_rope(latents, *cos_sin(pos, freq))
+
+
+def compress(
+    p: dict,
+    st: dict,
+    x: torch.Tensor,
+    start: int,
+    ratio: int,
+    overlap: bool,
+    freq: torch.Tensor,
+    eps: float,
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """V4: pool the chunk, rotate and fake-quantise (``finish``) the new entries, store them,
+    and return every entry complete so far, ``[(start + T) // ratio, dim]``."""
+    w0, latents = new_latents(p, st, x, start, ratio, overlap, eps)
+    if latents is not None:
+        pooled = entry_rope(latents, w0, ratio, freq)
+        store_entries(st["entries"], w0, finish(pooled) if finish is not None else pooled)
+    return st["entries"][: (start + x.shape[0]) // ratio]
 
 
 def visible_entries(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:

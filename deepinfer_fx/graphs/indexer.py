@@ -10,7 +10,7 @@ import torch
 
 from ..config import ModelConfig
 from .compressor import compress, visible_entries
-from .fake_quant import index_fake_quant
+from .fake_quant import index_vector
 from .norm import linear, linear_fp32
 from .rope import apply_rope, cos_sin
 
@@ -27,16 +27,14 @@ def select_entries(
     """Boolean ``[T, n_entries]``: which compressed entries each query of the chunk attends."""
     t = x.shape[0]
     ratio = c.csa_ratio
-    finish = index_fake_quant if c.fake_quant else None
-    keys = compress(p["compressor"], st, x, start, ratio, True, freq, c.rms_norm_eps, finish)
+    keys = compress(p["compressor"], st, x, start, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k))
     n = keys.shape[0]
     q_pos = torch.arange(start, start + t, device=x.device)
     if n == 0:
         return torch.zeros(t, 0, dtype=torch.bool, device=x.device)
     q = linear(q_r, p["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = apply_rope(q, *cos_sin(q_pos, freq))
-    if c.fake_quant:
-        q = index_fake_quant(q)
+    q = index_vector(c, q)
     head_w = linear_fp32(x, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
     dots = torch.relu(torch.einsum("thd,nd->thn", q.float(), keys.float()))
     scores = (dots * head_w[:, :, None]).sum(1)

@@ -1,18 +1,27 @@
-"""The DeepSeek-V4 backbone as pure functions: ``(params, state, token_ids, start) -> logits``.
+"""The backbone as pure functions: ``(params, state, batch) -> logits``.
 
 ``params`` is the nested tree built from the parameter specs (``layers`` is a list);
 ``state`` is the explicit cache of ``state.init_state``, updated in place. A call processes a
 ``Batch``: one chunk per sequence (a whole prompt, a prefill chunk or one decode token), packed
 into one token dimension. ``forward`` is the one-sequence form (slot 0).
+
+V4 and V4.1 share every block; they differ in data: V4 collapses the streams at each mHC site
+with that site's own ``pre`` and ends with a learned ``hc_head``; V4.1 is single-pass (each
+site collapses with the previous site's ``pre``, the head with the last one) and adds Engram
+lookups before some layers.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
 from ..config import ModelConfig
 from .attention import attention
 from .batch import Batch, make_batch
+from .engram import engram_apply
+from .engram_hash import EngramLayout, engram_hash, engram_layout
 from .mhc import hc_head, mhc_coeffs, mhc_collapse, mhc_expand
 from .moe import moe
 from .norm import linear, rms_norm
@@ -31,39 +40,91 @@ def _site(lp: dict, name: str, c: ModelConfig, X: torch.Tensor):
     )
 
 
-def block(lp: dict, ls: dict, c: ModelConfig, X: torch.Tensor, batch: Batch, ratio: int) -> torch.Tensor:
-    """One decoder block (attention site, FFN site) on the streams ``X`` ``[N, hc, D]``."""
-    pre, post, comb = _site(lp, "attn", c, X)
-    a = attention(lp["attn"], ls, c, rms_norm(mhc_collapse(X, pre), lp["attn_norm"], c.rms_norm_eps), batch, ratio)
+def block(
+    lp: dict, states: list, c: ModelConfig, X: torch.Tensor, batch: Batch, layer: int, ratio: int,
+    ctx: dict | None = None, pre_prev: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder block (attention site, FFN site) on the streams ``X`` ``[N, hc, D]``.
+    ``pre_prev`` given (V4.1, single-pass mHC): the attention input collapses with it and the
+    FFN input with the attention site's ``pre``; otherwise each site uses its own.
+    Returns the new streams and the FFN site's ``pre`` (the next block's ``pre_prev``)."""
+    eps = c.rms_norm_eps
+    pre_a, post, comb = _site(lp, "attn", c, X)
+    u = mhc_collapse(X, pre_a if pre_prev is None else pre_prev)
+    a = attention(lp["attn"], states, c, rms_norm(u, lp["attn_norm"], eps), batch, layer, ratio, ctx if ctx is not None else {})
     X = mhc_expand(X, a, post, comb)
-    pre, post, comb = _site(lp, "ffn", c, X)
-    f = moe(lp["ffn"], c, rms_norm(mhc_collapse(X, pre), lp["ffn_norm"], c.rms_norm_eps), batch.token_ids)
-    return mhc_expand(X, f, post, comb)
+    pre_f, post, comb = _site(lp, "ffn", c, X)
+    f = moe(lp["ffn"], c, rms_norm(mhc_collapse(X, pre_f if pre_prev is None else pre_a), lp["ffn_norm"], eps), batch.token_ids)
+    return mhc_expand(X, f, post, comb), pre_f
 
 
-def hidden_streams(params: dict, state: dict, c: ModelConfig, batch: Batch) -> torch.Tensor:
-    """Residual streams after the last layer (before ``hc_head``): ``[N, hc, D]``."""
+@lru_cache(maxsize=8)
+def _layout(c: ModelConfig) -> EngramLayout:
+    return engram_layout(c)
+
+
+def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> list[torch.Tensor]:
+    """Hash ids ``[N, columns]`` of every Engram layer for the packed batch, computed once per
+    forward; each slot's history (the last N-1 compressed ids) is read and advanced."""
+    layout = _layout(c)
+    comp = params["engram_vocab"][batch.token_ids]
+    pad = params["engram_vocab"][c.engram_pad_token_id]
+    hist_pool = state["engram"]["history"]
+    out = [torch.empty(batch.token_ids.shape[0], layout.n_columns, dtype=torch.long, device=comp.device) for _ in c.engram_layer_ids]
+    for ch in batch.chunks:
+        ids = comp[ch.rows]
+        hist = hist_pool[ch.slot] if ch.start > 0 else pad.expand(layout.max_ngram_size - 1)
+        for i in range(len(c.engram_layer_ids)):
+            out[i][ch.rows] = engram_hash(ids, hist, layout, i)
+        hist_pool[ch.slot] = torch.cat([hist, ids])[-(layout.max_ngram_size - 1) :]
+    return out
+
+
+def run_layers(
+    params: dict, state: dict, c: ModelConfig, X: torch.Tensor, batch: Batch, layers: range,
+    ctx: dict, pre: torch.Tensor | None, hashes: list[torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Layers ``layers`` on the streams of the batch's rows. V4.1's decoder half (layers from
+    the last KV source on) can run on a subset of rows by passing that sub-batch."""
+    for layer in layers:
+        lp = params["layers"][layer]
+        if "engram" in lp:
+            X = engram_apply(lp["engram"], X, hashes[c.engram_layer_ids.index(layer)], c.rms_norm_eps)
+        X, pre_f = block(lp, state["layers"], c, X, batch, layer, c.compress_ratios[layer], ctx, pre)
+        if c.is_v41:
+            pre = pre_f
+    return X, pre
+
+
+def hidden_streams(params: dict, state: dict, c: ModelConfig, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Residual streams after the last layer: ``[N, hc, D]``, and (V4.1) the last site's ``pre``."""
     for ch in batch.chunks:
         check_room(state, ch.slot, ch.start, ch.length)
     X = embed(params, c, batch.token_ids, params["norm"].dtype)
-    for layer, (lp, ls) in enumerate(zip(params["layers"], state["layers"])):
-        X = block(lp, ls, c, X, batch, c.compress_ratios[layer])
-    return X
+    pre = None
+    if c.is_v41:  # the first site collapses stream 0 alone
+        pre = torch.zeros(X.shape[:-1], dtype=torch.float32, device=X.device)
+        pre[:, 0] = 1.0
+    hashes = engram_hashes(params, state, c, batch) if c.engram_layer_ids else None
+    return run_layers(params, state, c, X, batch, range(c.num_hidden_layers), {}, pre, hashes)
 
 
-def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None = None) -> torch.Tensor:
-    """Collapse the streams with a learned ``hc_head``, norm, and project to fp32 logits.
-    ``head_prefix`` is the tree holding ``hc_head_*`` and ``norm`` (the backbone or an MTP block)."""
+def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None = None, pre: torch.Tensor | None = None) -> torch.Tensor:
+    """Collapse the streams (a learned ``hc_head``, or V4.1's last ``pre``), norm, and project
+    to fp32 logits. ``head_prefix`` is the tree holding ``hc_head_*`` and ``norm``."""
     hp = params if head_prefix is None else head_prefix
-    u = hc_head(X, hp["hc_head_fn"], hp["hc_head_base"], hp["hc_head_scale"], c.rms_norm_eps, c.hc_eps)
+    if pre is not None:
+        u = mhc_collapse(X, pre)
+    else:
+        u = hc_head(X, hp["hc_head_fn"], hp["hc_head_base"], hp["hc_head_scale"], c.rms_norm_eps, c.hc_eps)
     u = rms_norm(u, hp["norm"], c.rms_norm_eps)
     return linear(u.float(), params["head"])
 
 
 def forward_batch(params: dict, state: dict, c: ModelConfig, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits ``[N, vocab]`` (fp32) for every packed token, and the final streams (MTP input)."""
-    X = hidden_streams(params, state, c, batch)
-    return head(params, c, X), X
+    """Logits ``[N, vocab]`` (fp32) for every packed token, and the final streams (draft input)."""
+    X, pre = hidden_streams(params, state, c, batch)
+    return head(params, c, X, pre=pre), X
 
 
 def forward(

@@ -21,7 +21,7 @@ def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
 def route(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> expert ids ``[T, k]`` and routing weights ``[T, k]`` (fp32)."""
     gate = p["gate"]
-    scores = _score(linear_fp32(x, gate["weight"]), c.scoring_func)
+    scores = _score(linear_fp32(x, gate["weight"]) / c.gate_temp, c.scoring_func)
     if "tid2eid" in gate:
         idx = gate["tid2eid"][token_ids].long()
     else:

@@ -22,7 +22,7 @@ def mtp_forward_batch(
     eps = c.rms_norm_eps
     e = rms_norm(params["embed"][batch.token_ids].to(X.dtype), mp["enorm"], eps)
     Y = linear(rms_norm(X, mp["hnorm"], eps), mp["h_proj"]) + linear(e, mp["e_proj"])[:, None, :]
-    Y = block(mp, ms, c, Y, batch, 0)
+    Y, _ = block(mp, [ms], c, Y, batch, 0, 0)
     return head(params, c, Y, head_prefix=mp), Y
 
 

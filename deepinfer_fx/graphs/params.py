@@ -99,11 +99,59 @@ def _attention(prefix: str, c: ModelConfig, ratio: int) -> list[ParamSpec]:
     return specs
 
 
+def _attention_v41(prefix: str, c: ModelConfig, layer: int) -> list[ParamSpec]:
+    """V4.1 (CSA2): the common projections, plus a compressor and index-key projection on KV
+    sources and an indexer query head on index sources; reuse layers own neither."""
+    h, hd, d = c.num_attention_heads, c.head_dim, c.hidden_size
+    a = f"{prefix}.attn"
+    specs = [
+        _linear(f"{a}.wq_a", c.q_lora_rank, d, (None, "embed"), "fp8"),
+        _norm(f"{a}.q_norm", c.q_lora_rank),
+        _linear(f"{a}.wq_b", h * hd, c.q_lora_rank, ("heads", None), "fp8"),
+        _linear(f"{a}.wkv", hd, d, (None, "embed"), "fp8"),
+        _norm(f"{a}.kv_norm", hd),
+        _linear(f"{a}.wo_a", c.o_groups * c.o_lora_rank, h * hd // c.o_groups, ("heads", None), "fp8"),
+        _linear(f"{a}.wo_b", d, c.o_groups * c.o_lora_rank, ("embed", None), "fp8"),
+        ParamSpec(f"{a}.attn_sink", f"{a}.attn_sink", (h,), ("heads",), init="zeros", fp32=True),
+    ]
+    if c.compress_ratios[layer] and c.is_kv_source(layer):
+        specs.append(_linear(f"{a}.compressor.wkv", hd, d, ("compress", "embed"), None))
+        if c.compress_ratios[layer] > 1:
+            specs.append(_linear(f"{a}.compressor.wgate", hd, d, ("compress", "embed"), None))
+        specs += [
+            _norm(f"{a}.compressor.norm", hd),
+            _linear(f"{a}.indexer.wk", c.index_head_dim, hd, (None, None), None),
+            _norm(f"{a}.indexer.k_norm", c.index_head_dim),
+        ]
+    if c.compress_ratios[layer] and c.is_index_source(layer):
+        specs += [
+            _linear(f"{a}.indexer.wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank, (None, None), "fp8"),
+            _linear(f"{a}.indexer.weights_proj", c.index_n_heads, d, (None, "embed"), None),
+        ]
+    return specs
+
+
+def _engram(prefix: str, c: ModelConfig, layer: int) -> list[ParamSpec]:
+    e = f"{prefix}.engram"
+    rows = c.engram_num_embeddings[c.engram_layer_ids.index(layer)]
+    cols = (c.engram_max_ngram_size - 1) * c.engram_n_heads * c.engram_head_dim
+    d, n = c.hidden_size, c.hc_mult
+    return [
+        # fp8 rows with a ue8m0 scale per 32 channels; read row by row from a memory map
+        ParamSpec(f"{e}.embed", f"{e}.embed.weight", (rows, c.engram_head_dim), (None, None), quant="engram"),
+        _linear(f"{e}.wkv", (n + 1) * d, cols, (None, None), "fp8"),
+        ParamSpec(f"{e}.q_weight", f"{e}.q_weight", (n, d), (None, "embed"), init="ones"),
+        ParamSpec(f"{e}.k_weight", f"{e}.k_weight", (n, d), (None, "embed"), init="ones"),
+    ]
+
+
 def _moe(prefix: str, c: ModelConfig, hashed: bool) -> list[ParamSpec]:
     e, i, d = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
     f = f"{prefix}.ffn"
     xq = None if c.expert_dtype == "bf16" else ("fp8" if c.expert_dtype == "fp8" else "fp4")
     specs = [ParamSpec(f"{f}.gate.weight", f"{f}.gate.weight", (e, d), ("experts", "embed"))]
+    if c.is_v41:  # image-span tokens route with their own selection bias
+        specs.append(ParamSpec(f"{f}.gate.bias_vl", f"{f}.gate.bias_vl", (e,), ("experts",), init="zeros", fp32=True))
     if hashed:
         specs.append(
             ParamSpec(f"{f}.gate.tid2eid", f"{f}.gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), ("vocab", None), init="tid2eid", integer=True)
@@ -123,13 +171,20 @@ def _moe(prefix: str, c: ModelConfig, hashed: bool) -> list[ParamSpec]:
     return specs
 
 
-def _block(prefix: str, c: ModelConfig, ratio: int, hashed: bool) -> list[ParamSpec]:
+def _block(prefix: str, c: ModelConfig, ratio: int, hashed: bool, layer: int | None = None) -> list[ParamSpec]:
+    """One decoder block; ``layer`` is the backbone index (None for draft blocks)."""
+    if c.is_v41 and layer is not None:
+        attn = _attention_v41(prefix, c, layer)
+    else:
+        attn = _attention(prefix, c, ratio)
+    extra = _engram(prefix, c, layer) if layer is not None and layer in c.engram_layer_ids else []
     return (
         [_norm(f"{prefix}.attn_norm", c.hidden_size), _norm(f"{prefix}.ffn_norm", c.hidden_size)]
         + _hc_site(prefix, "attn", c)
         + _hc_site(prefix, "ffn", c)
-        + _attention(prefix, c, ratio)
+        + attn
         + _moe(prefix, c, hashed)
+        + extra
     )
 
 
@@ -139,10 +194,16 @@ def backbone_specs(c: ModelConfig) -> list[ParamSpec]:
         ParamSpec("embed", "embed.weight", (v, d), ("vocab", "embed")),
         ParamSpec("head", "head.weight", (v, d), ("vocab", "embed"), fp32=True),
         _norm("norm", d),
-    ] + _hc_head("", c)
+    ]
+    if not c.is_v41:  # V4.1 collapses the streams with the last site's pre: no learned hc_head
+        specs += _hc_head("", c)
     for layer, ratio in enumerate(c.compress_ratios):
-        specs += _block(f"layers.{layer}", c, ratio, layer < c.num_hash_layers)
+        specs += _block(f"layers.{layer}", c, ratio, layer < c.num_hash_layers, layer)
     return specs
+
+
+def engram_specs(c: ModelConfig) -> list[ParamSpec]:
+    return [s for s in backbone_specs(c) if ".engram." in s.path]
 
 
 def mtp_specs(c: ModelConfig) -> list[ParamSpec]:
@@ -168,9 +229,11 @@ def param_specs(c: ModelConfig, mtp: bool = True) -> list[ParamSpec]:
     return backbone_specs(c) + (mtp_specs(c) if mtp else [])
 
 
-def count_params(c: ModelConfig, mtp: bool = False) -> int:
-    """Parameters of a config, counted from the specs without allocating (MTP excluded by default)."""
-    return sum(s.numel for s in param_specs(c, mtp=mtp))
+def count_params(c: ModelConfig, mtp: bool = False, engram: bool = False) -> int:
+    """Parameters of a config, counted from the specs without allocating. The draft layers
+    (``mtp.*``) and V4.1's Engram tables are left out unless asked for: the published
+    backbone sizes count neither."""
+    return sum(s.numel for s in param_specs(c, mtp=mtp) if engram or ".engram." not in s.path)
 
 
 # --- trees -------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .engram import EngramTable
 from .params import build_tree, init_param, param_specs
 
 
@@ -15,5 +16,16 @@ def random_flat(c: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float3
 
 
 def random_params(c: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True) -> dict:
-    flat = random_flat(c, seed, dtype, mtp)
-    return build_tree({k: v.to(device) for k, v in flat.items()})
+    flat = {k: v.to(device) for k, v in random_flat(c, seed, dtype, mtp).items()}
+    for path in [p for p in flat if p.endswith(".engram.embed")]:
+        flat[path] = EngramTable.from_tensor(flat[path], name=path)
+    if c.engram_layer_ids:
+        flat["engram_vocab"] = default_engram_vocab(c).to(device)
+    return build_tree(flat)
+
+
+def default_engram_vocab(c: ModelConfig) -> torch.Tensor:
+    """Token id -> compressed class for a model without a tokenizer (random models): ids fold
+    onto ``engram_compressed_vocab_size`` classes. Real checkpoints derive it from the tokenizer."""
+    classes = c.engram_compressed_vocab_size or c.vocab_size
+    return torch.arange(c.vocab_size) % classes

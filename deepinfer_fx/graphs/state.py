@@ -13,7 +13,10 @@ All tensors carry a leading slot dim (one slot per sequence of a batch).
 - ``comp`` (layers with a compressor): ``rows_kv`` / ``rows_gate`` ring of raw projected rows
   (fp32, ``ratio`` slots, or ``2 * ratio`` where windows overlap, so the previous window's
   rows are still there), and ``entries`` ``[max_len // ratio, head_dim]`` of compressed kv.
-- ``index`` (CSA layers): the same for the indexer's own compressor (index keys).
+- ``index`` (V4 CSA layers): the same for the indexer's own compressor (index keys).
+- V4.1: only KV-source layers hold ``comp`` (with ``index_keys`` beside ``entries``); the
+  other layers read their source's. ``engram.history`` holds, per slot, the compressed ids of
+  the last ``engram_max_ngram_size - 1`` tokens (pad class before the sequence start).
 """
 
 from __future__ import annotations
@@ -33,8 +36,16 @@ def _compressor_state(slots: int, ratio: int, overlap: bool, dim: int, max_len: 
     }
 
 
-def layer_state(c: ModelConfig, ratio: int, max_len: int, dtype: torch.dtype, device=None, slots: int = 1) -> dict:
+def layer_state(
+    c: ModelConfig, ratio: int, max_len: int, dtype: torch.dtype, device=None, slots: int = 1, layer: int | None = None
+) -> dict:
+    """One layer's state; ``layer`` is its backbone index (None for window-only draft blocks)."""
     st = {"window": torch.zeros(slots, c.sliding_window, c.head_dim, dtype=dtype, device=device)}
+    if c.is_v41:
+        if ratio and layer is not None and c.is_kv_source(layer):  # other layers read their source's
+            st["comp"] = _compressor_state(slots, ratio, False, c.head_dim, max_len, dtype, device)
+            st["comp"]["index_keys"] = torch.zeros(slots, max(max_len // ratio, 1), c.index_head_dim, dtype=dtype, device=device)
+        return st
     overlap = ratio == c.csa_ratio
     if ratio:
         st["comp"] = _compressor_state(slots, ratio, overlap, c.head_dim, max_len, dtype, device)
@@ -49,12 +60,15 @@ def init_state(
     """State for ``slots`` sequences of up to ``max_len`` tokens each (backbone and MTP blocks).
     Every tensor has the slot as its leading dim; ``slot_view`` gives one sequence's part."""
     n_mtp = c.num_nextn_predict_layers if mtp and not c.dspark_stages else 0
-    return {
+    state = {
         "max_len": max_len,
         "slots": slots,
-        "layers": [layer_state(c, r, max_len, dtype, device, slots) for r in c.compress_ratios],
+        "layers": [layer_state(c, r, max_len, dtype, device, slots, i) for i, r in enumerate(c.compress_ratios)],
         "mtp": [layer_state(c, 0, max_len, dtype, device, slots) for _ in range(n_mtp)],
     }
+    if c.engram_layer_ids:  # compressed ids of the tokens before each slot's next position
+        state["engram"] = {"history": torch.zeros(slots, c.engram_max_ngram_size - 1, dtype=torch.long, device=device)}
+    return state
 
 
 def slot_view(tree: dict, slot: int) -> dict:

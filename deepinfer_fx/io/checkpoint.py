@@ -129,6 +129,16 @@ class _Stored:
 
 
 @dataclass(frozen=True)
+class RawTensor:
+    """Where a stored tensor's bytes sit on disk, for callers that memory-map them directly
+    (tables far too large to read, such as the ~98 GB Engram embeddings)."""
+    path: pathlib.Path
+    offset: int  # absolute byte offset of the tensor data in the file
+    dtype: str  # safetensors dtype tag as stored, e.g. "F8_E4M3", "F8_E8M0", "BF16"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _Entry:
     """A canonical key: where its data lives and how to turn it into a tensor."""
     src: _Stored
@@ -271,6 +281,33 @@ class CheckpointReader:
         if e.scale is not None and e.src.dtype in ("I8", "U8"):
             shape = (*shape[:-1], shape[-1] * 2)  # two FP4 values per byte
         return shape
+
+    def raw(self, key: str) -> RawTensor:
+        """File, data offset, stored dtype and shape of one stored tensor, read from nothing but
+        the shard header.  ``key`` is canonical; a quantisation scale (normally consumed by its
+        weight and absent from ``keys()``) is addressed by its own canonical name."""
+        e = self._entries.get(key)
+        t = e.src if e is not None else None
+        if e is None:
+            for suffix in _SCALE_SUFFIXES:
+                owner = self._entries.get(key[: -len(suffix)] + ".weight") if key.endswith(suffix) else None
+                if owner is not None and owner.scale is not None and canonical_name(owner.scale.name) == key:
+                    t = owner.scale
+        if t is None:
+            self._entry(key)  # raises the usual "not found" error, with a near-miss hint
+            raise CheckpointError(f"tensor '{key}' not found in checkpoint {self.model_dir}")
+        if e is not None and e.chunk is not None:
+            raise CheckpointError(f"{self.location(key)}: '{key}' is a slice of a fused tensor, not a stored tensor")
+        # _Stored does not keep offsets (nothing else needs them), so re-read this shard's header;
+        # it was validated at construction and is small next to the data.
+        try:
+            with open(t.shard, "rb") as fh:
+                hlen = struct.unpack("<Q", fh.read(8))[0]
+                start = int(json.loads(fh.read(hlen))[t.name]["data_offsets"][0])
+        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+            raise CheckpointError(f"{t.shard}: cannot locate tensor '{t.name}' for '{key}' "
+                                  f"({type(exc).__name__}: {exc})") from exc
+        return RawTensor(t.shard, 8 + hlen + start, t.dtype, t.shape)
 
     def get(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Read (and dequantise) a tensor; integer tensors come back as int64."""

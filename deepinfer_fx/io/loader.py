@@ -13,14 +13,24 @@ import torch
 
 from ..config import ModelConfig, load_config
 from ..graphs.params import ParamSpec, backbone_specs, build_tree, mtp_specs
+from ..graphs.engram import EngramTable
+from ..graphs.engram_hash import compressed_vocab
 from .checkpoint import CheckpointError, CheckpointReader, resolve_model_dir
+from .tokenizer import load_tokenizer
 
 
 def _expected(spec: ParamSpec) -> tuple[int, ...]:
     return spec.shape[1:] if spec.stacked else spec.shape
 
 
-def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, device) -> torch.Tensor:
+def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, device):
+    if spec.quant == "engram":  # ~98 GB tables: memory-mapped, rows read on lookup
+        if tuple(reader.shape(spec.key)) != spec.shape:
+            raise CheckpointError(
+                f"{reader.location(spec.key)}: tensor '{spec.key}' has shape {list(reader.shape(spec.key))}, the config expects {list(spec.shape)}"
+            )
+        scale = spec.key[: -len(".weight")] + ".scale"
+        return EngramTable.from_checkpoint(reader, spec.key, scale if _has_raw(reader, scale) else None)
     keys = [spec.key.format(e=e) for e in range(spec.shape[0])] if spec.stacked else [spec.key]
     for key in keys:
         if key not in reader:
@@ -50,7 +60,36 @@ def load_params(reader: CheckpointReader, c: ModelConfig, dtype: torch.dtype, de
     flat = {s.path: _load_one(reader, s, dtype, device) for s in specs}
     if "head" not in flat:
         flat["head"] = flat["embed"].float()
+    if c.engram_layer_ids:
+        flat["engram_vocab"] = engram_vocab(reader.model_dir, c).to(device)
     return build_tree(flat)
+
+
+def _has_raw(reader: CheckpointReader, key: str) -> bool:
+    try:
+        reader.raw(key)
+    except CheckpointError:
+        return False
+    return True
+
+
+def engram_vocab(model_dir, c: ModelConfig) -> torch.Tensor:
+    """Token id -> compressed class, from the checkpoint's own tokenizer (the Engram hashes
+    were trained on it); ids past the tokenizer's vocabulary map to the pad class."""
+    try:
+        tok = load_tokenizer(model_dir)
+    except FileNotFoundError:
+        raise CheckpointError(f"{model_dir}: V4.1 Engram layers need the checkpoint's tokenizer.json to hash token ids; copy it in") from None
+    lookup, n = compressed_vocab(tok)
+    if c.engram_compressed_vocab_size is not None and n != c.engram_compressed_vocab_size:
+        raise CheckpointError(
+            f"{model_dir}: tokenizer.json gives {n} compressed classes but config.json says "
+            f"engram_compressed_vocab_size={c.engram_compressed_vocab_size}; the tokenizer does not belong to this checkpoint"
+        )
+    table = torch.as_tensor(lookup, dtype=torch.long)
+    if table.numel() < c.vocab_size:
+        table = torch.cat([table, table[c.engram_pad_token_id].expand(c.vocab_size - table.numel())])
+    return table[: c.vocab_size]
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype, device=None, fake_quant: bool | None = None):

@@ -153,6 +153,15 @@ def quant_fp8_block(w: Tensor, block: int) -> tuple[Tensor, Tensor]:
     return w8, _exponent_to_ue8m0(e)
 
 
+def quant_fp8_rows(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+    """Quantize [..., K] to (float8_e4m3fn, float8_e8m0fnu scales [..., K/block]): one scale per
+    ``block`` channels of each row, the layout of V4.1's Engram table rows."""
+    blocks = _split_blocks(w.to(torch.float32), block)
+    e = _pow2_ceil_exponent(_block_amax(blocks, _FP8_AMAX_FLOOR) / E4M3_MAX)
+    w8 = (blocks / torch.exp2(e.to(torch.float32))).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return w8.reshape(w.shape).contiguous(), _exponent_to_ue8m0(e.squeeze(-1))
+
+
 def dequant_mxfp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Dequantize MXFP4 [..., K/2] (low nibble = even k) with ue8m0 scales [..., K/32]."""
     if packed.dtype not in (torch.int8, torch.uint8):

@@ -1,0 +1,85 @@
+"""V4.1 CSA2: compressed KV and index keys shared across layers, two-level top-k.
+
+Only KV-source layers own a compressor; the layers after a source read its compressed cache
+(ratio 2 in the encoder half, ratio 1 = one latent per token in the decoder half). Index keys
+are derived from the source's latents (``wk``, ``k_norm``). Index-source layers score queries
+against those keys and publish a top-k selection that the following layers reuse; the
+candidate-source layer also publishes a block mask (top blocks of ``candidate_block_size``
+entries) that restricts every later index source ("reindex").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from . import fake_quant as fq
+from .batch import Chunk
+from .compressor import entry_rope, new_latents, store_entries, visible_entries
+from .norm import linear, linear_fp32, rms_norm
+from .rope import apply_rope, cos_sin
+from .state import slot_view
+
+
+def _publish(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, start: int, ratio: int, freq: torch.Tensor) -> None:
+    """A KV source pools the chunk and stores new compressed entries and their index keys.
+    Index keys come from the latent before RoPE; both are then rotated to the entry position."""
+    w0, lat = new_latents(p["compressor"], st, x, start, ratio, False, c.rms_norm_eps)
+    if lat is None:
+        return
+    keys = rms_norm(linear(lat, p["indexer"]["wk"]), p["indexer"]["k_norm"], c.rms_norm_eps)
+    store_entries(st["index_keys"], w0, fq.index_vector(c, entry_rope(keys, w0, ratio, freq)))
+    store_entries(st["entries"], w0, fq.compressed_entry(c, entry_rope(lat, w0, ratio, freq)))
+
+
+def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, top_blocks: int, block: int) -> torch.Tensor:
+    """Level one of the two-level top-k: per query keep the ``top_blocks`` blocks of ``block``
+    entries with the highest max score, always including the block of the newest visible
+    entry; blocks with no visible entry are dropped. -> bool mask shaped like ``scores``."""
+    n = scores.shape[-1]
+    padded = torch.nn.functional.pad(scores, (0, -n % block), value=float("-inf"))
+    blk = padded.unflatten(-1, (-1, block)).amax(-1)
+    newest = torch.div(n_visible - 1, block, rounding_mode="floor")
+    ids = torch.arange(blk.shape[-1], device=scores.device)
+    blk = blk.masked_fill(ids[None, :] == newest[:, None], float("inf"))
+    top = blk.topk(min(top_blocks, blk.shape[-1]), dim=-1)
+    keep = torch.zeros_like(blk, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :n]
+
+
+def _select(p: dict, c: ModelConfig, keys: torch.Tensor, x, q_r, q_pos, layer: int, ratio: int, freq, chunk_ctx: dict) -> torch.Tensor:
+    """An index source's selection: ``[T, n_entries]`` bool."""
+    ip = p["indexer"]
+    q = linear(q_r, ip["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
+    q = fq.index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
+    head_w = linear_fp32(x, ip["weights_proj"]) * c.index_n_heads**-0.5
+    dots = torch.relu(torch.einsum("thd,nd->thn", q.float(), keys.float())) * c.index_head_dim**-0.5
+    scores = (dots * head_w[:, :, None]).sum(1)
+    n = keys.shape[0]
+    visible = visible_entries(q_pos, n, ratio)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if c.is_candidate_source(layer):
+        n_vis = torch.div(q_pos + 1, ratio, rounding_mode="floor").clamp(max=n)
+        chunk_ctx["candidates"] = candidate_blocks(scores, n_vis, c.candidate_topk_blocks, c.candidate_block_size)
+    elif c.uses_candidates(layer) and "candidates" in chunk_ctx:
+        scores = scores.masked_fill(~chunk_ctx["candidates"], float("-inf"))
+    top = scores.topk(min(c.index_topk, n), dim=-1)
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return chosen & visible
+
+
+def csa2_entries(
+    p: dict, states: list, c: ModelConfig, x, q_r, q_pos, ch: Chunk, layer: int, freq, chunk_ctx: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed entries a V4.1 layer attends to (its KV source's) and the selection."""
+    src = c.kv_source(layer)
+    ratio = c.compress_ratios[src]
+    st = slot_view(states[src], ch.slot)["comp"]
+    if layer == src:
+        _publish(p, st, c, x, ch.start, ratio, freq)
+    n = (ch.start + ch.length) // ratio
+    entries = st["entries"][:n]
+    if c.is_index_source(layer):
+        sel = _select(p, c, st["index_keys"][:n], x, q_r, q_pos, layer, ratio, freq, chunk_ctx) if n else None
+        chunk_ctx["selection"] = sel if sel is not None else torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
+    return entries, chunk_ctx["selection"]

@@ -1,0 +1,114 @@
+"""DeepSeek-V4.1: parameter counts, two-level top-k, checkpoints with Engram tables, and the
+engine on a V4.1 model."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_v41
+
+import deepinfer_fx
+from deepinfer_fx.config import ConfigError, load_config
+from deepinfer_fx.engine import LLM, SamplingParams
+from deepinfer_fx.graphs.csa2 import candidate_blocks
+from deepinfer_fx.graphs.params import count_params, engram_specs
+from deepinfer_fx.graphs.random_init import random_flat
+from deepinfer_fx.io.checkpoint import CheckpointError
+from deepinfer_fx.io.quant import quant_fp8_rows, ue8m0_to_float
+
+SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "spec" / "configs"
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}
+
+
+def test_released_v41_parameter_counts() -> None:
+    c = load_config(SPEC / "deepseek_v41_flash.json")
+    assert abs(count_params(c) / 551.6e9 - 1) < 0.005
+    assert abs(sum(s.numel for s in engram_specs(c)) / 196.9e9 - 1) < 0.005
+
+
+def test_candidate_blocks_change_the_selection() -> None:
+    """One query, 12 entries in blocks of 4, 10 visible. Block scores: 5 (block 0), 9 (block 1),
+    1 (block 2, the newest visible block, always kept). With 2 candidate blocks, block 0 drops
+    out, so the top-3 pick moves from {0, 4, 5} to {4, 5, 8}."""
+    ninf = float("-inf")
+    scores = torch.tensor([[5.0, 4.0, 0.5, 0.2, 9.0, 6.0, 0.1, 0.3, 1.0, 0.7, ninf, ninf]])
+    mask = candidate_blocks(scores, torch.tensor([10]), top_blocks=2, block=4)
+    assert mask.tolist() == [[False] * 4 + [True] * 8]
+    top_plain = set(scores.topk(3).indices[0].tolist())
+    top_cand = set(scores.masked_fill(~mask, ninf).topk(3).indices[0].tolist())
+    assert top_plain == {0, 4, 5} and top_cand == {4, 5, 8}
+    # no visible entry: nothing is forced in, nothing survives
+    none = candidate_blocks(torch.full((1, 8), ninf), torch.tensor([0]), top_blocks=2, block=4)
+    assert not none.any()
+
+
+def _quantised(**kw) -> dict:
+    cfg = tiny_v41(quantization_config=QUANT, expert_dtype="fp4", torch_dtype="bfloat16", **kw)
+    del cfg["engram_compressed_vocab_size"], cfg["engram_num_embeddings"]  # the writer derives them
+    return {"model_type": "deepseek_v41", "text_config": cfg, "eos_token_id": [1, 2]}
+
+
+def test_v41_checkpoint_loads_and_runs(tmp_path: Path) -> None:
+    seed = random.SystemRandom().randrange(2**31)
+    deepinfer_fx.write_random_checkpoint(tmp_path, _quantised(), seed=seed)
+    text = json.loads((tmp_path / "config.json").read_text())["text_config"]
+    assert text["engram_compressed_vocab_size"] > 0 and len(text["engram_num_embeddings"]) == 2
+    stored = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "layers.1.engram.embed.scale" in stored and "layers.2.attn.indexer.wk.weight" in stored
+    assert "hc_head_fn" not in stored and "layers.3.attn.compressor.wkv.weight" not in stored  # reuse layer
+
+    model = deepinfer_fx.load_model(tmp_path, dtype=torch.float32)
+    c, params = model
+    assert c.is_v41 and c.eos_token_ids == (1, 2)
+    # Engram rows come from a memory map, decoded exactly as written (fp8, ue8m0 per 32)
+    rows = random_flat(c, seed, torch.float32)["layers.3.engram.embed"]
+    ids = torch.randint(0, rows.shape[0], (50,), generator=torch.Generator().manual_seed(seed))
+    w8, s = quant_fp8_rows(rows[ids].to(torch.bfloat16).float())  # the writer quantises what a bf16 model holds
+    want = (w8.float().unflatten(-1, (-1, 32)) * ue8m0_to_float(s)[..., None]).flatten(-2)
+    assert torch.equal(params["layers"][3]["engram"]["embed"].lookup(ids), want)
+    out = deepinfer_fx.logits(model, list(range(3, 60)))
+    assert out.shape == (57, c.vocab_size) and torch.isfinite(out).all()
+
+
+def test_v41_bad_checkpoints(tmp_path: Path) -> None:
+    bad = _quantised()
+    bad["text_config"]["engram_num_embeddings"] = [1000, 1000]
+    with pytest.raises(ConfigError, match="engram_num_embeddings"):
+        deepinfer_fx.write_random_checkpoint(tmp_path / "a", bad)
+
+    ckpt = tmp_path / "b"
+    deepinfer_fx.write_random_checkpoint(ckpt, _quantised(), seed=1)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["text_config"]["index_head_dim"] = 64  # stored wk / indexer weights no longer match
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="indexer") as e:
+        deepinfer_fx.load_model(ckpt, dtype=torch.float32)
+    assert "\n" not in str(e.value) and ".safetensors" in str(e.value)
+
+    cfg["text_config"]["index_head_dim"] = 32
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["layers.4.attn.compressor.wkv.weight"]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="layers.4.attn.compressor.wkv.weight"):
+        deepinfer_fx.load_model(ckpt, dtype=torch.float32)
+
+
+def test_engine_runs_v41_and_splits_prefill_decode(tmp_path: Path) -> None:
+    seed = random.SystemRandom().randrange(2**31)
+    ckpt = tmp_path / "ckpt"
+    deepinfer_fx.write_random_checkpoint(ckpt, _quantised(), seed=seed)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    ps = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seq_seed=seed)
+    kw = dict(dtype="float32", max_model_len=64, fake_quant=False)
+    normal = LLM(ckpt, **kw).generate(prompts, ps)
+    alone = [LLM(ckpt, max_num_seqs=1, **kw).generate([p], ps)[0] for p in prompts[:2]]
+    assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in normal[:2]], f"seed={seed}"
+    LLM(ckpt, engine_type="prompt", state_dir=tmp_path / "states", **kw).generate(prompts, ps)
+    done = LLM(ckpt, engine_type="completion", state_dir=tmp_path / "states", **kw).generate(None, ps)
+    assert [o.outputs[0].token_ids for o in done] == [o.outputs[0].token_ids for o in normal], f"seed={seed}"
