@@ -82,22 +82,29 @@ def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> li
 
 def run_layers(
     params: dict, state: dict, c: ModelConfig, X: torch.Tensor, batch: Batch, layers: range,
-    ctx: dict, pre: torch.Tensor | None, hashes: list[torch.Tensor] | None,
+    ctx: dict, pre: torch.Tensor | None, hashes: list[torch.Tensor] | None, captured: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Layers ``layers`` on the streams of the batch's rows. V4.1's decoder half (layers from
-    the last KV source on) can run on a subset of rows by passing that sub-batch."""
+    the last KV source on) can run on a subset of rows by passing that sub-batch. Layers listed
+    in ``captured`` (a dict of layer -> None) get their input streams (after Engram) stored
+    there: the DSpark drafter reads them."""
     for layer in layers:
         lp = params["layers"][layer]
         if "engram" in lp:
             X = engram_apply(lp["engram"], X, hashes[c.engram_layer_ids.index(layer)], c.rms_norm_eps)
+        if captured is not None and layer in captured:
+            captured[layer] = X
         X, pre_f = block(lp, state["layers"], c, X, batch, layer, c.compress_ratios[layer], ctx, pre)
         if c.is_v41:
             pre = pre_f
     return X, pre
 
 
-def hidden_streams(params: dict, state: dict, c: ModelConfig, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Residual streams after the last layer: ``[N, hc, D]``, and (V4.1) the last site's ``pre``."""
+def hidden_streams(
+    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Residual streams after the last layer: ``[N, hc, D]``, and (V4.1) the last site's ``pre``.
+    ``captured``: see ``run_layers``."""
     for ch in batch.chunks:
         check_room(state, ch.slot, ch.start, ch.length)
     X = embed(params, c, batch.token_ids, params["norm"].dtype)
@@ -106,7 +113,7 @@ def hidden_streams(params: dict, state: dict, c: ModelConfig, batch: Batch) -> t
         pre = torch.zeros(X.shape[:-1], dtype=torch.float32, device=X.device)
         pre[:, 0] = 1.0
     hashes = engram_hashes(params, state, c, batch) if c.engram_layer_ids else None
-    return run_layers(params, state, c, X, batch, range(c.num_hidden_layers), {}, pre, hashes)
+    return run_layers(params, state, c, X, batch, range(c.num_hidden_layers), {}, pre, hashes, captured)
 
 
 def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None = None, pre: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,9 +128,12 @@ def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None
     return linear(u.float(), params["head"])
 
 
-def forward_batch(params: dict, state: dict, c: ModelConfig, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits ``[N, vocab]`` (fp32) for every packed token, and the final streams (draft input)."""
-    X, pre = hidden_streams(params, state, c, batch)
+def forward_batch(
+    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[N, vocab]`` (fp32) for every packed token, and the final streams (MTP input).
+    ``captured``: layer -> None entries to fill with those layers' input streams (DSpark)."""
+    X, pre = hidden_streams(params, state, c, batch, captured)
     return head(params, c, X, pre=pre), X
 
 
