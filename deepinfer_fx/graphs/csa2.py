@@ -21,15 +21,17 @@ from .rope import apply_rope, cos_sin
 from .state import slot_view
 
 
-def _publish(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, start: int, ratio: int, freq: torch.Tensor) -> None:
+def _publish(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, start: int, ratio: int, freq: torch.Tensor) -> bool:
     """A KV source pools the chunk and stores new compressed entries and their index keys.
-    Index keys come from the latent before RoPE; both are then rotated to the entry position."""
+    Index keys come from the latent before RoPE; both are then rotated to the entry position.
+    Returns whether any group closed in this chunk."""
     w0, lat = new_latents(p["compressor"], st, x, start, ratio, False, c.rms_norm_eps)
     if lat is None:
-        return
+        return False
     keys = rms_norm(linear(lat, p["indexer"]["wk"]), p["indexer"]["k_norm"], c.rms_norm_eps)
     store_entries(st["index_keys"], w0, fq.index_vector(c, entry_rope(keys, w0, ratio, freq)))
     store_entries(st["entries"], w0, fq.compressed_entry(c, entry_rope(lat, w0, ratio, freq)))
+    return True
 
 
 def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, top_blocks: int, block: int) -> torch.Tensor:
@@ -75,11 +77,16 @@ def csa2_entries(
     src = c.kv_source(layer)
     ratio = c.compress_ratios[src]
     st = slot_view(states[src], ch.slot)["comp"]
-    if layer == src:
-        _publish(p, st, c, x, ch.start, ratio, freq)
+    closed = _publish(p, st, c, x, ch.start, ratio, freq) if layer == src else False
     n = (ch.start + ch.length) // ratio
     entries = st["entries"][:n]
+    keys = st["index_keys"]
+    if c.index_key_quirk and layer == src and ratio > 1 and not closed:
+        # The official reference republishes an owner's keys only when it closes a group; in
+        # between, the owner scores against the last keys published, the last KV source's
+        # (ratio 1, written every token by the previous step). Spec §11.1.
+        keys = slot_view(states[c.kv_source_layer_ids[-1]], ch.slot)["comp"]["index_keys"]
     if c.is_index_source(layer):
-        sel = _select(p, c, st["index_keys"][:n], x, q_r, q_pos, layer, ratio, freq, chunk_ctx) if n else None
+        sel = _select(p, c, keys[:n], x, q_r, q_pos, layer, ratio, freq, chunk_ctx) if n else None
         chunk_ctx["selection"] = sel if sel is not None else torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
     return entries, chunk_ctx["selection"]

@@ -112,3 +112,31 @@ def test_engine_runs_v41_and_splits_prefill_decode(tmp_path: Path) -> None:
     LLM(ckpt, engine_type="prompt", state_dir=tmp_path / "states", **kw).generate(prompts, ps)
     done = LLM(ckpt, engine_type="completion", state_dir=tmp_path / "states", **kw).generate(None, ps)
     assert [o.outputs[0].token_ids for o in done] == [o.outputs[0].token_ids for o in normal], f"seed={seed}"
+
+
+def test_index_key_quirk_switch() -> None:
+    """Spec §11.1: with the reference's quirk, a ratio-2 owner whose group is open scores against
+    the last published (ratio-1) keys. Prefill is unaffected; token-by-token decode then departs
+    from prefill. Off (the default), decode and prefill agree."""
+    from deepinfer_fx.graphs.model import forward
+    from deepinfer_fx.graphs.state import init_state
+
+    seed = random.SystemRandom().randrange(2**31)
+    model = deepinfer_fx.random_model(tiny_v41(index_topk=2), seed=seed)
+    c0 = model.config.replace(fake_quant=False)
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(seed))
+
+    def run(c, chunks):
+        state = init_state(c, 40, torch.float32)
+        outs, start = [], 0
+        for n in chunks:
+            outs.append(forward(model.params, state, c, ids[start : start + n], start)[0])
+            start += n
+        return torch.cat(outs)
+
+    quirk = c0.replace(index_key_quirk=True)
+    one = run(c0, [40])
+    assert torch.allclose(run(quirk, [40]), one, rtol=0, atol=0), f"seed={seed}: the quirk changed a prefill"
+    assert torch.allclose(run(c0, [1] * 40), one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
+    step = run(quirk, [1] * 40)
+    assert (step - one).abs().max().item() > 1e-3 * one.abs().max().item(), f"seed={seed}: the quirk had no effect"
