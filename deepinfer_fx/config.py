@@ -401,10 +401,13 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
         fp8_block=int(block[0]) if block else None,
         expert_dtype=d.get("expert_dtype", quant.get("expert_dtype")),
         **(_v41_fields(d, where) if v41 else {}),
+        # V4.1 always describes its drafter; a V4 config only when it ships one (V4-Flash-0731).
+        **(_dspark_fields(d, where, v41) if v41 or dspark else {}),
     )
     _validate(cfg, n_kv, where)
     if v41:
         _validate_v41(cfg, where)
+    _validate_dspark(cfg, where)
     return cfg
 
 
@@ -462,14 +465,25 @@ def _v41_fields(d: dict, where: str) -> dict[str, Any]:
         engram_vocab_size=_num(d, "engram_vocab_size", where, int, 16_000_000),
         engram_pad_token_id=next((p for p in (pad, alias) if p is not None), 2),  # HF's default: 2
         engram_compressed_vocab_size=_num(d, "engram_compressed_vocab_size", where, int, None),
+        gate_temp=_num(d, "gate_temp", where, float, 1.0),
+        image_token_id=_num(d, "image_token_id", where, int, None),
+    )
+
+
+def _dspark_fields(d: dict, where: str, v41: bool) -> dict[str, Any]:
+    """ModelConfig's DSpark fields (spec §1.1, §1.2). Defaults are the released values; the
+    drafter's experts default to HF ``DeepseekV41TextConfig``'s 128 / top-3 on V4.1 and to the
+    trunk's own count on V4 (V4-Flash-0731's stages reuse the trunk's 256 / top-6 and its config
+    states no ``dspark_n_routed_experts``)."""
+    experts = 128 if v41 else _num(d, "n_routed_experts", where, int)
+    per_tok = 3 if v41 else _num(d, "num_experts_per_tok", where, int)
+    return dict(
         dspark_block_size=_num(d, "dspark_block_size", where, int, 5),
         dspark_noise_token_id=_num(d, "dspark_noise_token_id", where, int, 128799),
         dspark_target_layer_ids=_layer_ids(d, "dspark_target_layer_ids", where, required=False),
         dspark_markov_rank=_num(d, "dspark_markov_rank", where, int, 256),
-        dspark_n_routed_experts=_num(d, "dspark_n_routed_experts", where, int, 128),
-        dspark_num_experts_per_tok=_num(d, "dspark_num_experts_per_tok", where, int, 3),
-        gate_temp=_num(d, "gate_temp", where, float, 1.0),
-        image_token_id=_num(d, "image_token_id", where, int, None),
+        dspark_n_routed_experts=_num(d, "dspark_n_routed_experts", where, int, experts),
+        dspark_num_experts_per_tok=_num(d, "dspark_num_experts_per_tok", where, int, per_tok),
     )
 
 
@@ -578,21 +592,37 @@ def _validate_v41(c: ModelConfig, where: str) -> None:
             bad("engram_pad_token_id", f"({c.engram_pad_token_id}) must be a token id below vocab_size ({c.vocab_size})")
         if c.engram_compressed_vocab_size is not None and c.engram_compressed_vocab_size < 1:
             bad("engram_compressed_vocab_size", "must be positive")
-    if c.dspark_stages:
-        if not c.dspark_target_layer_ids:
-            bad("dspark_target_layer_ids", "is missing; the DSpark stages read the streams of these layers")
-        if not 0 < c.dspark_num_experts_per_tok <= c.dspark_n_routed_experts:
-            bad(
-                "dspark_num_experts_per_tok",
-                f"({c.dspark_num_experts_per_tok}) must be in 1..dspark_n_routed_experts ({c.dspark_n_routed_experts})",
-            )
-        if c.dspark_block_size < 1:
-            bad("dspark_block_size", "must be positive")
-    # dspark_noise_token_id and image_token_id are not range-checked: HF-written tiny configs keep
-    # the released ids (128799, 129264) beside a small vocabulary, and such a text-only checkpoint
-    # without mtp.* weights must still load.
+    # image_token_id is not range-checked: HF-written tiny configs keep the released id (129264)
+    # beside a small vocabulary.
     if not math.isfinite(c.gate_temp) or c.gate_temp <= 0:
         bad("gate_temp", "must be a positive number")
+
+
+def _validate_dspark(c: ModelConfig, where: str) -> None:
+    """DSpark fields of either generation, checked only when the config has stages."""
+    if not c.dspark_stages:
+        return
+
+    def bad(field: str, why: str) -> None:
+        raise ConfigError(f"{where}: '{field}' {why}")
+
+    ids = c.dspark_target_layer_ids
+    if not ids:
+        bad("dspark_target_layer_ids", "is missing; the DSpark stages read the streams of these layers")
+    if list(ids) != sorted(set(ids)) or not (0 <= ids[0] and ids[-1] < c.num_hidden_layers):
+        bad("dspark_target_layer_ids", f"{list(ids)} must be sorted, without repeats, within 0..{c.num_hidden_layers - 1}")
+    if not 0 < c.dspark_num_experts_per_tok <= c.dspark_n_routed_experts:
+        bad(
+            "dspark_num_experts_per_tok",
+            f"({c.dspark_num_experts_per_tok}) must be in 1..dspark_n_routed_experts ({c.dspark_n_routed_experts})",
+        )
+    if c.dspark_block_size < 1:
+        bad("dspark_block_size", "must be positive")
+    if c.dspark_markov_rank < 1:
+        bad("dspark_markov_rank", "must be positive")
+    # dspark_noise_token_id is not range-checked: HF-written tiny configs keep the released id
+    # (128799) beside a small vocabulary, and such a text-only checkpoint without mtp.* weights
+    # must still load; the drafter checks it when it runs.
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

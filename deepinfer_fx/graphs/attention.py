@@ -44,6 +44,27 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, grou
     return linear(z, wo_b)
 
 
+def query(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ``q_r`` ``[N, q_lora_rank]`` (the indexer reads it too) and rotated heads ``q`` ``[N, H, d]``."""
+    eps = c.rms_norm_eps
+    q_r = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
+    q = linear(q_r, p["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
+    if not c.is_v41:  # V4 normalises each query head
+        q = rms_norm(q, None, eps)
+    return q_r, apply_rope(q, cos, sin)
+
+
+def latent_kv(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The K = V latent of each token as its window ring stores it: normed, rotated, fake-quantised.
+    The DSpark drafter builds its context windows with this same map from projected target states."""
+    return fq.window_kv(c, apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin))
+
+
+def attention_output(p: dict, c: ModelConfig, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Un-rotate the value tails of the attention result ``o`` ``[N, H, d]``, then project to ``[N, D]``."""
+    return grouped_output(apply_rope(o, cos, sin, inverse=True), p["wo_a"], p["wo_b"], c.o_groups)
+
+
 def attention(
     p: dict, states: list, c: ModelConfig, x: torch.Tensor, batch: Batch, layer: int, ratio: int, ctx: dict
 ) -> torch.Tensor:
@@ -51,16 +72,10 @@ def attention(
     ``states`` holds every layer's pooled state (V4.1 layers read their KV source's);
     ``ctx`` carries per-forward results shared across layers (V4.1 selections).
     Projections run on all tokens; the cache-reading core runs per chunk on its state slot."""
-    eps = c.rms_norm_eps
     freq = inv_freq(c, compressed=ratio != 0)
     cos, sin = cos_sin(batch.positions, freq)
-
-    q_r = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
-    q = linear(q_r, p["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
-    if not c.is_v41:  # V4 normalises each query head
-        q = rms_norm(q, None, eps)
-    q = apply_rope(q, cos, sin)
-    kv = fq.window_kv(c, apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps), cos, sin))
+    q_r, q = query(p, c, x, cos, sin)
+    kv = latent_kv(p, c, x, cos, sin)
 
     o = torch.empty_like(q)
     for i, ch in enumerate(batch.chunks):
@@ -78,8 +93,7 @@ def attention(
             keys = torch.cat([keys, entries.to(keys.dtype)])
             bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], dim=1)
         o[rows] = mqa_with_sink(q[rows], keys, bias, p["attn_sink"])
-    o = apply_rope(o, cos, sin, inverse=True)
-    return grouped_output(o, p["wo_a"], p["wo_b"], c.o_groups)
+    return attention_output(p, c, o, cos, sin)
 
 
 def _v4_entries(p, st, c: ModelConfig, x, q_r, q_pos, start: int, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:

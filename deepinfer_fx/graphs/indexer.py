@@ -36,10 +36,17 @@ def select_entries(
     q = apply_rope(q, *cos_sin(q_pos, freq))
     q = index_vector(c, q)
     head_w = linear_fp32(x, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
+    return score_topk(q, keys, head_w, visible_entries(q_pos, n, ratio), c.index_topk)
+
+
+def score_topk(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Per query the ``k`` visible entries with the highest ``sum_h head_w[t,h] relu(q[t,h] . keys[n])``
+    (q ``[T, Hi, di]``, keys ``[N, di]``, head_w ``[T, Hi]``): a bool ``[T, N]``."""
+    t, n = visible.shape
+    if n == 0 or k <= 0:
+        return torch.zeros(t, n, dtype=torch.bool, device=q.device)
     dots = torch.relu(torch.einsum("thd,nd->thn", q.float(), keys.float()))
-    scores = (dots * head_w[:, :, None]).sum(1)
-    visible = visible_entries(q_pos, n, ratio)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    top = scores.topk(min(c.index_topk, n), dim=-1).indices
-    chosen = torch.zeros(t, n, dtype=torch.bool, device=x.device).scatter_(1, top, True)
-    return chosen & visible
+    scores = (dots * head_w.float()[:, :, None]).sum(1).masked_fill(~visible, float("-inf"))
+    top = scores.topk(min(k, n), dim=-1).indices
+    # fewer than k visible: topk also returns masked entries; drop them
+    return torch.zeros(t, n, dtype=torch.bool, device=q.device).scatter_(1, top, True) & visible

@@ -28,12 +28,18 @@ def mhc_coeffs(
     s = scale.float()
     pre = torch.sigmoid(m_pre * s[0] + b_pre) + hc_eps
     post = 2 * torch.sigmoid(m_post * s[1] + b_post)
-    comb = torch.softmax((m_comb * s[2] + b_comb).unflatten(-1, (n, n)), dim=-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, sinkhorn((m_comb * s[2] + b_comb).unflatten(-1, (n, n)), hc_eps, iters)
+
+
+def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
+    """``[..., n, n]`` logits -> a doubly-stochastic mixing matrix: softmax over rows plus eps,
+    a column normalisation, then ``iters - 1`` rounds of row and column normalisation (fp32)."""
+    comb = torch.softmax(logits.float(), dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
 
 
 def mhc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

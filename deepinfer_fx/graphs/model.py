@@ -14,6 +14,7 @@ lookups before some layers.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
@@ -42,16 +43,18 @@ def _site(lp: dict, name: str, c: ModelConfig, X: torch.Tensor):
 
 def block(
     lp: dict, states: list, c: ModelConfig, X: torch.Tensor, batch: Batch, layer: int, ratio: int,
-    ctx: dict | None = None, pre_prev: torch.Tensor | None = None,
+    ctx: dict | None = None, pre_prev: torch.Tensor | None = None, attn: Callable = attention,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder block (attention site, FFN site) on the streams ``X`` ``[N, hc, D]``.
     ``pre_prev`` given (V4.1, single-pass mHC): the attention input collapses with it and the
     FFN input with the attention site's ``pre``; otherwise each site uses its own.
+    ``attn`` replaces the attention sublayer (same signature as ``attention``): the DSpark
+    drafter's stages attend their context windows without writing them.
     Returns the new streams and the FFN site's ``pre`` (the next block's ``pre_prev``)."""
     eps = c.rms_norm_eps
     pre_a, post, comb = _site(lp, "attn", c, X)
     u = mhc_collapse(X, pre_a if pre_prev is None else pre_prev)
-    a = attention(lp["attn"], states, c, rms_norm(u, lp["attn_norm"], eps), batch, layer, ratio, ctx if ctx is not None else {})
+    a = attn(lp["attn"], states, c, rms_norm(u, lp["attn_norm"], eps), batch, layer, ratio, ctx if ctx is not None else {})
     X = mhc_expand(X, a, post, comb)
     pre_f, post, comb = _site(lp, "ffn", c, X)
     f = moe(lp["ffn"], c, rms_norm(mhc_collapse(X, pre_f if pre_prev is None else pre_a), lp["ffn_norm"], eps), batch.token_ids)

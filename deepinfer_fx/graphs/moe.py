@@ -32,29 +32,33 @@ def route(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor) -> 
     return idx, w * c.routed_scaling_factor
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
-    g = linear(x, w1).float()
-    u = linear(x, w3).float()
+def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` in fp32 (limit 0: no clamps)."""
+    g, u = gate.float(), up.float()
     if limit:
         g = g.clamp(max=limit)
         u = u.clamp(-limit, limit)
     return F.silu(g) * u
 
 
-def routed_experts(p: dict, c: ModelConfig, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    return swiglu_act(linear(x, w1), linear(x, w3), limit)
+
+
+def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Reference routed experts: loop over the experts that received tokens. The routing weight
     scales the hidden activation before w2, as the official reference does."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(idx).tolist():
         tok, slot = torch.nonzero(idx == e, as_tuple=True)
-        h = swiglu(x[tok], p["w1"][e], p["w3"][e], c.swiglu_limit) * w[tok, slot, None]
+        h = swiglu(x[tok], p["w1"][e], p["w3"][e], limit) * w[tok, slot, None]
         out.index_add_(0, tok, linear(h.to(x.dtype), p["w2"][e]).float())
     return out
 
 
 def moe(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     idx, w = route(p, c, x, token_ids)
-    routed = routed_experts(p["experts"], c, x, idx, w)
+    routed = routed_experts(p["experts"], c.swiglu_limit, x, idx, w)
     sh = p["shared_experts"]
     shared = linear(swiglu(x, sh["w1"], sh["w3"], c.swiglu_limit).to(x.dtype), sh["w2"])
     return (routed + shared.float()).to(x.dtype)

@@ -207,11 +207,12 @@ def engram_specs(c: ModelConfig) -> list[ParamSpec]:
 
 
 def mtp_specs(c: ModelConfig) -> list[ParamSpec]:
-    """The MTP-1 blocks (``mtp.{s}``): a window-only block plus the input projections and own head."""
+    """Everything under ``mtp.*``: the DSpark drafter when the config has one, else the MTP-1
+    blocks. Loading, writing and counting treat both alike as "the draft model"."""
+    if c.dspark_stages:
+        return dspark_specs(c)
     specs: list[ParamSpec] = []
     d = c.hidden_size
-    if c.dspark_stages:  # mtp.* holds a DSpark drafter, not MTP-1 blocks
-        return specs
     for s in range(c.num_nextn_predict_layers):
         p = f"mtp.{s}"
         specs += _block(p, c, 0, False)
@@ -222,6 +223,40 @@ def mtp_specs(c: ModelConfig) -> list[ParamSpec]:
             _norm(f"{p}.hnorm", d),
             _norm(f"{p}.norm", d),
         ] + _hc_head(p, c)
+    return specs
+
+
+def dspark_stage_config(c: ModelConfig) -> ModelConfig:
+    """The config a DSpark stage runs its block with: the trunk's, but with the drafter's own
+    routed-expert count and top-k (V4.1: 128 / top-3; V4-0731: the trunk's 256 / top-6). The
+    MoE functions read both from the config, so the stages share them with the backbone."""
+    return c.replace(n_routed_experts=c.dspark_n_routed_experts, num_experts_per_tok=c.dspark_num_experts_per_tok)
+
+
+def dspark_specs(c: ModelConfig) -> list[ParamSpec]:
+    """The DSpark drafter (spec §7.9, §3.11, §9): ``mtp.0`` holds the context projection
+    (``main_proj`` over the concatenated target-layer states, ``main_norm``); every stage is a
+    window-only block with the drafter's experts; the last stage holds the output norm, the
+    Markov head and the confidence head, and on V4 (V4-Flash-0731) a learned ``hc_head``
+    (V4.1 collapses with the last FFN site's ``pre`` instead)."""
+    d, v, r = c.hidden_size, c.vocab_size, c.dspark_markov_rank
+    stage_c = dspark_stage_config(c)
+    specs = [
+        _linear("mtp.0.main_proj", d, len(c.dspark_target_layer_ids) * d, ("embed", None), "fp8"),
+        _norm("mtp.0.main_norm", d),
+    ]
+    for s in range(c.dspark_stages):
+        specs += _block(f"mtp.{s}", stage_c, 0, False)
+    last = f"mtp.{c.dspark_stages - 1}"
+    specs += [
+        _norm(f"{last}.norm", d),
+        # Stored in the model dtype (the released byte budget fits bf16); the bias is computed in fp32.
+        ParamSpec(f"{last}.markov_head.embed", f"{last}.markov_head.embed.weight", (v, r), ("vocab", None)),
+        ParamSpec(f"{last}.markov_head.head", f"{last}.markov_head.head.weight", (v, r), ("vocab", None)),
+        ParamSpec(f"{last}.confidence_head.proj", f"{last}.confidence_head.proj.weight", (1, d + r), (None, None), fp32=True),
+    ]
+    if not c.is_v41:
+        specs += _hc_head(last, c)
     return specs
 
 

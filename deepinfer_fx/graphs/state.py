@@ -17,6 +17,10 @@ All tensors carry a leading slot dim (one slot per sequence of a batch).
 - V4.1: only KV-source layers hold ``comp`` (with ``index_keys`` beside ``entries``); the
   other layers read their source's. ``engram.history`` holds, per slot, the compressed ids of
   the last ``engram_max_ngram_size - 1`` tokens (pad class before the sequence start).
+- ``dspark`` (configs with a DSpark drafter): one ``{"window": [slots, sliding_window, head_dim]}``
+  per stage. It holds context derived from the target's states at verified positions only
+  (``graphs/dspark.py``): drafting reads it and never writes it, so a rejected draft leaves
+  nothing to roll back there.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def layer_state(
 def init_state(
     c: ModelConfig, max_len: int, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True, slots: int = 1
 ) -> dict:
-    """State for ``slots`` sequences of up to ``max_len`` tokens each (backbone and MTP blocks).
+    """State for ``slots`` sequences of up to ``max_len`` tokens each (backbone and draft model).
     Every tensor has the slot as its leading dim; ``slot_view`` gives one sequence's part."""
     n_mtp = c.num_nextn_predict_layers if mtp and not c.dspark_stages else 0
     state = {
@@ -66,6 +70,8 @@ def init_state(
         "layers": [layer_state(c, r, max_len, dtype, device, slots, i) for i, r in enumerate(c.compress_ratios)],
         "mtp": [layer_state(c, 0, max_len, dtype, device, slots) for _ in range(n_mtp)],
     }
+    if mtp and c.dspark_stages:  # the drafter's per-stage context windows (window-only blocks)
+        state["dspark"] = [layer_state(c, 0, max_len, dtype, device, slots) for _ in range(c.dspark_stages)]
     if c.engram_layer_ids:  # compressed ids of the tokens before each slot's next position
         state["engram"] = {"history": torch.zeros(slots, c.engram_max_ngram_size - 1, dtype=torch.long, device=device)}
     return state

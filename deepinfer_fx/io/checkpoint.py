@@ -57,6 +57,9 @@ _RENAMES: list[tuple[str, str]] = [
     # save_original_format=True inverts it blindly and writes the attention
     # kv_norm as `attn.norm`, which no DeepSeek checkpoint contains.
     (r"\.attn\.norm\.", ".attn.kv_norm."),
+    # DSpark Markov head: some tools name its factors markov_w1 / markov_w2 (spec §12.7).
+    (r"\.markov_head\.markov_w1\.", ".markov_head.embed."),
+    (r"\.markov_head\.markov_w2\.", ".markov_head.head."),
 ]
 _RENAME_RES = [(re.compile(p), r) for p, r in _RENAMES]
 

@@ -108,7 +108,7 @@ def test_mid_run_shuffle_leaves_moe_outputs_unchanged() -> None:
     x = torch.randn(24, d, generator=g)
     positions = torch.arange(100, 124)
     idx, w = route({"gate": gate}, c, x, torch.zeros(24, dtype=torch.long))
-    reference = routed_experts(logical, c, x, idx, w)  # no EPLB at all
+    reference = routed_experts(logical, c.swiglu_limit, x, idx, w)  # no EPLB at all
 
     # step 1 under the placement from start-up loads; then loads are measured, a new placement is
     # planned and the weights are shuffled in place of the old ones; step 2 reruns the same tokens
@@ -127,5 +127,5 @@ def test_mid_run_shuffle_leaves_moe_outputs_unchanged() -> None:
     assert torch.equal(before, after)
     # and the model's own routed_experts over physical experts agrees with the logical reference
     for p, slots in ((phys_old, slots_old), (phys_new, slots_new)):
-        torch.testing.assert_close(routed_experts(p, c, x, slots, w), reference, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(routed_experts(p, c.swiglu_limit, x, slots, w), reference, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(before, reference, rtol=1e-6, atol=1e-6)

@@ -204,7 +204,16 @@ def test_dspark_config_is_flash_trunk_with_three_stages():
     dspark = load_config(_released("deepseek_v4_flash_0731_dspark"))
     assert dspark.dspark_stages == 3
     assert dspark.compress_ratios == flash.compress_ratios
-    assert dspark.replace(dspark_stages=0) == flash
+    # The drafter's fields: the released values, experts defaulting to the trunk's (256, top-6).
+    assert (dspark.dspark_block_size, dspark.dspark_noise_token_id, dspark.dspark_markov_rank) == (5, 128799, 256)
+    assert dspark.dspark_target_layer_ids == (40, 41, 42)
+    assert (dspark.dspark_n_routed_experts, dspark.dspark_num_experts_per_tok) == (256, 6)
+    # Everything else is the V4-Flash trunk.
+    no_drafter = dspark.replace(
+        dspark_stages=0, dspark_block_size=0, dspark_noise_token_id=None, dspark_target_layer_ids=(),
+        dspark_markov_rank=0, dspark_n_routed_experts=0, dspark_num_experts_per_tok=0,
+    )
+    assert no_drafter == flash
 
 
 @needs_configs

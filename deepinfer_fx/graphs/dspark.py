@@ -1,0 +1,240 @@
+"""The DSpark drafter (``mtp.0..S-1``) of DeepSeek-V4.1-Flash and DeepSeek-V4-Flash-0731.
+
+A semi-autoregressive block drafter (spec §7.9, §3.11): a parallel backbone drafts a whole block
+of ``dspark_block_size`` tokens in one pass, a low-rank Markov head re-introduces the dependency
+of each token on the one before it, and a confidence head scores each drafted token. Two steps:
+
+``dspark_context`` (after every target forward, for the rows whose tokens are verified)
+    ``h_p = concat_l mean_k X^(l)_{p,k}`` over the target layers ``dspark_target_layer_ids``
+    (each layer's *input* streams, as ``forward_batch(..., captured=dspark_capture(c))``
+    records them), ``main_x_p = RMSNorm(main_proj h_p; main_norm)``, and for every stage s the
+    window entry ``latent_kv_s(main_x_p)`` (= fake-quantised RoPE(RMSNorm(Wkv_s main_x; kv_norm_s))
+    at position p, window-only theta: the backbone's own window-kv map) at slot ``p % window``
+    of ``state["dspark"][s]``.
+
+``dspark_draft`` / ``dspark_propose`` (after the target produced ``x_{p+1}``)
+    Block ids ``[x_{p+1}, noise, ..., noise]`` at positions ``p+1 .. p+block``, embedded with the
+    target's ``embed`` into the hc streams, run through the stages. Each stage is the backbone's
+    ``block`` with ratio 0 and the drafter's own expert count / top-k (``dspark_stage_config``);
+    only its attention differs: block queries attend, non-causally, to the stage window and to
+    all block tokens' own kv, and the window is not written. Then the final collapse, the last
+    stage's ``norm`` and the target ``head`` give base logits ``U_k``; the Markov head and the
+    confidence head run sequentially over the block.
+
+V4.1 and V4-0731 differ only in data: the mHC wiring (V4.1 single-pass with the ``pre`` chained
+across stages and the last FFN site's ``pre`` as final collapse; V4 per-site ``pre`` and a
+learned ``mtp.{S-1}.hc_head_*``), the per-head q norm and window fake-quant (read by the shared
+attention helpers from the config), and the drafter's experts (config fields).
+
+Formula choices where the spec leaves room (spec §12 items 4 and 7, and details no source pins):
+
+- Target states (§12.4): the *input* streams of each target layer (after Engram), averaged over
+  the hc streams in fp32, for both generations; one port reads "the last layers' outputs" for
+  V4-0731 — for layers 40..42 that is a one-layer shift, and the caller's ``captured`` decides.
+- Markov weight names (§12.7): ``markov_head.embed`` (E_m, indexed by the previous token) and
+  ``markov_head.head`` (W_m, projecting to the vocabulary) as vLLM's V4.1 loader names them; the
+  checkpoint reader also maps the ``markov_head.markov_w1`` / ``markov_w2`` spelling onto them.
+- V4.1 mHC entry: the first stage's first collapse reads stream 0 alone (the streams are equal
+  copies of the embedding), as the backbone's layer 0 and vLLM's draft layers with no incoming
+  pre-mix do; the ``pre`` then chains through the stages like consecutive backbone layers.
+- Context span: every block query sees the same last ``sliding_window`` verified positions
+  ``p-window+1 .. p`` (the official ``forward_spec`` index list), not a per-query band.
+- Block kv goes through the same fake-quant as window kv (one map for every window entry, as
+  an engine with a quantised window cache stores it); the context kv does too.
+- Markov head: ``y_0 = x_{p+1}``, ``b_k = W_m E_m[y_k]`` in fp32, ``y_{k+1} = pick(U_k + b_k)``;
+  the drafted tokens are ``y_1 .. y_block``. ``pick`` is argmax (temperature 0), a sample of
+  ``softmax(z / T)``, or a caller's sampler.
+- Confidence: ``c_k = sigmoid(w · [h~_k ; E_m[y_k]])`` in fp32, with ``h~_k`` the collapsed
+  pre-norm hidden of block position k and ``E_m[y_k]`` the Markov embedding of the token that
+  enters step k (the official head pairs the hidden with that step's Markov embedding); ``c_k``
+  scores the drafted token ``y_{k+1}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..config import ModelConfig
+from .attention import attention_output, latent_kv, mqa_with_sink, query
+from .batch import Batch, make_batch
+from .mhc import hc_head, mhc_collapse
+from .model import block, embed
+from .norm import linear, linear_fp32, rms_norm
+from .params import dspark_stage_config
+from .rope import cos_sin, inv_freq
+
+# Drafted-token picker: fp32 logits ``[B, vocab]`` (U_k + b_k) -> token ids ``[B]``.
+Sampler = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: torch.Tensor  # [B, block] long: y_1 .. y_block
+    confidences: torch.Tensor  # [B, block] fp32 in [0, 1]: c_k scores tokens[:, k]
+    logits: torch.Tensor  # [B, block, vocab] fp32: U_k + b_k, the distribution tokens[:, k] was picked from
+
+
+def dspark_capture(c: ModelConfig) -> dict[int, None]:
+    """The ``captured`` argument of ``forward_batch`` that records the drafter's target layers."""
+    return {layer: None for layer in c.dspark_target_layer_ids}
+
+
+def _check_drafter(params: dict, state: dict, c: ModelConfig) -> None:
+    if not c.dspark_stages:
+        raise ValueError(f"this {c.model_type} config has no DSpark drafter (no dspark_target_layer_ids / stages)")
+    mtp = params.get("mtp")
+    if not mtp or "main_proj" not in mtp[0]:
+        raise ValueError("the parameters hold no DSpark weights (mtp.0.main_proj); load the checkpoint with its mtp.* tensors")
+    if "dspark" not in state:
+        raise ValueError("the state has no DSpark windows; allocate it with init_state(..., mtp=True)")
+
+
+def _window_freq(c: ModelConfig) -> torch.Tensor:
+    return inv_freq(c, compressed=False)  # the stages are window-only: rope_theta, no YaRN
+
+
+@torch.no_grad()
+def dspark_context(
+    params: dict, state: dict, c: ModelConfig, captured: dict[int, torch.Tensor], batch: Batch,
+    verified: Sequence[int] | None = None,
+) -> None:
+    """Write the stages' context windows for the verified rows of a target forward.
+
+    ``captured``: layer -> input streams ``[N, hc, D]`` of the rows of ``batch`` (filled by
+    ``forward_batch(..., captured=dspark_capture(c))``). ``verified[i]``: how many leading rows
+    of chunk i hold verified tokens (default: all; after a verify pass, the accepted drafts plus
+    the token they followed). Rows past it are never written, so the windows hold target-derived
+    context of verified positions only. Only the last ``sliding_window`` verified rows of a chunk
+    can survive in the ring, so only those are projected."""
+    _check_drafter(params, state, c)
+    missing = [layer for layer in c.dspark_target_layer_ids if captured.get(layer) is None]
+    if missing:
+        raise ValueError(f"captured has no streams for target layers {missing}; run forward_batch with captured=dspark_capture(c)")
+    w = c.sliding_window
+    device = batch.positions.device
+    rows, slots = [], []
+    for i, ch in enumerate(batch.chunks):
+        n = ch.length if verified is None else int(verified[i])
+        if not 0 <= n <= ch.length:
+            raise ValueError(f"chunk {i} (slot {ch.slot}) has {ch.length} rows; verified={n} is outside 0..{ch.length}")
+        first = max(0, n - w)
+        rows.append(torch.arange(ch.offset + first, ch.offset + n, device=device))
+        slots.append(torch.full((n - first,), ch.slot, dtype=torch.long, device=device))
+    idx = torch.cat(rows)
+    if idx.numel() == 0:
+        return
+    slot_of = torch.cat(slots)
+    dtype = captured[c.dspark_target_layer_ids[0]].dtype
+    h = torch.cat([captured[layer][idx].float().mean(-2) for layer in c.dspark_target_layer_ids], dim=-1).to(dtype)
+    m0 = params["mtp"][0]
+    main_x = rms_norm(linear(h, m0["main_proj"]), m0["main_norm"], c.rms_norm_eps)
+    positions = batch.positions[idx]
+    cos, sin = cos_sin(positions, _window_freq(c))
+    for s in range(c.dspark_stages):
+        ring = state["dspark"][s]["window"]
+        ring[slot_of, torch.remainder(positions, w)] = latent_kv(params["mtp"][s]["attn"], c, main_x, cos, sin).to(ring.dtype)
+
+
+def _context_keys(ring: torch.Tensor, kv: torch.Tensor, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys of a draft block whose context ends at position ``last``: the ring (positions
+    ``last-window+1 .. last``; slots before position 0 are empty) then the block's own kv, and
+    the ``[block, keys]`` bias: every block query sees every real key (no causal mask)."""
+    w = ring.shape[0]
+    held = last - torch.remainder(last - torch.arange(w, device=kv.device), w)
+    ok = torch.cat([held >= 0, torch.ones(kv.shape[0], dtype=torch.bool, device=kv.device)])
+    bias = torch.zeros(ok.shape, device=kv.device).masked_fill(~ok, float("-inf"))
+    return torch.cat([ring.to(kv.dtype), kv]), bias.expand(kv.shape[0], -1)
+
+
+def _stage_attention(
+    p: dict, states: list, c: ModelConfig, x: torch.Tensor, batch: Batch, layer: int, ratio: int, ctx: dict
+) -> torch.Tensor:
+    """A stage's attention sublayer (``block``'s ``attn``): the backbone's projections, keys from
+    the stage's context window (read only) plus the block itself. ``layer`` is the stage index."""
+    cos, sin = cos_sin(batch.positions, _window_freq(c))
+    _, q = query(p, c, x, cos, sin)
+    kv = latent_kv(p, c, x, cos, sin)
+    o = torch.empty_like(q)
+    for ch in batch.chunks:
+        keys, bias = _context_keys(states[layer]["window"][ch.slot], kv[ch.rows], ch.start - 1)
+        o[ch.rows] = mqa_with_sink(q[ch.rows], keys, bias, p["attn_sink"])
+    return attention_output(p, c, o, cos, sin)
+
+
+def _temperature_sampler(temperature: float, generator: torch.Generator | None) -> Sampler:
+    if temperature == 0:
+        return lambda z: z.argmax(-1)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return lambda z: torch.multinomial(torch.softmax(z / temperature, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def dspark_propose(
+    params: dict, state: dict, c: ModelConfig, last_token: torch.Tensor, positions: torch.Tensor, slots: Sequence[int],
+    temperature: float = 0.0, sampler: Sampler | None = None, generator: torch.Generator | None = None,
+) -> Draft:
+    """Draft one block for each of B requests. ``last_token`` ``[B]``: the target's newest token
+    ``x_{p+1}``; ``positions`` ``[B]``: its position ``p+1`` (context written up to p);
+    ``slots``: each request's state slot. ``sampler`` (fp32 logits ``[B, vocab]`` -> ids ``[B]``)
+    overrides ``temperature``. Reads the drafter windows, writes nothing."""
+    _check_drafter(params, state, c)
+    k, vocab = c.dspark_block_size, c.vocab_size
+    if not 0 <= c.dspark_noise_token_id < vocab:
+        raise ValueError(f"dspark_noise_token_id {c.dspark_noise_token_id} is not a token id below vocab_size {vocab}")
+    last_token = torch.as_tensor(last_token, dtype=torch.long).reshape(-1)
+    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+    n = last_token.numel()
+    if not (positions.numel() == len(slots) == n) or n == 0:
+        raise ValueError(f"dspark_propose needs one position and one slot per request; got {n} tokens, {positions.numel()} positions, {len(slots)} slots")
+    if int(positions.min()) < 1:
+        raise ValueError("a draft needs context: positions (of x_{p+1}) must be >= 1")
+    device = params["norm"].device
+    ids = torch.full((n, k), c.dspark_noise_token_id, dtype=torch.long)
+    ids[:, 0] = last_token.cpu()
+    batch = make_batch(list(ids), list(slots), positions.tolist(), device)
+    stage_c = dspark_stage_config(c)
+
+    X = embed(params, c, batch.token_ids, params["norm"].dtype)
+    pre = None
+    if c.is_v41:  # single-pass mHC, as the backbone: the first collapse reads stream 0 alone
+        pre = torch.zeros(X.shape[:-1], dtype=torch.float32, device=device)
+        pre[:, 0] = 1.0
+    for s in range(c.dspark_stages):
+        X, pre_f = block(params["mtp"][s], state["dspark"], stage_c, X, batch, s, 0, pre_prev=pre, attn=_stage_attention)
+        if c.is_v41:
+            pre = pre_f
+    last = params["mtp"][c.dspark_stages - 1]
+    if c.is_v41:
+        h = mhc_collapse(X, pre)
+    else:
+        h = hc_head(X, last["hc_head_fn"], last["hc_head_base"], last["hc_head_scale"], c.rms_norm_eps, c.hc_eps)
+    base = linear(rms_norm(h, last["norm"], c.rms_norm_eps).float(), params["head"]).view(n, k, vocab)
+    h = h.view(n, k, -1)
+
+    pick = sampler or _temperature_sampler(temperature, generator)
+    markov = last["markov_head"]
+    y = last_token.to(device)
+    tokens, embeds, logits = [], [], []
+    for j in range(k):  # sequential: each step's bias depends on the token picked before it
+        e = markov["embed"][y].float()
+        z = base[:, j] + linear_fp32(e, markov["head"])
+        y = pick(z).long()
+        tokens.append(y)
+        embeds.append(e)
+        logits.append(z)
+    w = last["confidence_head"]["proj"]
+    conf = torch.sigmoid(linear_fp32(torch.cat([h.float(), torch.stack(embeds, 1)], dim=-1), w)).squeeze(-1)
+    return Draft(torch.stack(tokens, 1), conf, torch.stack(logits, 1))
+
+
+def dspark_draft(
+    params: dict, state: dict, c: ModelConfig, last_token: torch.Tensor, positions: torch.Tensor, slots: Sequence[int],
+    temperature: float = 0.0, sampler: Sampler | None = None, generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dspark_propose``'s draft tokens ``[B, block]`` and confidences ``[B, block]``."""
+    d = dspark_propose(params, state, c, last_token, positions, slots, temperature, sampler, generator)
+    return d.tokens, d.confidences

@@ -1,0 +1,4 @@
+"""Custom ops (``torch.ops.deepinfer.*``): pure-torch references plus fake impls; the
+accelerator kernels register on top of them. Importing this package registers the ops."""
+
+from . import ops  # noqa: F401  (registration side effect)

@@ -1,0 +1,154 @@
+"""The custom ops the fast paths swap in, declared once in the ``deepinfer`` namespace.
+
+Each op has a pure-torch reference (registered for every device through ``custom_op``'s
+default kernel, i.e. CompositeExplicitAutograd, so it runs on CPU and CUDA alike) and a fake
+implementation that only computes output metadata, so torch.compile traces through the op
+without running it. Accelerator kernels (Triton, torch_npu) later register per-device kernels
+on top of these and are tested against the references here.
+
+Where the model already has the math as a function in ``graphs/`` the reference calls it, so
+the op cannot drift from the model; where the math sits inline in a larger graphs function
+(mHC Sinkhorn, indexer scoring) the reference restates those lines and
+``tests/compile/test_ops.py`` pins it to the graphs function.
+
+The ops are inference-only: no autograd formula is registered (``custom_op`` then raises on
+backward rather than silently returning wrong gradients).
+
+No ``from __future__ import annotations`` here: ``custom_op`` infers the schema from the real
+annotation objects.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..graphs.attention import mqa_with_sink
+from ..graphs.indexer import score_topk
+from ..graphs.mhc import sinkhorn
+from ..graphs.moe import routed_experts, swiglu_act
+from ..graphs.norm import rms_norm as _graphs_rms_norm
+
+NAMESPACE = "deepinfer"
+
+
+# --- RMSNorm -------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last dim, fp32 statistics, result in x's dtype."""
+    return _graphs_rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+# --- SwiGLU with clamp -----------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::swiglu_clamp", mutates_args=())
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` in fp32 (limit 0: no clamps)."""
+    return swiglu_act(gate, up, limit)
+
+
+@swiglu_clamp.register_fake
+def _swiglu_clamp_fake(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    shape = torch.broadcast_shapes(gate.shape, up.shape)
+    return gate.new_empty(shape, dtype=torch.float32)
+
+
+# --- mHC Sinkhorn ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mhc_sinkhorn", mutates_args=())
+def mhc_sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
+    """logits ``[..., n, n]`` -> the doubly-stochastic ``comb`` of ``graphs/mhc.py::mhc_coeffs``:
+    softmax over the last dim plus eps, a column normalisation, then ``iters - 1`` rounds of
+    row-then-column normalisation, all in fp32."""
+    return sinkhorn(logits, eps, iters)
+
+
+@mhc_sinkhorn.register_fake
+def _mhc_sinkhorn_fake(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+# --- sparse MQA with sink --------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sparse_mqa", mutates_args=())
+def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """q ``[T, H, d]`` over shared K = V ``kv`` ``[N, d]`` with additive ``bias`` ``[T, N]``
+    (0 / -inf selects the window and the chosen compressed entries) and a per-head sink."""
+    # einsum may hand back a permuted view; the fake promises a contiguous tensor.
+    return mqa_with_sink(q, kv, bias, sink).contiguous()
+
+
+@sparse_mqa.register_fake
+def _sparse_mqa_fake(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+# --- indexer scoring and top-k ---------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::indexer_topk", mutates_args=())
+def indexer_topk(
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Boolean ``[T, N]``: per query the top ``k`` visible entries by the V4 score
+    ``sum_h head_w[t, h] * relu(q[t, h] . keys[n])`` (the lines of ``graphs/indexer.py``
+    after its projections; ``head_w`` already carries the head scaling)."""
+    return score_topk(q, keys, head_w, visible, k)
+
+
+@indexer_topk.register_fake
+def _indexer_topk_fake(
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+) -> torch.Tensor:
+    return visible.new_empty(visible.shape, dtype=torch.bool)
+
+
+# --- routed MoE experts ----------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """x ``[T, D]`` through the routed experts ``idx`` ``[T, k]`` (w1/w3 ``[E, I, D]``,
+    w2 ``[E, D, I]``); the routing ``weight`` scales the hidden activation before w2 and the
+    sum over the k experts accumulates in fp32, so the result ``[T, D]`` is fp32."""
+    experts = {"w1": w1, "w3": w3, "w2": w2}
+    return routed_experts(experts, limit, x, idx, weight)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+# The OpOverloads, for passes that insert calls and for tests that run opcheck on each.
+OPS: dict[str, torch._ops.OpOverload] = {
+    name: getattr(torch.ops.deepinfer, name).default
+    for name in ("rms_norm", "swiglu_clamp", "mhc_sinkhorn", "sparse_mqa", "indexer_topk", "moe_experts")
+}
