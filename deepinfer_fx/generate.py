@@ -7,12 +7,12 @@ demo model: a real tokenizer with RANDOM weights, so its text is gibberish.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from .io.checkpoint import ENV_MODEL_DIR, CheckpointError
 from .io.writer import write_random_checkpoint
+from .settings import EngineConfig, setting
 from .sharding.mesh import parse_mesh
 
 DEMO_CONFIG = {
@@ -30,7 +30,7 @@ DEMO_CONFIG = {
     "expert_dtype": "fp4",
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]},
 }
-DEMO_DIR = Path(os.environ.get("DEEPINFER_DEMO_DIR", Path.home() / ".cache" / "deepinfer_fx" / "demo-v4-tiny"))
+DEMO_DIR = Path(setting("DEEPINFER_DEMO_DIR") or Path.home() / ".cache" / "deepinfer_fx" / "demo-v4-tiny")
 
 
 def demo_model_dir() -> Path:
@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
 
-    path = args.model or os.environ.get(ENV_MODEL_DIR)
+    try:
+        settings = EngineConfig.from_env()
+    except ValueError as e:
+        ap.error(str(e))
+    path = args.model or settings.hf_model_dir
     if path is None:
         path = demo_model_dir()
         print(f"[demo] no checkpoint given: using the built-in tiny demo model at {path} (random weights: output is gibberish)")

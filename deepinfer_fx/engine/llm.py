@@ -15,6 +15,7 @@ import torch
 
 from ..api import Model, load_model
 from ..io.checkpoint import ENV_MODEL_DIR
+from ..settings import EngineConfig
 from ..io.tokenizer import decode, encode, load_tokenizer
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
 from .loop import EngineLoop, LoopStats, export_dir_for
@@ -59,6 +60,7 @@ class LLM:
     ) -> None:
         if not eager:
             raise ValueError("compiled graphs are not available yet; pass eager=True (the default)")
+        self.settings = EngineConfig.from_env()
         _check_mesh(mesh)
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
         if self.engine_type is not EngineType.NORMAL and state_dir is None:
@@ -79,7 +81,7 @@ class LLM:
                 from ..generate import demo_model_dir
 
                 model = demo_model_dir()
-            if model is None and not os.environ.get(ENV_MODEL_DIR):
+            if model is None and not self.settings.hf_model_dir:
                 raise ValueError(f"no model given: pass LLM(model=path or hub id), set {ENV_MODEL_DIR}, or use model='demo'")
             self.model = load_model(model, dtype=dtype, device=device, fake_quant=fake_quant)
         c = self.model.config

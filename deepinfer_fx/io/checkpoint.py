@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from deepinfer_fx.io.quant import dequant_fp8_block, dequant_mxfp4
+from deepinfer_fx.settings import setting
 
 ENV_MODEL_DIR = "DEEPINFER_HF_MODEL_DIR"
 INDEX_FILE = "model.safetensors.index.json"
@@ -95,7 +96,7 @@ def resolve_model_dir(model: str | os.PathLike[str] | None) -> pathlib.Path:
     """Local directory, $DEEPINFER_HF_MODEL_DIR, or a hub repo id -> directory."""
     from_env = model is None
     if from_env:
-        model = os.environ.get(ENV_MODEL_DIR)
+        model = setting(ENV_MODEL_DIR)
         if not model:
             raise CheckpointError(
                 f"no model given and {ENV_MODEL_DIR} is not set; pass a checkpoint directory "

@@ -14,12 +14,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import ClassVar
+
+from ..settings import setting
 
 import torch.fx
 
@@ -100,8 +101,7 @@ def resolve_disabled(disabled: Iterable[str] = (), environ: Mapping[str, str] | 
     """The union of the API's ``disabled`` and ``DEEPINFER_DISABLE_PASSES``, checked against the
     registry. A known pass that does not serve the chosen accelerator may be named: disabling
     it is a no-op, not a mistake."""
-    env = os.environ if environ is None else environ
-    names = frozenset(disabled) | parse_pass_list(env.get(ENV_DISABLE, ""))
+    names = frozenset(disabled) | parse_pass_list(setting(ENV_DISABLE, environ))
     known = registered_passes()
     unknown = sorted(names - set(known))
     if unknown:

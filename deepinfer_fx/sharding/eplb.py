@@ -17,12 +17,12 @@ change, which ``tests/distributed/test_expert_shuffle.py`` pins.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..config import ModelConfig
+from ..settings import setting
 from .topology import Topology
 
 EXTRA_EXPERTS_ENV = "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"
@@ -30,16 +30,7 @@ DEFAULT_EXTRA_EXPERTS = 32
 
 
 def extra_experts_from_env() -> int:
-    raw = os.environ.get(EXTRA_EXPERTS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_EXTRA_EXPERTS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{EXTRA_EXPERTS_ENV}={raw!r} is invalid: expected a non-negative integer (default {DEFAULT_EXTRA_EXPERTS})")
-    return value
+    return setting(EXTRA_EXPERTS_ENV)
 
 
 def num_physical_experts(n_routed: int, ep_degree: int, extra: int | None = None) -> int:

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..settings import setting
+
 TOPOLOGY_ENV = "DEEPINFER_TOPOLOGY_FILE"
 
 # Per-GPU unidirectional bandwidths in GB/s of an H200 node: NVLink 4 (18 links x 25 GB/s) and one
@@ -118,7 +120,7 @@ def load_topology(path: str | os.PathLike) -> Topology:
 
 def from_env(world_size: int = 8) -> Topology:
     """``$DEEPINFER_TOPOLOGY_FILE`` when set, else the default for ``world_size`` ranks."""
-    path = os.environ.get(TOPOLOGY_ENV, "").strip()
+    path = setting(TOPOLOGY_ENV)
     if path:
         return load_topology(path)
     return Topology.default(world_size)

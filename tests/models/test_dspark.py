@@ -111,6 +111,9 @@ def test_windows_hold_verified_context_only(family: str) -> None:
     seed = _seed()
     model = _model(family, seed)
     c, params = model
+    # fake-quant off: the formula check below projects one row where the drafter projected
+    # several, and an ulp of difference can cross an fp8 rounding step
+    c = c.replace(fake_quant=False)
     w = c.sliding_window
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, c.vocab_size, (w + 4,), generator=gen)

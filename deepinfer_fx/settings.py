@@ -1,0 +1,113 @@
+"""The ``DEEPINFER_*`` environment: every variable declared once, parsed and checked in one place.
+
+``EngineConfig.from_env`` reads them all (CLI flags override), warns about a ``DEEPINFER_*``
+name nobody declared (usually a typo) and refuses an invalid value with a message that names
+the variable and the allowed values. Modules that need one variable call ``setting(name)``,
+which goes through the same parser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+PREFIX = "DEEPINFER_"
+
+
+def _boolean(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("0 or 1")
+
+
+def _count(raw: str) -> int:
+    v = int(raw)  # ValueError -> the caller names the variable
+    if v < 0:
+        raise ValueError("a non-negative integer")
+    return v
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        v = raw.strip().lower()
+        if v not in allowed:
+            raise ValueError(" or ".join(allowed))
+        return v
+
+    return parse
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+@dataclass(frozen=True)
+class Var:
+    field: str
+    parse: Callable[[str], Any]
+    default: Any
+    allowed: str  # how the error message describes valid values
+    doc: str
+
+
+VARIABLES: dict[str, Var] = {
+    f"{PREFIX}ACCELERATOR": Var("accelerator", _choice("nvidia", "ascend", "cpu"), None, "nvidia, ascend or cpu", "detected when unset"),
+    f"{PREFIX}HF_MODEL_DIR": Var("hf_model_dir", _text, None, "a directory", "local checkpoint instead of the hub"),
+    f"{PREFIX}OVERRIDE_NUM_EXTRA_EXPERTS": Var("extra_experts", _count, 32, "a non-negative integer", "redundant experts (a lower bound)"),
+    f"{PREFIX}ENABLE_MTP_VARLEN": Var("mtp_varlen", _boolean, False, "0 or 1", "variable-length draft verification"),
+    f"{PREFIX}USE_NEXTN_DECODE": Var("nextn_decode", _count, 5, "a non-negative integer", "maximum draft length"),
+    f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE": Var("yoco_mode", _choice("compact", "off"), None, "compact or off", "compact for V4.1 when unset"),
+    f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS": Var("yoco_keep_tokens", _count, 140, "a non-negative integer", "decoder rows kept at prefill"),
+    f"{PREFIX}BATCH_INVARIANT": Var("batch_invariant", _boolean, False, "0 or 1", "results independent of batch composition"),
+    f"{PREFIX}DISABLE_PASSES": Var("disable_passes", _text, "", "comma-separated pass names", "graph passes switched off"),
+    f"{PREFIX}TOPOLOGY_FILE": Var("topology_file", _text, None, "a JSON file", "hardware description for expert placement"),
+    f"{PREFIX}DEMO_DIR": Var("demo_dir", _text, None, "a directory", "where the built-in demo model is written"),
+}
+
+
+def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of one declared variable (its default when unset or empty)."""
+    var = VARIABLES[name]
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or not raw.strip():
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is invalid: expected {var.allowed} ({var.doc})") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    accelerator: str | None = None
+    hf_model_dir: str | None = None
+    extra_experts: int = 32
+    mtp_varlen: bool = False
+    nextn_decode: int = 5
+    yoco_mode: str | None = None
+    yoco_keep_tokens: int = 140
+    batch_invariant: bool = False
+    disable_passes: str = ""
+    topology_file: str | None = None
+    demo_dir: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "EngineConfig":
+        """Every declared variable from ``environ`` (default ``os.environ``); ``overrides`` (CLI
+        flags, API arguments) win where not None. Unknown ``DEEPINFER_*`` names warn."""
+        env = os.environ if environ is None else environ
+        for name in sorted(k for k in env if k.startswith(PREFIX) and k not in VARIABLES):
+            warnings.warn(f"unknown setting {name} is ignored; known: {', '.join(sorted(VARIABLES))}", stacklevel=2)
+        values = {v.field: setting(name, env) for name, v in VARIABLES.items()}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            raise ValueError(f"unknown engine setting(s) {bad}; known: {sorted(fields)}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
