@@ -74,10 +74,10 @@ def _compressor(prefix: str, c: ModelConfig, dim: int, ratio: int) -> list[Param
     ]
 
 
-def _attention(prefix: str, c: ModelConfig, ratio: int) -> list[ParamSpec]:
+def _attention_common(a: str, c: ModelConfig) -> list[ParamSpec]:
+    """Projections every attention layer of both generations owns."""
     h, hd, d = c.num_attention_heads, c.head_dim, c.hidden_size
-    a = f"{prefix}.attn"
-    specs = [
+    return [
         _linear(f"{a}.wq_a", c.q_lora_rank, d, (None, "embed"), "fp8"),
         _norm(f"{a}.q_norm", c.q_lora_rank),
         _linear(f"{a}.wq_b", h * hd, c.q_lora_rank, ("heads", None), "fp8"),
@@ -87,6 +87,12 @@ def _attention(prefix: str, c: ModelConfig, ratio: int) -> list[ParamSpec]:
         _linear(f"{a}.wo_b", d, c.o_groups * c.o_lora_rank, ("embed", None), "fp8"),
         ParamSpec(f"{a}.attn_sink", f"{a}.attn_sink", (h,), ("heads",), init="zeros", fp32=True),
     ]
+
+
+def _attention(prefix: str, c: ModelConfig, ratio: int) -> list[ParamSpec]:
+    hd, d = c.head_dim, c.hidden_size
+    a = f"{prefix}.attn"
+    specs = _attention_common(a, c)
     if ratio:
         specs += _compressor(f"{a}.compressor", c, hd, ratio)
     if ratio == c.csa_ratio:
@@ -102,18 +108,9 @@ def _attention(prefix: str, c: ModelConfig, ratio: int) -> list[ParamSpec]:
 def _attention_v41(prefix: str, c: ModelConfig, layer: int) -> list[ParamSpec]:
     """V4.1 (CSA2): the common projections, plus a compressor and index-key projection on KV
     sources and an indexer query head on index sources; reuse layers own neither."""
-    h, hd, d = c.num_attention_heads, c.head_dim, c.hidden_size
+    hd, d = c.head_dim, c.hidden_size
     a = f"{prefix}.attn"
-    specs = [
-        _linear(f"{a}.wq_a", c.q_lora_rank, d, (None, "embed"), "fp8"),
-        _norm(f"{a}.q_norm", c.q_lora_rank),
-        _linear(f"{a}.wq_b", h * hd, c.q_lora_rank, ("heads", None), "fp8"),
-        _linear(f"{a}.wkv", hd, d, (None, "embed"), "fp8"),
-        _norm(f"{a}.kv_norm", hd),
-        _linear(f"{a}.wo_a", c.o_groups * c.o_lora_rank, h * hd // c.o_groups, ("heads", None), "fp8"),
-        _linear(f"{a}.wo_b", d, c.o_groups * c.o_lora_rank, ("embed", None), "fp8"),
-        ParamSpec(f"{a}.attn_sink", f"{a}.attn_sink", (h,), ("heads",), init="zeros", fp32=True),
-    ]
+    specs = _attention_common(a, c)
     if c.compress_ratios[layer] and c.is_kv_source(layer):
         specs.append(_linear(f"{a}.compressor.wkv", hd, d, ("compress", "embed"), None))
         if c.compress_ratios[layer] > 1:

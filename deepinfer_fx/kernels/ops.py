@@ -18,11 +18,9 @@ No ``from __future__ import annotations`` here: ``custom_op`` infers the schema 
 annotation objects.
 """
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..graphs.attention import mqa_with_sink
 from ..graphs.indexer import score_topk

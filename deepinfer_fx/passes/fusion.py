@@ -19,7 +19,7 @@ import torch
 
 from ..graphs import norm as graphs_norm
 from ..graphs.moe import swiglu_act
-from ..kernels import ops as kernel_ops
+from .. import kernels  # noqa: F401  (registers torch.ops.deepinfer.*, which the fusions insert)
 from .manager import register_pass
 from .pattern import PatternFusionPass
 

@@ -7,7 +7,6 @@ Parsing and validation only, so every entry point (CLI ``--mesh``, ``LLM(mesh=..
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 

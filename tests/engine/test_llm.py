@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from tiny import tiny_v4
 
 import deepinfer_fx

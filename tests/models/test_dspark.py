@@ -117,7 +117,7 @@ def test_windows_hold_verified_context_only(family: str) -> None:
     w = c.sliding_window
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, c.vocab_size, (w + 4,), generator=gen)
-    n, verified = ids.numel(), w + 1  # the last 3 rows play rejected drafts
+    verified = w + 1  # the last 3 rows play rejected drafts
 
     state = init_state(c, 32, slots=1)
     batch = make_batch([ids], [0], [0])
