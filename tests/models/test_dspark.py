@@ -189,7 +189,7 @@ def test_batched_equals_alone(family: str) -> None:
         assert alone_next[0] == nxt[i], f"seed={seed}: the target disagrees, not the drafter"
         alone = dspark_propose(params, alone_state, c, nxt[i : i + 1], pos[i : i + 1], [0])
         assert torch.equal(alone.tokens[0], batched.tokens[i]), f"seed={seed} request {i}: {alone.tokens} vs {batched.tokens[i]}"
-        torch.testing.assert_close(alone.confidences[0], batched.confidences[i], rtol=1e-5, atol=1e-6, msg=f"seed={seed} request {i}")
+        torch.testing.assert_close(alone.confidences[0], batched.confidences[i], rtol=1e-4, atol=1e-5, msg=f"seed={seed} request {i}")
         torch.testing.assert_close(alone.logits[0], batched.logits[i], rtol=1e-5, atol=1e-4, msg=f"seed={seed} request {i}")
 
 
@@ -209,7 +209,7 @@ def test_chunked_context_equals_one_shot(family: str) -> None:
     d1 = dspark_propose(params, one, c, nxt_one, torch.tensor([n]), [0])
     d2 = dspark_propose(params, chunked, c, nxt_one, torch.tensor([n]), [0])
     assert torch.equal(d1.tokens, d2.tokens), f"seed={seed}: {d1.tokens} vs {d2.tokens}"
-    torch.testing.assert_close(d1.confidences, d2.confidences, rtol=1e-5, atol=1e-6, msg=f"seed={seed}")
+    torch.testing.assert_close(d1.confidences, d2.confidences, rtol=1e-4, atol=1e-5, msg=f"seed={seed}")
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
