@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -41,10 +41,12 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     fake_quant: bool | None = None,
+    experts: Callable | None = None,
 ) -> Model:
     """Load a checkpoint directory (or hub repo id; ``None`` reads ``DEEPINFER_HF_MODEL_DIR``).
-    ``fake_quant`` switches the official fake-quant points (default: on)."""
-    c, params, model_dir = load_checkpoint(path, dtype, device, fake_quant)
+    ``fake_quant`` switches the official fake-quant points (default: on). ``experts`` maps a
+    stacked expert spec to the expert ids to load (an EP rank's share); default all."""
+    c, params, model_dir = load_checkpoint(path, dtype, device, fake_quant, experts)
     return Model(c, params, model_dir)
 
 

@@ -8,6 +8,7 @@ so a checkpoint that does not match its config fails at once with the file and t
 from __future__ import annotations
 
 import os
+from typing import Callable, Sequence
 
 import torch
 
@@ -19,11 +20,14 @@ from .checkpoint import CheckpointError, CheckpointReader, resolve_model_dir
 from .tokenizer import load_tokenizer
 
 
+ExpertIds = Callable[[ParamSpec], Sequence[int]]
+
+
 def _expected(spec: ParamSpec) -> tuple[int, ...]:
     return spec.shape[1:] if spec.stacked else spec.shape
 
 
-def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, device):
+def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, device, experts: ExpertIds | None = None):
     if spec.quant == "engram":  # ~98 GB tables: memory-mapped, rows read on lookup
         if tuple(reader.shape(spec.key)) != spec.shape:
             raise CheckpointError(
@@ -31,7 +35,11 @@ def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, dev
             )
         scale = spec.key[: -len(".weight")] + ".scale"
         return EngramTable.from_checkpoint(reader, spec.key, scale if _has_raw(reader, scale) else None)
-    keys = [spec.key.format(e=e) for e in range(spec.shape[0])] if spec.stacked else [spec.key]
+    if spec.stacked:  # a sharded rank reads only the experts it holds (replicas repeat an id)
+        ids = range(spec.shape[0]) if experts is None else experts(spec)
+        keys = [spec.key.format(e=e) for e in ids]
+    else:
+        keys = [spec.key]
     for key in keys:
         if key not in reader:
             raise CheckpointError(f"{reader.model_dir}: tensor '{key}' is missing; the config expects it (incomplete download?)")
@@ -46,9 +54,14 @@ def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, dev
     return (t.long() if spec.integer else t.to(target)).to(device)
 
 
-def load_params(reader: CheckpointReader, c: ModelConfig, dtype: torch.dtype, device=None, mtp: bool | None = None) -> dict:
-    """The parameter tree of ``c`` from ``reader``. ``mtp=None`` loads the MTP block when the
-    checkpoint carries it (HF-written checkpoints drop ``mtp.*``)."""
+def load_params(
+    reader: CheckpointReader, c: ModelConfig, dtype: torch.dtype, device=None, mtp: bool | None = None,
+    experts: ExpertIds | None = None,
+) -> dict:
+    """The parameter tree of ``c`` from ``reader``. ``mtp=None`` loads the draft layers when the
+    checkpoint carries them (HF-written checkpoints drop ``mtp.*``). ``experts`` maps a stacked
+    expert spec to the expert ids this rank holds, in slot order (``sharding.rules.expert_ids``);
+    None loads every expert."""
     specs = backbone_specs(c)
     extra = mtp_specs(c)
     if mtp is None:
@@ -57,7 +70,7 @@ def load_params(reader: CheckpointReader, c: ModelConfig, dtype: torch.dtype, de
         specs = specs + extra
     if c.tie_word_embeddings and "head.weight" not in reader:
         specs = [s for s in specs if s.path != "head"]
-    flat = {s.path: _load_one(reader, s, dtype, device) for s in specs}
+    flat = {s.path: _load_one(reader, s, dtype, device, experts) for s in specs}
     if "head" not in flat:
         flat["head"] = flat["embed"].float()
     if c.engram_layer_ids:
@@ -92,15 +105,18 @@ def engram_vocab(model_dir, c: ModelConfig) -> torch.Tensor:
     return table[: c.vocab_size]
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype, device=None, fake_quant: bool | None = None):
-    """-> (config, params, model_dir). ``fake_quant`` overrides the config's switch."""
+def load_checkpoint(
+    path: str | os.PathLike, dtype: torch.dtype, device=None, fake_quant: bool | None = None, experts: ExpertIds | None = None
+):
+    """-> (config, params, model_dir). ``fake_quant`` overrides the config's switch; ``experts``
+    as in ``load_params``."""
     model_dir = resolve_model_dir(path)
     c = load_config(model_dir)
     if fake_quant is not None:
         c = c.replace(fake_quant=fake_quant)
     reader = CheckpointReader(model_dir, fp8_block=c.fp8_block)
     try:
-        params = load_params(reader, c, dtype, device)
+        params = load_params(reader, c, dtype, device, experts=experts)
     finally:
         reader.close()
     return c, params, model_dir
