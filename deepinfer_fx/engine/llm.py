@@ -101,7 +101,6 @@ class LLM:
         self.seed = seed
         self.overlap = overlap
         self._next_id = 0
-        self._seqs: dict[int, Sequence] = {}
         self._finished: list[Sequence] = []
         self._engine_loop: EngineLoop | None = None
         self.last_stats: LoopStats | None = None
@@ -213,12 +212,8 @@ class LLM:
         if self.engine_type is EngineType.COMPLETION:
             raise ValueError("a COMPLETION engine takes its requests from state_dir: call generate()")
         seq = self._make_seq(prompt, params if params is not None else SamplingParams())
-        self._add(seq)
-        return seq.id
-
-    def _add(self, seq: Sequence) -> None:
-        self._seqs[seq.id] = seq
         self.scheduler.add(seq)
+        return seq.id
 
     def has_unfinished_requests(self) -> bool:
         return self._loop().busy()
@@ -236,7 +231,7 @@ class LLM:
 
             bar = tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True)
         for seq in seqs:
-            self._add(seq)
+            self.scheduler.add(seq)
         loop = self._loop()
         stats_before = dataclasses.replace(loop.stats)
         try:
