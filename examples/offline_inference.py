@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from deepinfer_fx.engine import LLM, SamplingParams
+from deepinfer_fx import LLM, SamplingParams
 from deepinfer_fx.sharding.mesh import mesh_from_degrees
 
 PROMPTS = [

@@ -8,7 +8,7 @@ import pytest
 from tiny import tiny_v4
 
 import deepinfer_fx
-from deepinfer_fx.engine import LLM, SamplingParams
+from deepinfer_fx import LLM, SamplingParams
 
 MAX_LEN = 96
 
