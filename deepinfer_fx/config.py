@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config_fields import ConfigError, _need, _num
+from .config_fields import ConfigError, _need, _num, read_json_object
 from .config_v41 import _dspark_fields, _unwrap_composite, _v41_fields, _validate_dspark, _validate_v41
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v41_text")
@@ -419,12 +418,5 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no config.json; a checkpoint directory needs one") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{p}: expected a JSON object")
+    d = read_json_object(p, "no config.json; a checkpoint directory needs one", ConfigError)
     return config_from_dict(d, where=str(p))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 
@@ -34,3 +36,17 @@ def _num(d: dict, key: str, where: str, kind: type, default: Any = _REQUIRED) ->
             raise ConfigError(f"{where}: '{key}' must be an integer, got {value!r}")
         return int(number)
     return number
+
+
+def read_json_object(path: Path, missing: str, error: type[ValueError] = ValueError) -> dict:
+    """A JSON object from ``path``; a missing file, bad JSON or a non-object raise ``error``
+    naming the file (``missing`` says what the file was for)."""
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: {missing}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(d, dict):
+        raise error(f"{path}: expected a JSON object")
+    return d

@@ -21,13 +21,13 @@ for world sizes up to 8), H200-class links.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config_fields import read_json_object
 from ..settings import setting
 
 TOPOLOGY_ENV = "DEEPINFER_TOPOLOGY_FILE"
@@ -109,13 +109,7 @@ class Topology:
 def load_topology(path: str | os.PathLike) -> Topology:
     """A topology from a JSON file such as ``{"hosts": 8, "gpus_per_host": 8}``."""
     p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{p}: topology file not found") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return Topology.from_dict(d, where=str(p))
+    return Topology.from_dict(read_json_object(p, "topology file not found"), where=str(p))
 
 
 def from_env(world_size: int = 8) -> Topology:
