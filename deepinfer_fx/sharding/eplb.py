@@ -249,5 +249,12 @@ def route_to_physical(logical_idx: torch.Tensor, placement: ExpertPlacement, tok
     choice depends only on the token's position, never on batch composition, so results are
     reproducible; any replica gives the same output because replicas are copies."""
     table, counts = placement.replica_table(logical_idx.device)
+    return pick_replicas(logical_idx, table, counts, token_positions)
+
+
+def pick_replicas(logical_idx: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+    """``route_to_physical``'s rule over a ``replica_table`` built once: callers that run under a
+    captured graph (``ep.ep_routed_experts``) keep the table on the device instead of rebuilding
+    it from Python lists every step."""
     replica = token_positions.long().reshape(-1, 1) % counts[logical_idx]
     return table[logical_idx, replica]
