@@ -65,10 +65,11 @@ def state_bytes_per_slot(c: ModelConfig, max_len: int, dtype: torch.dtype, mtp: 
     state = init_state(c, max_len, dtype, device="meta", mtp=mtp, slots=1)
     fixed = growing = 0
     for path, t in iter_tensors(state):
+        one = t[0]  # the state also holds the scratch slot
         if path.endswith(GROWING_KEYS):
-            growing += _nbytes(t)
+            growing += _nbytes(one)
         else:
-            fixed += _nbytes(t)
+            fixed += _nbytes(one)
     return {"fixed": fixed, "growing": growing, "total": fixed + growing, "per_token": growing / max_len}
 
 
@@ -77,7 +78,7 @@ class CapacityPlan:
     slots: int  # sequences that run at once
     max_len: int  # tokens each slot can hold (prompt + completion)
     bytes_per_slot: int  # fixed + growing bytes of one slot at max_len
-    total_bytes: int  # slots * bytes_per_slot: what the pool allocates
+    total_bytes: int  # (slots + 1 scratch) * bytes_per_slot: what the pool allocates
     per_token_bytes: float  # growing bytes per cached token
     fixed_bytes_per_slot: int  # window and compressor rings: paid once per slot
     tokens_capacity: int  # slots * max_len
@@ -91,11 +92,12 @@ def plan_capacity(
         raise ValueError(f"max_slots must be at least 1, got {max_slots}")
     b = state_bytes_per_slot(c, max_len, dtype)
     per_slot = b["total"]
-    slots = max(budget_bytes, 0) // per_slot
+    slots = max(budget_bytes, 0) // per_slot - 1  # one slot's worth goes to the scratch slot
     if slots < 1:
         raise ValueError(
             f"a cache budget of {budget_bytes} bytes does not hold one sequence of {max_len} tokens: "
-            f"one needs {per_slot} bytes ({b['fixed']} fixed + {b['per_token']:.1f} per token, {dtype}); "
+            f"one needs {per_slot} bytes ({b['fixed']} fixed + {b['per_token']:.1f} per token, {dtype}), "
+            "and the pool keeps one more slot as scratch for padded steps; "
             "give a larger budget or a smaller max_len"
         )
     if max_slots is not None:
@@ -104,7 +106,7 @@ def plan_capacity(
         slots=slots,
         max_len=max_len,
         bytes_per_slot=per_slot,
-        total_bytes=slots * per_slot,
+        total_bytes=(slots + 1) * per_slot,
         per_token_bytes=b["per_token"],
         fixed_bytes_per_slot=b["fixed"],
         tokens_capacity=slots * max_len,

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..api import Model
-from ..graphs.batch import Batch, Chunk
+from ..graphs.batch import Batch, Chunk, group_chunks
 from ..graphs.model import forward_batch
 from .cache import CachePool
 from .sampler import SamplingTensors, logprobs, sample
@@ -90,7 +90,7 @@ class ModelRunner:
         token_ids = self._host(ids)
         if dev_rows:
             token_ids[self._host(dev_rows)] = self.next_token[self._host(dev_slots)]
-        batch = Batch(token_ids, self._host(pos), tuple(chunks))
+        batch = Batch(token_ids, self._host(pos), group_chunks(chunks, self.device), tuple(chunks))
         logits, _ = forward_batch(params, self.pool.state, c, batch)
 
         rows = self._host(sample_rows)

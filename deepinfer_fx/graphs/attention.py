@@ -14,24 +14,23 @@ import torch
 
 from ..config import ModelConfig
 from . import fake_quant as fq
-from .batch import Batch
+from .batch import Batch, Group, gather_rows, scatter_rows
 from .compressor import compress, visible_entries
 from .csa2 import csa2_entries
 from .indexer import select_entries
 from .norm import linear, rms_norm
 from .rope import apply_rope, cos_sin, inv_freq
-from .state import slot_view
 from .window import window_bias, window_keys
 
 
 def mqa_with_sink(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """q ``[T, H, d]``, keys ``[N, d]`` (K = V), bias ``[T, N]`` (0 / -inf). The sink adds
-    ``exp(sink_h)`` to each head's softmax denominator and contributes no value."""
+    """q ``[..., T, H, d]``, keys ``[..., N, d]`` (K = V), bias ``[..., T, N]`` (0 / -inf). The sink
+    adds ``exp(sink_h)`` to each head's softmax denominator and contributes no value."""
     scale = q.shape[-1] ** -0.5
-    logits = torch.einsum("thd,nd->thn", q.float(), keys.float()) * scale + bias[:, None, :]
-    sink_col = sink.float()[None, :, None].expand(q.shape[0], -1, 1)
+    logits = torch.einsum("...thd,...nd->...thn", q.float(), keys.float()) * scale + bias[..., :, None, :]
+    sink_col = sink.float()[:, None].expand(*logits.shape[:-1], 1)
     probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thn,nd->thd", probs, keys.float()).to(q.dtype)
+    return torch.einsum("...thn,...nd->...thd", probs, keys.float()).to(q.dtype)
 
 
 def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
@@ -71,35 +70,34 @@ def attention(
     """One attention sublayer over the packed tokens ``x`` ``[N, D]`` (already normed).
     ``states`` holds every layer's pooled state (V4.1 layers read their KV source's);
     ``ctx`` carries per-forward results shared across layers (V4.1 selections).
-    Projections run on all tokens; the cache-reading core runs per chunk on its state slot."""
+    Projections run on all tokens; the cache-reading core runs per group of chunks ``[C, L]``."""
     freq = inv_freq(c, compressed=ratio != 0)
     cos, sin = cos_sin(batch.positions, freq)
     q_r, q = query(p, c, x, cos, sin)
     kv = latent_kv(p, c, x, cos, sin)
 
-    o = torch.empty_like(q)
-    for i, ch in enumerate(batch.chunks):
-        rows = ch.rows
-        st = slot_view(states[layer], ch.slot)
-        q_pos = batch.positions[rows]
-        keys, k_pos = window_keys(st["window"], kv[rows], ch.start)
+    o = torch.zeros((q.shape[0] + 1, *q.shape[1:]), dtype=q.dtype, device=q.device)
+    st = states[layer]
+    for gi, g in enumerate(batch.groups):
+        xg, q_rg = gather_rows(x, g), gather_rows(q_r, g)
+        q_pos = g.positions
+        keys, k_pos = window_keys(st["window"], gather_rows(kv, g), g)
         bias = window_bias(q_pos, k_pos, c.sliding_window)
         if ratio:
             if c.is_v41:
-                chunk_ctx = ctx.setdefault(i, {})
-                entries, chosen = csa2_entries(p, states, c, x[rows], q_r[rows], q_pos, ch, layer, freq, chunk_ctx)
+                entries, chosen = csa2_entries(p, states, c, xg, q_rg, g, layer, freq, ctx.setdefault(gi, {}))
             else:
-                entries, chosen = _v4_entries(p, st, c, x[rows], q_r[rows], q_pos, ch.start, ratio, freq)
-            keys = torch.cat([keys, entries.to(keys.dtype)])
-            bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], dim=1)
-        o[rows] = mqa_with_sink(q[rows], keys, bias, p["attn_sink"])
-    return attention_output(p, c, o, cos, sin)
+                entries, chosen = _v4_entries(p, st, c, xg, q_rg, g, ratio, freq)
+            keys = torch.cat([keys, entries.to(keys.dtype)], 1)
+            bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], -1)
+        scatter_rows(o, g, mqa_with_sink(gather_rows(q, g), keys, bias, p["attn_sink"]))
+    return attention_output(p, c, o[:-1], cos, sin)
 
 
-def _v4_entries(p, st, c: ModelConfig, x, q_r, q_pos, start: int, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:
+def _v4_entries(p, st, c: ModelConfig, x, q_r, g: Group, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:
     """V4: the layer's own compressed entries; all visible ones (HCA) or the indexer's top-k (CSA)."""
     overlap = ratio == c.csa_ratio
-    entries = compress(p["compressor"], st["comp"], x, start, ratio, overlap, freq, c.rms_norm_eps, lambda e: fq.compressed_entry(c, e))
+    entries = compress(p["compressor"], st["comp"], x, g, ratio, overlap, freq, c.rms_norm_eps, lambda e: fq.compressed_entry(c, e))
     if overlap:
-        return entries, select_entries(p["indexer"], st["index"], c, x, q_r, start, freq)
-    return entries, visible_entries(q_pos, entries.shape[0], ratio)
+        return entries, select_entries(p["indexer"], st["index"], c, x, q_r, g, freq)
+    return entries, visible_entries(g.positions, entries.shape[1], ratio)

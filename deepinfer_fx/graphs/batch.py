@@ -1,8 +1,11 @@
 """A step's input: chunks of several sequences packed into one token dimension.
 
-Dense work (projections, mHC, MoE) runs on all packed tokens at once; the parts that read a
-sequence's own cache (window, compressor, indexer, attention core) run per chunk on that
-sequence's state slot.
+Dense work (projections, mHC, MoE) runs on all packed tokens at once. The parts that read a
+sequence's own cache (window, compressor, indexer, attention core) run on *groups*: chunks of
+one length laid out ``[C, L]``, every per-chunk quantity a tensor (slot, start, length). So the
+same functions serve an eager step, a compiled one and a CUDA-graph replay; the compiled
+steps pad a group to a bucket with chunks of length 0 on the state's scratch slot, and rows
+past a chunk's length are never written anywhere but the scratch slot.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import torch
 
 @dataclass(frozen=True)
 class Chunk:
+    """Host-side description of one chunk (eager callers that need Python ints)."""
+
     slot: int  # the sequence's state slot
     start: int  # absolute position of the chunk's first token
     offset: int  # index of the first token in the packed batch
@@ -26,10 +31,67 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Group:
+    """Chunks laid out ``[C, L]``. ``index[c, j]``: the packed row of token j of chunk c; rows at
+    or past ``lens[c]`` point at row N (a padding row the caller appends)."""
+
+    index: torch.Tensor  # [C, L] long
+    slots: torch.Tensor  # [C] long
+    starts: torch.Tensor  # [C] long
+    lens: torch.Tensor  # [C] long
+
+    @classmethod
+    def one(cls, start: int, length: int, slot: int = 0, device=None) -> "Group":
+        """One chunk of ``length`` tokens at ``start`` in ``slot``, its rows packed from 0."""
+        meta = torch.tensor([slot, start, length], device=device)
+        return cls(torch.arange(length, device=device)[None], *meta[:, None].unbind(0))
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[C, L]`` absolute position of every (chunk, row), past the chunk's end too."""
+        return self.starts[:, None] + torch.arange(self.index.shape[1], device=self.index.device)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[C, L]`` bool: the row is one of the chunk's tokens."""
+        return torch.arange(self.index.shape[1], device=self.index.device) < self.lens[:, None]
+
+    @property
+    def ends(self) -> torch.Tensor:
+        return self.starts + self.lens
+
+
+@dataclass(frozen=True)
 class Batch:
     token_ids: torch.Tensor  # [N] packed
     positions: torch.Tensor  # [N] absolute position of each token
-    chunks: tuple[Chunk, ...]
+    groups: tuple[Group, ...]
+    chunks: tuple[Chunk, ...] = ()  # host-side view; empty inside compiled steps
+
+
+def gather_rows(x: torch.Tensor, g: Group) -> torch.Tensor:
+    """Packed ``x`` ``[N, ...]`` -> ``[C, L, ...]`` (padding rows are zeros)."""
+    pad = torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad])[g.index]
+
+
+def scatter_rows(out: torch.Tensor, g: Group, y: torch.Tensor) -> None:
+    """Write ``y`` ``[C, L, ...]`` back to the packed rows of ``out`` ``[N + 1, ...]``; padding rows
+    all land on the extra last row, which the caller drops."""
+    out[g.index] = y.to(out.dtype)
+
+
+def group_chunks(chunks: Sequence[Chunk], device=None) -> tuple[Group, ...]:
+    """Eager grouping: chunks of equal length share a group (all decode rows form one)."""
+    by_len: dict[int, list[Chunk]] = {}
+    for ch in chunks:
+        by_len.setdefault(ch.length, []).append(ch)
+    groups = []
+    for length, chs in sorted(by_len.items()):
+        index = torch.tensor([[ch.offset + j for j in range(length)] for ch in chs], dtype=torch.long)
+        meta = torch.tensor([[ch.slot, ch.start, ch.length] for ch in chs], dtype=torch.long)
+        groups.append(Group(index.to(device), *(m.to(device) for m in meta.unbind(1))))
+    return tuple(groups)
 
 
 def make_batch(token_lists: Sequence[Sequence[int] | torch.Tensor], slots: Sequence[int], starts: Sequence[int], device=None) -> Batch:
@@ -47,4 +109,4 @@ def make_batch(token_lists: Sequence[Sequence[int] | torch.Tensor], slots: Seque
         pos.append(torch.arange(start, start + t.numel()))
         chunks.append(Chunk(int(slot), int(start), offset, t.numel()))
         offset += t.numel()
-    return Batch(torch.cat(ids).to(device), torch.cat(pos).to(device), tuple(chunks))
+    return Batch(torch.cat(ids).to(device), torch.cat(pos).to(device), group_chunks(chunks, device), tuple(chunks))

@@ -4,6 +4,10 @@ CSA layers (ratio 4) overlap windows: each token projects two series A and B, an
 pools the A halves of window w-1 with the B halves of window w (8 slots, stride 4). HCA layers
 pool disjoint windows. The indexer of a CSA layer runs the same compressor at its own width.
 An entry exists once its window is complete; its RoPE position is the window's first token.
+
+Everything is per group of chunks ``[C, L]`` with tensor starts and lengths: a chunk of L
+tokens completes at most ``L // ratio + 1`` windows, at rows fixed by ``start % ratio``, so the
+pooling has a static shape; windows that do not complete are written to the scratch slot.
 """
 
 from __future__ import annotations
@@ -12,87 +16,89 @@ from typing import Callable
 
 import torch
 
+from .batch import Group
 from .norm import linear_fp32, rms_norm
 from .rope import apply_rope, cos_sin
+from .state import write_rows
 
 
 def new_latents(
-    p: dict, st: dict, x: torch.Tensor, start: int, ratio: int, overlap: bool, eps: float
-) -> tuple[int, torch.Tensor | None]:
-    """Feed the chunk ``x`` ``[T, D]`` (positions ``start..start+T-1``) to the compressor.
-    Returns ``(w0, latents)``: the normed, not yet rotated latents ``[n_new, dim]`` of the
-    windows that complete in this chunk (``w0`` is the first one's index), or ``None``.
-    Without ``wgate`` (V4.1 ratio 1) every token is its own window."""
-    t = x.shape[0]
-    end = start + t
-    dev = x.device
-    pos = torch.arange(start, end, device=dev)
+    p: dict, st: dict, x: torch.Tensor, g: Group, ratio: int, overlap: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Feed the group's chunks ``x`` ``[C, L, D]`` to the compressor (the row ring is updated).
+    Returns, for the ``n = L // ratio + 1`` windows each chunk could complete: their indices
+    ``w`` ``[C, n]``, whether they complete ``[C, n]``, and their normed, not yet rotated latents
+    ``[C, n, dim]`` (zeros where they do not complete). Without ``wgate`` (V4.1 ratio 1) every
+    token is its own window."""
+    pos = g.positions
     kv = linear_fp32(x, p["wkv"])
     gate = linear_fp32(x, p["wgate"]) if "wgate" in p else torch.zeros_like(kv)
     if "ape" in p:
         gate = gate + p["ape"].float()[torch.remainder(pos, ratio)]
 
-    # Rows of the open window (and, with overlap, of the window before it) come from the ring.
-    ring = st["rows_kv"].shape[0]
-    first = start - start % ratio - (ratio if overlap else 0)
-    hist = torch.arange(first, start, device=dev)
-    valid = (hist >= 0)[:, None]
-    slot = torch.remainder(hist, ring)
-    rows_kv = torch.cat([torch.where(valid, st["rows_kv"][slot], 0.0), kv])
-    rows_gate = torch.cat([torch.where(valid, st["rows_gate"][slot], float("-inf")), gate])
-    keep = min(ring, end - first)
-    keep_slots = torch.remainder(torch.arange(end - keep, end, device=dev), ring)
-    st["rows_kv"][keep_slots] = rows_kv[-keep:]
-    st["rows_gate"][keep_slots] = rows_gate[-keep:]
+    ring = st["rows_kv"].shape[1]
+    before_kv, before_gate = st["rows_kv"][g.slots], st["rows_gate"][g.slots]  # read before the write
+    write = g.valid & (pos >= g.ends[:, None] - ring)
+    write_rows(st["rows_kv"], g.slots, torch.remainder(pos, ring), kv, write)
+    write_rows(st["rows_gate"], g.slots, torch.remainder(pos, ring), gate, write)
 
-    w0, n_new = start // ratio, end // ratio - start // ratio
-    if n_new <= 0:
-        return w0, None
+    # The rows of each chunk that would close a window, and the rows each window pools: from
+    # the chunk itself at or after its start, from the ring before it, nothing before position 0.
+    start = g.starts[:, None]
+    n = x.shape[1] // ratio + 1
+    close = (ratio - 1 - torch.remainder(start, ratio)) + ratio * torch.arange(n, device=x.device)  # [C, n]
+    complete = close < g.lens[:, None]
+    w = torch.div(start + close, ratio, rounding_mode="floor")
+    r = (w * ratio - (ratio if overlap else 0))[..., None] + torch.arange(ring, device=x.device)  # [C, n, ring]
+    src = torch.where(r >= start[..., None], ring + r - start[..., None], torch.remainder(r, ring))
+    src = src.clamp(max=ring + x.shape[1] - 1)
+    c_idx = torch.arange(x.shape[0], device=x.device)[:, None, None]
+    use = ((r >= 0) & complete[..., None])[..., None]
+    rows_kv = torch.where(use, torch.cat([before_kv, kv], 1)[c_idx, src], 0.0)
+    # windows that do not complete pool zeros with flat gates: finite, and never stored
+    fill = torch.where(complete, float("-inf"), 0.0)[..., None, None]
+    rows_gate = torch.where(use, torch.cat([before_gate, gate], 1)[c_idx, src], fill)
+
     dim = p["norm"].shape[0]
-    n_win = n_new + (1 if overlap else 0)
-    kv_w = rows_kv[: n_win * ratio].unflatten(0, (n_win, ratio))
-    gate_w = rows_gate[: n_win * ratio].unflatten(0, (n_win, ratio))
     if overlap:  # slots: A halves of the previous window, then B halves of this one
-        kv_w = torch.cat([kv_w[:-1, :, :dim], kv_w[1:, :, dim:]], dim=1)
-        gate_w = torch.cat([gate_w[:-1, :, :dim], gate_w[1:, :, dim:]], dim=1)
-    pooled = (kv_w * torch.softmax(gate_w, dim=1)).sum(1)
-    return w0, rms_norm(pooled, p["norm"], eps)
+        rows_kv = torch.cat([rows_kv[..., :ratio, :dim], rows_kv[..., ratio:, dim:]], dim=-2)
+        rows_gate = torch.cat([rows_gate[..., :ratio, :dim], rows_gate[..., ratio:, dim:]], dim=-2)
+    pooled = (rows_kv * torch.softmax(rows_gate, dim=-2)).sum(-2)
+    return w, complete, rms_norm(pooled, p["norm"], eps)
 
 
-def store_entries(entries: torch.Tensor, w0: int, values: torch.Tensor) -> None:
-    """Write new entries ``w0 ..`` into a slot's entry buffer, with a clear error when full."""
-    if w0 + values.shape[0] > entries.shape[0]:
-        raise ValueError(f"compressed cache holds {entries.shape[0]} entries; entry {w0 + values.shape[0] - 1} does not fit")
-    entries[w0 : w0 + values.shape[0]] = values.to(entries.dtype)
+def store_entries(entries: torch.Tensor, g: Group, w: torch.Tensor, complete: torch.Tensor, values: torch.Tensor) -> None:
+    """Write the completed windows' entries ``values`` ``[C, n, dim]`` at ``w`` of each chunk's slot."""
+    write_rows(entries, g.slots, w, values, complete)
 
 
-def entry_rope(latents: torch.Tensor, w0: int, ratio: int, freq: torch.Tensor) -> torch.Tensor:
+def entry_rope(latents: torch.Tensor, w: torch.Tensor, ratio: int, freq: torch.Tensor) -> torch.Tensor:
     """An entry's RoPE position is its window's first token."""
-    pos = torch.arange(w0, w0 + latents.shape[0], device=latents.device) * ratio
-    return apply_rope(latents, *cos_sin(pos, freq))
+    return apply_rope(latents, *cos_sin(w * ratio, freq))
 
 
 def compress(
     p: dict,
     st: dict,
     x: torch.Tensor,
-    start: int,
+    g: Group,
     ratio: int,
     overlap: bool,
     freq: torch.Tensor,
     eps: float,
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """V4: pool the chunk, rotate and fake-quantise (``finish``) the new entries, store them,
-    and return every entry complete so far, ``[(start + T) // ratio, dim]``."""
-    w0, latents = new_latents(p, st, x, start, ratio, overlap, eps)
-    if latents is not None:
-        pooled = entry_rope(latents, w0, ratio, freq)
-        store_entries(st["entries"], w0, finish(pooled) if finish is not None else pooled)
-    return st["entries"][: (start + x.shape[0]) // ratio]
+    """V4: pool the chunks, rotate and fake-quantise (``finish``) the new entries, store them,
+    and return each chunk's whole entry buffer ``[C, max_entries, dim]`` (``visible_entries``
+    says which ones a query may use)."""
+    w, complete, latents = new_latents(p, st, x, g, ratio, overlap, eps)
+    pooled = entry_rope(latents, w, ratio, freq)
+    store_entries(st["entries"], g, w, complete, finish(pooled) if finish is not None else pooled)
+    return st["entries"][g.slots]
 
 
 def visible_entries(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
-    """Query t may use entry w once w's window is complete: ``w < (t + 1) // ratio``."""
+    """``[..., T, n_entries]``: query t may use entry w once w's window is complete,
+    ``w < (t + 1) // ratio``."""
     w = torch.arange(n_entries, device=q_pos.device)
-    return w[None, :] < torch.div(q_pos + 1, ratio, rounding_mode="floor")[:, None]
+    return w < torch.div(q_pos + 1, ratio, rounding_mode="floor")[..., None]

@@ -14,24 +14,21 @@ import torch
 
 from ..config import ModelConfig
 from . import fake_quant as fq
-from .batch import Chunk
+from .batch import Group
 from .compressor import entry_rope, new_latents, store_entries, visible_entries
 from .norm import linear, linear_fp32, rms_norm
 from .rope import apply_rope, cos_sin
-from .state import slot_view
 
 
-def _publish(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, start: int, ratio: int, freq: torch.Tensor) -> bool:
-    """A KV source pools the chunk and stores new compressed entries and their index keys.
+def _publish(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, g: Group, ratio: int, freq: torch.Tensor) -> torch.Tensor:
+    """A KV source pools the chunks and stores new compressed entries and their index keys.
     Index keys come from the latent before RoPE; both are then rotated to the entry position.
-    Returns whether any group closed in this chunk."""
-    w0, lat = new_latents(p["compressor"], st, x, start, ratio, False, c.rms_norm_eps)
-    if lat is None:
-        return False
+    Returns ``[C]`` bool: whether any group closed in each chunk."""
+    w, complete, lat = new_latents(p["compressor"], st, x, g, ratio, False, c.rms_norm_eps)
     keys = rms_norm(linear(lat, p["indexer"]["wk"]), p["indexer"]["k_norm"], c.rms_norm_eps)
-    store_entries(st["index_keys"], w0, fq.index_vector(c, entry_rope(keys, w0, ratio, freq)))
-    store_entries(st["entries"], w0, fq.compressed_entry(c, entry_rope(lat, w0, ratio, freq)))
-    return True
+    store_entries(st["index_keys"], g, w, complete, fq.index_vector(c, entry_rope(keys, w, ratio, freq)))
+    store_entries(st["entries"], g, w, complete, fq.compressed_entry(c, entry_rope(lat, w, ratio, freq)))
+    return complete.any(-1)
 
 
 def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, top_blocks: int, block: int) -> torch.Tensor:
@@ -43,50 +40,50 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, top_blocks: 
     blk = padded.unflatten(-1, (-1, block)).amax(-1)
     newest = torch.div(n_visible - 1, block, rounding_mode="floor")
     ids = torch.arange(blk.shape[-1], device=scores.device)
-    blk = blk.masked_fill(ids[None, :] == newest[:, None], float("inf"))
+    blk = blk.masked_fill(ids == newest[..., None], float("inf"))
     top = blk.topk(min(top_blocks, blk.shape[-1]), dim=-1)
     keep = torch.zeros_like(blk, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :n]
 
 
-def _select(p: dict, c: ModelConfig, keys: torch.Tensor, x, q_r, q_pos, layer: int, ratio: int, freq, chunk_ctx: dict) -> torch.Tensor:
-    """An index source's selection: ``[T, n_entries]`` bool."""
+def _select(p: dict, c: ModelConfig, keys: torch.Tensor, x, q_r, q_pos, layer: int, ratio: int, freq, group_ctx: dict) -> torch.Tensor:
+    """An index source's selection: ``[C, L, n_entries]`` bool."""
     ip = p["indexer"]
     q = linear(q_r, ip["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = fq.index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(x, ip["weights_proj"]) * c.index_n_heads**-0.5
-    dots = torch.relu(torch.einsum("thd,nd->thn", q.float(), keys.float())) * c.index_head_dim**-0.5
-    scores = (dots * head_w[:, :, None]).sum(1)
-    n = keys.shape[0]
+    dots = torch.relu(torch.einsum("...thd,...nd->...thn", q.float(), keys.float())) * c.index_head_dim**-0.5
+    scores = (dots * head_w[..., None]).sum(-2)
+    n = keys.shape[-2]
     visible = visible_entries(q_pos, n, ratio)
     scores = scores.masked_fill(~visible, float("-inf"))
     if c.is_candidate_source(layer):
         n_vis = torch.div(q_pos + 1, ratio, rounding_mode="floor").clamp(max=n)
-        chunk_ctx["candidates"] = candidate_blocks(scores, n_vis, c.candidate_topk_blocks, c.candidate_block_size)
-    elif c.uses_candidates(layer) and "candidates" in chunk_ctx:
-        scores = scores.masked_fill(~chunk_ctx["candidates"], float("-inf"))
+        group_ctx["candidates"] = candidate_blocks(scores, n_vis, c.candidate_topk_blocks, c.candidate_block_size)
+    elif c.uses_candidates(layer) and "candidates" in group_ctx:
+        scores = scores.masked_fill(~group_ctx["candidates"], float("-inf"))
     top = scores.topk(min(c.index_topk, n), dim=-1)
     chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
     return chosen & visible
 
 
 def csa2_entries(
-    p: dict, states: list, c: ModelConfig, x, q_r, q_pos, ch: Chunk, layer: int, freq, chunk_ctx: dict
+    p: dict, states: list, c: ModelConfig, x, q_r, g: Group, layer: int, freq, group_ctx: dict
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compressed entries a V4.1 layer attends to (its KV source's) and the selection."""
+    """The compressed entries ``[C, n, d]`` a V4.1 layer attends to (its KV source's) and the
+    selection ``[C, L, n]``."""
     src = c.kv_source(layer)
     ratio = c.compress_ratios[src]
-    st = slot_view(states[src], ch.slot)["comp"]
-    closed = _publish(p, st, c, x, ch.start, ratio, freq) if layer == src else False
-    n = (ch.start + ch.length) // ratio
-    entries = st["entries"][:n]
-    keys = st["index_keys"]
-    if c.index_key_quirk and layer == src and ratio > 1 and not closed:
-        # The official reference republishes an owner's keys only when it closes a group; in
-        # between, the owner scores against the last keys published, the last KV source's
-        # (ratio 1, written every token by the previous step). Spec §11.1.
-        keys = slot_view(states[c.kv_source_layer_ids[-1]], ch.slot)["comp"]["index_keys"]
+    st = states[src]["comp"]
+    closed = _publish(p, st, c, x, g, ratio, freq) if layer == src else None
+    entries = st["entries"][g.slots]
     if c.is_index_source(layer):
-        sel = _select(p, c, keys[:n], x, q_r, q_pos, layer, ratio, freq, chunk_ctx) if n else None
-        chunk_ctx["selection"] = sel if sel is not None else torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
-    return entries, chunk_ctx["selection"]
+        keys = st["index_keys"][g.slots]
+        if c.index_key_quirk and layer == src and ratio > 1:
+            # The official reference republishes an owner's keys only when it closes a group; in
+            # between, the owner scores against the last keys published, the last KV source's
+            # (ratio 1, written every token by the previous step). Spec §11.1.
+            last = states[c.kv_source_layer_ids[-1]]["comp"]["index_keys"][g.slots]
+            keys = torch.where(closed[:, None, None], keys, last[:, : keys.shape[1]])
+        group_ctx["selection"] = _select(p, c, keys, x, q_r, g.positions, layer, ratio, freq, group_ctx)
+    return entries, group_ctx["selection"]

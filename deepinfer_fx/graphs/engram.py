@@ -115,8 +115,11 @@ class EngramTable:
         out_shape = (*ids.shape, self._head_dim)
         if ids.numel() == 0:
             return torch.zeros(out_shape, dtype=torch.float32, device=ids.device)
-        # Reference path: a host sync for the range check is acceptable.  Negative ids would
-        # otherwise wrap silently in both torch and numpy indexing.
+        if self._dense is not None and torch.compiler.is_compiling():
+            # compiled steps: ids come from engram_hash (mod prime + offset), in range by construction
+            return self._dense[ids.to(self._dense.device)].to(torch.float32).to(ids.device)
+        # Eager: a host sync for the range check is acceptable.  Negative ids would otherwise
+        # wrap silently in both torch and numpy indexing.
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self._num_rows:
             raise ValueError(f"{self.name}: row ids must lie in [0, {self._num_rows}); got min {lo}, max {hi}")

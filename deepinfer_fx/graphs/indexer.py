@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .batch import Group
 from .compressor import compress, visible_entries
 from .fake_quant import index_vector
 from .norm import linear, linear_fp32
@@ -21,32 +22,27 @@ def select_entries(
     c: ModelConfig,
     x: torch.Tensor,
     q_r: torch.Tensor,
-    start: int,
+    g: Group,
     freq: torch.Tensor,
 ) -> torch.Tensor:
-    """Boolean ``[T, n_entries]``: which compressed entries each query of the chunk attends."""
-    t = x.shape[0]
+    """Boolean ``[C, L, n_entries]``: which compressed entries each query of the group attends."""
     ratio = c.csa_ratio
-    keys = compress(p["compressor"], st, x, start, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k))
-    n = keys.shape[0]
-    q_pos = torch.arange(start, start + t, device=x.device)
-    if n == 0:
-        return torch.zeros(t, 0, dtype=torch.bool, device=x.device)
+    keys = compress(p["compressor"], st, x, g, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k))
+    q_pos = g.positions
     q = linear(q_r, p["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
-    q = apply_rope(q, *cos_sin(q_pos, freq))
-    q = index_vector(c, q)
+    q = index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(x, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
-    return score_topk(q, keys, head_w, visible_entries(q_pos, n, ratio), c.index_topk)
+    return score_topk(q, keys, head_w, visible_entries(q_pos, keys.shape[-2], ratio), c.index_topk)
 
 
 def score_topk(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     """Per query the ``k`` visible entries with the highest ``sum_h head_w[t,h] relu(q[t,h] . keys[n])``
-    (q ``[T, Hi, di]``, keys ``[N, di]``, head_w ``[T, Hi]``): a bool ``[T, N]``."""
-    t, n = visible.shape
+    (q ``[..., T, Hi, di]``, keys ``[..., N, di]``, head_w ``[..., T, Hi]``): a bool ``[..., T, N]``."""
+    n = visible.shape[-1]
     if n == 0 or k <= 0:
-        return torch.zeros(t, n, dtype=torch.bool, device=q.device)
-    dots = torch.relu(torch.einsum("thd,nd->thn", q.float(), keys.float()))
-    scores = (dots * head_w.float()[:, :, None]).sum(1).masked_fill(~visible, float("-inf"))
+        return torch.zeros_like(visible)
+    dots = torch.relu(torch.einsum("...thd,...nd->...thn", q.float(), keys.float()))
+    scores = (dots * head_w.float()[..., None]).sum(-2).masked_fill(~visible, float("-inf"))
     top = scores.topk(min(k, n), dim=-1).indices
     # fewer than k visible: topk also returns masked entries; drop them
-    return torch.zeros(t, n, dtype=torch.bool, device=q.device).scatter_(1, top, True) & visible
+    return torch.zeros_like(visible).scatter_(-1, top, True) & visible

@@ -20,7 +20,7 @@ import torch
 
 from ..config import ModelConfig
 from .attention import attention
-from .batch import Batch, make_batch
+from .batch import Batch, gather_rows, make_batch, scatter_rows
 from .engram import engram_apply
 from .engram_hash import EngramLayout, engram_hash, engram_layout
 from .mhc import hc_head, mhc_coeffs, mhc_collapse, mhc_expand
@@ -73,14 +73,17 @@ def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> li
     comp = params["engram_vocab"][batch.token_ids]
     pad = params["engram_vocab"][c.engram_pad_token_id]
     hist_pool = state["engram"]["history"]
-    out = [torch.empty(batch.token_ids.shape[0], layout.n_columns, dtype=torch.long, device=comp.device) for _ in c.engram_layer_ids]
-    for ch in batch.chunks:
-        ids = comp[ch.rows]
-        hist = hist_pool[ch.slot] if ch.start > 0 else pad.expand(layout.max_ngram_size - 1)
+    n_hist = layout.max_ngram_size - 1
+    out = [torch.zeros(comp.shape[0] + 1, layout.n_columns, dtype=torch.long, device=comp.device) for _ in c.engram_layer_ids]
+    for g in batch.groups:
+        ids = gather_rows(comp, g)
+        hist = torch.where((g.starts > 0)[:, None], hist_pool[g.slots], pad)
         for i in range(len(c.engram_layer_ids)):
-            out[i][ch.rows] = engram_hash(ids, hist, layout, i)
-        hist_pool[ch.slot] = torch.cat([hist, ids])[-(layout.max_ngram_size - 1) :]
-    return out
+            scatter_rows(out[i], g, engram_hash(ids, hist, layout, i))
+        # the last n_hist ids before each chunk's end (the history the next chunk starts from)
+        seq = torch.cat([hist, ids], 1)
+        hist_pool[g.slots] = seq.gather(1, g.lens[:, None] + torch.arange(n_hist, device=seq.device))
+    return [h[:-1] for h in out]
 
 
 def run_layers(

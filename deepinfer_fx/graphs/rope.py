@@ -40,18 +40,19 @@ def inv_freq(c: ModelConfig, compressed: bool) -> torch.Tensor:
 
 
 def cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 tables ``[len(positions), rope_dim // 2]``."""
-    angles = positions.float()[:, None] * freq.to(positions.device)[None, :]
+    """fp32 tables ``[*positions.shape, rope_dim // 2]``."""
+    angles = positions.float()[..., None] * freq.to(positions.device)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last ``2 * cos.shape[-1]`` channels of x. x is ``[T, ..., d]``; cos/sin are
-    ``[T, rd/2]`` and broadcast over the middle dims. ``inverse`` rotates by the negative angle."""
+    """Rotate the last ``2 * cos.shape[-1]`` channels of x. x is ``[*P, ..., d]``; cos/sin are
+    ``[*P, rd/2]`` (one row per position) and broadcast over the middle dims. ``inverse``
+    rotates by the negative angle."""
     rd = 2 * cos.shape[-1]
-    mid = x.dim() - 2
-    cos = cos.reshape(cos.shape[0], *([1] * mid), cos.shape[-1])
-    sin = sin.reshape(sin.shape[0], *([1] * mid), sin.shape[-1])
+    mid = [1] * (x.dim() - cos.dim())
+    cos = cos.reshape(*cos.shape[:-1], *mid, cos.shape[-1])
+    sin = sin.reshape(*sin.shape[:-1], *mid, sin.shape[-1])
     if inverse:
         sin = -sin
     tail = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))

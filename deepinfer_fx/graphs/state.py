@@ -6,7 +6,10 @@ position follows from it. So one-shot prefill, chunked prefill and token-by-toke
 the same functions on the same state.
 
 Per layer (a plain dict of tensors):
-All tensors carry a leading slot dim (one slot per sequence of a batch).
+All tensors carry a leading slot dim (one slot per sequence of a batch) and one more row at
+the end, the *scratch slot*: rows that must not land anywhere (padding of compiled steps,
+compressor windows that did not complete) are written there, so every write is a static-shape
+scatter with no host decision. Nothing real ever reads the scratch slot.
 
 - ``window``: ring ``[sliding_window, head_dim]`` of this layer's kv; position p sits at slot
   ``p % sliding_window``.
@@ -64,17 +67,31 @@ def init_state(
     """State for ``slots`` sequences of up to ``max_len`` tokens each (backbone and draft model).
     Every tensor has the slot as its leading dim; ``slot_view`` gives one sequence's part."""
     n_mtp = c.num_nextn_predict_layers if mtp and not c.dspark_stages else 0
+    rows = slots + 1  # the last row is the scratch slot
     state = {
         "max_len": max_len,
         "slots": slots,
-        "layers": [layer_state(c, r, max_len, dtype, device, slots, i) for i, r in enumerate(c.compress_ratios)],
-        "mtp": [layer_state(c, 0, max_len, dtype, device, slots) for _ in range(n_mtp)],
+        "layers": [layer_state(c, r, max_len, dtype, device, rows, i) for i, r in enumerate(c.compress_ratios)],
+        "mtp": [layer_state(c, 0, max_len, dtype, device, rows) for _ in range(n_mtp)],
     }
     if mtp and c.dspark_stages:  # the drafter's per-stage context windows (window-only blocks)
-        state["dspark"] = [layer_state(c, 0, max_len, dtype, device, slots) for _ in range(c.dspark_stages)]
+        state["dspark"] = [layer_state(c, 0, max_len, dtype, device, rows) for _ in range(c.dspark_stages)]
     if c.engram_layer_ids:  # compressed ids of the tokens before each slot's next position
-        state["engram"] = {"history": torch.zeros(slots, c.engram_max_ngram_size - 1, dtype=torch.long, device=device)}
+        state["engram"] = {"history": torch.zeros(rows, c.engram_max_ngram_size - 1, dtype=torch.long, device=device)}
     return state
+
+
+def scratch_slot(state: dict) -> int:
+    """The extra slot that padding rows of compiled steps use."""
+    return state["slots"]
+
+
+def write_rows(buf: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+    """``buf[slots[c], idx[c, j]] = values[c, j]`` where ``mask[c, j]``; other rows go to the
+    scratch slot (the last row of ``buf``), so the write is one static-shape scatter."""
+    scratch = buf.shape[0] - 1
+    s = torch.where(mask, slots[:, None].expand_as(mask), scratch)
+    buf[s, torch.where(mask, idx, 0)] = values.to(buf.dtype)
 
 
 def slot_view(tree: dict, slot: int) -> dict:

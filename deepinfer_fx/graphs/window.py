@@ -4,24 +4,33 @@ from __future__ import annotations
 
 import torch
 
+from .batch import Group
+from .state import write_rows
 
-def window_keys(ring: torch.Tensor, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys for a chunk at ``start``: the ring (positions before the chunk) then the chunk's
-    own kv, with each key's absolute position (negative = empty slot). Writes the chunk's last
-    rows into the ring, so the state is ready for the next chunk."""
-    w = ring.shape[0]
-    t = kv.shape[0]
-    slots = torch.arange(w, device=kv.device)
-    held = (start - 1) - torch.remainder(start - 1 - slots, w)
-    positions = torch.cat([held, torch.arange(start, start + t, device=kv.device)])
-    keys = torch.cat([ring.to(kv.dtype), kv])
-    n = min(t, w)
-    ring[torch.remainder(torch.arange(start + t - n, start + t, device=kv.device), w)] = kv[-n:].to(ring.dtype)
-    return keys, positions
+
+def ring_positions(last: torch.Tensor, w: int) -> torch.Tensor:
+    """``[..., w]`` absolute position held by each ring slot once ``last`` was written (slot i
+    holds the newest position p <= last with p % w == i; negative = never written)."""
+    slots = torch.arange(w, device=last.device)
+    return last[..., None] - torch.remainder(last[..., None] - slots, w)
+
+
+def window_keys(ring: torch.Tensor, kv: torch.Tensor, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys for a group's chunks: each chunk's ring (positions before the chunk) then its own kv
+    ``[C, L, d]``, ``[C, W + L, d]``, with each key's absolute position ``[C, W + L]`` (negative
+    = empty slot). Writes each chunk's last ``W`` rows into its ring, ready for the next chunk."""
+    w = ring.shape[1]
+    held = ring_positions(g.starts - 1, w)
+    before = ring[g.slots]  # read before the write below
+    pos = g.positions
+    write_rows(ring, g.slots, torch.remainder(pos, w), kv, g.valid & (pos >= g.ends[:, None] - w))
+    return torch.cat([before.to(kv.dtype), kv], 1), torch.cat([held, pos], 1)
 
 
 def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """0 where query t may see key p (``t - window < p <= t``, p a real position), else -inf."""
-    d = q_pos[:, None] - k_pos[None, :]
-    ok = (k_pos[None, :] >= 0) & (d >= 0) & (d < window)
+    """``[..., T, N]``: 0 where query t may see key p (``t - window < p <= t``, p a real
+    position), else -inf. Rows past a chunk's end sit after every real query, so causality
+    alone hides them."""
+    d = q_pos[..., :, None] - k_pos[..., None, :]
+    ok = (k_pos[..., None, :] >= 0) & (d >= 0) & (d < window)
     return torch.zeros(ok.shape, device=q_pos.device).masked_fill(~ok, float("-inf"))

@@ -9,6 +9,7 @@ import torch
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.graphs import indexer as indexer_mod
 from deepinfer_fx.graphs import mhc, moe
+from deepinfer_fx.graphs.batch import Group
 from deepinfer_fx.graphs.attention import mqa_with_sink
 from deepinfer_fx.graphs.compressor import visible_entries
 from deepinfer_fx.graphs.norm import rms_norm
@@ -126,11 +127,11 @@ def test_indexer_topk_matches_graphs(seed: int, k: int, monkeypatch: pytest.Monk
     hi, di, t, n, start = c.index_n_heads, c.index_head_dim, 6, 9, 30
     g = _gen(seed)
     q, keys, head_w_raw = _randn(g, t, hi, di), _randn(g, n, di), _randn(g, t, hi)
-    monkeypatch.setattr(indexer_mod, "compress", lambda *a, **kw: keys)
+    monkeypatch.setattr(indexer_mod, "compress", lambda *a, **kw: keys[None])
     monkeypatch.setattr(indexer_mod, "apply_rope", lambda x, cos, sin: x)
     monkeypatch.setattr(indexer_mod, "linear_fp32", lambda x, w: x)  # head_w = x * scale
     p = {"compressor": None, "wq_b": torch.eye(hi * di), "weights_proj": None}
-    chosen = indexer_mod.select_entries(p, {}, c, head_w_raw, q.flatten(1), start, torch.ones(1))
+    chosen = indexer_mod.select_entries(p, {}, c, head_w_raw[None], q.flatten(1)[None], Group.one(start, t), torch.ones(1))[0]
     head_w = head_w_raw * (di**-0.5 * hi**-0.5)
     visible = visible_entries(torch.arange(start, start + t), n, c.csa_ratio)
     assert torch.equal(ops.indexer_topk(q, keys, head_w, visible, k), chosen)

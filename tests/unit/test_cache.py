@@ -13,7 +13,7 @@ from tiny import tiny_v4
 
 from deepinfer_fx import random_model
 from deepinfer_fx.config import config_from_dict, load_config  # noqa: E402
-from deepinfer_fx.engine.cache import CachePool, plan_capacity, state_bytes_per_slot  # noqa: E402
+from deepinfer_fx.engine.cache import CachePool, iter_tensors, plan_capacity, state_bytes_per_slot  # noqa: E402
 from deepinfer_fx.engine.state_io import META_FILE, STATE_FILE, export_slot, import_slot  # noqa: E402
 from deepinfer_fx.graphs.model import forward  # noqa: E402
 
@@ -59,16 +59,17 @@ def test_flash_bytes_per_token_match_spec():
 def test_plan_capacity_numbers_and_too_small_budget():
     b = state_bytes_per_slot(TINY, 64, torch.float32)
     plan = plan_capacity(TINY, 4 * b["total"] - 1, 64, torch.float32)
-    assert plan.slots == 3 and plan.max_len == 64
+    assert plan.slots == 2 and plan.max_len == 64, "one slot's worth is the scratch slot"
     assert plan.bytes_per_slot == b["total"] and plan.total_bytes == 3 * b["total"]
     assert plan.fixed_bytes_per_slot == b["fixed"] and plan.per_token_bytes == b["per_token"]
-    assert plan.tokens_capacity == 3 * 64
+    assert plan.tokens_capacity == 2 * 64
     assert plan_capacity(TINY, 4 * b["total"], 64, torch.float32, max_slots=2).slots == 2
     pool = CachePool(TINY, plan)
     real = sum(t.numel() * t.element_size() for t in pool.slot_tensors(0).values())
-    assert real * plan.slots == plan.total_bytes, "meta sizing must equal what is allocated"
-    with pytest.raises(ValueError, match=rf"needs {b['total']} bytes.*larger budget or a smaller max_len"):
-        plan_capacity(TINY, b["total"] - 1, 64, torch.float32)
+    assert real * (plan.slots + 1) == plan.total_bytes, "meta sizing must equal what is allocated"
+    assert sum(t.numel() * t.element_size() for _, t in iter_tensors(pool.state)) == plan.total_bytes
+    with pytest.raises(ValueError, match=rf"needs {b['total']} bytes.*scratch.*larger budget or a smaller max_len"):
+        plan_capacity(TINY, 2 * b["total"] - 1, 64, torch.float32)
 
 
 # -- slots and pages ---------------------------------------------------------------------------

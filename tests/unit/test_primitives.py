@@ -18,7 +18,8 @@ from deepinfer_fx.graphs.attention import mqa_with_sink
 from deepinfer_fx.graphs.compressor import compress, visible_entries
 from deepinfer_fx.graphs.mhc import hc_head, mhc_coeffs, mhc_collapse, mhc_expand
 from deepinfer_fx.graphs.moe import route
-from deepinfer_fx.graphs.state import layer_state, slot_view
+from deepinfer_fx.graphs.batch import Group
+from deepinfer_fx.graphs.state import layer_state
 from deepinfer_fx.graphs.window import window_bias, window_keys
 
 YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
@@ -319,21 +320,20 @@ def test_compress_chunked_equals_one_shot_and_reference(seed, ratio, overlap):
     x = torch.randn(T, hidden, generator=g)
     freq = rope.inv_freq(c, compressed=True)
 
-    st = slot_view(layer_state(c, ratio, max_len, torch.float32), 0)["comp"]
-    one = compress(p, st, x, 0, ratio, overlap, freq, eps, finish=None).clone()
-    assert one.shape == (T // ratio, dim), f"seed={seed}"
+    st = layer_state(c, ratio, max_len, torch.float32, slots=2)["comp"]
+    one = compress(p, st, x[None], Group.one(0, T), ratio, overlap, freq, eps, finish=None)[0, : T // ratio]
     close(one, _compress_ref(p, x, ratio, overlap, freq, eps, dim), f"seed={seed} T={T}: entries vs explicit formula",
           atol=1e-4, rtol=1e-4)
 
-    st2 = slot_view(layer_state(c, ratio, max_len, torch.float32), 0)["comp"]
+    st2 = layer_state(c, ratio, max_len, torch.float32, slots=2)["comp"]
     start, sizes = 0, []
     while start < T:
         n = min(rng.randrange(1, 2 * ratio + 3), T - start)
-        got = compress(p, st2, x[start : start + n], start, ratio, overlap, freq, eps, finish=None)
+        got = compress(p, st2, x[None, start : start + n], Group.one(start, n), ratio, overlap, freq, eps, finish=None)[0]
         start += n
         sizes.append(n)
-        assert got.shape == (start // ratio, dim), f"seed={seed} chunks={sizes}"
-        close(got, one[: start // ratio], f"seed={seed} chunks={sizes}: chunked vs one shot", atol=1e-5)
+        assert got.shape == (max_len // ratio, dim), f"seed={seed} chunks={sizes}"
+        close(got[: start // ratio], one[: start // ratio], f"seed={seed} chunks={sizes}: chunked vs one shot", atol=1e-5)
 
 
 def test_compress_finish_applies_to_new_entries_only(seed):
@@ -343,26 +343,13 @@ def test_compress_finish_applies_to_new_entries_only(seed):
     p = _compressor_params(g, c.hidden_size, dim, ratio, False)
     x = torch.randn(20, c.hidden_size, generator=g)
     freq = rope.inv_freq(c, True)
-    st = slot_view(layer_state(c, ratio, 32, torch.float32), 0)["comp"]
-    plain = compress(p, st, x, 0, ratio, False, freq, c.rms_norm_eps).clone()
-    st = slot_view(layer_state(c, ratio, 32, torch.float32), 0)["comp"]
-    calls = []
-    def finish(e):
-        calls.append(e.shape[0])
-        return e * 2
-    compress(p, st, x[:9], 0, ratio, False, freq, c.rms_norm_eps, finish)
-    got = compress(p, st, x[9:], 9, ratio, False, freq, c.rms_norm_eps, finish)
-    assert calls == [1, 1], f"seed={seed}: finish called on {calls}"
-    close(got, 2 * plain, f"seed={seed}: finish output stored", atol=1e-5)
-
-
-def test_compress_rejects_overflow(seed):
-    g = gen(seed)
-    c = tiny_config()
-    p = _compressor_params(g, c.hidden_size, c.head_dim, 8, False)
-    st = slot_view(layer_state(c, 8, 16, torch.float32), 0)["comp"]
-    with pytest.raises(ValueError):
-        compress(p, st, torch.randn(24, c.hidden_size, generator=g), 0, 8, False, rope.inv_freq(c, True), 1e-6)
+    st = layer_state(c, ratio, 32, torch.float32, slots=2)["comp"]
+    plain = compress(p, st, x[None], Group.one(0, 20), ratio, False, freq, c.rms_norm_eps)[0, :2]
+    st = layer_state(c, ratio, 32, torch.float32, slots=2)["comp"]
+    compress(p, st, x[None, :9], Group.one(0, 9), ratio, False, freq, c.rms_norm_eps, lambda e: e * 2)
+    got = compress(p, st, x[None, 9:], Group.one(9, 11), ratio, False, freq, c.rms_norm_eps, lambda e: e * 2)[0]
+    close(got[:2], 2 * plain, f"seed={seed}: finish output stored", atol=1e-5)
+    assert not got[2:].any(), f"seed={seed}: windows that did not complete were stored"
 
 
 def test_visible_entries(seed):
@@ -391,7 +378,8 @@ def test_window_ring_and_bias(seed):
     c = tiny_config()
     W, d = c.sliding_window, c.head_dim
     T = rng.randrange(2 * W, 5 * W)
-    ring = slot_view(layer_state(c, 0, T, torch.float32), 0)["window"]
+    pool = layer_state(c, 0, T, torch.float32, slots=2)["window"]
+    ring = pool[0]
     assert ring.shape == (W, d)
     kv_all = torch.randn(T, d, generator=g)
     start, sizes = 0, []
@@ -399,7 +387,8 @@ def test_window_ring_and_bias(seed):
         n = min(rng.randrange(1, 2 * W + 2), T - start)
         sizes.append(n)
         chunk = kv_all[start : start + n]
-        keys, k_pos = window_keys(ring, chunk, start)
+        keys, k_pos = window_keys(pool, chunk[None], Group.one(start, n))
+        keys, k_pos = keys[0], k_pos[0]
         end = start + n
         msg = f"seed={seed} chunks={sizes}"
         assert keys.shape[0] == k_pos.shape[0] == W + n, msg
