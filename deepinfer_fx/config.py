@@ -15,7 +15,6 @@ derived from them by the methods of ``ModelConfig`` (pure functions of the confi
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 import os
@@ -226,8 +225,9 @@ class ModelConfig:
 
 
 def _last_at_or_before(sorted_ids: tuple[int, ...], layer: int) -> int | None:
-    i = bisect.bisect_right(sorted_ids, layer)
-    return sorted_ids[i - 1] if i else None
+    # a plain scan (the lists are short): traced steps call it, and Dynamo cannot trace bisect
+    before = [i for i in sorted_ids if i <= layer]
+    return before[-1] if before else None
 
 
 def _ratios(d: dict, n_layers: int, n_draft: int, where: str) -> tuple[tuple[int, ...], int]:

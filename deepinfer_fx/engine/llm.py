@@ -46,7 +46,7 @@ class LLM:
         *,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = None,
-        eager: bool = True,
+        eager: bool | None = None,
         overlap: bool = True,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -57,9 +57,17 @@ class LLM:
         state_dir: str | os.PathLike | None = None,
         fake_quant: bool | None = None,
         mesh: str | None = None,
+        cuda_graphs: bool | None = None,
+        inductor: bool | None = None,
+        dump_graphs: str | os.PathLike | None = None,
+        disable_passes: str | Seq[str] | None = None,
     ) -> None:
-        if not eager:
-            raise ValueError("compiled graphs are not available yet; pass eager=True (the default)")
+        """``eager``: None compiles the steps on GPUs and runs them eagerly on the CPU (there the
+        compile time outweighs the gain); True never compiles; False always does. Compiled runs
+        take ``cuda_graphs`` (default: on where the device has graphs; decode replays them),
+        ``inductor`` (default: on GPUs; off = our passes on aot_eager), ``dump_graphs`` (a
+        directory for every graph's stages) and ``disable_passes`` (names, or comma-separated;
+        added to ``DEEPINFER_DISABLE_PASSES``)."""
         self.settings = EngineConfig.from_env()
         _check_mesh(mesh)
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
@@ -95,7 +103,19 @@ class LLM:
         budget = memory_budget if memory_budget is not None else self._default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
-        self.runner = ModelRunner(self.model, self.pool)
+        if eager is None:
+            eager = self.model.device.type == "cpu"
+        if eager and (cuda_graphs or dump_graphs is not None or inductor):
+            raise ValueError("cuda_graphs, inductor and dump_graphs apply to compiled steps; drop eager=True")
+        compiled = None
+        if not eager:
+            names = disable_passes.split(",") if isinstance(disable_passes, str) else list(disable_passes or ())
+            compiled = {
+                "max_requests": max_num_seqs, "max_tokens": max_num_batched_tokens, "accelerator": self.settings.accelerator,
+                "graphs": cuda_graphs, "inductor": self.model.device.type == "cuda" if inductor is None else inductor,
+                "dump_dir": None if dump_graphs is None else str(dump_graphs), "disabled": [n.strip() for n in names if n.strip()],
+            }
+        self.runner = ModelRunner(self.model, self.pool, compiled)
         self.runner.importer = self._import
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.engine_type)
         self.seed = seed

@@ -17,6 +17,7 @@ from ..api import Model
 from ..graphs.batch import Batch, Chunk, group_chunks
 from ..graphs.model import forward_batch
 from .cache import CachePool
+from .graph_runner import StepGraphs
 from .sampler import SamplingTensors, logprobs, sample
 from .scheduler import SchedulerOutputs
 
@@ -39,11 +40,16 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, pool: CachePool) -> None:
+    def __init__(self, model: Model, pool: CachePool, compiled: dict | None = None) -> None:
+        """``compiled``: None runs the model functions eagerly; a dict (``StepGraphs`` options:
+        graphs, inductor, dump_dir, disabled, accelerator, max_requests, max_tokens) runs the
+        compiled steps."""
         self.model = model
         self.pool = pool
         self.device = model.device
-        self.next_token = torch.zeros(pool.slots, dtype=torch.long, device=self.device)
+        # one entry per slot plus the scratch slot that padded decode rows read
+        self.next_token = torch.zeros(pool.slots + 1, dtype=torch.long, device=self.device)
+        self.steps = None if compiled is None else StepGraphs(model, pool.state, self.next_token, **compiled)
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.pin = cuda
@@ -58,7 +64,6 @@ class ModelRunner:
 
     @torch.no_grad()
     def launch(self, sched: SchedulerOutputs) -> StepHandle:
-        c, params = self.model
         for slot in sched.to_zero:
             self.pool.zero(slot)
         for src, dst in sched.to_clone:
@@ -66,32 +71,16 @@ class ModelRunner:
         for seq in sched.to_import:
             self.importer(seq)
 
-        ids, pos, dev_rows, dev_slots, chunks = [], [], [], [], []
+        logits, first_row = self._forward(sched) if self.steps is None else self._forward_compiled(sched)
         sample_rows, sample_slots, sample_params, seeds, sample_pos = [], [], [], [], []
-        offset = 0
-        for ch in sched.chunks:
-            seq = ch.seq
-            if ch.from_device:
-                ids.append(0)
-                dev_rows.append(offset)
-                dev_slots.append(seq.slot)
-            else:
-                ids.extend(seq.prompt_ids[ch.start : ch.start + ch.length])
-            pos.extend(range(ch.start, ch.start + ch.length))
-            chunks.append(Chunk(seq.slot, ch.start, offset, ch.length))
+        for i, ch in enumerate(sched.chunks):
             if ch.sample:
-                sample_rows.append(offset + ch.length - 1)
+                seq = ch.seq
+                sample_rows.append(first_row[i] + (ch.length - 1 if self._all_rows(sched, i) else 0))
                 sample_slots.append(seq.slot)
                 sample_params.append(seq.params)
                 seeds.append(seq.seed)
                 sample_pos.append(ch.start + ch.length)
-            offset += ch.length
-
-        token_ids = self._host(ids)
-        if dev_rows:
-            token_ids[self._host(dev_rows)] = self.next_token[self._host(dev_slots)]
-        batch = Batch(token_ids, self._host(pos), group_chunks(chunks, self.device), tuple(chunks))
-        logits, _ = forward_batch(params, self.pool.state, c, batch)
 
         rows = self._host(sample_rows)
         last = logits[rows]
@@ -113,9 +102,58 @@ class ModelRunner:
             if n <= 0:
                 continue
             target = self._host(ch.seq.prompt_ids[ch.start + 1 : ch.start + 1 + n])
-            rows_lp = logits[chunks[i].offset : chunks[i].offset + n]
+            rows_lp = logits[first_row[i] : first_row[i] + n]
             prompt_lp[i] = (target, *logprobs(rows_lp, target, p.prompt_logprobs))
         return self._copy_back(sched, tokens, lp, tid, tlp, prompt_lp)
+
+    def _all_rows(self, sched: SchedulerOutputs, i: int) -> bool:
+        """Whether chunk i's logits cover every row (else only its last row was computed)."""
+        return self.steps is None or (not sched.chunks[i].from_device and self._wants_prompt_lp(sched))
+
+    @staticmethod
+    def _wants_prompt_lp(sched: SchedulerOutputs) -> bool:
+        return any(ch.seq.params.prompt_logprobs is not None for ch in sched.chunks if not ch.from_device)
+
+    def _forward(self, sched: SchedulerOutputs) -> tuple[torch.Tensor, list[int]]:
+        """Eager: one packed forward; returns logits of every row and each chunk's first row."""
+        c, params = self.model
+        ids, pos, dev_rows, dev_slots, chunks = [], [], [], [], []
+        offset = 0
+        for ch in sched.chunks:
+            seq = ch.seq
+            if ch.from_device:
+                ids.append(0)
+                dev_rows.append(offset)
+                dev_slots.append(seq.slot)
+            else:
+                ids.extend(seq.prompt_ids[ch.start : ch.start + ch.length])
+            pos.extend(range(ch.start, ch.start + ch.length))
+            chunks.append(Chunk(seq.slot, ch.start, offset, ch.length))
+            offset += ch.length
+        token_ids = self._host(ids)
+        if dev_rows:
+            token_ids[self._host(dev_rows)] = self.next_token[self._host(dev_slots)]
+        batch = Batch(token_ids, self._host(pos), group_chunks(chunks, self.device), tuple(chunks))
+        logits, _ = forward_batch(params, self.pool.state, c, batch)
+        return logits, [ch.offset for ch in chunks]
+
+    def _forward_compiled(self, sched: SchedulerOutputs) -> tuple[torch.Tensor, list[int]]:
+        """Compiled: decode rows through the decode graph, prompt chunks through the prefill graph."""
+        dec = [i for i, ch in enumerate(sched.chunks) if ch.from_device]
+        pre = [i for i, ch in enumerate(sched.chunks) if not ch.from_device]
+        parts, first_row, base = [], [0] * len(sched.chunks), 0
+        if dec:
+            parts.append(self.steps.decode([sched.chunks[i].seq.slot for i in dec], [sched.chunks[i].start for i in dec]))
+            for j, i in enumerate(dec):
+                first_row[i] = j
+            base = len(dec)
+        if pre:
+            chunks = [(ch.seq.slot, ch.start, ch.seq.prompt_ids[ch.start : ch.start + ch.length]) for ch in (sched.chunks[i] for i in pre)]
+            out, first = self.steps.prefill(chunks, all_rows=self._wants_prompt_lp(sched))
+            parts.append(out)
+            for j, i in enumerate(pre):
+                first_row[i] = base + first[j]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), first_row
 
     def _copy_back(self, sched, tokens, lp, tid, tlp, prompt_lp) -> StepHandle:
         if self.copy_stream is None:

@@ -71,7 +71,7 @@ def attention(
     ``states`` holds every layer's pooled state (V4.1 layers read their KV source's);
     ``ctx`` carries per-forward results shared across layers (V4.1 selections).
     Projections run on all tokens; the cache-reading core runs per group of chunks ``[C, L]``."""
-    freq = inv_freq(c, compressed=ratio != 0)
+    freq = inv_freq(c, ratio != 0, x.device)
     cos, sin = cos_sin(batch.positions, freq)
     q_r, q = query(p, c, x, cos, sin)
     kv = latent_kv(p, c, x, cos, sin)

@@ -104,6 +104,15 @@ class EngramTable:
     def head_dim(self) -> int:
         return self._head_dim
 
+    @property
+    def is_dense(self) -> bool:
+        return self._dense is not None
+
+    def resident(self, device: torch.device | str) -> "EngramTable":
+        """The whole table dequantised to float32 on ``device`` (what a compiled step reads)."""
+        rows = self.lookup(torch.arange(self._num_rows))
+        return EngramTable.from_tensor(rows.to(device), name=self.name)
+
     def __repr__(self) -> str:
         kind = "dense" if self._dense is not None else f"memmap {self._view_as}"
         return f"EngramTable({self.name!r}, rows={self._num_rows}, head_dim={self._head_dim}, {kind})"

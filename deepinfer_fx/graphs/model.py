@@ -13,7 +13,6 @@ lookups before some layers.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -61,9 +60,16 @@ def block(
     return mhc_expand(X, f, post, comb), pre_f
 
 
-@lru_cache(maxsize=8)
+_LAYOUTS: dict[ModelConfig, EngramLayout] = {}
+
+
 def _layout(c: ModelConfig) -> EngramLayout:
-    return engram_layout(c)
+    # A plain dict, not lru_cache: the layout is built with numpy, which a traced step cannot
+    # run; the eager warm-up of a compiled step fills the dict and the trace reads a constant.
+    got = _LAYOUTS.get(c)
+    if got is None:
+        got = _LAYOUTS.setdefault(c, engram_layout(c))
+    return got
 
 
 def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> list[torch.Tensor]:
@@ -135,12 +141,15 @@ def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None
 
 
 def forward_batch(
-    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None
+    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None, rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits ``[N, vocab]`` (fp32) for every packed token, and the final streams (MTP input).
+    """Logits ``[N, vocab]`` (fp32) for every packed token (or only for packed ``rows``: the
+    head is a large share of a prefill step), and the final streams (MTP input).
     ``captured``: layer -> None entries to fill with those layers' input streams (DSpark)."""
     X, pre = hidden_streams(params, state, c, batch, captured)
-    return head(params, c, X, pre=pre), X
+    if rows is None:
+        return head(params, c, X, pre=pre), X
+    return head(params, c, X[rows], pre=None if pre is None else pre[rows]), X
 
 
 def forward(

@@ -55,21 +55,24 @@ def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w:
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(n_exp, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    groups = (torch.cumsum(counts, 0, dtype=torch.int32), flat[order])
     xs = x[order // k]
-    gate = _grouped(xs, p["w1"], offs)
-    up = _grouped(xs, p["w3"], offs)
-    h = swiglu_act(gate, up, limit) * w.reshape(-1)[order, None]
-    y = _grouped(h.to(x.dtype), p["w2"], offs).float()
+    h = swiglu_act(_grouped(xs, p["w1"], groups), _grouped(xs, p["w3"], groups), limit) * w.reshape(-1)[order, None]
+    y = _grouped(h.to(x.dtype), p["w2"], groups).float()
     out = torch.empty_like(y)
     out[order] = y
     return out.view(t, k, y.shape[-1]).sum(1)
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` grouped by expert (group e ends at ``offs[e]``) times ``w[e].T`` (``w`` stacked
-    ``[E, out, in]``, the checkpoint's linear layout)."""
-    return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offs)
+def _grouped(x: torch.Tensor, w: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rows of ``x`` sorted by expert times ``w[e].T`` (``w`` stacked ``[E, out, in]``, the
+    checkpoint's linear layout). ``groups``: each expert's end offset and each row's expert.
+    bf16 runs torch's grouped GEMM; other dtypes (fp32 tests, which that kernel does not take)
+    multiply each row by its gathered expert matrix."""
+    offs, expert = groups
+    if x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offs)
+    return torch.einsum("pi,poi->po", x, w.to(x.dtype)[expert])
 
 
 def moe(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -318,10 +318,11 @@ def _natural(path: str) -> tuple:
 def init_param(spec: ParamSpec, gen: torch.Generator, dtype: torch.dtype, n_experts: int) -> torch.Tensor:
     """Random value for a spec. Every parameter gets a non-trivial value (norm weights and biases
     too), so a checkpoint key mapped to the wrong place changes the logits and tests notice."""
+    dev = gen.device
     if spec.integer:  # hash routing table: distinct experts for each token id
         k = spec.shape[1]
-        return torch.argsort(torch.rand(spec.shape[0], n_experts, generator=gen), dim=1)[:, :k].contiguous()
-    noise = torch.randn(spec.shape, generator=gen)
+        return torch.argsort(torch.rand(spec.shape[0], n_experts, generator=gen, device=dev), dim=1)[:, :k].contiguous()
+    noise = torch.randn(spec.shape, generator=gen, device=dev)
     if spec.init == "normal":
         value = noise * spec.shape[-1] ** -0.5  # fan-in scaling keeps tiny random models well conditioned
     elif spec.init == "ones":

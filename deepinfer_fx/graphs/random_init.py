@@ -9,14 +9,17 @@ from .engram import EngramTable
 from .params import build_tree, init_param, param_specs
 
 
-def random_flat(c: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, mtp: bool = True) -> dict[str, torch.Tensor]:
-    """Flat ``{tree path: tensor}`` with every parameter drawn from one seeded generator."""
-    gen = torch.Generator().manual_seed(seed)
+def random_flat(
+    c: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, mtp: bool = True, device=None
+) -> dict[str, torch.Tensor]:
+    """Flat ``{tree path: tensor}`` with every parameter drawn from one seeded generator on
+    ``device`` (a GPU draws benchmark-sized models in seconds; values differ from the CPU's)."""
+    gen = torch.Generator(device=device or "cpu").manual_seed(seed)
     return {s.path: init_param(s, gen, dtype, c.n_routed_experts) for s in param_specs(c, mtp=mtp)}
 
 
 def random_params(c: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True) -> dict:
-    flat = {k: v.to(device) for k, v in random_flat(c, seed, dtype, mtp).items()}
+    flat = random_flat(c, seed, dtype, mtp, device=torch.device(device) if device is not None else None)
     for path in [p for p in flat if p.endswith(".engram.embed")]:
         flat[path] = EngramTable.from_tensor(flat[path], name=path)
     if c.engram_layer_ids:

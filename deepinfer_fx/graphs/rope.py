@@ -16,8 +16,9 @@ from ..config import ModelConfig, Yarn
 
 
 @lru_cache(maxsize=32)
-def _inv_freq(rope_dim: int, theta: float, yarn: Yarn | None) -> torch.Tensor:
-    freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+def _inv_freq(rope_dim: int, theta: float, yarn: Yarn | None, device: torch.device | None = None) -> torch.Tensor:
+    # built on the device it is used on: a host->device copy inside a step would not replay in a CUDA graph
+    freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=device) / rope_dim)
     if yarn is None:
         return freq
 
@@ -28,15 +29,18 @@ def _inv_freq(rope_dim: int, theta: float, yarn: Yarn | None) -> torch.Tensor:
     high = min(math.ceil(corr(yarn.beta_slow)), rope_dim - 1)
     if low == high:
         high += 1e-3
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     return freq / yarn.factor * ramp + freq * (1 - ramp)
 
 
-def inv_freq(c: ModelConfig, compressed: bool) -> torch.Tensor:
+def inv_freq(c: ModelConfig, compressed: bool, device: torch.device | str | None = None) -> torch.Tensor:
     """Per-pair frequencies for a layer: ``compressed`` layers (ratio != 0) use the YaRN table."""
+    device = torch.device(device) if device is not None else None
+    # traced steps compute the table in the graph (a cached tensor would be a hidden input)
+    table = _inv_freq.__wrapped__ if torch.compiler.is_compiling() else _inv_freq
     if compressed:
-        return _inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)
-    return _inv_freq(c.rope_dim, c.rope_theta, None)
+        return table(c.rope_dim, c.compress_rope_theta, c.yarn, device)
+    return table(c.rope_dim, c.rope_theta, None, device)
 
 
 def cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

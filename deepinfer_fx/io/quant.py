@@ -14,7 +14,6 @@ rounded once, when cast back to the caller's dtype.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -228,14 +227,15 @@ def fq4_e4m3(x: Tensor, block: int = 16) -> Tensor:
     return (_round_e2m1(blocks / scale) * scale).reshape(x.shape).to(x.dtype)
 
 
-@functools.lru_cache(maxsize=32)
 def _sylvester_sign_matrix(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    # Keep the ±1 matrix unnormalized so it is exact in any dtype (1/sqrt(n) is not).
-    h = torch.ones(1, 1, dtype=torch.float32)
-    h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]])
-    while h.shape[0] < n:
-        h = torch.kron(h2, h)
-    return h.to(device=device, dtype=dtype)
+    """``H[i, j] = (-1) ** popcount(i & j)``, the unnormalised Sylvester matrix (exact in any
+    dtype), built on ``device``: a compiled step must not copy a host-built matrix each replay."""
+    idx = torch.arange(n, device=device)
+    both = idx[:, None] & idx[None, :]
+    parity = torch.zeros_like(both)
+    for bit in range(max(n - 1, 1).bit_length()):
+        parity = parity ^ ((both >> bit) & 1)
+    return (1 - 2 * parity).to(dtype)
 
 
 def hadamard(x: Tensor) -> Tensor:

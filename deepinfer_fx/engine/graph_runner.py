@@ -1,0 +1,261 @@
+"""Compiled steps with static buffers per bucket, and graph capture/replay of decode.
+
+A graph key is (kind, token bucket, request bucket). Each key owns static input buffers, one
+compiled function (``passes.compiler``: the accelerator's pass pipeline, dumps, cache key) and,
+for decode on a device with graphs, one captured graph whose memory comes from a pool shared by
+every graph. A step pads its inputs up to the nearest bucket, copies them into the key's buffers
+in one host->device copy and replays; the first step of a key runs the compiled function (which
+compiles it: that run is the warm-up) and captures the graph right after.
+
+``GraphWrapper`` is what a device's graph API must provide: ``CudaGraph`` on NVIDIA,
+``AclGraph`` on Ascend (import-guarded: torch_npu is never imported on other machines).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from ..api import Model
+from ..graphs.engram import EngramTable
+from ..graphs.model import _layout
+from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
+from ..passes.dump import graph_name
+from .steps import decode_step, prefill_step
+
+# Engram tables are memory-mapped on the host in eager runs; a compiled step needs them resident.
+MAX_RESIDENT_ENGRAM_BYTES = 2 << 30
+
+
+def buckets(limit: int, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to the first one >= ``limit``."""
+    out = [smallest]
+    while out[-1] < limit:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def bucket_for(n: int, choices: Sequence[int]) -> int:
+    for b in choices:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} does not fit the largest bucket {choices[-1]}")
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    kind: str  # "decode" or "prefill"
+    tokens: int  # packed tokens of the step
+    requests: int  # chunks (requests) of the step
+    all_rows: bool = False  # prefill: logits for every row (prompt logprobs), not just the last
+
+    @property
+    def name(self) -> str:
+        return graph_name(self.kind, t=self.tokens, r=self.requests) + ("-all" if self.all_rows else "")
+
+
+class GraphWrapper(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    """One CUDA graph; every instance allocates from the same memory pool."""
+
+    _pool = None
+
+    def __init__(self) -> None:
+        if CudaGraph._pool is None:
+            CudaGraph._pool = torch.cuda.graph_pool_handle()
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with torch.cuda.graph(self.graph, pool=CudaGraph._pool):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class AclGraph:
+    """Ascend's ACL graph through torch_npu's ``NPUGraph`` (same capture/replay shape as CUDA)."""
+
+    _pool = None
+
+    def __init__(self) -> None:
+        try:
+            import torch_npu  # noqa: F401  (only on Ascend machines)
+        except ImportError as e:
+            raise RuntimeError("ACL graphs need torch_npu (Ascend); run with graphs off (eager=True) elsewhere") from e
+        if AclGraph._pool is None:
+            AclGraph._pool = torch.npu.graph_pool_handle()
+        self.graph = torch.npu.NPUGraph()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with torch.npu.graph(self.graph, pool=AclGraph._pool):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+GRAPH_APIS: dict[str, type] = {"cuda": CudaGraph, "npu": AclGraph}
+
+
+@dataclass
+class _Entry:
+    key: GraphKey
+    dev: torch.Tensor  # the static int64 device buffer the graph reads (all of a step's inputs)
+    fn: Callable[[], torch.Tensor]
+    backend: DeepinferBackend
+    graph: GraphWrapper | None = None
+    out: torch.Tensor | None = None
+    compile_s: float = 0.0
+    capture_s: float = 0.0
+    calls: int = field(default=0)
+
+
+class StepGraphs:
+    """Compiled decode / prefill steps over a model and a state pool."""
+
+    def __init__(
+        self, model: Model, state: dict, next_token: torch.Tensor, *, max_requests: int, max_tokens: int,
+        accelerator: str | None = None, graphs: bool | None = None, inductor: bool = False,
+        dump_dir: str | None = None, disabled: Sequence[str] = (),
+    ) -> None:
+        self.config, self.params = model
+        self.state = state
+        self.next_token = next_token
+        self.device = model.device
+        self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
+        api = GRAPH_APIS.get(self.device.type)
+        if graphs and api is None:
+            raise ValueError(f"graph capture needs a CUDA or Ascend device; this model is on {self.device}")
+        self.graph_api = api if graphs is not False else None
+        self.inductor, self.dump_dir, self.disabled = inductor, dump_dir, tuple(disabled)
+        self.decode_buckets = buckets(max_requests)
+        self.request_buckets = buckets(max_requests)
+        self.length_buckets = buckets(max_tokens, smallest=min(16, max_tokens))
+        self.scratch = state["slots"]
+        self._entries: dict[GraphKey, _Entry] = {}
+        _make_engram_resident(self.params, self.device)
+        if self.config.engram_layer_ids:
+            _layout(self.config)  # built eagerly (numpy); the traced steps read it as a constant
+        # one code object serves every bucket; each bucket is a separate compile
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)
+
+    # -- steps ------------------------------------------------------------------------------
+    def decode(self, slots: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
+        """Logits ``[len(slots), vocab]``: one token per request, read from ``next_token[slot]``."""
+        n = len(slots)
+        b = bucket_for(n, self.decode_buckets)
+        e = self._entry(GraphKey("decode", b, b))
+        pad = b - n
+        host = torch.tensor([*slots, *[self.scratch] * pad, *starts, *[0] * pad, *[1] * n, *[0] * pad])
+        return self._run(e, host)[:n]
+
+    def prefill(self, chunks: Sequence[tuple[int, int, Sequence[int]]], all_rows: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """``chunks``: (slot, start, token ids). Returns logits and, per chunk, the row of its
+        first logit: with ``all_rows`` a chunk of n tokens owns rows ``r .. r+n-1``, otherwise
+        only its last token's row ``r``."""
+        c_bucket = bucket_for(len(chunks), self.request_buckets)
+        length = bucket_for(max(len(ids) for _, _, ids in chunks), self.length_buckets)
+        key = GraphKey("prefill", c_bucket * length, c_bucket, all_rows)
+        e = self._entry(key)
+        tokens = torch.zeros(c_bucket, length, dtype=torch.long)
+        meta = torch.tensor([[self.scratch, 0, 0]] * c_bucket, dtype=torch.long)
+        for i, (slot, start, ids) in enumerate(chunks):
+            tokens[i, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+            meta[i] = torch.tensor([slot, start, len(ids)])
+        lens = meta[:, 2]
+        if all_rows:
+            rows = torch.arange(c_bucket * length)
+            first = [i * length for i in range(len(chunks))]
+        else:
+            rows = torch.arange(c_bucket) * length + (lens - 1).clamp(min=0)
+            first = list(range(len(chunks)))
+        return self._run(e, torch.cat([tokens.reshape(-1), meta.T.reshape(-1), rows])), first
+
+    # -- machinery --------------------------------------------------------------------------
+    def _run(self, e: _Entry, host: torch.Tensor) -> torch.Tensor:
+        # a fresh pinned buffer per step: the caching host allocator keeps it alive until the
+        # asynchronous copy has run, so the host can fill the next step while this one waits
+        if self.device.type != "cpu":
+            host = host.pin_memory()
+        e.dev.copy_(host, non_blocking=True)
+        e.calls += 1
+        if e.graph is not None:
+            e.graph.replay()
+            return e.out
+        t0 = time.perf_counter()
+        out = e.fn()
+        if e.calls == 1:
+            e.compile_s = time.perf_counter() - t0
+            if self.graph_api is not None and e.key.kind == "decode":
+                t0 = time.perf_counter()
+                graph = self.graph_api()
+                e.out = graph.capture(e.fn)
+                e.graph = graph
+                e.capture_s = time.perf_counter() - t0
+        return out
+
+    def _entry(self, key: GraphKey) -> _Entry:
+        if key in self._entries:
+            return self._entries[key]
+        c, params, state = self.config, self.params, self.state
+        if key.kind == "decode":
+            size = 3 * key.requests
+        else:
+            size = key.tokens + 3 * key.requests + (key.tokens if key.all_rows else key.requests)
+        dev = torch.zeros(size, dtype=torch.long, device=self.device)
+        backend = make_backend(self.accelerator, self.disabled, self.dump_dir, key.name, inductor=self.inductor)
+        r = key.requests
+        if key.kind == "decode":
+            def step(params, state, next_token, meta):
+                slots, starts, lens = meta.view(3, -1).unbind(0)
+                return decode_step(params, state, c, next_token, slots, starts, lens)
+
+            compiled = compile_graph(step, backend)
+            fn = lambda: compiled(params, state, self.next_token, dev)  # noqa: E731
+        else:
+            t = key.tokens
+
+            def step(params, state, buf):
+                slots, starts, lens = buf[t : t + 3 * r].view(3, r).unbind(0)
+                return prefill_step(params, state, c, buf[:t], slots, starts, lens, buf[t + 3 * r :])
+
+            compiled = compile_graph(step, backend)
+            fn = lambda: compiled(params, state, dev)  # noqa: E731
+        e = _Entry(key, dev, fn, backend)
+        self._entries[key] = e
+        return e
+
+    def report(self) -> list[dict]:
+        """Start-up cost per graph: compile (first run) and capture seconds, pass rewrites."""
+        return [
+            {"graph": e.key.name, "compile_s": round(e.compile_s, 3), "capture_s": round(e.capture_s, 3),
+             "captured": e.graph is not None, "calls": e.calls, "rewrites": e.backend.rewrites()}
+            for e in self._entries.values()
+        ]
+
+
+def _make_engram_resident(params: dict, device: torch.device) -> None:
+    """Swap memory-mapped Engram tables for device-resident ones (a compiled step cannot read a
+    host memory map), refusing tables too large to hold."""
+    for lp in params.get("layers", []):
+        table = lp.get("engram", {}).get("embed")
+        if isinstance(table, EngramTable) and not table.is_dense:
+            nbytes = table.num_rows * table.head_dim * 4
+            if nbytes > MAX_RESIDENT_ENGRAM_BYTES:
+                raise ValueError(
+                    f"compiled steps keep Engram tables on the device; {table.name} needs {nbytes / 2**30:.1f} GiB "
+                    "as float32. Run with eager=True (tables stay memory-mapped on the host)."
+                )
+            lp["engram"]["embed"] = table.resident(device)
