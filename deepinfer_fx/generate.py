@@ -55,7 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="engine seed; each request's stream derives from it")
     e = ap.add_argument_group("engine")
     e.add_argument("--mesh", default=None, help="e.g. ep8, ep2,dp4 (multi-rank runs arrive with the sharding work)")
-    e.add_argument("--eager", action="store_true", help="run the model functions uncompiled (currently the only mode)")
+    mode = e.add_mutually_exclusive_group()
+    mode.add_argument("--eager", action="store_true", help="run the model functions uncompiled (no compile, no graphs)")
+    mode.add_argument("--compile", action="store_true", help="compile the steps on the CPU too (default: on GPUs only)")
+    e.add_argument("--no-cuda-graphs", action="store_true", help="compiled steps without graph capture")
+    e.add_argument("--no-inductor", action="store_true", help="our passes on aot_eager instead of Inductor")
+    e.add_argument("--dump-graphs", metavar="DIR", help="write every compiled graph, after each pass, with diffs and an index")
+    e.add_argument("--disable-passes", metavar="NAMES", help="comma-separated graph passes to switch off (adds to DEEPINFER_DISABLE_PASSES)")
     e.add_argument("--no-overlap", action="store_true", help="run steps synchronously (no host/device overlap)")
     e.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     e.add_argument("--device", default=None)
@@ -99,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] no checkpoint given: using the built-in tiny demo model at {path} (random weights: output is gibberish)")
     try:
         llm = LLM(
-            path, dtype=args.dtype, device=args.device, eager=True, overlap=not args.no_overlap,
+            path, dtype=args.dtype, device=args.device, eager=True if args.eager else (False if args.compile else None),
+            overlap=not args.no_overlap, cuda_graphs=False if args.no_cuda_graphs else None,
+            inductor=False if args.no_inductor else None, dump_graphs=args.dump_graphs, disable_passes=args.disable_passes,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, seed=args.seed, mesh=args.mesh,
             fake_quant=False if args.no_fake_quant else None,
@@ -122,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         f"cache: {llm.bytes_per_token():.0f} B/token of compressed state + {plan.fixed_bytes_per_slot / 2**20:.2f} MiB/sequence "
         f"fixed; the pool holds {plan.slots} sequences x {plan.max_len} tokens ({plan.tokens_capacity} tokens)"
     )
+    if llm.runner.steps is not None:  # start-up cost: each graph compiles (and captures) on first use
+        for r in llm.runner.steps.report():
+            print(f"graph {r['graph']}: compile+first run {r['compile_s']:.1f}s, capture {r['capture_s']:.2f}s, "
+                  f"{r['calls']} calls, pass rewrites {r['rewrites']}")
     return 0
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ..api import Model
 from ..graphs.engram import EngramTable
-from ..graphs.model import _layout
+from ..graphs.model import cached_engram_layout
 from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
 from .steps import decode_step, prefill_step
@@ -146,7 +146,7 @@ class StepGraphs:
         self._entries: dict[GraphKey, _Entry] = {}
         _make_engram_resident(self.params, self.device)
         if self.config.engram_layer_ids:
-            _layout(self.config)  # built eagerly (numpy); the traced steps read it as a constant
+            cached_engram_layout(self.config)  # built eagerly (numpy); the traced steps read it as a constant
         # one code object serves every bucket; each bucket is a separate compile
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)

@@ -106,7 +106,7 @@ class LLM:
         if eager is None:
             eager = self.model.device.type == "cpu"
         if eager and (cuda_graphs or dump_graphs is not None or inductor):
-            raise ValueError("cuda_graphs, inductor and dump_graphs apply to compiled steps; drop eager=True")
+            raise ValueError("cuda_graphs, inductor and dump_graphs apply to compiled steps; drop eager=True (or --eager)")
         compiled = None
         if not eager:
             names = disable_passes.split(",") if isinstance(disable_passes, str) else list(disable_passes or ())

@@ -63,7 +63,7 @@ def block(
 _LAYOUTS: dict[ModelConfig, EngramLayout] = {}
 
 
-def _layout(c: ModelConfig) -> EngramLayout:
+def cached_engram_layout(c: ModelConfig) -> EngramLayout:
     # A plain dict, not lru_cache: the layout is built with numpy, which a traced step cannot
     # run; the eager warm-up of a compiled step fills the dict and the trace reads a constant.
     got = _LAYOUTS.get(c)
@@ -75,7 +75,7 @@ def _layout(c: ModelConfig) -> EngramLayout:
 def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> list[torch.Tensor]:
     """Hash ids ``[N, columns]`` of every Engram layer for the packed batch, computed once per
     forward; each slot's history (the last N-1 compressed ids) is read and advanced."""
-    layout = _layout(c)
+    layout = cached_engram_layout(c)
     comp = params["engram_vocab"][batch.token_ids]
     pad = params["engram_vocab"][c.engram_pad_token_id]
     hist_pool = state["engram"]["history"]

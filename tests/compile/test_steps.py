@@ -1,0 +1,125 @@
+"""Compiled engine steps == the same step functions run eagerly (tiny V4 and V4.1, fp32, CPU).
+
+Each check runs a prefill of several padded chunks, then decode steps with a padded request
+bucket, on two copies of one state: the eager twin on one, ``StepGraphs`` on the other. Logits
+and every state tensor (the real slots) must agree. Compiling costs ~10 s per graph here, so
+each model compiles one prefill and one decode bucket."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+from tiny import tiny_v4, tiny_v41
+
+from deepinfer_fx.api import random_model
+from deepinfer_fx.config import config_from_dict
+from deepinfer_fx.engine.graph_runner import StepGraphs
+from deepinfer_fx.engine.steps import decode_step, prefill_step
+from deepinfer_fx.graphs.model import cached_engram_layout
+from deepinfer_fx.graphs.state import init_state
+
+pytestmark = pytest.mark.usefixtures("fresh_compile")
+
+
+def _real_slots(state: dict, n: int):
+    """(path, tensor) of every state tensor restricted to the first n slots (not the scratch)."""
+    def walk(tree, prefix):
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                yield from walk(v, f"{prefix}{k}.")
+            elif isinstance(v, list):
+                for i, x in enumerate(v):
+                    yield from walk(x, f"{prefix}{k}.{i}.")
+            elif isinstance(v, torch.Tensor):
+                yield prefix + k, v[:n]
+    return list(walk(state, ""))
+
+
+def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=()):
+    rng = random.Random(seed)
+    # fake-quant off: its rounding steps turn ulp-level differences into visible ones (see the
+    # state-equivalence tests); here the paths must agree to fp32 precision
+    model = random_model(config_from_dict(cfg).replace(fake_quant=False), seed=seed)
+    c, params = model
+    slots = 3
+    state = init_state(c, 64, torch.float32, mtp=False, slots=slots)
+    eager_state = copy.deepcopy(state)
+    next_token = torch.zeros(slots + 1, dtype=torch.long)
+    graphs = StepGraphs(model, state, next_token, max_requests=4, max_tokens=16, inductor=inductor,
+                        dump_dir=tmp_path / "dump", disabled=disabled)
+    lens = [rng.randint(5, 16) for _ in range(slots)]
+    prompts = [[rng.randrange(3, c.vocab_size) for _ in range(n)] for n in lens]
+    with torch.no_grad():
+        got, first = graphs.prefill([(s, 0, p) for s, p in enumerate(prompts)], all_rows=True)
+        # the eager twin on the same padded layout: bucket of 4 chunks x 16 rows
+        ids = torch.zeros(4, 16, dtype=torch.long)
+        for s, p in enumerate(prompts):
+            ids[s, : len(p)] = torch.tensor(p)
+        meta = torch.tensor([[0, 1, 2, slots], [0, 0, 0, 0], [*lens, 0]])
+        want = prefill_step(params, eager_state, c, ids.reshape(-1), *meta, torch.arange(64))
+        for s, n in enumerate(lens):
+            torch.testing.assert_close(got[first[s] : first[s] + n], want[s * 16 : s * 16 + n], rtol=1e-5, atol=1e-5)
+        pos = list(lens)
+        for _ in range(3):
+            next_token[:slots] = torch.tensor([rng.randrange(3, c.vocab_size) for _ in range(slots)])
+            got = graphs.decode([0, 1, 2], pos)
+            meta = torch.tensor([[0, 1, 2, slots], [*pos, 0], [1, 1, 1, 0]])
+            want = decode_step(params, eager_state, c, next_token, *meta)[:slots]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            pos = [p + 1 for p in pos]
+    for (path, a), (_, b) in zip(_real_slots(state, slots), _real_slots(eager_state, slots)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"state {path}: {m}")
+    return graphs
+
+
+@pytest.mark.parametrize("which", ["v4", "v41"])
+def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
+    seed = random.SystemRandom().randrange(2**31)
+    cfg = tiny_v4() if which == "v4" else tiny_v41()
+    graphs = _run(cfg, seed, tmp_path)
+    report = {r["graph"]: r for r in graphs.report()}
+    assert set(report) == {"prefill-t64-r4-all", "decode-t4-r4"}, f"seed={seed}"
+    for r in report.values():  # the fusion passes fired in both graphs
+        assert r["rewrites"].get("rms_norm_fusion", 0) > 0 and r["rewrites"].get("swiglu_clamp_fusion", 0) > 0
+    index = json.loads((tmp_path / "dump" / "index.json").read_text())
+    assert {"prefill-t64-r4-all", "decode-t4-r4"} <= set(json.dumps(index).split('"')), "every graph is in the dump index"
+
+
+def test_disabled_pass_leaves_no_rewrite_and_same_result(tmp_path) -> None:
+    seed = random.SystemRandom().randrange(2**31)
+    graphs = _run(tiny_v4(), seed, tmp_path, disabled=("rms_norm_fusion",))
+    for r in graphs.report():
+        assert "rms_norm_fusion" not in r["rewrites"] or r["rewrites"]["rms_norm_fusion"] == 0, f"seed={seed}"
+        assert r["rewrites"].get("swiglu_clamp_fusion", 0) > 0
+
+
+def test_inductor_steps_equal_eager(tmp_path) -> None:
+    seed = random.SystemRandom().randrange(2**31)
+    cfg = tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4])
+    _run(cfg, seed, tmp_path, inductor=True)
+
+
+def test_decode_step_is_one_graph_without_host_syncs() -> None:
+    """A host sync (``.item()``, ``.tolist()``, a data-dependent shape) would break the graph;
+    the decode step must trace as exactly one graph with no break."""
+    model = random_model(tiny_v41(), seed=5)  # fake-quant on: its ops must trace too
+    c, params = model
+    state = init_state(c, 64, torch.float32, mtp=False, slots=2)
+    nt = torch.zeros(3, dtype=torch.long)
+    meta = [torch.tensor(v) for v in ([0, 2], [7, 0], [1, 0])]
+    cached_engram_layout(c)  # built with numpy before tracing, as StepGraphs does
+
+    def step(params, state, nt, slots, starts, lens):
+        return decode_step(params, state, c, nt, slots, starts, lens)
+
+    explained = torch._dynamo.explain(step)(params, state, nt, *meta)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+
+    def with_sync(params, state, nt, slots, starts, lens):  # the check notices a sync
+        return step(params, state, nt, slots, starts + int(lens.sum().item() * 0), lens)
+
+    assert torch._dynamo.explain(with_sync)(params, state, nt, *meta).graph_break_count > 0
