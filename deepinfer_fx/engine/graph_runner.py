@@ -7,8 +7,8 @@ every graph. A step pads its inputs up to the nearest bucket, copies them into t
 in one host->device copy and replays; the first step of a key runs the compiled function (which
 compiles it: that run is the warm-up) and captures the graph right after.
 
-``GraphWrapper`` is what a device's graph API must provide: ``CudaGraph`` on NVIDIA,
-``AclGraph`` on Ascend (import-guarded: torch_npu is never imported on other machines).
+``GraphWrapper`` is what a device's graph API must provide; ``DeviceGraph`` serves CUDA graphs
+on NVIDIA and ACL graphs on Ascend (torch_npu is imported only there).
 """
 
 from __future__ import annotations
@@ -63,18 +63,26 @@ class GraphWrapper(Protocol):
     def replay(self) -> None: ...
 
 
-class CudaGraph:
-    """One CUDA graph; every instance allocates from the same memory pool."""
+class DeviceGraph:
+    """One captured graph of a device's graph API (``torch.cuda`` or torch_npu's ``torch.npu``,
+    which mirror each other); every graph of one API allocates from the same memory pool."""
 
-    _pool = None
+    _pools: dict[str, object] = {}
 
-    def __init__(self) -> None:
-        if CudaGraph._pool is None:
-            CudaGraph._pool = torch.cuda.graph_pool_handle()
-        self.graph = torch.cuda.CUDAGraph()
+    def __init__(self, device_type: str) -> None:
+        if device_type == "npu":
+            try:
+                import torch_npu  # noqa: F401  (only on Ascend machines: registers torch.npu)
+            except ImportError as e:
+                raise RuntimeError("ACL graphs need torch_npu (Ascend); run with graphs off elsewhere") from e
+        self.api = getattr(torch, device_type)
+        if device_type not in DeviceGraph._pools:
+            DeviceGraph._pools[device_type] = self.api.graph_pool_handle()
+        self.pool = DeviceGraph._pools[device_type]
+        self.graph = self.api.CUDAGraph() if device_type == "cuda" else self.api.NPUGraph()
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        with torch.cuda.graph(self.graph, pool=CudaGraph._pool):
+        with self.api.graph(self.graph, pool=self.pool):
             out = fn()
         return out
 
@@ -82,30 +90,7 @@ class CudaGraph:
         self.graph.replay()
 
 
-class AclGraph:
-    """Ascend's ACL graph through torch_npu's ``NPUGraph`` (same capture/replay shape as CUDA)."""
-
-    _pool = None
-
-    def __init__(self) -> None:
-        try:
-            import torch_npu  # noqa: F401  (only on Ascend machines)
-        except ImportError as e:
-            raise RuntimeError("ACL graphs need torch_npu (Ascend); run with graphs off (eager=True) elsewhere") from e
-        if AclGraph._pool is None:
-            AclGraph._pool = torch.npu.graph_pool_handle()
-        self.graph = torch.npu.NPUGraph()
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        with torch.npu.graph(self.graph, pool=AclGraph._pool):
-            out = fn()
-        return out
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
-GRAPH_APIS: dict[str, type] = {"cuda": CudaGraph, "npu": AclGraph}
+GRAPH_DEVICES = ("cuda", "npu")  # CUDA graphs on NVIDIA, ACL graphs on Ascend
 
 
 @dataclass
@@ -134,10 +119,10 @@ class StepGraphs:
         self.next_token = next_token
         self.device = model.device
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
-        api = GRAPH_APIS.get(self.device.type)
-        if graphs and api is None:
+        has_graphs = self.device.type in GRAPH_DEVICES
+        if graphs and not has_graphs:
             raise ValueError(f"graph capture needs a CUDA or Ascend device; this model is on {self.device}")
-        self.graph_api = api if graphs is not False else None
+        self.graphs = has_graphs and graphs is not False
         self.inductor, self.dump_dir, self.disabled = inductor, dump_dir, tuple(disabled)
         self.decode_buckets = buckets(max_requests)
         self.request_buckets = buckets(max_requests)
@@ -198,9 +183,9 @@ class StepGraphs:
         out = e.fn()
         if e.calls == 1:
             e.compile_s = time.perf_counter() - t0
-            if self.graph_api is not None and e.key.kind == "decode":
+            if self.graphs and e.key.kind == "decode":
                 t0 = time.perf_counter()
-                graph = self.graph_api()
+                graph = DeviceGraph(self.device.type)
                 e.out = graph.capture(e.fn)
                 e.graph = graph
                 e.capture_s = time.perf_counter() - t0
