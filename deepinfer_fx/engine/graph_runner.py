@@ -22,6 +22,7 @@ import torch
 from ..api import Model
 from ..graphs.engram import EngramTable
 from ..graphs.model import cached_engram_layout
+from ..graphs.swap import swapped
 from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
 from .steps import decode_step, prefill_step
@@ -201,6 +202,9 @@ class StepGraphs:
             size = key.tokens + 3 * key.requests + (key.tokens if key.all_rows else key.requests)
         dev = torch.zeros(size, dtype=torch.long, device=self.device)
         backend = make_backend(self.accelerator, self.disabled, self.dump_dir, key.name, inductor=self.inductor)
+        # kernel swaps are in force whenever the compiled function runs: it is traced on its
+        # first call, and Dynamo's guards see the same replacements on every later call
+        swaps = backend.pipeline.swaps()
         r = key.requests
         if key.kind == "decode":
             def step(params, state, next_token, meta):
@@ -208,7 +212,10 @@ class StepGraphs:
                 return decode_step(params, state, c, next_token, slots, starts, lens)
 
             compiled = compile_graph(step, backend)
-            fn = lambda: compiled(params, state, self.next_token, dev)  # noqa: E731
+
+            def fn() -> torch.Tensor:
+                with swapped(swaps):
+                    return compiled(params, state, self.next_token, dev)
         else:
             t = key.tokens
 
@@ -217,7 +224,10 @@ class StepGraphs:
                 return prefill_step(params, state, c, buf[:t], slots, starts, lens, buf[t + 3 * r :])
 
             compiled = compile_graph(step, backend)
-            fn = lambda: compiled(params, state, dev)  # noqa: E731
+
+            def fn() -> torch.Tensor:
+                with swapped(swaps):
+                    return compiled(params, state, dev)
         e = _Entry(key, dev, fn, backend)
         self._entries[key] = e
         return e

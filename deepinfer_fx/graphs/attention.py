@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from . import fake_quant as fq
 from .batch import Batch, Group, gather_rows, scatter_rows
 from .compressor import compress, visible_entries
+from .swap import swappable
 from .csa2 import csa2_entries
 from .indexer import select_entries
 from .norm import linear, rms_norm
@@ -23,6 +24,7 @@ from .rope import apply_rope, cos_sin, inv_freq
 from .window import window_bias, window_keys
 
 
+@swappable
 def mqa_with_sink(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """q ``[..., T, H, d]``, keys ``[..., N, d]`` (K = V), bias ``[..., T, N]`` (0 / -inf). The sink
     adds ``exp(sink_h)`` to each head's softmax denominator and contributes no value."""

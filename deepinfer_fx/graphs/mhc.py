@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .norm import rms_norm
+from .swap import swappable
 
 
 def _mixes(X: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
@@ -31,6 +32,7 @@ def mhc_coeffs(
     return pre, post, sinkhorn((m_comb * s[2] + b_comb).unflatten(-1, (n, n)), hc_eps, iters)
 
 
+@swappable
 def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
     """``[..., n, n]`` logits -> a doubly-stochastic mixing matrix: softmax over rows plus eps,
     a column normalisation, then ``iters - 1`` rounds of row and column normalisation (fp32)."""

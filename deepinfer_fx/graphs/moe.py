@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .norm import linear, linear_fp32
+from .swap import swappable
 
 
 def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -45,6 +46,7 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, limit: float) ->
     return swiglu_act(linear(x, w1), linear(x, w3), limit)
 
 
+@swappable
 def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Routed experts as grouped GEMMs over the (token, k) pairs sorted by expert. Static shapes
     and no host synchronisation, so the same code runs eagerly, compiled and in CUDA graphs.
@@ -75,9 +77,16 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, groups: tuple[torch.Tensor, torch
     return torch.einsum("pi,poi->po", x, w.to(x.dtype)[expert])
 
 
+@swappable
+def expert_parallel(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The region expert parallelism replaces with dispatch -> local experts -> combine
+    (``sharding/ep.py``); in one process every expert is local."""
+    return routed_experts(p, limit, x, idx, w)
+
+
 def moe(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     idx, w = route(p, c, x, token_ids)
-    routed = routed_experts(p["experts"], c.swiglu_limit, x, idx, w)
+    routed = expert_parallel(p["experts"], c.swiglu_limit, x, idx, w)
     sh = p["shared_experts"]
     shared = linear(swiglu(x, sh["w1"], sh["w3"], c.swiglu_limit).to(x.dtype), sh["w2"])
     return (routed + shared.float()).to(x.dtype)

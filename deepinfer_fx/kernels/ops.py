@@ -68,7 +68,7 @@ def mhc_sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
     """logits ``[..., n, n]`` -> the doubly-stochastic ``comb`` of ``graphs/mhc.py::mhc_coeffs``:
     softmax over the last dim plus eps, a column normalisation, then ``iters - 1`` rounds of
     row-then-column normalisation, all in fp32."""
-    return sinkhorn(logits, eps, iters)
+    return sinkhorn.reference(logits, eps, iters)
 
 
 @mhc_sinkhorn.register_fake
@@ -84,7 +84,7 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torc
     """q ``[T, H, d]`` over shared K = V ``kv`` ``[N, d]`` with additive ``bias`` ``[T, N]``
     (0 / -inf selects the window and the chosen compressed entries) and a per-head sink."""
     # einsum may hand back a permuted view; the fake promises a contiguous tensor.
-    return mqa_with_sink(q, kv, bias, sink).contiguous()
+    return mqa_with_sink.reference(q, kv, bias, sink).contiguous()
 
 
 @sparse_mqa.register_fake
@@ -129,7 +129,7 @@ def moe_experts(
     w2 ``[E, D, I]``); the routing ``weight`` scales the hidden activation before w2 and the
     sum over the k experts accumulates in fp32, so the result ``[T, D]`` is fp32."""
     experts = {"w1": w1, "w3": w3, "w2": w2}
-    return routed_experts(experts, limit, x, idx, weight)
+    return routed_experts.reference(experts, limit, x, idx, weight)
 
 
 @moe_experts.register_fake

@@ -29,7 +29,7 @@ ENV_DISABLE = "DEEPINFER_DISABLE_PASSES"
 
 # Modules whose import registers the built-in passes, in pipeline order. Imported lazily so that
 # pass modules can import this one without a cycle.
-_BUILTIN_PASS_MODULES: tuple[str, ...] = ("deepinfer_fx.passes.fusion",)
+_BUILTIN_PASS_MODULES: tuple[str, ...] = ("deepinfer_fx.passes.fusion", "deepinfer_fx.passes.swaps")
 
 
 class GraphPass(ABC):
@@ -41,6 +41,11 @@ class GraphPass(ABC):
     @abstractmethod
     def __call__(self, gm: torch.fx.GraphModule) -> int:
         """Rewrite ``gm`` in place; return the number of rewrites (0: graph unchanged)."""
+
+    def swap(self) -> dict[str, Callable[..., object]]:
+        """Model functions (``graphs/swap.py`` places) this pass replaces while a step is traced;
+        most passes rewrite the traced graph instead and swap nothing."""
+        return {}
 
     def sources(self) -> tuple[object, ...]:
         """Functions or modules outside the pass class whose code decides what it does (e.g.
@@ -131,6 +136,13 @@ class Pipeline:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.passes)
+
+    def swaps(self) -> dict[str, Callable[..., object]]:
+        """The replacements of every enabled swap pass, for ``graphs.swap.swapped``."""
+        out: dict[str, Callable[..., object]] = {}
+        for p in self.passes:
+            out.update(p.swap())
+        return out
 
     def uuid(self) -> str:
         """The cache-key contribution: accelerator plus each enabled pass's name and uuid, in

@@ -83,18 +83,20 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
     graphs = _run(cfg, seed, tmp_path)
     report = {r["graph"]: r for r in graphs.report()}
     assert set(report) == {"prefill-t64-r4-all", "decode-t4-r4"}, f"seed={seed}"
-    for r in report.values():  # the fusion passes fired in both graphs
-        assert r["rewrites"].get("rms_norm_fusion", 0) > 0 and r["rewrites"].get("swiglu_clamp_fusion", 0) > 0
+    for r in report.values():  # the fusion passes fired in both graphs, and every kernel swap
+        for name in ("rms_norm_fusion", "swiglu_clamp_fusion", "moe_experts_kernel", "mhc_sinkhorn_kernel", "sparse_mqa_kernel"):
+            assert r["rewrites"].get(name, 0) > 0, (name, r["graph"])
     index = json.loads((tmp_path / "dump" / "index.json").read_text())
     assert {"prefill-t64-r4-all", "decode-t4-r4"} <= set(json.dumps(index).split('"')), "every graph is in the dump index"
 
 
 def test_disabled_pass_leaves_no_rewrite_and_same_result(tmp_path) -> None:
     seed = random.SystemRandom().randrange(2**31)
-    graphs = _run(tiny_v4(), seed, tmp_path, disabled=("rms_norm_fusion",))
+    graphs = _run(tiny_v4(), seed, tmp_path, disabled=("rms_norm_fusion", "moe_experts_kernel"))
     for r in graphs.report():
-        assert "rms_norm_fusion" not in r["rewrites"] or r["rewrites"]["rms_norm_fusion"] == 0, f"seed={seed}"
-        assert r["rewrites"].get("swiglu_clamp_fusion", 0) > 0
+        for off in ("rms_norm_fusion", "moe_experts_kernel"):  # a disabled swap traces the reference
+            assert r["rewrites"].get(off, 0) == 0, f"seed={seed} {off}"
+        assert r["rewrites"].get("swiglu_clamp_fusion", 0) > 0 and r["rewrites"].get("mhc_sinkhorn_kernel", 0) > 0
 
 
 def test_inductor_steps_equal_eager(tmp_path) -> None:

@@ -1,0 +1,159 @@
+"""P8 on one GPU, side by side in one run: this engine, HF transformers' DeepseekV4ForCausalLM
+(eager, as installed) on the same weights, and the roofline.
+
+    python -m deepinfer_fx.bench.p8_vs_hf --segments prefill,decode --batches 1,8,64 --context 512
+
+The weights are HF's own random initialisation (hash tables made random permutations), saved
+with ``save_pretrained`` to a RAM disk and loaded by our loader, so both engines multiply the
+same numbers; a 64-token teacher-forced check compares the two before timing.
+
+Segments follow DeepInfer's method: prefill and decode are timed separately; the per-kernel
+profile of a decode step is taken after the measurement window, never inside it. Decode
+throughput = steps/s x batch x (1 + nextn) / cp; P8 has no draft head (nextn = 0, so no
+acceptance rate is assumed) and runs on one GPU (cp = 1). The engine has no expert-load
+statistics flushes, so no interval needs dropping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from ..api import load_model, logits
+from ..engine.graph_runner import StepGraphs
+from ..graphs.state import init_state
+from . import roofline
+from .p8 import hf_kwargs, run_info, write_result
+from .profile_step import kernel_table
+
+
+def _timed(fn, iters: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def build_hf(layers: int, seed: int):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV4Config(**hf_kwargs(layers))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = DeepseekV4ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for name, buf in list(model.named_buffers()) + list(model.named_parameters()):
+            if name.endswith("tid2eid"):  # HF initialises the hash table to zeros: every token -> expert 0
+                perm = torch.rand(buf.shape[0], cfg.n_routed_experts, device="cuda").argsort(dim=1)
+                buf.copy_(perm[:, : buf.shape[1]])
+    return model
+
+
+@torch.no_grad()
+def hf_decode_ms(hf, batch: int, context: int, steps: int, vocab: int) -> float:
+    ids = torch.randint(3, vocab, (batch, context), device="cuda")
+    out = hf(input_ids=ids, use_cache=True)
+    cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    del out
+
+    def step():
+        nonlocal nxt
+        o = hf(input_ids=nxt, past_key_values=cache, use_cache=True)
+        nxt = o.logits[:, -1].argmax(-1, keepdim=True)
+
+    return _timed(step, steps) * 1e3
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--segments", default="prefill,decode")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="skip the peer (our engine and the roofline only)")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    segments = set(args.segments.split(","))
+    batches = [int(b) for b in args.batches.split(",")]
+
+    t0 = time.perf_counter()
+    hf = build_hf(args.layers, seed=0)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+        hf.save_pretrained(tmp)
+        model = load_model(tmp, dtype=torch.bfloat16, device="cuda", fake_quant=False)
+    c = model.config
+    setup_s = time.perf_counter() - t0
+    ids = torch.randint(3, c.vocab_size, (64,), device="cuda")
+    ours, theirs = logits(model, ids), hf(input_ids=ids[None]).logits[0].float()
+    check = {"max_rel_diff": ((ours - theirs).abs().max() / theirs.abs().max()).item(),
+             "argmax_agree": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()}
+    print(f"setup {setup_s:.0f} s; ours vs HF on 64 tokens: {check}", flush=True)
+    if args.no_hf:
+        del hf
+        hf = None
+
+    slots = max(batches)
+    state = init_state(c, max(args.context, args.prefill_tokens) + 64, torch.bfloat16, "cuda", mtp=False, slots=slots)
+    next_token = torch.randint(3, c.vocab_size, (slots + 1,), device="cuda")
+    graphs = StepGraphs(model, state, next_token, max_requests=slots, max_tokens=args.prefill_tokens,
+                        graphs=True, inductor=not args.no_inductor)
+    result = {**run_info(argv), "model": f"P8 ({args.layers} layers), bf16, HF random init", "inductor": not args.no_inductor,
+              "check_vs_hf": check, "nextn": 0, "cp": 1, "acceptance": "none (no draft head)", "prefill": [], "decode": []}
+
+    if "prefill" in segments:
+        n = args.prefill_tokens
+        chunk = [(0, 0, torch.randint(3, c.vocab_size, (n,)).tolist())]
+        t1 = time.perf_counter()
+        graphs.prefill(chunk)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t1
+        ms = _timed(lambda: graphs.prefill(chunk), 3) * 1e3
+        hf_ms = None if hf is None else _timed(lambda: hf(input_ids=torch.tensor(chunk[0][2], device="cuda")[None]), 2) * 1e3
+        roof = roofline.prefill(c, n)
+        row = {"tokens": n, "ours_ms": round(ms, 2), "ours_tok_s": round(n / ms * 1e3), "first_call_s": round(compile_s, 1),
+               "hf_ms": None if hf_ms is None else round(hf_ms, 2), "hf_tok_s": None if hf_ms is None else round(n / hf_ms * 1e3),
+               "roofline_tok_s": round(n / roof.seconds), "roofline": roof.as_dict()}
+        result["prefill"].append(row)
+        print(row, flush=True)
+
+    if "decode" in segments:
+        for b in batches:
+            sl, starts = list(range(b)), [args.context] * b
+            graphs.decode(sl, starts)
+            ms = _timed(lambda: graphs.decode(sl, starts), args.steps) * 1e3
+            hf_ms = None if hf is None else hf_decode_ms(hf, b, args.context, min(args.steps, 10), c.vocab_size)
+            roof = roofline.decode(c, b, args.context)
+            row = {"batch": b, "context": args.context, "ours_ms": round(ms, 3), "hf_ms": None if hf_ms is None else round(hf_ms, 2),
+                   "roofline_ms": round(roof.seconds * 1e3, 3), "ours_vs_roofline": round(roof.seconds * 1e3 / ms, 3),
+                   "ours_tok_s": round(1e3 / ms * b), "hf_tok_s": None if hf_ms is None else round(1e3 / hf_ms * b),
+                   "roofline": roof.as_dict()}
+            # the profile comes after the measurement window
+            kernels, kernel_us, launches = kernel_table(lambda: graphs.decode(sl, starts), 3)
+            row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, top_kernels=kernels[:15])
+            result["decode"].append({k: v for k, v in row.items()})
+            print({k: v for k, v in row.items() if k not in ("top_kernels", "roofline")}, flush=True)
+            for r in kernels[:12]:
+                print(f"   {r['us']:9.1f} us {r['launches']:5d}x {100 * r['share']:5.1f}%  {r['kernel'][:90]}")
+    result["graphs"] = graphs.report()
+    write_result("p8_vs_hf_" + "_".join(sorted(segments)), result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

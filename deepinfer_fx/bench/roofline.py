@@ -1,0 +1,97 @@
+"""The physical limit of a step: bytes moved and FLOPs, from the parameter specs.
+
+A decode step of ``batch`` requests at ``context`` tokens must at least read every dense weight
+once, the routed experts that some token picks (expected distinct experts for ``batch`` draws
+of ``k`` among ``E``), the LM head, and each request's cache entries that attention reads; it
+must do 2 FLOPs per weight element per token it multiplies plus the attention products. The
+roofline time is the larger of bytes / bandwidth and FLOPs / matmul rate. The ceilings default to
+what was measured on the H200 for this project (``spec/perf.md``: 4.26 TB/s copy, 785 TF/s
+dense bf16); prefill uses 80 % of the matmul ceiling, as the issue's anchor does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..config import ModelConfig
+from ..graphs.params import param_specs
+
+COPY_BYTES_PER_S = 4.26e12
+BF16_FLOPS = 785e12
+PREFILL_MFU = 0.8
+
+_GATHERED = ("embed", "tid2eid")  # only the rows of the step's tokens are read
+
+
+@dataclass(frozen=True)
+class Roofline:
+    bytes: float
+    flops: float
+    seconds: float
+    bound: str  # "memory" or "compute"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ms": round(self.seconds * 1e3, 3)}
+
+
+def _weights(c: ModelConfig) -> tuple[float, float, float]:
+    """(dense weight elements, one routed expert's elements, head elements) of the backbone."""
+    dense = expert = head = 0.0
+    for s in param_specs(c, mtp=False):
+        if s.path.endswith(_GATHERED):
+            continue
+        if s.stacked:
+            expert += s.numel / s.shape[0] / c.num_hidden_layers
+        elif s.path == "head":
+            head = s.numel
+        else:
+            dense += s.numel
+    return dense, expert, head
+
+
+def expected_experts(n_experts: int, k: int, tokens: int) -> float:
+    """Expected distinct experts when ``tokens`` tokens each pick ``k`` distinct ones uniformly."""
+    return n_experts * (1 - (1 - k / n_experts) ** tokens)
+
+
+def _attention(c: ModelConfig, context: int) -> tuple[float, float]:
+    """(entries read, indexer keys scored) per query per layer, averaged over the layers."""
+    entries = keys = 0.0
+    for ratio in c.compress_ratios:
+        window = min(c.sliding_window, context)
+        if ratio == 0:
+            entries += window
+        elif ratio <= 4:  # CSA: the indexer scores every compressed key, attention reads the top-k
+            keys += context // ratio
+            entries += window + min(c.index_topk, context // ratio)
+        else:  # HCA: every compressed entry
+            entries += window + context // ratio
+    n = c.num_hidden_layers
+    return entries / n, keys / n
+
+
+def decode(c: ModelConfig, batch: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2) -> Roofline:
+    dense, expert, head = _weights(c)
+    n_layers, k = c.num_hidden_layers, c.num_experts_per_tok
+    active = expected_experts(c.n_routed_experts, k, batch)
+    entries, keys = _attention(c, context)
+    weight_elems = dense + n_layers * active * expert + head
+    cache = batch * n_layers * (entries * c.head_dim + keys * c.index_head_dim) * cache_bytes
+    flops = 2 * batch * (dense + n_layers * k * expert + head)
+    flops += 2 * batch * n_layers * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
+    nbytes = weight_elems * weight_bytes + cache
+    t_mem, t_flop = nbytes / COPY_BYTES_PER_S, flops / BF16_FLOPS
+    return Roofline(nbytes, flops, max(t_mem, t_flop), "memory" if t_mem >= t_flop else "compute")
+
+
+def prefill(c: ModelConfig, tokens: int, weight_bytes: int = 2) -> Roofline:
+    """One chunk of ``tokens`` from position 0: linear FLOPs of every token plus attention at
+    the average position (half the chunk)."""
+    dense, expert, head = _weights(c)
+    entries, keys = _attention(c, tokens // 2)
+    n_layers, k = c.num_hidden_layers, c.num_experts_per_tok
+    flops = 2 * tokens * (dense + n_layers * k * expert)  # the head runs for the last row only
+    flops += 2 * tokens * n_layers * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
+    nbytes = (dense + n_layers * c.n_routed_experts * expert + head) * weight_bytes
+    t_mem, t_flop = nbytes / COPY_BYTES_PER_S, flops / (BF16_FLOPS * PREFILL_MFU)
+    return Roofline(nbytes, flops, max(t_mem, t_flop), "memory" if t_mem >= t_flop else "compute")
