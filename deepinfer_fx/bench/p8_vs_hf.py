@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                         graphs=True, inductor=not args.no_inductor)
     result = {**run_info(argv), "model": f"P8 ({args.layers} layers), bf16, HF random init", "inductor": not args.no_inductor,
               "check_vs_hf": check, "nextn": 0, "cp": 1, "acceptance": "none (no draft head)", "prefill": [], "decode": []}
+    name = "p8_vs_hf_" + "_".join(sorted(segments)) + ("_aot_eager" if args.no_inductor else "")
 
     if "prefill" in segments:
         n = args.prefill_tokens
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
                "roofline_tok_s": round(n / roof.seconds), "roofline": roof.as_dict()}
         result["prefill"].append(row)
         print(row, flush=True)
+        write_result(name, result, args.out)  # after every row: a run cut short keeps what it measured
 
     if "decode" in segments:
         for b in batches:
@@ -146,12 +148,13 @@ def main(argv: list[str] | None = None) -> dict:
             # the profile comes after the measurement window
             kernels, kernel_us, launches = kernel_table(lambda: graphs.decode(sl, starts), 3)
             row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, top_kernels=kernels[:15])
-            result["decode"].append({k: v for k, v in row.items()})
+            result["decode"].append(row)
+            write_result(name, result, args.out)
             print({k: v for k, v in row.items() if k not in ("top_kernels", "roofline")}, flush=True)
             for r in kernels[:12]:
                 print(f"   {r['us']:9.1f} us {r['launches']:5d}x {100 * r['share']:5.1f}%  {r['kernel'][:90]}")
     result["graphs"] = graphs.report()
-    write_result("p8_vs_hf_" + "_".join(sorted(segments)), result, args.out)
+    write_result(name, result, args.out)
     return result
 
 

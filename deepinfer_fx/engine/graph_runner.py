@@ -23,6 +23,7 @@ from ..api import Model
 from ..graphs.engram import EngramTable
 from ..graphs.model import cached_engram_layout
 from ..graphs.swap import swapped
+from ..kernels.triton import register_nvidia_kernels
 from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
 from .steps import decode_step, prefill_step
@@ -130,6 +131,8 @@ class StepGraphs:
         self.length_buckets = buckets(max_tokens, smallest=min(16, max_tokens))
         self.scratch = state["slots"]
         self._entries: dict[GraphKey, _Entry] = {}
+        if self.accelerator == "nvidia" and not register_nvidia_kernels():
+            raise RuntimeError("compiled steps on NVIDIA GPUs need Triton (pip install triton), or run with eager=True")
         _make_engram_resident(self.params, self.device)
         if self.config.engram_layer_ids:
             cached_engram_layout(self.config)  # built eagerly (numpy); the traced steps read it as a constant
@@ -231,6 +234,11 @@ class StepGraphs:
         e = _Entry(key, dev, fn, backend)
         self._entries[key] = e
         return e
+
+    def backend(self, name: str) -> DeepinferBackend:
+        """The compile backend of graph ``name`` (a ``GraphKey.name``): its ATen graphs and what
+        each pass did (the dry run reads the collectives from them)."""
+        return next(e.backend for e in self._entries.values() if e.key.name == name)
 
     def report(self) -> list[dict]:
         """Start-up cost per graph: compile (first run) and capture seconds, pass rewrites."""

@@ -72,7 +72,7 @@ def load_params(
         specs = [s for s in specs if s.path != "head"]
     flat = {s.path: _load_one(reader, s, dtype, device, experts) for s in specs}
     if "head" not in flat:
-        flat["head"] = flat["embed"].float()
+        flat["head"] = flat["embed"]
     if c.engram_layer_ids:
         flat["engram_vocab"] = engram_vocab(reader.model_dir, c).to(device)
     return build_tree(flat)

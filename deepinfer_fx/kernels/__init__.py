@@ -2,3 +2,4 @@
 accelerator kernels register on top of them. Importing this package registers the ops."""
 
 from . import ops  # noqa: F401  (registration side effect)
+from . import ops_fp8  # noqa: F401  (registration side effect)

@@ -1,0 +1,110 @@
+"""Routed experts at P8 widths: the Triton kernels against ``graphs/moe.py`` (torch._grouped_mm).
+
+    python -m deepinfer_fx.bench.moe_kernel --tokens 1,8,64,256,4096
+
+D 4096, I 2048, 64 experts, top-6, bf16, uniform random routing. Each implementation runs
+captured in a CUDA graph (as decode runs in the engine) and the replays are timed with CUDA
+events. Reported per token count: ms, weight bandwidth (bytes of the experts that received at
+least one pair, each read once, over the time: the figure that matters for decode) and TFLOP/s
+(6 * pairs * D * I flops, the figure that matters for prefill), plus the max difference from the
+reference relative to its max. ``--fp8`` adds the fp8-weight kernel (block-128 scales).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..graphs.moe import routed_experts
+from ..kernels.triton.moe import moe_experts_fp8_triton, moe_experts_triton
+from .p8 import P8, run_info, write_result
+
+_BLOCK = 128
+
+
+def _graph_ms(fn, iters: int) -> float:
+    """Mean ms per replay of ``fn`` captured in a CUDA graph (after an eager warm-up call that
+    compiles the kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-scaled fp8 copy of ``w`` (one scale for the whole tensor, stored per block: the
+    values do not matter for timing, the layout does)."""
+    e, n, k = w.shape
+    s = w.abs().amax().float() / 448.0
+    scale = torch.full((e, -(-n // _BLOCK), -(-k // _BLOCK)), s.item(), device=w.device)
+    return (w.float() / s).to(torch.float8_e4m3fn), scale
+
+
+def _row(name: str, ms: float, weight_bytes: int, flops: int) -> dict:
+    return {f"{name}_ms": round(ms, 4), f"{name}_TBps": round(weight_bytes / ms / 1e9, 3),
+            f"{name}_TFLOPs": round(flops / ms / 1e9, 2)}
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,8,64,256,4096")
+    ap.add_argument("--experts", type=int, default=P8["n_routed_experts"])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--fp8", action="store_true", help="also time fp8 weights with block-128 scales")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    d, inter, top, limit = P8["hidden_size"], P8["moe_intermediate_size"], P8["num_experts_per_tok"], P8["swiglu_limit"]
+    e = args.experts
+    torch.manual_seed(0)
+    w = {"w1": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
+         "w3": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
+         "w2": torch.randn(e, d, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5}
+    q = {n: _fp8(v) for n, v in w.items()} if args.fp8 else {}
+    rows = []
+    for t in [int(v) for v in args.tokens.split(",")]:
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        idx = torch.rand(t, e, device="cuda").topk(top, dim=-1).indices
+        rw = torch.rand(t, top, device="cuda")
+        out = torch.empty(t, d, device="cuda")
+        active = int(torch.unique(idx).numel())
+        weight_bytes = active * 3 * inter * d * w["w1"].element_size()
+        flops = 6 * t * top * d * inter
+        ref = routed_experts.reference(w, limit, x, idx, rw)
+        bf16_args = (x, w["w1"], w["w3"], w["w2"], idx, rw, limit)
+        got = moe_experts_triton(*bf16_args)
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        t_triton = _graph_ms(lambda: moe_experts_triton(*bf16_args, out=out), args.iters)
+        t_torch = _graph_ms(lambda: routed_experts.reference(w, limit, x, idx, rw), args.iters)
+        row = {"tokens": t, "active_experts": active, **_row("triton", t_triton, weight_bytes, flops),
+               **_row("torch", t_torch, weight_bytes, flops), "speedup": round(t_torch / t_triton, 2),
+               "max_rel_diff": err}
+        if q:
+            w8 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
+            fp8_args = (x, *w8, idx, rw, limit, _BLOCK)
+            t_fp8 = _graph_ms(lambda: moe_experts_fp8_triton(*fp8_args, out=out), args.iters)
+            row.update(_row("fp8", t_fp8, weight_bytes // 2, flops))
+        rows.append(row)
+        print(row, flush=True)
+    cols = ["tokens", "active_experts", "triton_ms", "torch_ms", "speedup", "triton_TBps", "torch_TBps",
+            "triton_TFLOPs", "torch_TFLOPs"] + (["fp8_ms", "fp8_TBps"] if q else [])
+    print(" ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{r[c]:>14}" for c in cols))
+    result = {**run_info(argv), "shape": {"D": d, "I": inter, "E": e, "k": top, "dtype": "bfloat16"}, "rows": rows}
+    write_result("moe_kernel_p8", result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

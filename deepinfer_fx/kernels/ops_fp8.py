@@ -1,0 +1,64 @@
+"""Ops over fp8 weights with DeepSeek's block scales, so released checkpoints run without
+dequantising them on load (``io/quant.py`` does that for the reference path).
+
+``deepinfer::moe_experts_fp8`` is ``deepinfer::moe_experts`` with each stacked expert weight
+given as float8_e4m3fn ``[E, out, in]`` plus fp32 scales ``[E, cdiv(out, block), cdiv(in,
+block)]``: the dequantised weight is ``w.float() * scale`` expanded over each ``block x block``
+square, rounded to the activation dtype. The reference does exactly that and then runs the
+bf16 math of ``graphs/moe.py``; the Triton kernel dequantises each tile as it loads it.
+
+No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
+"""
+
+import torch
+
+from ..graphs.moe import routed_experts
+from .ops import NAMESPACE
+
+
+def dequant_stacked(w: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 ``[E, out, in]`` times its block ``scale`` ``[E, cdiv(out, block), cdiv(in, block)]``
+    -> ``dtype``."""
+    _, n, k = w.shape
+    s = scale.float().repeat_interleave(block, 1)[:, :n].repeat_interleave(block, 2)[:, :, :k]
+    return (w.float() * s).to(dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+    block: int,
+) -> torch.Tensor:
+    """``moe_experts`` with fp8 block-scaled expert weights (see the module docstring)."""
+    experts = {
+        "w1": dequant_stacked(w1, w1_scale, block, x.dtype),
+        "w3": dequant_stacked(w3, w3_scale, block, x.dtype),
+        "w2": dequant_stacked(w2, w2_scale, block, x.dtype),
+    }
+    return getattr(routed_experts, "reference", routed_experts)(experts, limit, x, idx, weight)
+
+
+@moe_experts_fp8.register_fake
+def _moe_experts_fp8_fake(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+    block: int,
+) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)

@@ -1,0 +1,209 @@
+"""Triton kernels of the routed experts (launchers: ``moe.py``).
+
+The T*k (token, k) pairs are sorted by expert on the device (two small launches); every GEMM
+program then finds its row block from the per-expert row ends alone, so the grid can be static
+(sized for the worst case) and programs past the last block exit at once. A row block holds
+rows of one expert only; each row's result depends on nothing but its own inputs (no split-K,
+no atomics on results), so a token's output does not depend on the other tokens in the batch.
+
+Weights are ``[E, out, in]`` (the checkpoint's linear layout). ``FP8`` means float8_e4m3fn
+weights with fp32 scales per ``QBLOCK x QBLOCK`` block ``[E, cdiv(out, QBLOCK), cdiv(in,
+QBLOCK)]``; each tile is dequantised to the activation dtype as it is loaded (``BK`` divides
+``QBLOCK``, so a tile's k range has one scale per output column).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def count_pairs_kernel(idx_ptr, hist_ptr, P, SPAN, E_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Program g counts the experts of pairs ``[g * SPAN, (g + 1) * SPAN)`` into ``hist[g]``."""
+    g = tl.program_id(0)
+    counts = tl.zeros([E_P], dtype=tl.int32)
+    # while, not range: the bounds are runtime values (they follow the token count) and
+    # Triton's interpreter cannot take one as a range bound under NumPy 2.
+    c0 = g * SPAN
+    stop = tl.minimum(P, c0 + SPAN)
+    while c0 < stop:
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(idx_ptr + offs, mask=offs < stop, other=0).to(tl.int32)
+        counts += tl.histogram(ids, E_P, mask=offs < stop)
+        c0 += CHUNK
+    tl.store(hist_ptr + g * E_P + tl.arange(0, E_P), counts)
+
+
+@triton.jit
+def place_pairs_kernel(idx_ptr, hist_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E, G, SPAN,
+                       E_P: tl.constexpr, G_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Program g writes the ids of its pairs grouped by expert into ``pairs``, each expert's
+    group starting where the groups of lower experts and of earlier programs end; program 0
+    also writes each expert's end row. Order inside a group is arbitrary (atomic cursors):
+    rows are independent, so results do not depend on it."""
+    g = tl.program_id(0)
+    offs_g = tl.arange(0, G_P)
+    offs_e = tl.arange(0, E_P)
+    hist = tl.load(hist_ptr + offs_g[:, None] * E_P + offs_e[None, :], mask=(offs_g < G)[:, None], other=0)
+    totals = tl.sum(hist, 0)
+    ends = tl.cumsum(totals, 0)
+    before = tl.sum(tl.where(offs_g[:, None] < g, hist, 0), 0)
+    tl.store(ends_ptr + offs_e, ends, mask=(offs_e < E) & (g == 0))
+    tl.store(cursor_ptr + g * E_P + offs_e, ends - totals + before)
+    # The cursors must be in memory for every thread before the atomics below read them.
+    tl.debug_barrier()
+    c0 = g * SPAN
+    stop = tl.minimum(P, c0 + SPAN)
+    while c0 < stop:
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(idx_ptr + offs, mask=offs < stop, other=0).to(tl.int32)
+        # Relaxed: the barrier above orders the cursors; the atomics need no fences of their own.
+        pos = tl.atomic_add(cursor_ptr + g * E_P + ids, 1, mask=offs < stop, sem="relaxed")
+        tl.store(pairs_ptr + pos, offs, mask=offs < stop)
+        c0 += CHUNK
+
+
+@triton.jit
+def _tile(n_blocks, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (row block, column tile), GROUP_M row blocks sweeping the columns together
+    so that an expert's weight tiles are reused from L2 by its neighbouring row blocks."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    width = GROUP_M * n_tiles
+    first = (pid // width) * GROUP_M
+    size = tl.minimum(n_blocks - first, GROUP_M)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit
+def _block_rows(ends_ptr, block, E, E_P: tl.constexpr, BM: tl.constexpr):
+    """-> (expert, first row, end row) of row block ``block``; expert >= E: no such block."""
+    offs = tl.arange(0, E_P)
+    ends = tl.load(ends_ptr + offs, mask=offs < E, other=0)
+    starts = tl.load(ends_ptr + offs - 1, mask=(offs > 0) & (offs < E), other=0)
+    n_blk = (ends - starts + BM - 1) // BM
+    blk_end = tl.cumsum(n_blk, 0)
+    e = tl.sum((blk_end <= block).to(tl.int32), 0)
+    sel = offs == e
+    first_blk = tl.sum(tl.where(sel, blk_end - n_blk, 0), 0)
+    row0 = tl.sum(tl.where(sel, starts, 0), 0) + (block - first_blk) * BM
+    return e, row0, tl.sum(tl.where(sel, ends, 0), 0)
+
+
+@triton.jit
+def _weight_tile(w_ptrs, s_ptrs, nmask, kmask, dtype, FP8: tl.constexpr, EVEN: tl.constexpr):
+    """A ``[BK, BN]`` weight tile in ``dtype``; fp8 tiles are scaled per output column (their
+    k range lies in one scale block) and rounded to ``dtype``, as the reference dequantises."""
+    if EVEN:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+    if FP8:
+        s = tl.load(s_ptrs, mask=nmask, other=0.0)
+        w = w.to(tl.float32) * s[None, :]
+    return w.to(dtype)
+
+
+@triton.jit
+def _row_tile(a_ptrs, rmask, kmask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+    return tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, ends_ptr,
+    n_blocks, E, N, limit,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn,
+    K: tl.constexpr, TOPK: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, CLAMP: tl.constexpr,
+    EVEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight, for the
+    sorted rows of one block and BN columns of I; GEMM results are rounded to the activation
+    dtype before the fp32 epilogue, as the reference's grouped GEMMs return them."""
+    block, tile_n = _tile(n_blocks, N, BN, GROUP_M)
+    e, row0, row_end = _block_rows(ends_ptr, block, E, E_P, BM)
+    if e >= E:
+        return
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < row_end
+    pair = tl.load(pairs_ptr + rows, mask=rmask, other=0)
+    offs_n = tile_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    nmask = offs_n < N
+    dtype = h_ptr.dtype.element_ty
+    a_ptrs = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_off = e.to(tl.int64) * stride_se + (offs_n // QBLOCK) * stride_sn
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kmask = offs_k < K - k0
+        a = _row_tile(a_ptrs, rmask, kmask, EVEN)
+        b1 = _weight_tile(w1_ptr + w_off, s1_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
+        b3 = _weight_tile(w3_ptr + w_off, s3_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
+        acc1 = tl.dot(a, b1, acc1, input_precision=PREC)
+        acc3 = tl.dot(a, b3, acc3, input_precision=PREC)
+        a_ptrs += BK
+        w_off += BK
+    g = acc1.to(dtype).to(tl.float32)
+    u = acc3.to(dtype).to(tl.float32)
+    if CLAMP:
+        # Comparisons rather than min/max so that NaN passes through, as torch.clamp does.
+        g = tl.where(g > limit, limit, g)
+        u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+    rw = tl.load(rw_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+    h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(h_ptrs, h.to(dtype), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def down_kernel(
+    h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, ends_ptr,
+    n_blocks, E, N,
+    stride_we, stride_wn, stride_se, stride_sn,
+    K: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """y[pair] = h[row] w2^T in fp32 for one row block and BN columns of D, written at the
+    pair's own (unsorted) row so that the combine reads each token's k rows in k order."""
+    block, tile_n = _tile(n_blocks, N, BN, GROUP_M)
+    e, row0, row_end = _block_rows(ends_ptr, block, E, E_P, BM)
+    if e >= E:
+        return
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < row_end
+    offs_n = tile_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    nmask = offs_n < N
+    dtype = h_ptr.dtype.element_ty
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
+    w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_off = e.to(tl.int64) * stride_se + (offs_n // QBLOCK) * stride_sn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kmask = offs_k < K - k0
+        a = _row_tile(a_ptrs, rmask, kmask, EVEN)
+        b = _weight_tile(w2_ptr + w_off, s2_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BK
+        w_off += BK
+    pair = tl.load(pairs_ptr + rows, mask=rmask, other=0)
+    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(y_ptrs, acc, mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def combine_kernel(y_ptr, out_ptr, D, TOPK: tl.constexpr, BD: tl.constexpr):
+    """out[t] = y[t, 0] + y[t, 1] + ... in k order: a fixed order whatever the batch."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask = offs < D
+    acc = tl.load(y_ptr + t * TOPK * D + offs, mask=mask, other=0.0)
+    for j in tl.static_range(1, TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j) * D + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + t * D + offs, acc, mask=mask)

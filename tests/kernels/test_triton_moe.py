@@ -1,0 +1,202 @@
+"""The Triton routed experts (``kernels/triton/moe.py``) against ``graphs/moe.py``.
+
+On CPU the launchers run under Triton's interpreter with fp32 inputs and tiny widths; on a GPU
+the same tests also run bf16 at the P8 benchmark's widths. Every case draws a fresh seed and
+names it in its assert messages.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer_fx.graphs.moe import routed_experts
+from deepinfer_fx.kernels.ops_fp8 import dequant_stacked
+from deepinfer_fx.kernels.triton.moe import moe_experts_fp8_triton, moe_experts_triton, sort_pairs
+
+reference = routed_experts.reference
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _case(seed: int, t: int, e: int, d: int, i: int, k: int, device: str, dtype: torch.dtype = torch.float32,
+          experts: list[int] | None = None) -> dict:
+    """Random inputs; ``experts`` restricts routing to those ids (k of them drawn per token,
+    with repeats when fewer than k are given)."""
+    g = torch.Generator(device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device)
+
+    w = {"w1": randn(e, i, d) / d**0.5, "w3": randn(e, i, d) / d**0.5, "w2": randn(e, d, i) / i**0.5}
+    pool = torch.tensor(experts if experts is not None else list(range(e)), device=device)
+    if len(pool) >= k:
+        idx = pool[torch.rand(t, len(pool), generator=g, device=device).argsort(-1)[:, :k]]
+    else:
+        idx = pool[torch.randint(len(pool), (t, k), generator=g, device=device)]
+    rw = torch.rand(t, k, generator=g, device=device) + 0.1
+    return {"x": randn(t, d).to(dtype), "w": {n: v.to(dtype) for n, v in w.items()}, "idx": idx, "rw": rw}
+
+
+def _run(c: dict, limit: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    w = c["w"]
+    return moe_experts_triton(c["x"], w["w1"], w["w3"], w["w2"], c["idx"], c["rw"], limit, out=out)
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, seed: int, tol: float) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape, f"seed {seed}: {got.dtype} {tuple(got.shape)}"
+    assert torch.isfinite(got).all(), f"seed {seed}: non-finite output"
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+    assert err <= tol, f"seed {seed}: max |diff| / max |ref| = {err:.3g} > {tol}"
+
+
+def _clamp_bites(c: dict, limit: float) -> bool:
+    w1 = c["w"]["w1"][c["idx"]].float()  # [T, k, I, D]
+    return bool((torch.einsum("td,tkid->tki", c["x"].float(), w1) > limit).any())
+
+
+@pytest.mark.parametrize("t,e", [(1, 8), (700, 8), (600, 40)])
+def test_sort_pairs(device: str, t: int, e: int) -> None:
+    """Pairs grouped by expert over several sort programs (one per 256 pairs)."""
+    seed = random.randrange(2**31)
+    g = torch.Generator(device).manual_seed(seed)
+    idx = torch.randint(e, (t, 6), generator=g, device=device)
+    idx[: t // 2, 0] = 3  # skew: one expert takes many pairs, others none or few
+    pairs, ends = sort_pairs(idx, e)
+    flat = idx.reshape(-1)
+    counts = torch.zeros(e, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    assert torch.equal(ends.long(), counts.cumsum(0)), f"seed {seed}: expert ends"
+    every = torch.arange(flat.numel(), device=device)
+    assert torch.equal(pairs.sort().values.long(), every), f"seed {seed}: not a permutation"
+    assert torch.equal(flat[pairs.long()], flat.sort().values), f"seed {seed}: not grouped by expert"
+
+
+@pytest.mark.parametrize("t,e,d,i,k", [(1, 8, 48, 40, 4), (5, 8, 64, 32, 2), (40, 4, 48, 40, 4), (72, 4, 32, 64, 4)])
+@pytest.mark.parametrize("limit", [0.0, 0.6])
+def test_matches_reference(device: str, t: int, e: int, d: int, i: int, k: int, limit: float) -> None:
+    seed = random.randrange(2**31)
+    c = _case(seed, t, e, d, i, k, device)
+    if limit:
+        assert _clamp_bites(c, limit), f"seed {seed}: the clamp never bites"
+    _check(_run(c, limit), reference(c["w"], limit, c["x"], c["idx"], c["rw"]), seed, 1e-5)
+
+
+@pytest.mark.parametrize("experts", [[3], [0, 5]], ids=["all-one-expert", "two-of-eight"])
+def test_skewed_and_empty_experts(device: str, experts: list[int]) -> None:
+    seed = random.randrange(2**31)
+    c = _case(seed, 20, 8, 48, 40, 4, device, experts=experts)  # 80 rows: several blocks of one expert
+    _check(_run(c, 0.6), reference(c["w"], 0.6, c["x"], c["idx"], c["rw"]), seed, 1e-5)
+
+
+def test_poisoned_out(device: str) -> None:
+    seed = random.randrange(2**31)
+    c = _case(seed, 6, 8, 48, 40, 3, device)
+    out = torch.full((6, 48), float("nan"), device=device)
+    got = _run(c, 0.6, out=out)
+    assert got.data_ptr() == out.data_ptr(), f"seed {seed}: out not used"
+    _check(got, reference(c["w"], 0.6, c["x"], c["idx"], c["rw"]), seed, 1e-5)
+
+
+def _alone_vs_batch(c: dict, limit: float, seed: int, rows: list[int]) -> None:
+    batch = _run(c, limit)
+    for r in rows:
+        alone = _run({**c, "x": c["x"][r : r + 1], "idx": c["idx"][r : r + 1], "rw": c["rw"][r : r + 1]}, limit)
+        assert torch.equal(alone[0], batch[r]), f"seed {seed}: token {r} alone differs from the batch"
+
+
+def test_batch_invariant(device: str) -> None:
+    seed = random.randrange(2**31)
+    c = _case(seed, 12, 8, 48, 40, 4, device)
+    _alone_vs_batch(c, 0.6, seed, list(range(12)))
+
+
+def _fp8(c: dict, block: int, seed: int) -> tuple[dict, dict]:
+    """fp8 weights with random block scales, and their dequantised twins for the reference."""
+    g = torch.Generator(c["x"].device).manual_seed(seed + 1)
+    q, deq = {}, {}
+    for n, w in c["w"].items():
+        e, o, i = w.shape
+        s = torch.rand(e, -(-o // block), -(-i // block), generator=g, device=w.device) + 0.5
+        w8 = (w.float() * 8).to(torch.float8_e4m3fn)
+        q[n], q[n + "_scale"] = w8, s / 8
+        deq[n] = dequant_stacked(w8, s / 8, block, c["x"].dtype)
+    return q, deq
+
+
+@pytest.mark.parametrize("t,d,i,block", [(3, 64, 48, 16), (20, 64, 64, 32)])
+def test_fp8_matches_reference(device: str, t: int, d: int, i: int, block: int) -> None:
+    seed = random.randrange(2**31)
+    c = _case(seed, t, 4, d, i, 3, device)
+    q, deq = _fp8(c, block, seed)
+    got = moe_experts_fp8_triton(c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"],
+                                 c["idx"], c["rw"], 0.6, block)
+    _check(got, reference(deq, 0.6, c["x"], c["idx"], c["rw"]), seed, 1e-5)
+    op = torch.ops.deepinfer.moe_experts_fp8(c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"],
+                                             q["w2_scale"], c["idx"], c["rw"], 0.6, block)
+    _check(op, reference(deq, 0.6, c["x"], c["idx"], c["rw"]), seed, 1e-6 if device == "cpu" else 1e-5)
+
+
+def test_opcheck(device: str) -> None:
+    """Schemas, fake impls and (on a GPU) the registered Triton kernels of both ops."""
+    seed = random.randrange(2**31)
+    c = _case(seed, 5, 4, 64, 32, 2, device)
+    w = c["w"]
+    args = (c["x"], w["w1"], w["w3"], w["w2"], c["idx"], c["rw"], 0.6)
+    torch.library.opcheck(torch.ops.deepinfer.moe_experts.default, args)
+    q, _ = _fp8(c, 16, seed)
+    args = (c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"], c["idx"], c["rw"], 0.6, 16)
+    # test_schema compares inputs before and after with allclose, which fp8 tensors do not take.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.deepinfer.moe_experts_fp8.default, args, test_utils=utils)
+
+
+# --- GPU: bf16 at the P8 benchmark's widths (D 4096, I 2048, E 64, k 6) ----------------------
+
+
+@pytest.fixture(scope="module")
+def p8_weights() -> dict:
+    seed = random.randrange(2**31)
+    return {"seed": seed, **_case(seed, 4096, 64, 4096, 2048, 6, "cuda", torch.bfloat16)}
+
+
+@cuda_only
+@pytest.mark.parametrize("t", [1, 7, 64, 256, 4096])
+def test_p8_bf16_matches_reference(p8_weights: dict, t: int) -> None:
+    c = {**p8_weights, "x": p8_weights["x"][:t], "idx": p8_weights["idx"][:t], "rw": p8_weights["rw"][:t]}
+    want = reference(c["w"], 10.0, c["x"], c["idx"], c["rw"])
+    _check(_run(c, 10.0), want, c["seed"], 2e-2)
+    op = torch.ops.deepinfer.moe_experts(c["x"], c["w"]["w1"], c["w"]["w3"], c["w"]["w2"], c["idx"], c["rw"], 10.0)
+    assert torch.equal(op, _run(c, 10.0)), f"seed {c['seed']}: the registered CUDA kernel is not the launcher"
+
+
+@cuda_only
+def test_p8_bf16_batch_invariant(p8_weights: dict) -> None:
+    c = p8_weights
+    for t in (256, 4096):  # decode-sized and prefill-sized tiles against each token alone
+        _alone_vs_batch({**c, "x": c["x"][:t], "idx": c["idx"][:t], "rw": c["rw"][:t]}, 10.0, c["seed"], [0, 5, 200])
+
+
+@cuda_only
+def test_p8_cuda_graph_replay(p8_weights: dict) -> None:
+    """No host sync inside: the launcher captures, and replaying with new routing matches eager."""
+    c = {**p8_weights, "x": p8_weights["x"][:64].clone(), "idx": p8_weights["idx"][:64].clone(),
+         "rw": p8_weights["rw"][:64].clone()}
+    _run(c, 10.0)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = _run(c, 10.0)
+    c["idx"].copy_(p8_weights["idx"][64:128])
+    c["x"].copy_(p8_weights["x"][64:128])
+    graph.replay()
+    assert torch.equal(static_out, _run(c, 10.0)), f"seed {c['seed']}: graph replay differs from eager"
+
+
+@cuda_only
+@pytest.mark.parametrize("t", [1, 256, 4096])
+def test_p8_fp8_matches_reference(p8_weights: dict, t: int) -> None:
+    c = {**p8_weights, "x": p8_weights["x"][:t], "idx": p8_weights["idx"][:t], "rw": p8_weights["rw"][:t]}
+    q, deq = _fp8(c, 128, c["seed"])
+    got = torch.ops.deepinfer.moe_experts_fp8(c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"],
+                                              q["w2_scale"], c["idx"], c["rw"], 10.0, 128)
+    _check(got, reference(deq, 10.0, c["x"], c["idx"], c["rw"]), c["seed"], 2e-2)
