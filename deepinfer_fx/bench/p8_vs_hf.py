@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from ..api import load_model, logits
+from ..api import load_model, logits, random_model
 from ..engine.graph_runner import StepGraphs
 from ..graphs.state import init_state
 from . import roofline
-from .p8 import hf_kwargs, run_info, write_result
+from .p8 import P8, hf_kwargs, p8_config, run_info, write_result
 from .profile_step import kernel_table
 
 
@@ -87,33 +87,37 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the peer (our engine and the roofline only)")
+    ap.add_argument("--random-weights", action="store_true", help="our own random init, no HF model at all (fast set-up; implies --no-hf)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     segments = set(args.segments.split(","))
     batches = [int(b) for b in args.batches.split(",")]
 
     t0 = time.perf_counter()
-    hf = build_hf(args.layers, seed=0)
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
-        hf.save_pretrained(tmp)
-        model = load_model(tmp, dtype=torch.bfloat16, device="cuda", fake_quant=False)
+    hf, check = None, None
+    if args.random_weights:
+        model = random_model(p8_config(num_hidden_layers=args.layers, compress_ratios=P8["compress_ratios"][: args.layers]),
+                             seed=0, dtype=torch.bfloat16, device="cuda")
+    else:
+        hf = build_hf(args.layers, seed=0)
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+            hf.save_pretrained(tmp)
+            model = load_model(tmp, dtype=torch.bfloat16, device="cuda", fake_quant=False)
+        ids = torch.randint(3, model.config.vocab_size, (64,), device="cuda")
+        ours, theirs = logits(model, ids), hf(input_ids=ids[None]).logits[0].float()
+        check = {"max_rel_diff": ((ours - theirs).abs().max() / theirs.abs().max()).item(),
+                 "argmax_agree": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()}
+        if args.no_hf:
+            hf = None
     c = model.config
-    setup_s = time.perf_counter() - t0
-    ids = torch.randint(3, c.vocab_size, (64,), device="cuda")
-    ours, theirs = logits(model, ids), hf(input_ids=ids[None]).logits[0].float()
-    check = {"max_rel_diff": ((ours - theirs).abs().max() / theirs.abs().max()).item(),
-             "argmax_agree": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()}
-    print(f"setup {setup_s:.0f} s; ours vs HF on 64 tokens: {check}", flush=True)
-    if args.no_hf:
-        del hf
-        hf = None
+    print(f"setup {time.perf_counter() - t0:.0f} s; ours vs HF on 64 tokens: {check}", flush=True)
 
     slots = max(batches)
     state = init_state(c, max(args.context, args.prefill_tokens) + 64, torch.bfloat16, "cuda", mtp=False, slots=slots)
     next_token = torch.randint(3, c.vocab_size, (slots + 1,), device="cuda")
     graphs = StepGraphs(model, state, next_token, max_requests=slots, max_tokens=args.prefill_tokens,
                         graphs=True, inductor=not args.no_inductor)
-    result = {**run_info(argv), "model": f"P8 ({args.layers} layers), bf16, HF random init", "inductor": not args.no_inductor,
+    result = {**run_info(argv), "model": f"P8 ({args.layers} layers), bf16, " + ("our random init" if args.random_weights else "HF random init"), "inductor": not args.no_inductor,
               "check_vs_hf": check, "nextn": 0, "cp": 1, "acceptance": "none (no draft head)", "prefill": [], "decode": []}
     name = "p8_vs_hf_" + "_".join(sorted(segments)) + ("_aot_eager" if args.no_inductor else "")
 

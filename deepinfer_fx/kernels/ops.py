@@ -81,8 +81,9 @@ def _mhc_sinkhorn_fake(logits: torch.Tensor, eps: float, iters: int) -> torch.Te
 
 @torch.library.custom_op(f"{NAMESPACE}::sparse_mqa", mutates_args=())
 def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """q ``[T, H, d]`` over shared K = V ``kv`` ``[N, d]`` with additive ``bias`` ``[T, N]``
-    (0 / -inf selects the window and the chosen compressed entries) and a per-head sink."""
+    """q ``[..., T, H, d]`` over shared K = V ``kv`` ``[..., N, d]`` with additive ``bias``
+    ``[..., T, N]`` (0 / -inf selects the window and the chosen compressed entries) and a
+    per-head sink ``[H]``; the leading dims are the model's groups of chunks ``[C]``."""
     # einsum may hand back a permuted view; the fake promises a contiguous tensor.
     return mqa_with_sink.reference(q, kv, bias, sink).contiguous()
 

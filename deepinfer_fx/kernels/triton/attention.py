@@ -1,0 +1,255 @@
+"""``deepinfer::sparse_mqa`` on CUDA: MQA with a per-head sink as a flash-decoding Triton kernel.
+
+One program holds a block of ``BH`` heads of one query (their fp32 accumulator stays in
+registers) and streams the shared K = V rows in tiles of ``BLOCK_N``, with an online softmax
+in base 2. Tiles whose bias is all -inf are not skipped: a data-dependent branch around the
+key load stops Triton from pipelining it, which cost more on an H200 (decode 1.5-2x slower)
+than the skipped tiles saved (causal prefill ~1.2x at best).
+
+The keys are cut into splits of ``split`` rows, a length that depends on N alone. Each split
+runs its own online softmax from an empty state and the split states are merged in split order,
+either inside the program (*sequential*) or by separate programs whose partial states a combine
+kernel merges (*parallel*, to fill the GPU at small batch and long N). Both modes run the same
+arithmetic in the same order, so a query's output is bitwise the same alone, in any batch and in
+either mode; the mode is a static rule on shapes, never a host sync, so it replays in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import ops  # noqa: F401  (declares deepinfer::sparse_mqa before the registration below)
+
+_LOG2E = math.log2(math.e)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _split_state(q, k_base, b_base, stride_kn, stride_bn, n_lo, n_hi, qk_scale,
+                 BH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Online softmax of ``q`` ``[BH, BLOCK_D]`` over key rows ``[n_lo, n_hi)`` -> (max, sum, acc), base 2."""
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BLOCK_D], tl.float32)
+    for start in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        in_n = offs_n < n_hi
+        b = tl.load(b_base + offs_n * stride_bn, mask=in_n, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        k_mask = in_n[:, None] & (offs_d[None, :] < D)
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=k_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale + b[None, :]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A row with every key so far hidden keeps its max at -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            acc = tl.dot(p, k, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
+    """Merge two softmax states; with (-inf, 0, 0) as ``a`` it returns ``b`` exactly."""
+    m = tl.maximum(m_a, m_b)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp2(m_a - m_shift)
+    w_b = tl.exp2(m_b - m_shift)
+    return m, l_a * w_a + l_b * w_b, acc_a * w_a[:, None] + acc_b * w_b[:, None]
+
+
+@triton.jit
+def _finish(m, l, acc, sink_ptr, out_base, stride_oh, offs_h, H, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """Normalise with the sink in the denominator and store; a row with no visible key gives 0."""
+    sink = tl.load(sink_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32) * 1.4426950408889634
+    top = tl.maximum(m, sink)
+    w = tl.exp2(m - top)
+    scale = w / (l * w + tl.exp2(sink - top))
+    offs_d = tl.arange(0, BLOCK_D)
+    out = acc * scale[:, None]
+    mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    tl.store(out_base + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(out_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    q = tl.load(q_ptr + row * stride_qr + offs_h[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+    return q.to(tl.float32) if DOT_FP32 else q
+
+
+@triton.jit
+def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, out_ptr, T, H, N, split, qk_scale,
+                    stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_or, stride_oh,
+                    BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                    DOT_FP32: tl.constexpr):
+    # Head blocks of one query are neighbours in launch order, so the keys they share stay in L2.
+    pid = tl.program_id(0)
+    row = (pid // HB).to(tl.int64)  # flattened (leading index, query t); int64: long offsets
+    offs_h = (pid % HB) * BH + tl.arange(0, BH)
+    q = _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D, D, DOT_FP32)
+    k_base = k_ptr + (row // T) * stride_kb
+    b_base = b_ptr + row * stride_br
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BLOCK_D], tl.float32)
+    for n_lo in range(0, N, split):
+        m_s, l_s, acc_s = _split_state(q, k_base, b_base, stride_kn, stride_bn, n_lo, tl.minimum(n_lo + split, N), qk_scale,
+                                       BH, BLOCK_N, BLOCK_D, D, DOT_FP32)
+        m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
+    _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, stride_oh, offs_h, H, BLOCK_D, D)
+
+
+@triton.jit
+def _mqa_split(q_ptr, k_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, T, H, N, split, n_splits, qk_scale,
+               stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn,
+               BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+               DOT_FP32: tl.constexpr):
+    """One split's state into the fp32 partials ``m``/``l`` ``[R, S, H]`` and ``acc`` ``[R, S, H, BLOCK_D]``."""
+    pid = tl.program_id(0)
+    row = (pid // (HB * n_splits)).to(tl.int64)
+    s_idx = (pid // HB) % n_splits
+    offs_h = (pid % HB) * BH + tl.arange(0, BH)
+    q = _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D, D, DOT_FP32)
+    n_lo = s_idx * split
+    m, l, acc = _split_state(q, k_ptr + (row // T) * stride_kb, b_ptr + row * stride_br, stride_kn, stride_bn,
+                             n_lo, tl.minimum(n_lo + split, N), qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32)
+    base = (row * n_splits + s_idx) * H + offs_h
+    tl.store(m_ptr + base, m, mask=offs_h < H)
+    tl.store(l_ptr + base, l, mask=offs_h < H)
+    tl.store(acc_ptr + base[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], acc, mask=(offs_h < H)[:, None])
+
+
+@triton.jit
+def _mqa_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, n_splits, stride_or, stride_oh,
+                 BH: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0)
+    row = (pid // HB).to(tl.int64)
+    offs_h = (pid % HB) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BLOCK_D], tl.float32)
+    for s_idx in range(0, n_splits):
+        base = (row * n_splits + s_idx) * H + offs_h
+        m_s = tl.load(m_ptr + base, mask=offs_h < H, other=float("-inf"))
+        l_s = tl.load(l_ptr + base, mask=offs_h < H, other=0.0)
+        acc_s = tl.load(acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], mask=(offs_h < H)[:, None], other=0.0)
+        m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
+    _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, stride_oh, offs_h, H, BLOCK_D, D)
+
+
+# Tiling depends on H, d and dtypes alone (never on the number of queries) so that a query's
+# arithmetic is the same in any batch; the split length depends on N alone for the same reason.
+# Chosen on an H200 for decode (bf16, H 64, d 512); prefill would prefer 64 heads per program.
+_BH = 16
+_BLOCK_N = 64
+_MIN_SPLIT = 256
+_MAX_SPLITS = 32
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+_PARALLEL_WAVES = 0.5
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: pretend to be an H200 so CPU tests take the same paths
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_split(n: int, block_n: int = _BLOCK_N) -> int:
+    """Keys per split: at least ``_MIN_SPLIT``, at most ``_MAX_SPLITS`` splits, whole tiles."""
+    per_split = triton.cdiv(max(n, 1), _MAX_SPLITS)
+    return max(_MIN_SPLIT, triton.cdiv(per_split, block_n) * block_n)
+
+
+def sparse_mqa_triton(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    bias: torch.Tensor,
+    sink: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    *,
+    block_n: Optional[int] = None,
+    split: Optional[int] = None,
+    parallel: Optional[bool] = None,
+) -> torch.Tensor:
+    """``graphs/attention.py::mqa_with_sink`` for q ``[..., T, H, d]``, keys ``[..., N, d]``,
+    bias ``[..., T, N]``, sink ``[H]``, written into ``out`` (q's shape and dtype) if given.
+
+    ``block_n``, ``split`` (keys per split) and ``parallel`` (split programs + combine) default
+    to the shape rule; tests set them to reach every path at small sizes."""
+    *lead, t, h, d = q.shape
+    n = keys.shape[-2]
+    if list(keys.shape) != [*lead, n, d] or list(bias.shape) != [*lead, t, n] or list(sink.shape) != [h]:
+        shapes = f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, bias {tuple(bias.shape)}, sink {tuple(sink.shape)}"
+        raise ValueError(f"sparse_mqa: mismatched shapes {shapes}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"sparse_mqa: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    rows = q.numel() // (h * d)
+    if rows == 0:
+        return out
+    q2 = _last_dim_contiguous(q.reshape(rows, h, d))
+    k2 = _last_dim_contiguous(keys.reshape(-1, n, d))
+    b2 = bias.reshape(rows, n)
+    o2 = out.view(rows, h, d)
+
+    if block_n is None:  # double-buffered fp32 tiles of 64 x 512 would overflow shared memory
+        block_n = _BLOCK_N if max(q.element_size(), keys.element_size()) <= 2 else _BLOCK_N // 2
+    split = default_split(n, block_n) if split is None else split
+    n_splits = max(1, triton.cdiv(n, split))
+    head_blocks = triton.cdiv(h, _BH)
+    if parallel is None:
+        parallel = n_splits > 1 and rows * head_blocks <= _PARALLEL_WAVES * _sm_count(q.device)
+    block_d = triton.next_power_of_2(d)
+    meta = dict(BH=_BH, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=_NUM_WARPS)
+    dot_fp32 = _INTERPRET or q.dtype != keys.dtype or q.dtype == torch.float32
+    qk_scale = d**-0.5 * _LOG2E
+    strides = (q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), b2.stride(0), b2.stride(1))
+    if not parallel:
+        _mqa_sequential[(rows * head_blocks,)](
+            q2, k2, b2, sink, o2, t, h, n, split, qk_scale, *strides, o2.stride(0), o2.stride(1),
+            BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta
+        )
+        return out
+    m = torch.empty((rows, n_splits, h), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((rows, n_splits, h, block_d), dtype=torch.float32, device=q.device)
+    _mqa_split[(rows * n_splits * head_blocks,)](
+        q2, k2, b2, m, l, acc, t, h, n, split, n_splits, qk_scale, *strides,
+        BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta,
+    )
+    _mqa_combine[(rows * head_blocks,)](m, l, acc, sink, o2, h, n_splits, o2.stride(0), o2.stride(1), **meta)
+    return out
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _sparse_mqa_cuda(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    return sparse_mqa_triton(q, kv, bias, sink)
+
+
+torch.library.register_kernel("deepinfer::sparse_mqa", "cuda", _sparse_mqa_cuda)

@@ -1,0 +1,147 @@
+"""The Triton ``sparse_mqa`` kernel against ``graphs/attention.py::mqa_with_sink``.
+
+Every case draws a fresh seed (printed in the failure message). On CPU the kernels run under
+Triton's interpreter in fp32 at small sizes; with CUDA, bf16 cases at the model's sizes run too.
+Small ``block_n``/``split`` values reach the split paths (several splits, parallel + combine)
+at interpreter sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from deepinfer_fx.graphs.attention import mqa_with_sink
+from deepinfer_fx.kernels.triton.attention import default_split, sparse_mqa_triton
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="bf16 at model sizes needs a GPU")
+
+# Forced tilings: the shape rule's own, one sequential and one parallel with several splits.
+PATHS = {
+    "default": {},
+    "sequential": dict(block_n=16, split=32, parallel=False),
+    "parallel": dict(block_n=16, split=32, parallel=True),
+}
+
+
+def _fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _case(seed: int, lead: tuple[int, ...], t: int, h: int, d: int, n: int, dtype: torch.dtype, device: str):
+    """Random q/keys/sink and a 0/-inf bias with ~half the keys hidden, a whole hidden tile
+    range, and fully hidden rows (the sink alone: output 0)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*lead, t, h, d, generator=g)
+    keys = torch.randn(*lead, n, d, generator=g)
+    hidden = torch.rand(*lead, t, n, generator=g) < 0.5
+    hidden[..., : min(n, 40)] = True  # whole tiles to skip
+    hidden[..., 0, :] = True
+    if t > 2:
+        hidden[..., t // 2, :] = True
+    bias = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))
+    sink = torch.randn(h, generator=g)
+    return q.to(device, dtype), keys.to(device, dtype), bias.to(device), sink.to(device)
+
+
+def _check(out: torch.Tensor, q, keys, bias, sink, seed: int, tol: float = 1e-5) -> None:
+    ref = mqa_with_sink(q, keys, bias, sink)
+    assert out.dtype == q.dtype and out.shape == q.shape, f"seed {seed}"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(
+    "lead, t, h, d, n",
+    [((), 5, 4, 32, 37), ((2, 3), 4, 8, 64, 100), ((3,), 2, 4, 48, 70)],
+    ids=["3d", "CL", "d48"],
+)
+def test_matches_reference(device: str, path: str, lead, t: int, h: int, d: int, n: int) -> None:
+    seed = _fresh_seed()
+    q, keys, bias, sink = _case(seed, lead, t, h, d, n, torch.float32, device)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    assert sparse_mqa_triton(q, keys, bias, sink, out=out, **PATHS[path]) is out
+    _check(out, q, keys, bias, sink, seed)
+    assert torch.all(out[..., 0, :, :] == 0), f"seed {seed}: a fully hidden row must give 0"
+
+
+def test_strided_inputs(device: str) -> None:
+    """Keys cut from a larger buffer and a bias that is a column slice keep their strides."""
+    seed = _fresh_seed()
+    q, keys, bias, sink = _case(seed, (2,), 3, 4, 32, 90, torch.float32, device)
+    keys_view, bias_view = keys[:, 5:65], bias[..., 5:65]
+    out = sparse_mqa_triton(q, keys_view, bias_view, sink, **PATHS["parallel"])
+    _check(out, q, keys_view, bias_view, sink, seed)
+
+
+def test_modes_bitwise_equal(device: str) -> None:
+    """Sequential and parallel runs of one split length share their arithmetic exactly."""
+    seed = _fresh_seed()
+    q, keys, bias, sink = _case(seed, (2,), 3, 4, 32, 100, torch.float32, device)
+    a = sparse_mqa_triton(q, keys, bias, sink, **PATHS["sequential"])
+    b = sparse_mqa_triton(q, keys, bias, sink, **PATHS["parallel"])
+    assert torch.equal(a, b), f"seed {seed}"
+
+
+def _batch_invariance(seed: int, c: int, t: int, h: int, d: int, n: int, dtype: torch.dtype, device: str, **kw) -> None:
+    q, keys, bias, sink = _case(seed, (c,), t, h, d, n, dtype, device)
+    batched = sparse_mqa_triton(q, keys, bias, sink, **kw)
+    for ci, ti in [(0, 1), (c - 1, t - 1), (c // 2, t // 3)]:
+        alone = sparse_mqa_triton(q[ci : ci + 1, ti : ti + 1], keys[ci : ci + 1], bias[ci : ci + 1, ti : ti + 1], sink, **kw)
+        assert torch.equal(alone[0, 0], batched[ci, ti]), f"seed {seed}: query ({ci}, {ti}) differs alone"
+
+
+def test_batch_invariance(device: str) -> None:
+    """Alone, a query takes the parallel path; in a batch of 144, the sequential one; the bits agree."""
+    _batch_invariance(_fresh_seed(), 12, 12, 4, 32, 100, torch.float32, device, block_n=16, split=32)
+
+
+def test_split_rule() -> None:
+    """Whole tiles, at least 256 keys, at most 32 splits (partials stay small)."""
+    for n in (1, 100, 640, 4224, 40_000):
+        split = default_split(n, 64)
+        assert split % 64 == 0 and split >= 256 and -(-n // split) <= 32, n
+
+
+# --- CUDA: bf16 at the model's sizes ------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [640, 4224])
+@pytest.mark.parametrize("lead, t", [((), 1), ((4,), 1), ((2,), 64)], ids=["T1", "C4xT1", "C2xT64"])
+def test_bf16_model_sizes(lead, t: int, n: int) -> None:
+    seed = _fresh_seed()
+    q, keys, bias, sink = _case(seed, lead, t, 64, 512, n, torch.bfloat16, "cuda")
+    out = torch.full_like(q, float("nan"))
+    sparse_mqa_triton(q, keys, bias, sink, out=out)
+    _check(out, q, keys, bias, sink, seed, tol=2e-2)
+
+
+@needs_cuda
+def test_fp32_d512() -> None:
+    seed = _fresh_seed()
+    q, keys, bias, sink = _case(seed, (2,), 3, 64, 512, 700, torch.float32, "cuda")
+    _check(sparse_mqa_triton(q, keys, bias, sink), q, keys, bias, sink, seed, tol=1e-4)
+
+
+@needs_cuda
+def test_bf16_batch_invariance() -> None:
+    """Default rule at model sizes: alone is parallel (split + combine), 8 x 64 queries sequential."""
+    _batch_invariance(_fresh_seed(), 8, 64, 64, 512, 4224, torch.bfloat16, "cuda")
+
+
+@needs_cuda
+def test_op_dispatches_to_triton_and_replays_in_a_cuda_graph() -> None:
+    seed = _fresh_seed()
+    q, keys, bias, sink = _case(seed, (4,), 1, 64, 512, 1000, torch.bfloat16, "cuda")
+    assert torch.equal(torch.ops.deepinfer.sparse_mqa(q, keys, bias, sink), sparse_mqa_triton(q, keys, bias, sink))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.deepinfer.sparse_mqa(q, keys, bias, sink)
+    q2, keys2, bias2, _ = _case(seed + 1, (4,), 1, 64, 512, 1000, torch.bfloat16, "cuda")
+    q.copy_(q2), keys.copy_(keys2), bias.copy_(bias2)
+    graph.replay()
+    _check(out, q, keys, bias, sink, seed + 1, tol=2e-2)
