@@ -62,7 +62,7 @@ from .attention import attention_output, latent_kv, mqa_with_sink, query
 from .batch import Batch, make_batch
 from .mhc import hc_head, mhc_collapse
 from .model import block, embed
-from .norm import linear, linear_fp32, linear_out_fp32, rms_norm
+from .norm import linear, linear_fp32, rms_norm
 from .params import dspark_stage_config
 from .rope import cos_sin, inv_freq
 
@@ -212,7 +212,7 @@ def dspark_propose(
         h = mhc_collapse(X, pre)
     else:
         h = hc_head(X, last["hc_head_fn"], last["hc_head_base"], last["hc_head_scale"], c.rms_norm_eps, c.hc_eps)
-    base = linear_out_fp32(rms_norm(h, last["norm"], c.rms_norm_eps), params["head"]).view(n, k, vocab)
+    base = linear_fp32(rms_norm(h, last["norm"], c.rms_norm_eps), params["head"]).view(n, k, vocab)
     h = h.view(n, k, -1)
 
     pick = sampler or _temperature_sampler(temperature, generator)

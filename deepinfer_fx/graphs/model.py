@@ -24,7 +24,7 @@ from .engram import engram_apply
 from .engram_hash import EngramLayout, engram_hash, engram_layout
 from .mhc import hc_head, mhc_coeffs, mhc_collapse, mhc_expand
 from .moe import moe
-from .norm import linear, linear_out_fp32, rms_norm
+from .norm import linear_fp32, rms_norm
 from .state import check_room
 
 
@@ -137,7 +137,7 @@ def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None
     else:
         u = hc_head(X, hp["hc_head_fn"], hp["hc_head_base"], hp["hc_head_scale"], c.rms_norm_eps, c.hc_eps)
     u = rms_norm(u, hp["norm"], c.rms_norm_eps)
-    return linear_out_fp32(u, params["head"])
+    return linear_fp32(u, params["head"])
 
 
 def forward_batch(

@@ -20,17 +20,13 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.to(x.dtype).T
 
 
-def linear_out_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` accumulated and returned in fp32 without an fp32 copy of a bf16 weight (the LM
-    head: 2 GiB of fp32 copy per step otherwise): CUDA's ``mm`` takes bf16 operands with an fp32
-    result; elsewhere the operands are cast up. ``x`` holds bf16 values either way, so the
-    products are the same; only the accumulation order may differ."""
-    if x.is_cuda and w.dtype == torch.bfloat16:
-        flat = x.reshape(-1, x.shape[-1]).to(w.dtype)
-        return torch.mm(flat, w.T, out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
-    return x.float() @ w.float().T
-
-
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The same map in fp32: router, compressor and indexer-weight projections are computed in fp32."""
+    """``x @ w.T`` accumulated and returned in fp32: the router, compressor and indexer-weight
+    projections and the LM head. With bf16 operands on CUDA the tensor cores multiply them
+    directly into an fp32 result (``mm`` with ``out_dtype``) instead of casting a weight copy to
+    fp32 every step (2 GiB per step for the head); the products are exact either way, only the
+    accumulation order differs. Elsewhere (CPU, fp32 operands) the operands are cast up."""
+    if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
+        flat = x.reshape(-1, x.shape[-1])
+        return torch.mm(flat, w.T, out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
     return x.float() @ w.float().T

@@ -189,7 +189,7 @@ def backbone_specs(c: ModelConfig) -> list[ParamSpec]:
     v, d = c.vocab_size, c.hidden_size
     specs = [
         ParamSpec("embed", "embed.weight", (v, d), ("vocab", "embed")),
-        ParamSpec("head", "head.weight", (v, d), ("vocab", "embed")),  # fp32 accumulation, not storage: norm.linear_out_fp32
+        ParamSpec("head", "head.weight", (v, d), ("vocab", "embed")),  # fp32 accumulation, not storage: norm.linear_fp32
         _norm("norm", d),
     ]
     if not c.is_v41:  # V4.1 collapses the streams with the last site's pre: no learned hc_head
