@@ -14,7 +14,7 @@ import torch
 
 from ..config import ModelConfig
 from . import fake_quant as fq
-from .batch import Batch, Group, gather_rows, scatter_rows
+from .batch import Batch, Group, context_gather, gather_rows, scatter_rows
 from .compressor import compress, visible_entries
 from .swap import swappable
 from .csa2 import csa2_entries
@@ -72,34 +72,42 @@ def attention(
     """One attention sublayer over the packed tokens ``x`` ``[N, D]`` (already normed).
     ``states`` holds every layer's pooled state (V4.1 layers read their KV source's);
     ``ctx`` carries per-forward results shared across layers (V4.1 selections).
-    Projections run on all tokens; the cache-reading core runs per group of chunks ``[C, L]``."""
+    Projections run on all tokens; the cache-reading core runs per group of chunks ``[C, L]``:
+    the cache side (window ring, compressor, index keys) on the whole chunks, the query side on
+    this batch's rows of them (all of them, except on a context-parallel rank)."""
     freq = inv_freq(c, ratio != 0, x.device)
     cos, sin = cos_sin(batch.positions, freq)
     q_r, q = query(p, c, x, cos, sin)
-    kv = latent_kv(p, c, x, cos, sin)
+    keys_batch = batch.keys
+    xk, k_cos, k_sin = x, cos, sin
+    if batch.split is not None:  # the cache side needs every token of the chunks
+        xk = context_gather(x, batch.split)
+        k_cos, k_sin = cos_sin(keys_batch.positions, freq)
+    kv = latent_kv(p, c, xk, k_cos, k_sin)
 
     o = torch.zeros((q.shape[0] + 1, *q.shape[1:]), dtype=q.dtype, device=q.device)
     st = states[layer]
-    for gi, g in enumerate(batch.groups):
-        xg, q_rg = gather_rows(x, g), gather_rows(q_r, g)
-        q_pos = g.positions
+    for gi, (g, qs) in enumerate(zip(keys_batch.groups, batch.queries)):
+        xg = gather_rows(xk, g)
+        xq, q_rq, q_pos = gather_rows(x, qs), gather_rows(q_r, qs), qs.positions
         keys, k_pos = window_keys(st["window"], gather_rows(kv, g), g)
         bias = window_bias(q_pos, k_pos, c.sliding_window)
         if ratio:
             if c.is_v41:
-                entries, chosen = csa2_entries(p, states, c, xg, q_rg, g, layer, freq, ctx.setdefault(gi, {}))
+                entries, chosen = csa2_entries(p, states, c, xg, g, xq, q_rq, q_pos, layer, freq, ctx.setdefault(gi, {}))
             else:
-                entries, chosen = _v4_entries(p, st, c, xg, q_rg, g, ratio, freq)
+                entries, chosen = _v4_entries(p, st, c, xg, g, xq, q_rq, q_pos, ratio, freq)
             keys = torch.cat([keys, entries.to(keys.dtype)], 1)
             bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], -1)
-        scatter_rows(o, g, mqa_with_sink(gather_rows(q, g), keys, bias, p["attn_sink"]))
+        scatter_rows(o, qs, mqa_with_sink(gather_rows(q, qs), keys, bias, p["attn_sink"]))
     return attention_output(p, c, o[:-1], cos, sin)
 
 
-def _v4_entries(p, st, c: ModelConfig, x, q_r, g: Group, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:
-    """V4: the layer's own compressed entries; all visible ones (HCA) or the indexer's top-k (CSA)."""
+def _v4_entries(p, st, c: ModelConfig, xg, g: Group, xq, q_rq, q_pos, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4: the layer's own compressed entries (pooled from the group's chunks ``xg``); all
+    visible ones (HCA) or the indexer's top-k for the queries ``xq`` / ``q_rq`` at ``q_pos`` (CSA)."""
     overlap = ratio == c.csa_ratio
-    entries = compress(p["compressor"], st["comp"], x, g, ratio, overlap, freq, c.rms_norm_eps, lambda e: fq.compressed_entry(c, e))
+    entries = compress(p["compressor"], st["comp"], xg, g, ratio, overlap, freq, c.rms_norm_eps, lambda e: fq.compressed_entry(c, e))
     if overlap:
-        return entries, select_entries(p["indexer"], st["index"], c, x, q_r, g, freq)
-    return entries, visible_entries(g.positions, entries.shape[1], ratio)
+        return entries, select_entries(p["indexer"], st["index"], c, xg, g, xq, q_rq, q_pos, freq)
+    return entries, visible_entries(q_pos, entries.shape[1], ratio)

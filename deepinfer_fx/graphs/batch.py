@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from .swap import swappable
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -62,20 +64,66 @@ class Group:
 
 
 @dataclass(frozen=True)
+class Queries:
+    """The query side of a group when it is not the whole group (context parallelism): a
+    rank's rows ``[C, Lq]`` of each chunk (padding -> row N) and their absolute positions
+    (padding: -1, which sees no key)."""
+
+    index: torch.Tensor  # [C, Lq] long
+    positions: torch.Tensor  # [C, Lq] long
+
+
+@dataclass(frozen=True)
 class Batch:
     token_ids: torch.Tensor  # [N] packed
     positions: torch.Tensor  # [N] absolute position of each token
     groups: tuple[Group, ...]
     chunks: tuple[Chunk, ...] = ()  # host-side view; empty inside compiled steps
+    split: ContextSplit | None = None  # set on a context-parallel rank's share of its chunks
+
+    @property
+    def keys(self) -> Batch:
+        """The batch whose chunks the cache side (window, compressor, indexer keys) runs on."""
+        return self if self.split is None else self.split.full
+
+    @property
+    def queries(self) -> tuple[Group | Queries, ...]:
+        """Per key-side group, the rows of this batch that query it."""
+        return self.groups if self.split is None else self.split.queries
 
 
-def gather_rows(x: torch.Tensor, g: Group) -> torch.Tensor:
+@dataclass(frozen=True)
+class ContextSplit:
+    """A context-parallel rank's share of whole chunks (``sharding/cp.py`` builds it). The
+    batch's own rows are this rank's tokens; ``full`` is the whole chunks, on which every rank
+    of the CP group runs the cache side identically (so the state stays replicated and correct
+    at the seams between the ranks' pieces); ``queries[i]`` are this rank's rows of
+    ``full.groups[i]``. ``source[j]``: where full row j sits in the group's gathered rows (each
+    rank's rows padded to ``width``); ``rows[i]``: the full row of local row i."""
+
+    full: Batch
+    queries: tuple[Queries, ...]
+    source: torch.Tensor  # [N_full] long
+    rows: torch.Tensor  # [N_local] long
+    width: int
+
+
+@swappable
+def context_gather(x: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+    """This rank's rows ``x`` ``[N_local, ...]`` -> the whole chunks' rows ``[N_full, ...]``.
+    In one process (a CP group of one) that is a reordering; ``sharding/cp.py`` swaps in the
+    all-gather over the CP group."""
+    pad = x.new_zeros((split.width - x.shape[0], *x.shape[1:]))
+    return torch.cat([x, pad])[split.source]
+
+
+def gather_rows(x: torch.Tensor, g: Group | Queries) -> torch.Tensor:
     """Packed ``x`` ``[N, ...]`` -> ``[C, L, ...]`` (padding rows are zeros)."""
     pad = torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device)
     return torch.cat([x, pad])[g.index]
 
 
-def scatter_rows(out: torch.Tensor, g: Group, y: torch.Tensor) -> None:
+def scatter_rows(out: torch.Tensor, g: Group | Queries, y: torch.Tensor) -> None:
     """Write ``y`` ``[C, L, ...]`` back to the packed rows of ``out`` ``[N + 1, ...]``; padding rows
     all land on the extra last row, which the caller drops."""
     out[g.index] = y.to(out.dtype)

@@ -68,14 +68,15 @@ def _select(p: dict, c: ModelConfig, keys: torch.Tensor, x, q_r, q_pos, layer: i
 
 
 def csa2_entries(
-    p: dict, states: list, c: ModelConfig, x, q_r, g: Group, layer: int, freq, group_ctx: dict
+    p: dict, states: list, c: ModelConfig, xg, g: Group, xq, q_r, q_pos, layer: int, freq, group_ctx: dict
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compressed entries ``[C, n, d]`` a V4.1 layer attends to (its KV source's) and the
-    selection ``[C, L, n]``."""
+    """The compressed entries ``[C, n, d]`` a V4.1 layer attends to (its KV source's, which a
+    source pools from the group's chunks ``xg``) and the selection ``[C, Lq, n]`` of the
+    queries ``xq`` / ``q_r`` at ``q_pos``."""
     src = c.kv_source(layer)
     ratio = c.compress_ratios[src]
     st = states[src]["comp"]
-    closed = _publish(p, st, c, x, g, ratio, freq) if layer == src else None
+    closed = _publish(p, st, c, xg, g, ratio, freq) if layer == src else None
     entries = st["entries"][g.slots]
     if c.is_index_source(layer):
         keys = st["index_keys"][g.slots]
@@ -85,5 +86,5 @@ def csa2_entries(
             # (ratio 1, written every token by the previous step). Spec §11.1.
             last = states[c.kv_source_layer_ids[-1]]["comp"]["index_keys"][g.slots]
             keys = torch.where(closed[:, None, None], keys, last[:, : keys.shape[1]])
-        group_ctx["selection"] = _select(p, c, keys, x, q_r, g.positions, layer, ratio, freq, group_ctx)
+        group_ctx["selection"] = _select(p, c, keys, xq, q_r, q_pos, layer, ratio, freq, group_ctx)
     return entries, group_ctx["selection"]

@@ -20,18 +20,21 @@ def select_entries(
     p: dict,
     st: dict,
     c: ModelConfig,
-    x: torch.Tensor,
-    q_r: torch.Tensor,
+    xg: torch.Tensor,
     g: Group,
+    xq: torch.Tensor,
+    q_r: torch.Tensor,
+    q_pos: torch.Tensor,
     freq: torch.Tensor,
 ) -> torch.Tensor:
-    """Boolean ``[C, L, n_entries]``: which compressed entries each query of the group attends."""
+    """Boolean ``[C, Lq, n_entries]``: which compressed entries each query attends. The index
+    keys are pooled from the group's chunks ``xg``; the queries are ``xq`` / ``q_r`` at ``q_pos``
+    (the group's own rows, or a context-parallel rank's share of them)."""
     ratio = c.csa_ratio
-    keys = compress(p["compressor"], st, x, g, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k))
-    q_pos = g.positions
+    keys = compress(p["compressor"], st, xg, g, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k))
     q = linear(q_r, p["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
-    head_w = linear_fp32(x, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
+    head_w = linear_fp32(xq, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
     return score_topk(q, keys, head_w, visible_entries(q_pos, keys.shape[-2], ratio), c.index_topk)
 
 

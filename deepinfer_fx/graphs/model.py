@@ -117,14 +117,18 @@ def hidden_streams(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Residual streams after the last layer: ``[N, hc, D]``, and (V4.1) the last site's ``pre``.
     ``captured``: see ``run_layers``."""
-    for ch in batch.chunks:
+    for ch in batch.keys.chunks:
         check_room(state, ch.slot, ch.start, ch.length)
     X = embed(params, c, batch.token_ids, params["norm"].dtype)
     pre = None
     if c.is_v41:  # the first site collapses stream 0 alone
         pre = torch.zeros(X.shape[:-1], dtype=torch.float32, device=X.device)
         pre[:, 0] = 1.0
-    hashes = engram_hashes(params, state, c, batch) if c.engram_layer_ids else None
+    hashes = None
+    if c.engram_layer_ids:  # n-gram hashes need every token of the chunks, then this batch's rows
+        hashes = engram_hashes(params, state, c, batch.keys)
+        if batch.split is not None:
+            hashes = [h[batch.split.rows] for h in hashes]
     return run_layers(params, state, c, X, batch, range(c.num_hidden_layers), {}, pre, hashes, captured)
 
 

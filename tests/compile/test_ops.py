@@ -131,7 +131,8 @@ def test_indexer_topk_matches_graphs(seed: int, k: int, monkeypatch: pytest.Monk
     monkeypatch.setattr(indexer_mod, "apply_rope", lambda x, cos, sin: x)
     monkeypatch.setattr(indexer_mod, "linear_fp32", lambda x, w: x)  # head_w = x * scale
     p = {"compressor": None, "wq_b": torch.eye(hi * di), "weights_proj": None}
-    chosen = indexer_mod.select_entries(p, {}, c, head_w_raw[None], q.flatten(1)[None], Group.one(start, t), torch.ones(1))[0]
+    g1 = Group.one(start, t)
+    chosen = indexer_mod.select_entries(p, {}, c, None, g1, head_w_raw[None], q.flatten(1)[None], g1.positions, torch.ones(1))[0]
     head_w = head_w_raw * (di**-0.5 * hi**-0.5)
     visible = visible_entries(torch.arange(start, start + t), n, c.csa_ratio)
     assert torch.equal(ops.indexer_topk(q, keys, head_w, visible, k), chosen)
