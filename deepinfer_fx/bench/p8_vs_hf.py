@@ -76,13 +76,32 @@ def hf_decode_ms(hf, batch: int, context: int, steps: int, vocab: int) -> float:
     return _timed(step, steps) * 1e3
 
 
+def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int) -> dict:
+    sl, starts = list(range(b)), [context] * b
+    graphs.decode(sl, starts)
+    ms = _timed(lambda: graphs.decode(sl, starts), steps) * 1e3
+    hf_ms = None if hf is None else hf_decode_ms(hf, b, context, min(steps, 10), c.vocab_size)
+    roof = roofline.decode(c, b, context)
+    row = {"batch": b, "context": context, "ours_ms": round(ms, 3), "hf_ms": None if hf_ms is None else round(hf_ms, 2),
+           "roofline_ms": round(roof.seconds * 1e3, 3), "ours_vs_roofline": round(roof.seconds * 1e3 / ms, 3),
+           "ours_tok_s": round(1e3 / ms * b), "hf_tok_s": None if hf_ms is None else round(1e3 / hf_ms * b),
+           "roofline": roof.as_dict()}
+    # the profile comes after the measurement window, never inside it
+    kernels, kernel_us, launches = kernel_table(lambda: graphs.decode(sl, starts), 3)
+    row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, top_kernels=kernels[:15])
+    print({k: v for k, v in row.items() if k not in ("top_kernels", "roofline")}, flush=True)
+    for r in kernels[:12]:
+        print(f"   {r['us']:9.1f} us {r['launches']:5d}x {100 * r['share']:5.1f}%  {r['kernel'][:90]}")
+    return row
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--segments", default="prefill,decode")
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--context", default="512", help="decode contexts, comma-separated")
+    ap.add_argument("--prefill-tokens", default="4096", help="chunk sizes, comma-separated (one chunk from position 0 each)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-inductor", action="store_true")
@@ -92,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     segments = set(args.segments.split(","))
     batches = [int(b) for b in args.batches.split(",")]
+    chunk_sizes = [int(n) for n in args.prefill_tokens.split(",")]
+    contexts = [int(n) for n in args.context.split(",")]
 
     t0 = time.perf_counter()
     hf, check = None, None
@@ -113,50 +134,38 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"setup {time.perf_counter() - t0:.0f} s; ours vs HF on 64 tokens: {check}", flush=True)
 
     slots = max(batches)
-    state = init_state(c, max(args.context, args.prefill_tokens) + 64, torch.bfloat16, "cuda", mtp=False, slots=slots)
+    state = init_state(c, max(*contexts, *chunk_sizes) + 64, torch.bfloat16, "cuda", mtp=False, slots=slots)
     next_token = torch.randint(3, c.vocab_size, (slots + 1,), device="cuda")
-    graphs = StepGraphs(model, state, next_token, max_requests=slots, max_tokens=args.prefill_tokens,
+    graphs = StepGraphs(model, state, next_token, max_requests=slots, max_tokens=max(chunk_sizes),
                         graphs=True, inductor=not args.no_inductor)
     result = {**run_info(argv), "model": f"P8 ({args.layers} layers), bf16, " + ("our random init" if args.random_weights else "HF random init"), "inductor": not args.no_inductor,
               "check_vs_hf": check, "nextn": 0, "cp": 1, "acceptance": "none (no draft head)", "prefill": [], "decode": []}
     name = "p8_vs_hf_" + "_".join(sorted(segments)) + ("_aot_eager" if args.no_inductor else "")
 
     if "prefill" in segments:
-        n = args.prefill_tokens
-        chunk = [(0, 0, torch.randint(3, c.vocab_size, (n,)).tolist())]
-        t1 = time.perf_counter()
-        graphs.prefill(chunk)
-        torch.cuda.synchronize()
-        compile_s = time.perf_counter() - t1
-        ms = _timed(lambda: graphs.prefill(chunk), 3) * 1e3
-        hf_ms = None if hf is None else _timed(lambda: hf(input_ids=torch.tensor(chunk[0][2], device="cuda")[None]), 2) * 1e3
-        roof = roofline.prefill(c, n)
-        row = {"tokens": n, "ours_ms": round(ms, 2), "ours_tok_s": round(n / ms * 1e3), "first_call_s": round(compile_s, 1),
-               "hf_ms": None if hf_ms is None else round(hf_ms, 2), "hf_tok_s": None if hf_ms is None else round(n / hf_ms * 1e3),
-               "roofline_tok_s": round(n / roof.seconds), "roofline": roof.as_dict()}
-        result["prefill"].append(row)
-        print(row, flush=True)
-        write_result(name, result, args.out)  # after every row: a run cut short keeps what it measured
+        for n in chunk_sizes:
+            chunk = [(0, 0, torch.randint(3, c.vocab_size, (n,)).tolist())]
+            t1 = time.perf_counter()
+            graphs.prefill(chunk)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t1
+            ms = _timed(lambda: graphs.prefill(chunk), 3) * 1e3
+            hf_ms = None
+            if hf is not None:
+                hf_ms = _timed(lambda: hf(input_ids=torch.tensor(chunk[0][2], device="cuda")[None]), 2) * 1e3
+            roof = roofline.prefill(c, n)
+            row = {"tokens": n, "ours_ms": round(ms, 2), "ours_tok_s": round(n / ms * 1e3), "first_call_s": round(compile_s, 1),
+                   "hf_ms": None if hf_ms is None else round(hf_ms, 2), "hf_tok_s": None if hf_ms is None else round(n / hf_ms * 1e3),
+                   "roofline_ms": round(roof.seconds * 1e3, 3), "roofline_tok_s": round(n / roof.seconds), "roofline": roof.as_dict()}
+            result["prefill"].append(row)
+            print(row, flush=True)
+            write_result(name, result, args.out)  # after every row: a run cut short keeps what it measured
 
     if "decode" in segments:
-        for b in batches:
-            sl, starts = list(range(b)), [args.context] * b
-            graphs.decode(sl, starts)
-            ms = _timed(lambda: graphs.decode(sl, starts), args.steps) * 1e3
-            hf_ms = None if hf is None else hf_decode_ms(hf, b, args.context, min(args.steps, 10), c.vocab_size)
-            roof = roofline.decode(c, b, args.context)
-            row = {"batch": b, "context": args.context, "ours_ms": round(ms, 3), "hf_ms": None if hf_ms is None else round(hf_ms, 2),
-                   "roofline_ms": round(roof.seconds * 1e3, 3), "ours_vs_roofline": round(roof.seconds * 1e3 / ms, 3),
-                   "ours_tok_s": round(1e3 / ms * b), "hf_tok_s": None if hf_ms is None else round(1e3 / hf_ms * b),
-                   "roofline": roof.as_dict()}
-            # the profile comes after the measurement window
-            kernels, kernel_us, launches = kernel_table(lambda: graphs.decode(sl, starts), 3)
-            row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, top_kernels=kernels[:15])
-            result["decode"].append(row)
-            write_result(name, result, args.out)
-            print({k: v for k, v in row.items() if k not in ("top_kernels", "roofline")}, flush=True)
-            for r in kernels[:12]:
-                print(f"   {r['us']:9.1f} us {r['launches']:5d}x {100 * r['share']:5.1f}%  {r['kernel'][:90]}")
+        for context in contexts:
+            for b in batches:
+                result["decode"].append(_decode_row(graphs, hf, c, b, context, args.steps))
+                write_result(name, result, args.out)
     result["graphs"] = graphs.report()
     write_result(name, result, args.out)
     return result

@@ -1,0 +1,23 @@
+"""The numbers behind the benchmark plots: DeepInfer's throughput accounting."""
+
+from deepinfer_fx.bench.plots import decode_curves, prefill_curves
+
+
+def test_decode_points_follow_steps_times_batch_times_accepted_over_cp() -> None:
+    res = {"model": "P8", "nextn": 1, "cp": 2, "decode": [
+        {"batch": 8, "context": 512, "ours_ms": 4.0, "hf_ms": None, "roofline_ms": 2.0},
+        {"batch": 1, "context": 512, "ours_ms": 2.0, "hf_ms": 50.0, "roofline_ms": 1.0},
+    ]}
+    curves = decode_curves([res])
+    # 250 steps/s x 2 tokens per step = 500 tok/s per user; x 8 requests / cp 2 = 2000 per GPU
+    assert curves[("ours", 512, "P8")] == [(1000.0, 500.0, 1), (500.0, 2000.0, 8)]
+    assert curves[("hf", 512, "P8")] == [(40.0, 20.0, 1)]  # rows without a peer number are skipped
+    assert curves[("roofline", 512, "P8")][1] == (1000.0, 4000.0, 8)
+
+
+def test_prefill_points_are_tokens_per_second_and_latency() -> None:
+    res = {"cp": 1, "prefill": [{"tokens": 4096, "ours_ms": 50.0, "hf_ms": 400.0, "roofline_ms": 32.0},
+                                {"tokens": 1024, "ours_ms": 20.0}]}
+    curves = prefill_curves([res])
+    assert curves["ours"] == [(1024, 51200.0, 20.0), (4096, 81920.0, 50.0)]
+    assert curves["hf"] == [(4096, 10240.0, 400.0)] and curves["roofline"] == [(4096, 128000.0, 32.0)]
