@@ -54,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--seed", type=int, default=0, help="engine seed; each request's stream derives from it")
     e = ap.add_argument_group("engine")
-    e.add_argument("--mesh", default=None, help="e.g. ep8, ep2,dp4 (multi-rank runs arrive with the sharding work)")
+    e.add_argument("--mesh", default=None, help="e.g. ep8, ep2,dp4; more than one rank: launch under torchrun (eager steps for now)")
+    e.add_argument("--dry-run", action="store_true",
+                   help="trace one rank's decode and prefill steps of --mesh on a fake process group with abstract "
+                        "weights (no values are real), dump the graphs and print the collectives per MoE layer")
+    e.add_argument("--rank", type=int, default=0, help="the world rank a --dry-run traces")
     mode = e.add_mutually_exclusive_group()
     mode.add_argument("--eager", action="store_true", help="run the model functions uncompiled (no compile, no graphs)")
     mode.add_argument("--compile", action="store_true", help="compile the steps on the CPU too (default: on GPUs only)")
@@ -75,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.dry_run:
+        from .sharding.dryrun import cli as dry_run
+
+        try:
+            return dry_run(args.model, args.mesh or "1", args.rank, args.dump_graphs)
+        except (CheckpointError, FileNotFoundError, ValueError) as e:
+            ap.error(str(e))
     from .engine import LLM, SamplingParams  # after argparse: --help stays instant
 
     prompts = list(args.prompt or [])

@@ -19,6 +19,7 @@ from ..settings import EngineConfig
 from ..io.tokenizer import decode, encode, load_tokenizer
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
 from .loop import EngineLoop, LoopStats, export_dir_for
+from .ranks import Ranks
 from .request import RequestOutput, Sequence, to_output
 from .runner import ModelRunner
 from .sampler import derive_seed
@@ -27,16 +28,6 @@ from .scheduler import EngineType, Scheduler
 from .state_io import export_slot, import_slot, read_meta
 
 DEFAULT_CPU_BUDGET = 2 << 30
-
-
-def _check_mesh(mesh: str | None) -> None:
-    if mesh in (None, "", "1"):
-        return
-    from ..sharding.mesh import parse_mesh
-
-    world = parse_mesh(mesh).world_size
-    if world != 1:
-        raise ValueError(f"mesh {mesh!r} needs {world} ranks; multi-rank runs under torchrun arrive with the sharding work")
 
 
 class LLM:
@@ -69,12 +60,13 @@ class LLM:
         directory for every graph's stages) and ``disable_passes`` (names, or comma-separated;
         added to ``DEEPINFER_DISABLE_PASSES``)."""
         self.settings = EngineConfig.from_env()
-        _check_mesh(mesh)
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
         if self.engine_type is not EngineType.NORMAL and state_dir is None:
             raise ValueError(f"engine_type={self.engine_type.value!r} needs state_dir (where request states are exported/imported)")
         self.state_dir = Path(state_dir) if state_dir is not None else None
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # a multi-rank mesh joins the torchrun world first: the loader reads only this rank's experts
+        self.ranks, device, eager = Ranks.join(mesh, device, eager)
         if dtype == "auto":
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         elif isinstance(dtype, str):
@@ -83,7 +75,7 @@ class LLM:
             dtype = getattr(torch, dtype)
 
         if isinstance(model, Model):
-            self.model = model
+            self.model = self.ranks.shard(model)
         else:
             if model == "demo":
                 from ..generate import demo_model_dir
@@ -91,7 +83,7 @@ class LLM:
                 model = demo_model_dir()
             if model is None and not self.settings.hf_model_dir:
                 raise ValueError(f"no model given: pass LLM(model=path or hub id), set {ENV_MODEL_DIR}, or use model='demo'")
-            self.model = load_model(model, dtype=dtype, device=device, fake_quant=fake_quant)
+            self.model = load_model(model, dtype=dtype, device=device, fake_quant=fake_quant, experts=self.ranks.experts())
         c = self.model.config
         self.tokenizer = None
         if self.model.path is not None and (Path(self.model.path) / "tokenizer.json").exists():
@@ -115,7 +107,8 @@ class LLM:
                 "graphs": cuda_graphs, "inductor": self.model.device.type == "cuda" if inductor is None else inductor,
                 "dump_dir": None if dump_graphs is None else str(dump_graphs), "disabled": [n.strip() for n in names if n.strip()],
             }
-        self.runner = ModelRunner(self.model, self.pool, compiled)
+        swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
+        self.runner = ModelRunner(self.model, self.pool, compiled, swaps)
         self.runner.importer = self._import
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.engine_type)
         self.seed = seed
@@ -222,7 +215,7 @@ class LLM:
             self._engine_loop = EngineLoop(
                 self.scheduler, self.runner, detok, self.model.config.eos_token_ids, self.overlap,
                 export=self._export if self.engine_type is EngineType.PROMPT else None,
-                on_finish=self._finished.append,
+                on_finish=self._finished.append, lockstep=self.ranks.lockstep,
             )
         return self._engine_loop
 
@@ -245,8 +238,11 @@ class LLM:
         return [to_output(s) for s in self._finished]
 
     def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
+        """Serve this rank's share of ``seqs`` (all of them on one rank); every rank returns all
+        outputs, in order."""
+        seqs = self.ranks.mine(seqs)
         bar = None
-        if use_tqdm:
+        if use_tqdm and self.ranks.rank == 0:
             from tqdm import tqdm
 
             bar = tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True)
@@ -264,7 +260,7 @@ class LLM:
                 bar.close()
         self.last_stats = loop.stats.since(stats_before)
         self.last_events = list(loop.events)
-        return [to_output(s) for s in seqs]
+        return self.ranks.gather([(s.id, to_output(s)) for s in seqs])
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a queued or running request: it finishes with reason 'abort' and keeps what it

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..sharding.lockstep import LockStep
 from .request import Sequence, Status
 from .runner import ModelRunner, StepHandle
 from .scheduler import EngineType, Scheduler
@@ -37,18 +38,23 @@ class EngineLoop:
     overlap: bool
     export: Callable[[Sequence], None] | None = None  # PROMPT engine: write a finished request's state
     on_finish: Callable[[Sequence], None] | None = None
+    lockstep: LockStep | None = None  # a multi-rank mesh: every rank's loop turns together
     events: list[tuple[str, int]] = field(default_factory=list)  # ("schedule"|"launch"|"read", step)
     stats: LoopStats = field(default_factory=LoopStats)
     _prev: tuple[int, StepHandle, float] | None = None
     _step: int = 0
 
     def busy(self) -> bool:
-        return self.scheduler.has_work() or self._prev is not None
+        """Work left here (on a multi-rank mesh: on any rank, so that the loops stop together)."""
+        mine = self.scheduler.has_work() or self._prev is not None
+        return mine if self.lockstep is None else self.lockstep.any(mine)
 
     def step(self) -> None:
         """One turn: schedule and launch the next step, then read the previous one's results."""
         t0 = now = time.perf_counter()
         sched = self.scheduler.schedule(now)
+        if self.lockstep is not None and self.lockstep.any(sched is not None) and sched is None:
+            self.runner.idle()  # another rank steps: its all-to-alls need this rank too
         cur = None
         if sched is not None:
             self.events.append(("schedule", self._step))

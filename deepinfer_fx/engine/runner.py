@@ -16,10 +16,13 @@ import torch
 from ..api import Model
 from ..graphs.batch import Batch, Chunk, group_chunks
 from ..graphs.model import forward_batch
+from ..graphs.swap import swapped
+from ..sharding.parallel import idle_step
 from .cache import CachePool
 from .graph_runner import StepGraphs
 from .sampler import SamplingTensors, logprobs, sample
 from .scheduler import SchedulerOutputs
+from .steps import decode_step
 
 
 @dataclass
@@ -40,11 +43,13 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, pool: CachePool, compiled: dict | None = None) -> None:
+    def __init__(self, model: Model, pool: CachePool, compiled: dict | None = None, swaps: dict | None = None) -> None:
         """``compiled``: None runs the model functions eagerly; a dict (``StepGraphs`` options:
         graphs, inductor, dump_dir, disabled, accelerator, max_requests, max_tokens) runs the
-        compiled steps."""
+        compiled steps. ``swaps``: ``graphs.swap`` replacements in force around every forward
+        (a multi-rank mesh: the expert-parallel MoE, ``sharding.parallel.ep_swaps``)."""
         self.model = model
+        self.swaps = dict(swaps or {})
         self.pool = pool
         self.device = model.device
         # one entry per slot plus the scratch slot that padded decode rows read
@@ -71,7 +76,8 @@ class ModelRunner:
         for seq in sched.to_import:
             self.importer(seq)
 
-        logits, first_row = self._forward(sched) if self.steps is None else self._forward_compiled(sched)
+        with swapped(self.swaps):
+            logits, first_row = self._forward(sched) if self.steps is None else self._forward_compiled(sched)
         sample_rows, sample_slots, sample_params, seeds, sample_pos = [], [], [], [], []
         for i, ch in enumerate(sched.chunks):
             if ch.sample:
@@ -105,6 +111,14 @@ class ModelRunner:
             rows_lp = logits[first_row[i] : first_row[i] + n]
             prompt_lp[i] = (target, *logprobs(rows_lp, target, p.prompt_logprobs))
         return self._copy_back(sched, tokens, lp, tid, tlp, prompt_lp)
+
+    @torch.no_grad()
+    def idle(self) -> None:
+        """One forward of a padding request (the scratch slot, nothing kept): what a rank with
+        nothing to launch runs while other ranks step, so that its EP group's all-to-alls complete."""
+        c, params = self.model
+        with swapped(self.swaps):
+            decode_step(params, self.pool.state, c, self.next_token, *idle_step(self.pool.state, self.device))
 
     def _all_rows(self, sched: SchedulerOutputs, i: int) -> bool:
         """Whether chunk i's logits cover every row (else only its last row was computed)."""

@@ -18,9 +18,11 @@ Views (torchtitan's "one world mesh, sliced into views"):
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -49,6 +51,17 @@ def build_mesh(spec: MeshSpec, device_type: str = "cpu") -> DeviceMesh:
         )
     shape = tuple(getattr(spec, a) for a in MESH_AXES)
     return init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+
+
+def init_world(spec: MeshSpec, device_type: str = "cpu") -> DeviceMesh:
+    """The world mesh of a multi-rank run: joins the process group torchrun describes in the
+    environment (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``...) unless one is already up, with NCCL
+    on GPUs (each rank on GPU ``LOCAL_RANK``) and gloo on the CPU; then ``build_mesh``."""
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return build_mesh(spec, device_type)
 
 
 def attention_view(mesh: DeviceMesh) -> DeviceMesh:

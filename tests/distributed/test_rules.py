@@ -57,9 +57,9 @@ def test_mesh_axes_sizes_and_views(text: str, world: int, rank: int) -> None:
 
 
 def test_rank_coordinate_enumerates_the_mesh() -> None:
-    spec = parse_mesh("dp2,cp3,ep4")
+    spec = parse_mesh("dp3,cp2,ep4")
     coords = [tuple(rank_coordinate(spec, r).values()) for r in range(spec.world_size)]
-    assert coords == [(d, c, e) for d in range(2) for c in range(3) for e in range(4)]
+    assert coords == [(d, c, e) for d in range(3) for c in range(2) for e in range(4)]
     with pytest.raises(ValueError, match="outside mesh"):
         rank_coordinate(spec, 24)
 

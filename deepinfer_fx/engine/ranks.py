@@ -1,0 +1,92 @@
+"""An ``LLM`` on a multi-rank mesh: ``LLM(model=..., mesh="ep2")`` in every process of
+``torchrun --nproc-per-node 2``, each process making the same calls (SPMD).
+
+Each rank loads only its experts (``sharding.parallel.start_expert_ids``), serves its share of
+every ``generate`` call's requests (round-robin by index) in its own cache pool, runs the MoE over
+its EP group (the ``moe.expert_parallel`` swap) and turns its engine loop in lock step with the
+others (``sharding.lockstep``); every rank returns all outputs, in prompt order. Requests keep
+the ids (and so the sampling seeds) they would have in one process, so outputs match it.
+
+For now multi-rank runs step eagerly: a compiled turn may run a decode and a prefill graph, and
+ranks would first have to agree on which graphs run. Context parallelism (cp > 1) is not wired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..api import Model
+from ..config import ModelConfig
+from ..io.loader import ExpertIds
+from ..sharding.ep import EPGroup, check_overflow, ep_group
+from ..sharding.lockstep import LockStep
+from ..sharding.mesh import MeshSpec, parse_mesh
+from ..sharding.parallel import ep_swaps, rank_params, start_expert_ids, start_placement
+from ..sharding.world import init_world, moe_view
+
+
+@dataclass
+class Ranks:
+    spec: MeshSpec
+    rank: int = 0
+    lockstep: LockStep | None = None  # None: one rank, nothing to agree on
+    ep: EPGroup | None = None
+    world: Any = None  # the world DeviceMesh
+
+    @classmethod
+    def join(cls, mesh: str | None, device: torch.device, eager: bool | None) -> tuple["Ranks", torch.device, bool | None]:
+        """Parse ``mesh`` and, for more than one rank, join the torchrun world; returns the ranks,
+        this rank's device (a GPU rank takes GPU ``LOCAL_RANK``) and the eager setting to use."""
+        spec = parse_mesh(mesh) if mesh else MeshSpec()
+        if spec.world_size == 1:
+            return cls(spec), device, eager
+        if spec.cp > 1:
+            raise ValueError(f"mesh {spec}: context parallelism (cp) is not wired into the engine yet; meshes of dp and ep run")
+        if eager is False:
+            raise ValueError(f"mesh {spec}: multi-rank runs step eagerly for now (ranks would first have to agree on the compiled graphs of each turn); drop eager=False / --compile")
+        world = init_world(spec, device.type)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        lockstep = LockStep()
+        return cls(spec, lockstep.rank, lockstep, world=world), device, True
+
+    @property
+    def multi(self) -> bool:
+        return self.lockstep is not None
+
+    def experts(self) -> ExpertIds | None:
+        """What the loader reads for this rank (None: every expert)."""
+        return start_expert_ids(self.spec, self.rank) if self.multi else None
+
+    def shard(self, model: Model) -> Model:
+        """This rank's share of an in-memory model."""
+        if not self.multi:
+            return model
+        return Model(model.config, rank_params(model.params, model.config, start_expert_ids(self.spec, self.rank)), model.path)
+
+    def start_ep(self, c: ModelConfig, max_tokens: int, device: torch.device) -> dict[str, Callable]:
+        """The EP group of this rank's MoE and the swap that puts it in force. ``max_tokens`` is
+        the most tokens one forward packs on any rank (the scheduler's budget): the capacity is
+        its worst case, so no pair is ever dropped."""
+        if not self.multi:
+            return {}
+        placement = start_placement(c.n_routed_experts, self.spec.ep)
+        self.ep = ep_group(placement, max_tokens, c.num_experts_per_tok, moe_view(self.world), device=device)
+        return ep_swaps(self.ep)
+
+    def mine(self, items: Sequence[Any]) -> list[Any]:
+        """This rank's share of one call's requests."""
+        return list(items) if not self.multi else [x for i, x in enumerate(items) if self.lockstep.owns(i)]
+
+    def gather(self, keyed: list[tuple[int, Any]]) -> list[Any]:
+        """Every rank's ``(request id, output)`` pairs -> all outputs ordered by request id, on
+        every rank; raises if any rank's EP dispatch dropped a pair (read here, where the host
+        has waited for the results anyway)."""
+        if self.ep is not None:
+            check_overflow(self.ep)
+        if self.multi:
+            keyed = self.lockstep.gather(keyed)
+        return [out for _, out in sorted(keyed, key=lambda kv: kv[0])]

@@ -1,0 +1,52 @@
+"""Keeping the ranks of a multi-rank engine in step (``LLM(mesh=...)`` under torchrun).
+
+Every rank runs its own engine loop over its own requests (data-parallel attention, see
+``parallel.py``), but the MoE region of a step is an all-to-all over the EP group, which needs
+every member. So the loops agree, once per turn, on two host-side facts over a gloo group of
+the whole world (host flags, whatever the device):
+
+- ``any(busy)``: whether any rank still has work; the loops stop together;
+- ``any(launching)``: whether any rank launches a step this turn; a rank with nothing to
+  launch then runs an idle step (one padding request) so the others' all-to-alls complete.
+
+Each turn launches at most one forward per rank (eager steps), so agreeing per turn keeps the
+collectives of every rank in the same order.
+
+Requests go to ranks round-robin by their index in a ``generate`` call (``owns``), and the
+outputs are gathered back in that order on every rank (``gather``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class LockStep:
+    """The host-side agreement of one world of engine loops."""
+
+    def __init__(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("LockStep needs the world's process group (init_world) first")
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        # host flags on a CPU group of their own: no device sync, no interleaving with the EP group
+        self.group = dist.new_group(backend="gloo")
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on some rank."""
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def owns(self, index: int) -> bool:
+        """Whether request ``index`` (of one ``generate`` call) is served by this rank."""
+        return index % self.size == self.rank
+
+    def gather(self, items: list[Any]) -> list[Any]:
+        """Every rank's ``items``, concatenated in rank order, on every rank."""
+        parts: list[list[Any] | None] = [None] * self.size
+        dist.all_gather_object(parts, items, group=self.group)
+        return [x for part in parts for x in part or []]

@@ -1,0 +1,31 @@
+"""Run by ``test_llm_mesh.py`` under torchrun: every rank builds ``LLM(ckpt, mesh=...)`` for each
+mesh given and generates the same requests (SPMD); every rank must get all outputs back, and
+rank 0 writes them to a JSON file. Usage: ``llm_mesh_job.py CKPT REQUESTS.json OUT.json MESH...``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from deepinfer_fx import LLM, SamplingParams
+
+
+def main(ckpt: str, requests: str, out: str, meshes: list[str]) -> None:
+    reqs = json.loads(open(requests).read())
+    params = [SamplingParams(**r["params"]) for r in reqs]
+    results = {}
+    for mesh in meshes:
+        llm = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=96, max_num_seqs=4,
+                  max_num_batched_tokens=48, mesh=mesh)
+        outs = llm.generate([r["prompt"] for r in reqs], params)
+        assert len(outs) == len(reqs), (mesh, dist.get_rank(), len(outs))
+        results[mesh] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])

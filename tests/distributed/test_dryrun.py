@@ -1,0 +1,84 @@
+"""Dry runs (``sharding/dryrun.py``, ``generate --dry-run``): one rank of an ep8 world traced in
+this process on the fake process group, with abstract weights of the released V4-Flash and
+V4.1-Flash configs. The configs keep their real widths, expert counts and Engram tables but fewer
+layers (tracing time grows with the layer count; the full ep64 run is reported by hand). Every
+MoE layer must show one set of EP all-to-alls with the bytes its static capacity implies."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer_fx import generate
+from deepinfer_fx.config import config_from_dict
+from deepinfer_fx.sharding.dryrun import NOT_REAL, SPEC_CONFIG, dry_run, summary
+from deepinfer_fx.sharding.mesh import parse_mesh
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _trimmed(name: str) -> dict:
+    """The released config with its layer stack cut to a few layers of every kind."""
+    path = SPEC_CONFIG.parent / f"{name}.json"
+    if not path.is_file():
+        pytest.skip(f"{path} is not in this workspace")
+    d = json.loads(path.read_text())
+    if name == "deepseek_v4_flash":  # window, window, CSA, HCA (3 hashed-routing layers)
+        d.update(num_hidden_layers=4, compress_ratios=[0, 0, 4, 128, 0])
+    else:  # V4.1 roles: KV/index sources 2 and 4 (candidate source), reuse, reindex; Engram on 1 and 3
+        d["text_config"].update(
+            num_hidden_layers=8, compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0], kv_source_layer_ids=[2, 4],
+            index_source_layer_ids=[2, 4, 6], candidate_source_layer_id=4, engram_layer_ids=[1, 3],
+            dspark_target_layer_ids=[5, 6, 7],
+        )
+    return d
+
+
+def test_v41_flash_ep8_one_all_to_all_set_per_moe_layer(tmp_path) -> None:
+    c = config_from_dict(_trimmed("deepseek_v41_flash"))
+    run = dry_run(c, parse_mesh("ep8"), 5, tmp_path, decode_requests=4, prefill_tokens=64)
+    assert run.placement.n_physical == 416 and run.placement.slots_per_rank == 52  # 384 + 32 extra on ep8
+    k, d = c.num_experts_per_tok, c.hidden_size
+    for graph, tokens in (("decode-t4-r4", 4), ("prefill-t64-r1", 64)):
+        for stage in ("00-captured.py", "01-aten.py"):
+            assert (tmp_path / graph / stage).is_file(), f"{graph}/{stage} missing"
+        assert "_c10d_functional.all_to_all_single" in (tmp_path / graph / "01-aten.py").read_text()
+        assert run.moe_calls[graph] == c.num_hidden_layers
+        items = run.graphs[graph]
+        assert sorted({x.layer for x in items}) == list(range(c.num_hidden_layers)), "a collective outside the MoE region"
+        rows = 8 * tokens * k  # ep destinations x worst-case capacity (every pair to one rank)
+        want = [((rows, d), torch.bfloat16), ((rows, 2), torch.int32), ((rows, d), torch.float32)]
+        for layer in range(c.num_hidden_layers):
+            got = [x for x in items if x.layer == layer]
+            assert [(x.kind, x.group_size) for x in got] == [("all_to_all_single", 8)] * 3, (graph, layer)
+            assert [(x.shape, x.dtype) for x in got] == want, (graph, layer)
+            assert [x.nbytes for x in got] == [rows * d * 2, rows * 8, rows * d * 4]
+    text = summary(run)
+    assert text.count("  layer ") == 2 * c.num_hidden_layers and text.endswith(NOT_REAL)
+
+
+def test_cli_v4_flash_ep8(tmp_path, capsys) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(_trimmed("deepseek_v4_flash")))
+    dump = tmp_path / "graphs"
+    assert generate.main(["--mesh", "ep8", "--dry-run", "--rank", "3", "--dump-graphs", str(dump), "--model", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert "mesh ep8 (world 8), rank 3 = {'dp': 0, 'cp': 0, 'ep': 3}" in out and "256 logical -> 288 physical, 36 slots" in out
+    for graph in ("decode-t4-r4", "prefill-t64-r1"):
+        assert f"{graph}: 12 collectives in 4 MoE layers" in out
+        assert (dump / graph / "01-aten.py").is_file()
+    layers = [line for line in out.splitlines() if line.startswith("  layer ")]
+    assert len(layers) == 8 and all(len(re.findall(r"all_to_all_single over 8 ranks", line)) == 3 for line in layers)
+    assert NOT_REAL in out and (dump / "collectives.txt").read_text().strip().endswith(NOT_REAL)

@@ -1,0 +1,67 @@
+"""``LLM(model=..., mesh=...)`` under torchrun: two ranks serving ep2 (experts split, one all-to-all
+group) and dp2 (experts replicated) produce the tokens and logprobs of one process, for greedy and
+seeded sampled requests of different lengths (some ranks finish early and idle through the
+others' steps). One torchrun launch runs both meshes: a launch costs ~20 s here."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny import tiny_v4
+
+import deepinfer_fx
+from deepinfer_fx import LLM, SamplingParams
+
+JOB = Path(__file__).with_name("llm_mesh_job.py")
+REPO = Path(deepinfer_fx.__file__).resolve().parents[1]
+
+
+def _requests(seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(5):
+        sampled = i % 2 == 1
+        params = {"temperature": 0.8 if sampled else 0.0, "max_tokens": rng.randint(1, 8), "ignore_eos": True, "logprobs": 2,
+                  "seq_seed": rng.randrange(2**31) if sampled else None}
+        out.append({"prompt": [rng.randrange(3, 300) for _ in range(rng.randint(1, 30))], "params": params})
+    return out
+
+
+def test_llm_on_ep2_and_dp2_equals_one_process(tmp_path) -> None:
+    seed = random.SystemRandom().randrange(2**31)
+    ckpt = tmp_path / "ckpt"
+    deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=seed)
+    reqs = _requests(seed)
+    (tmp_path / "requests.json").write_text(json.dumps(reqs))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB), str(ckpt),
+           str(tmp_path / "requests.json"), str(tmp_path / "out.json"), "ep2", "dp2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, f"seed={seed}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    got = json.loads((tmp_path / "out.json").read_text())
+
+    one = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=48)
+    want = one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])
+    for mesh in ("ep2", "dp2"):
+        for i, (w, (ids, lps)) in enumerate(zip(want, got[mesh])):
+            assert ids == w.outputs[0].token_ids, f"seed={seed} mesh={mesh} request {i}"
+            for a, b in zip(lps, w.outputs[0].logprobs):
+                assert {int(k) for k in a} == set(b), f"seed={seed} mesh={mesh} request {i}"
+                assert all(abs(a[str(k)] - v) <= 1e-5 for k, v in b.items()), f"seed={seed} mesh={mesh} request {i}"
+
+
+def test_mesh_errors_before_any_work(tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=3)
+    with pytest.raises(RuntimeError, match=r"mesh ep2 needs an initialised process group of 2 ranks; launch with torchrun --nproc-per-node 2"):
+        LLM(ckpt, dtype="float32", device="cpu", mesh="ep2")
+    with pytest.raises(ValueError, match="context parallelism"):
+        LLM(ckpt, dtype="float32", device="cpu", mesh="cp2,ep2")
+    with pytest.raises(ValueError, match="step eagerly"):
+        LLM(ckpt, dtype="float32", device="cpu", mesh="ep2", eager=False)
