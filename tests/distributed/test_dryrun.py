@@ -1,8 +1,8 @@
-"""Dry runs (``sharding/dryrun.py``, ``generate --dry-run``): one rank of an ep8 world traced in
-this process on the fake process group, with abstract weights of the released V4-Flash and
-V4.1-Flash configs. The configs keep their real widths, expert counts and Engram tables but fewer
-layers (tracing time grows with the layer count; the full ep64 run is reported by hand). Every
-MoE layer must show one set of EP all-to-alls with the bytes its static capacity implies."""
+"""Dry runs (``sharding/dryrun.py``, ``generate --dry-run``): one rank traced in this process on
+the fake process group, with abstract weights of the released V4-Flash and V4.1-Flash configs:
+ep8 on configs cut to a few layers of every kind (exact shapes and bytes), and the issue's
+``--mesh ep64`` command on the whole released V4.1-Flash. Every MoE layer must show one set of
+EP all-to-alls with the bytes its static capacity implies."""
 
 from __future__ import annotations
 
@@ -82,3 +82,20 @@ def test_cli_v4_flash_ep8(tmp_path, capsys) -> None:
     layers = [line for line in out.splitlines() if line.startswith("  layer ")]
     assert len(layers) == 8 and all(len(re.findall(r"all_to_all_single over 8 ranks", line)) == 3 for line in layers)
     assert NOT_REAL in out and (dump / "collectives.txt").read_text().strip().endswith(NOT_REAL)
+
+
+def test_cli_released_v41_flash_ep64(tmp_path, capsys) -> None:
+    """The issue's command on the released V4.1-Flash config, every layer (~2.5 min here)."""
+    if not SPEC_CONFIG.is_file():
+        pytest.skip(f"{SPEC_CONFIG} is not in this workspace")
+    n = config_from_dict(json.loads(SPEC_CONFIG.read_text())).num_hidden_layers
+    dump = tmp_path / "graphs"
+    assert generate.main(["--mesh", "ep64", "--dry-run", "--rank", "37", "--dump-graphs", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert "mesh ep64 (world 64), rank 37 = {'dp': 0, 'cp': 0, 'ep': 37}" in out
+    for graph in ("decode-t4-r4", "prefill-t64-r1"):
+        assert f"{graph}: {3 * n} collectives in {n} MoE layers" in out
+        assert (dump / graph / "01-aten.py").is_file()
+    layers = [line for line in out.splitlines() if line.startswith("  layer ")]
+    assert len(layers) == 2 * n and all(len(re.findall(r"all_to_all_single over 64 ranks", line)) == 3 for line in layers)
+    assert NOT_REAL in out
