@@ -21,17 +21,7 @@ from ..engine.graph_runner import StepGraphs
 from ..engine.steps import decode_step
 from ..graphs.state import init_state
 from .p8 import p8_config, run_info, write_result
-
-
-def _time(fn, iters: int) -> float:
-    """Mean wall seconds per call over ``iters`` calls, the device drained before and after."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+from .timing import timed
 
 
 @torch.no_grad()
@@ -65,8 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
         err = ((replay_logits - eager_logits).abs().max() / eager_logits.abs().max()).item()
         err_first = ((graph_logits - eager_logits).abs().max() / eager_logits.abs().max()).item()
         same_top = (replay_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
-        t_eager = _time(lambda: decode_step(model.params, state, c, next_token, *meta), args.iters)
-        t_graph = _time(lambda: graphs.decode(sl, starts), args.iters)
+        t_eager = timed(lambda: decode_step(model.params, state, c, next_token, *meta), args.iters)
+        t_graph = timed(lambda: graphs.decode(sl, starts), args.iters)
         rows.append({
             "batch": b, "context": args.context, "eager_ms": round(t_eager * 1e3, 3), "graph_ms": round(t_graph * 1e3, 3),
             "speedup": round(t_eager / t_graph, 2), "first_call_s": round(first, 1),

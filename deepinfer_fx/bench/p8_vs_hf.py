@@ -27,18 +27,7 @@ from ..engine.graph_runner import StepGraphs
 from ..graphs.state import init_state
 from . import roofline
 from .p8 import P8, hf_kwargs, p8_config, run_info, write_result
-from .profile_step import kernel_table
-
-
-def _timed(fn, iters: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+from .timing import kernel_table, timed
 
 
 def build_hf(layers: int, seed: int):
@@ -73,13 +62,13 @@ def hf_decode_ms(hf, batch: int, context: int, steps: int, vocab: int) -> float:
         o = hf(input_ids=nxt, past_key_values=cache, use_cache=True)
         nxt = o.logits[:, -1].argmax(-1, keepdim=True)
 
-    return _timed(step, steps) * 1e3
+    return timed(step, steps) * 1e3
 
 
 def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int) -> dict:
     sl, starts = list(range(b)), [context] * b
     graphs.decode(sl, starts)
-    ms = _timed(lambda: graphs.decode(sl, starts), steps) * 1e3
+    ms = timed(lambda: graphs.decode(sl, starts), steps) * 1e3
     hf_ms = None if hf is None else hf_decode_ms(hf, b, context, min(steps, 10), c.vocab_size)
     roof = roofline.decode(c, b, context)
     row = {"batch": b, "context": context, "ours_ms": round(ms, 3), "hf_ms": None if hf_ms is None else round(hf_ms, 2),
@@ -149,10 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
             graphs.prefill(chunk)
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - t1
-            ms = _timed(lambda: graphs.prefill(chunk), 3) * 1e3
+            ms = timed(lambda: graphs.prefill(chunk), 3) * 1e3
             hf_ms = None
             if hf is not None:
-                hf_ms = _timed(lambda: hf(input_ids=torch.tensor(chunk[0][2], device="cuda")[None]), 2) * 1e3
+                hf_ms = timed(lambda: hf(input_ids=torch.tensor(chunk[0][2], device="cuda")[None]), 2) * 1e3
             roof = roofline.prefill(c, n)
             row = {"tokens": n, "ours_ms": round(ms, 2), "ours_tok_s": round(n / ms * 1e3), "first_call_s": round(compile_s, 1),
                    "hf_ms": None if hf_ms is None else round(hf_ms, 2), "hf_tok_s": None if hf_ms is None else round(n / hf_ms * 1e3),
