@@ -262,6 +262,15 @@ class LLM:
         self.last_events = list(loop.events)
         return self.ranks.gather([(s.id, to_output(s)) for s in seqs])
 
+    def rebalance_experts(self) -> None:
+        """EPLB at run time (multi-rank meshes): re-place the routed experts over each EP group by
+        the loads measured since the last call (hot experts get the redundant slots) and move the
+        weights between ranks. Call it between ``generate`` calls on every rank; outputs do not
+        change. On one rank it does nothing."""
+        swaps = self.ranks.rebalance(self.model.params)
+        if swaps is not None:
+            self.runner.swaps = swaps
+
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a queued or running request: it finishes with reason 'abort' and keeps what it
         generated so far; its slot returns to the pool once no launched step uses it."""

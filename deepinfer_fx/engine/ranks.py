@@ -25,6 +25,7 @@ from ..sharding.ep import EPGroup, check_overflow, ep_group
 from ..sharding.lockstep import LockStep
 from ..sharding.mesh import MeshSpec, parse_mesh
 from ..sharding.parallel import ep_swaps, rank_params, start_expert_ids, start_placement
+from ..sharding.rebalance import rebalance
 from ..sharding.world import init_world, moe_view
 
 
@@ -75,6 +76,15 @@ class Ranks:
             return {}
         placement = start_placement(c.n_routed_experts, self.spec.ep)
         self.ep = ep_group(placement, max_tokens, c.num_experts_per_tok, moe_view(self.world), device=device)
+        return ep_swaps(self.ep)
+
+    def rebalance(self, params: dict) -> dict[str, Callable] | None:
+        """EPLB between steps: re-place the routed experts of every layer by the loads measured
+        since the last call, moving ``params``' expert slots in place; the new swaps to use (None
+        on one rank, where there is nothing to balance)."""
+        if self.ep is None:
+            return None
+        self.ep = rebalance(self.ep, [lp["ffn"]["experts"] for lp in params["layers"]])
         return ep_swaps(self.ep)
 
     def mine(self, items: Sequence[Any]) -> list[Any]:

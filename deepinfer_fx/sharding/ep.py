@@ -44,6 +44,7 @@ class EPGroup:
     replica_slots: torch.Tensor  # [n_logical, max_replicas] physical slots (eplb.replica_table)
     replica_counts: torch.Tensor  # [n_logical]
     overflow: torch.Tensor  # int64 scalar: pairs this rank dropped since the group was made
+    loads: torch.Tensor  # int64 [n_logical]: pairs this rank routed to each logical expert (EPLB input)
 
     @property
     def slots_per_rank(self) -> int:
@@ -84,7 +85,8 @@ def ep_group(
         raise ValueError(f"ep_group: capacity must be a positive integer (token-expert pairs per destination rank), got {capacity!r}")
     slots, counts = placement.replica_table(device)
     overflow = torch.zeros((), dtype=torch.int64, device=device)
-    return EPGroup(placement, capacity, rank, size, pg, slots, counts, overflow)
+    loads = torch.zeros(placement.n_logical, dtype=torch.int64, device=device)
+    return EPGroup(placement, capacity, rank, size, pg, slots, counts, overflow, loads)
 
 
 def check_overflow(group: EPGroup) -> None:
@@ -133,6 +135,7 @@ def ep_routed_experts(
         raise ValueError(f"ep_routed_experts: p_local holds {p_local['w1'].shape[0]} expert slots, this rank owns {s}")
     if positions is None:
         positions = torch.arange(t, device=x.device)
+    group.loads.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))  # measured for EPLB
     phys = pick_replicas(idx, group.replica_slots, group.replica_counts, positions).reshape(-1)
     dest, slot = phys // s, phys % s
     n = t * k

@@ -1,13 +1,11 @@
 """Kernel tests run on the GPU when there is one; elsewhere small cases run on CPU tensors
-under Triton's interpreter (set before any kernel module is imported)."""
+under Triton's interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py`` before anything
+imports Triton)."""
 
 import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: F401,E402  (a test extra; missing it is an install error, not a skip)
 

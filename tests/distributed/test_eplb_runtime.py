@@ -1,0 +1,75 @@
+"""EPLB at run time (``sharding/rebalance.py``) on 2 gloo ranks: the loads every EP call measures
+add up to the routed pairs, a rebalance by those loads changes the placement and moves the
+expert weights to exactly the new layout, and a tiny model keeps the one-process logits through
+the shuffle mid-run (prefill before it, decode steps after it)."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tiny import tiny_v4
+
+from deepinfer_fx.api import random_model
+from deepinfer_fx.config import config_from_dict
+from deepinfer_fx.graphs.batch import make_batch
+from deepinfer_fx.graphs.model import forward_batch
+from deepinfer_fx.graphs.params import iter_tree
+from deepinfer_fx.graphs.state import init_state
+from deepinfer_fx.graphs.swap import swapped
+from deepinfer_fx.sharding import eplb
+from deepinfer_fx.sharding.ep import check_overflow, ep_group
+from deepinfer_fx.sharding.mesh import MeshSpec
+from deepinfer_fx.sharding.parallel import ep_swaps, rank_expert_ids, rank_params
+from deepinfer_fx.sharding.rebalance import rebalance
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _worker(rank: int, init_file: str, seed: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        c = config_from_dict(tiny_v4()).replace(fake_quant=False)
+        full = random_model(c, seed=seed).params
+        spec = MeshSpec(ep=2)
+        start = eplb.default_placement(c.n_routed_experts, eplb.num_physical_experts(c.n_routed_experts, 2, 4), 2)
+        group = ep_group(start, 3 * 48, c.num_experts_per_tok, dist.group.WORLD)
+        params = rank_params(full, c, rank_expert_ids(spec, rank, start))
+        rng = random.Random(seed + rank)  # each rank serves its own requests
+        steps = [[[rng.randrange(3, c.vocab_size) for _ in range(rng.randint(20, 48))] for _ in range(3)]] + [[[rng.randrange(3, c.vocab_size)] for _ in range(3)]] * 3
+        ref_state, state = (init_state(c, 128, torch.float32, "cpu", mtp=False, slots=3) for _ in range(2))
+        starts, pairs = [0, 0, 0], 0
+        for i, step in enumerate(steps):
+            batch = make_batch(step, [0, 1, 2], starts)
+            want, _ = forward_batch(full, ref_state, c, batch)
+            with swapped(ep_swaps(group)):
+                got, _ = forward_batch(params, state, c, batch)
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"seed={seed} rank={rank} step={i}: {m}")
+            pairs += batch.token_ids.numel() * c.num_experts_per_tok * c.num_hidden_layers
+            starts = [s + len(t) for s, t in zip(starts, step)]
+            if i == 0:  # the shuffle, mid-run: after the prefill, before the decode steps
+                total = group.loads.clone()
+                dist.all_reduce(total)
+                mine = torch.tensor([pairs])
+                dist.all_reduce(mine)
+                assert int(total.sum()) == int(mine), f"seed={seed}: measured loads {int(total.sum())} != routed pairs {int(mine)}"
+                check_overflow(group)
+                new = rebalance(group, [lp["ffn"]["experts"] for lp in params["layers"]])
+                assert new.placement != group.placement, f"seed={seed}: skewed loads left the placement alone"
+                assert new.placement == eplb.plan_placement(total.double(), start.n_physical, 2, previous=start)
+                assert int(new.loads.sum()) == 0
+                moved = dict(iter_tree(rank_params(full, c, rank_expert_ids(spec, rank, new.placement))))
+                for path, t in iter_tree(params):
+                    if path.startswith("layers.") and ".experts." in path:  # the trunk's placement
+                        assert torch.equal(t, moved[path]), f"seed={seed} rank={rank}: {path} not in the new layout"
+                group = new
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rebalance_mid_run_keeps_outputs_and_moves_weights(tmp_path) -> None:
+    seed = random.SystemRandom().randrange(2**31)
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), seed), nprocs=2, join=True)
