@@ -1,6 +1,7 @@
 """Run by ``test_llm_mesh.py`` under torchrun: every rank builds ``LLM(ckpt, mesh=...)`` for each
-mesh given and generates the same requests (SPMD); every rank must get all outputs back, and
-rank 0 writes them to a JSON file. Usage: ``llm_mesh_job.py CKPT REQUESTS.json OUT.json MESH...``."""
+mesh given and generates the same requests (SPMD), then rebalances the experts by the measured
+loads and generates them again; every rank must get all outputs back, and rank 0 writes them to
+a JSON file. Usage: ``llm_mesh_job.py CKPT REQUESTS.json OUT.json MESH...``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def main(ckpt: str, requests: str, out: str, meshes: list[str]) -> None:
         outs = llm.generate([r["prompt"] for r in reqs], params)
         assert len(outs) == len(reqs), (mesh, dist.get_rank(), len(outs))
         results[mesh] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
+        # EPLB mid-run: re-place the experts by the loads just measured, then serve again
+        llm.rebalance_experts()
+        outs = llm.generate([r["prompt"] for r in reqs], params)
+        results[f"{mesh}+eplb"] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

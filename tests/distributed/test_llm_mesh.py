@@ -47,8 +47,9 @@ def test_llm_on_ep2_and_dp2_equals_one_process(tmp_path) -> None:
     got = json.loads((tmp_path / "out.json").read_text())
 
     one = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=48)
-    want = one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])
-    for mesh in ("ep2", "dp2"):
+    first = one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])
+    again = one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])  # later request ids
+    for mesh, want in (("ep2", first), ("dp2", first), ("ep2+eplb", again), ("dp2+eplb", again)):
         for i, (w, (ids, lps)) in enumerate(zip(want, got[mesh])):
             assert ids == w.outputs[0].token_ids, f"seed={seed} mesh={mesh} request {i}"
             for a, b in zip(lps, w.outputs[0].logprobs):
