@@ -33,6 +33,13 @@ def _count(raw: str) -> int:
     return v
 
 
+def _factor(raw: str) -> float:
+    v = float(raw)
+    if not v >= 0 or v == float("inf"):
+        raise ValueError("a finite number >= 0")
+    return v
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         v = raw.strip().lower()
@@ -60,6 +67,10 @@ VARIABLES: dict[str, Var] = {
     f"{PREFIX}ACCELERATOR": Var("accelerator", _choice("nvidia", "ascend", "cpu"), None, "nvidia, ascend or cpu", "detected when unset"),
     f"{PREFIX}HF_MODEL_DIR": Var("hf_model_dir", _text, None, "a directory", "local checkpoint instead of the hub"),
     f"{PREFIX}OVERRIDE_NUM_EXTRA_EXPERTS": Var("extra_experts", _count, 32, "a non-negative integer", "redundant experts (a lower bound)"),
+    f"{PREFIX}EP_CAPACITY_FACTOR": Var(
+        "ep_capacity_factor", _factor, 0.0, "a finite number >= 0",
+        "EP send capacity as a multiple of the average pairs per destination rank; 0 = worst case, never drops",
+    ),
     f"{PREFIX}ENABLE_MTP_VARLEN": Var("mtp_varlen", _boolean, False, "0 or 1", "variable-length draft verification"),
     f"{PREFIX}USE_NEXTN_DECODE": Var("nextn_decode", _count, 5, "a non-negative integer", "maximum draft length"),
     f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE": Var("yoco_mode", _choice("compact", "off"), None, "compact or off", "compact for V4.1 when unset"),
@@ -88,6 +99,7 @@ class EngineConfig:
     accelerator: str | None = None
     hf_model_dir: str | None = None
     extra_experts: int = 32
+    ep_capacity_factor: float = 0.0
     mtp_varlen: bool = False
     nextn_decode: int = 5
     yoco_mode: str | None = None

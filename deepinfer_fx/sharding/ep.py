@@ -21,6 +21,7 @@ A dropped pair is never silent: it is counted on the device into ``EPGroup.overf
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..graphs.moe import routed_experts
+from ..settings import setting
 from .eplb import ExpertPlacement, pick_replicas
 
 
@@ -56,6 +58,16 @@ def worst_case_capacity(max_tokens: int, top_k: int) -> int:
     return max(1, max_tokens * top_k)
 
 
+def capacity_for(max_tokens: int, top_k: int, size: int, factor: float) -> int:
+    """Pairs one rank may send to one destination: ``factor`` times the average share
+    (``max_tokens * top_k / size``), never above the worst case; ``factor`` 0 is the worst case.
+    A factor trades all-to-all bytes for the risk of overflow, which ``check_overflow`` reports."""
+    worst = worst_case_capacity(max_tokens, top_k)
+    if factor <= 0:
+        return worst
+    return max(1, min(worst, math.ceil(factor * max_tokens * top_k / size)))
+
+
 def ep_group(
     placement: ExpertPlacement,
     max_tokens: int,
@@ -66,7 +78,8 @@ def ep_group(
 ) -> EPGroup:
     """The EP group of this rank over ``group`` (a process group or the 1-D ``ep`` view of the world
     mesh, ``world.moe_view``). ``max_tokens`` is the largest batch any rank passes in one call
-    (the token bucket); capacity defaults to the worst case for it."""
+    (the token bucket); capacity defaults to ``DEEPINFER_EP_CAPACITY_FACTOR`` (``capacity_for``:
+    unset or 0 is the worst case for it, which never drops)."""
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(f"ep_group: needs the 1-D ep view of the mesh (world.moe_view), got a {group.ndim}-D mesh")
@@ -80,7 +93,7 @@ def ep_group(
     if size > 1 and pg is None:
         raise ValueError(f"ep_group: ep{size} needs a process group")
     if capacity is None:
-        capacity = worst_case_capacity(max_tokens, top_k)
+        capacity = capacity_for(max_tokens, top_k, size, setting("DEEPINFER_EP_CAPACITY_FACTOR"))
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"ep_group: capacity must be a positive integer (token-expert pairs per destination rank), got {capacity!r}")
     slots, counts = placement.replica_table(device)
@@ -97,8 +110,8 @@ def check_overflow(group: EPGroup) -> None:
         raise RuntimeError(
             f"EP dispatch on rank {group.rank} of ep{group.size} dropped {dropped} token-expert pair(s): more than "
             f"capacity={group.capacity} pairs went to one destination rank in a call, so those tokens lost "
-            f"expert outputs. Raise the capacity (ep_group(..., capacity=N)); leaving it unset uses the worst "
-            f"case max_tokens * top_k, which never drops."
+            f"expert outputs. Raise DEEPINFER_EP_CAPACITY_FACTOR (or ep_group(..., capacity=N)); unset or 0 "
+            f"uses the worst case max_tokens * top_k, which never drops."
         )
 
 

@@ -146,7 +146,7 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
             check_overflow(grp)
         else:
             assert int(grp.overflow) > 0
-            with pytest.raises(RuntimeError, match=rf"dropped {int(grp.overflow)} token-expert.*capacity={cap}.*Raise the capacity"):
+            with pytest.raises(RuntimeError, match=rf"dropped {int(grp.overflow)} token-expert.*capacity={cap}.*Raise DEEPINFER_EP_CAPACITY_FACTOR"):
                 check_overflow(grp)
 
         # 4. every pair of a full batch goes to one rank: the worst-case default holds all of them,
@@ -235,3 +235,20 @@ def test_dispatch_and_combine_have_no_host_sync(monkeypatch) -> None:
         traced = make_fx(rank2, tracing_mode="fake", _allow_non_fake_inputs=True)(*_batch(8906, MAX_T))
     assert _host_syncs(traced) == []
     assert sum("alltoall" in str(n.target) for n in traced.graph.nodes) == 3
+
+
+def test_capacity_factor_setting(monkeypatch) -> None:
+    """DEEPINFER_EP_CAPACITY_FACTOR: a multiple of the average pairs per destination, capped at the
+    worst case; unset or 0 is the worst case; a bad value is a one-line error naming the variable."""
+    pl = eplb.default_placement(E, eplb.num_physical_experts(E, 4, 0), 4)
+    with fake_world(4, 0):
+        pg = moe_view(build_mesh(MeshSpec(ep=4)))
+        monkeypatch.delenv("DEEPINFER_EP_CAPACITY_FACTOR", raising=False)
+        assert ep_group(pl, 100, K, pg).capacity == 100 * K
+        monkeypatch.setenv("DEEPINFER_EP_CAPACITY_FACTOR", "1.5")
+        assert ep_group(pl, 100, K, pg).capacity == 113  # ceil(1.5 * 300 / 4)
+        monkeypatch.setenv("DEEPINFER_EP_CAPACITY_FACTOR", "9")
+        assert ep_group(pl, 100, K, pg).capacity == 100 * K  # never above the worst case
+        monkeypatch.setenv("DEEPINFER_EP_CAPACITY_FACTOR", "-1")
+        with pytest.raises(ValueError, match="DEEPINFER_EP_CAPACITY_FACTOR='-1' is invalid"):
+            ep_group(pl, 100, K, pg)
