@@ -108,7 +108,8 @@ class LLM:
                 "dump_dir": None if dump_graphs is None else str(dump_graphs), "disabled": [n.strip() for n in names if n.strip()],
             }
         swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
-        self.runner = ModelRunner(self.model, self.pool, compiled, swaps)
+        cp_swap, split = self.ranks.cp_split()
+        self.runner = ModelRunner(self.model, self.pool, compiled, {**swaps, **cp_swap}, split)
         self.runner.importer = self._import
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.engine_type)
         self.seed = seed
@@ -269,7 +270,7 @@ class LLM:
         change. On one rank it does nothing."""
         swaps = self.ranks.rebalance(self.model.params)
         if swaps is not None:
-            self.runner.swaps = swaps
+            self.runner.swaps.update(swaps)
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a queued or running request: it finishes with reason 'abort' and keeps what it

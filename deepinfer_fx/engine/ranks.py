@@ -7,26 +7,34 @@ its EP group (the ``moe.expert_parallel`` swap) and turns its engine loop in loc
 others (``sharding.lockstep``); every rank returns all outputs, in prompt order. Requests keep
 the ids (and so the sampling seeds) they would have in one process, so outputs match it.
 
+With cp > 1 the ranks of a CP group serve the same requests: each forward's chunks are split
+zigzag over the group (``sharding.cp``), attention gathers its rows over the group, and the
+logits are gathered back so every CP rank samples the same tokens from the same rows.
+
 For now multi-rank runs step eagerly: a compiled turn may run a decode and a prefill graph, and
-ranks would first have to agree on which graphs run. Context parallelism (cp > 1) is not wired.
+ranks would first have to agree on which graphs run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..api import Model
 from ..config import ModelConfig
+from ..graphs.batch import Batch
 from ..io.loader import ExpertIds
+from ..sharding.cp import cp_swaps, split_step
 from ..sharding.ep import EPGroup, check_overflow, ep_group
 from ..sharding.lockstep import LockStep
 from ..sharding.mesh import MeshSpec, parse_mesh
 from ..sharding.parallel import ep_swaps, rank_params, start_expert_ids, start_placement
 from ..sharding.rebalance import rebalance
-from ..sharding.world import init_world, moe_view
+from ..sharding.world import init_world, moe_view, rank_coordinate
 
 
 @dataclass
@@ -44,14 +52,13 @@ class Ranks:
         spec = parse_mesh(mesh) if mesh else MeshSpec()
         if spec.world_size == 1:
             return cls(spec), device, eager
-        if spec.cp > 1:
-            raise ValueError(f"mesh {spec}: context parallelism (cp) is not wired into the engine yet; meshes of dp and ep run")
         if eager is False:
             raise ValueError(f"mesh {spec}: multi-rank runs step eagerly for now (ranks would first have to agree on the compiled graphs of each turn); drop eager=False / --compile")
         world = init_world(spec, device.type)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        lockstep = LockStep()
+        coord = rank_coordinate(spec, dist.get_rank())
+        lockstep = LockStep(server=coord["dp"] * spec.ep + coord["ep"], servers=spec.dp * spec.ep)
         return cls(spec, lockstep.rank, lockstep, world=world), device, True
 
     @property
@@ -87,6 +94,14 @@ class Ranks:
         self.ep = rebalance(self.ep, [lp["ffn"]["experts"] for lp in params["layers"]])
         return ep_swaps(self.ep)
 
+    def cp_split(self) -> tuple[dict[str, Callable], Callable[[Batch], Batch] | None]:
+        """With cp > 1: the swap that gathers rows over this rank's CP group and the function
+        that cuts a step's batch to this rank's share; else nothing."""
+        if not self.multi or self.spec.cp == 1:
+            return {}, None
+        cp_rank = rank_coordinate(self.spec, self.rank)["cp"]
+        return cp_swaps(self.world.get_group("cp")), partial(split_step, rank=cp_rank, size=self.spec.cp)
+
     def mine(self, items: Sequence[Any]) -> list[Any]:
         """This rank's share of one call's requests."""
         return list(items) if not self.multi else [x for i, x in enumerate(items) if self.lockstep.owns(i)]
@@ -97,6 +112,6 @@ class Ranks:
         has waited for the results anyway)."""
         if self.ep is not None:
             check_overflow(self.ep)
-        if self.multi:
-            keyed = self.lockstep.gather(keyed)
+        if self.multi:  # a CP group's ranks hold the same outputs: its first rank speaks for it
+            keyed = self.lockstep.gather(keyed if rank_coordinate(self.spec, self.rank)["cp"] == 0 else [])
         return [out for _, out in sorted(keyed, key=lambda kv: kv[0])]

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..api import Model
-from ..graphs.batch import Batch, Chunk, group_chunks
+from ..graphs.batch import Batch, Chunk, context_gather, group_chunks
 from ..graphs.model import forward_batch
 from ..graphs.swap import swapped
 from ..sharding.parallel import idle_step
@@ -43,12 +43,17 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, pool: CachePool, compiled: dict | None = None, swaps: dict | None = None) -> None:
+    def __init__(
+        self, model: Model, pool: CachePool, compiled: dict | None = None, swaps: dict | None = None,
+        split: Callable[[Batch], Batch] | None = None,
+    ) -> None:
         """``compiled``: None runs the model functions eagerly; a dict (``StepGraphs`` options:
         graphs, inductor, dump_dir, disabled, accelerator, max_requests, max_tokens) runs the
         compiled steps. ``swaps``: ``graphs.swap`` replacements in force around every forward
-        (a multi-rank mesh: the expert-parallel MoE, ``sharding.parallel.ep_swaps``)."""
+        (a multi-rank mesh: the expert-parallel MoE, ``sharding.parallel.ep_swaps``). ``split``:
+        context parallelism, a step's batch -> this rank's share (``sharding.cp.split_batch``)."""
         self.model = model
+        self.split = split
         self.swaps = dict(swaps or {})
         self.pool = pool
         self.device = model.device
@@ -148,7 +153,11 @@ class ModelRunner:
         if dev_rows:
             token_ids[self._host(dev_rows)] = self.next_token[self._host(dev_slots)]
         batch = Batch(token_ids, self._host(pos), group_chunks(chunks, self.device), tuple(chunks))
+        if self.split is not None:  # context parallelism: this rank's share of the chunks
+            batch = self.split(batch)
         logits, _ = forward_batch(params, self.pool.state, c, batch)
+        if batch.split is not None:  # every CP rank samples from every row, alike
+            logits = context_gather(logits, batch.split)
         return logits, [ch.offset for ch in chunks]
 
     def _forward_compiled(self, sched: SchedulerOutputs) -> tuple[torch.Tensor, list[int]]:

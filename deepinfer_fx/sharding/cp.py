@@ -9,8 +9,10 @@ input rows of the whole CP group are all-gathered (``graphs.batch.context_gather
 rank runs the cache side on the whole chunk identically. So the state stays replicated and
 exact at the seams between pieces, and later chunks and decode steps read it on any CP rank.
 
-Decode steps are not split (one token per request): the ranks of a CP group run them alike.
-CP runs eagerly for now (the split is built on the host per step).
+In the engine (``LLM(mesh="cp2,...")``) the ranks of a CP group serve the same requests; a step
+is split when some chunk has at least ``2 * cp`` tokens (``split_step``), else (decode) every CP
+rank runs it whole; the logits are gathered back so every CP rank samples alike. CP runs
+eagerly for now (the split is built on the host per step).
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ def split_batch(full: Batch, rank: int, size: int) -> Batch:
     split = ContextSplit(full, tuple(Queries(q.index.to(dev), q.positions.to(dev)) for q in queries),
                          source.to(dev), rows.to(dev), width)
     return Batch(full.token_ids[rows.to(dev)], full.positions[rows.to(dev)], (), (), split)
+
+
+def split_step(full: Batch, rank: int, size: int) -> Batch:
+    """The engine's rule: split a step only when some chunk has at least ``2 * size`` tokens (then
+    every rank gets rows of it, and so takes part in every gather); a step of short chunks
+    (decode) runs whole on every rank of the CP group, which then all compute the same rows."""
+    if any(ch.length >= 2 * size for ch in full.chunks):
+        return split_batch(full, rank, size)
+    return full
 
 
 def _queries(index: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor, local_index: torch.Tensor,

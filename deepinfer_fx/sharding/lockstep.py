@@ -12,8 +12,8 @@ the whole world (host flags, whatever the device):
 Each turn launches at most one forward per rank (eager steps), so agreeing per turn keeps the
 collectives of every rank in the same order.
 
-Requests go to ranks round-robin by their index in a ``generate`` call (``owns``), and the
-outputs are gathered back in that order on every rank (``gather``).
+Requests go to ranks (to CP groups, with cp > 1) round-robin by their index in a ``generate``
+call (``owns``), and the outputs are gathered back in that order on every rank (``gather``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,15 @@ import torch.distributed as dist
 class LockStep:
     """The host-side agreement of one world of engine loops."""
 
-    def __init__(self) -> None:
+    def __init__(self, server: int | None = None, servers: int | None = None) -> None:
+        """``server`` / ``servers``: which request share this rank serves, of how many (default:
+        its rank, of the world; the ranks of a CP group serve one share together)."""
         if not dist.is_initialized():
             raise RuntimeError("LockStep needs the world's process group (init_world) first")
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
+        self.server = self.rank if server is None else server
+        self.servers = self.size if servers is None else servers
         # host flags on a CPU group of their own: no device sync, no interleaving with the EP group
         self.group = dist.new_group(backend="gloo")
 
@@ -43,7 +47,7 @@ class LockStep:
 
     def owns(self, index: int) -> bool:
         """Whether request ``index`` (of one ``generate`` call) is served by this rank."""
-        return index % self.size == self.rank
+        return index % self.servers == self.server
 
     def gather(self, items: list[Any]) -> list[Any]:
         """Every rank's ``items``, concatenated in rank order, on every rank."""

@@ -1,7 +1,9 @@
 """``LLM(model=..., mesh=...)`` under torchrun: two ranks serving ep2 (experts split, one all-to-all
-group) and dp2 (experts replicated) produce the tokens and logprobs of one process, for greedy and
-seeded sampled requests of different lengths (some ranks finish early and idle through the
-others' steps). One torchrun launch runs both meshes: a launch costs ~20 s here."""
+group), dp2 (experts replicated) and cp2 (both ranks serve every request, prefill chunks split
+over them) produce the tokens and logprobs of one process, for greedy and seeded sampled
+requests of different lengths (some ranks finish early and idle through the others' steps),
+also after an EPLB rebalance between two generate calls. One torchrun launch runs every mesh: a
+launch costs ~20 s here."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def _requests(seed: int) -> list[dict]:
     return out
 
 
-def test_llm_on_ep2_and_dp2_equals_one_process(tmp_path) -> None:
+def test_llm_on_ep2_dp2_cp2_equals_one_process(tmp_path) -> None:
     seed = random.SystemRandom().randrange(2**31)
     ckpt = tmp_path / "ckpt"
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=seed)
@@ -41,7 +43,7 @@ def test_llm_on_ep2_and_dp2_equals_one_process(tmp_path) -> None:
     (tmp_path / "requests.json").write_text(json.dumps(reqs))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB), str(ckpt),
-           str(tmp_path / "requests.json"), str(tmp_path / "out.json"), "ep2", "dp2"]
+           str(tmp_path / "requests.json"), str(tmp_path / "out.json"), "ep2", "dp2", "cp2"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, f"seed={seed}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     got = json.loads((tmp_path / "out.json").read_text())
@@ -49,7 +51,8 @@ def test_llm_on_ep2_and_dp2_equals_one_process(tmp_path) -> None:
     one = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=48)
     first = one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])
     again = one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])  # later request ids
-    for mesh, want in (("ep2", first), ("dp2", first), ("ep2+eplb", again), ("dp2+eplb", again)):
+    runs = [(m, first) for m in ("ep2", "dp2", "cp2")] + [(f"{m}+eplb", again) for m in ("ep2", "dp2", "cp2")]
+    for mesh, want in runs:
         for i, (w, (ids, lps)) in enumerate(zip(want, got[mesh])):
             assert ids == w.outputs[0].token_ids, f"seed={seed} mesh={mesh} request {i}"
             for a, b in zip(lps, w.outputs[0].logprobs):
@@ -62,7 +65,7 @@ def test_mesh_errors_before_any_work(tmp_path) -> None:
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=3)
     with pytest.raises(RuntimeError, match=r"mesh ep2 needs an initialised process group of 2 ranks; launch with torchrun --nproc-per-node 2"):
         LLM(ckpt, dtype="float32", device="cpu", mesh="ep2")
-    with pytest.raises(ValueError, match="context parallelism"):
+    with pytest.raises(RuntimeError, match=r"mesh cp2,ep2 needs an initialised process group of 4 ranks"):
         LLM(ckpt, dtype="float32", device="cpu", mesh="cp2,ep2")
     with pytest.raises(ValueError, match="step eagerly"):
         LLM(ckpt, dtype="float32", device="cpu", mesh="ep2", eager=False)
