@@ -3,8 +3,8 @@
     python examples/offline_inference.py --model /path/to/ckpt --ep 1 --max-tokens 64
     python examples/offline_inference.py            # the built-in tiny demo model (random weights)
 
-``--ep/--dp/--cp`` are validated now; runs over several ranks (under torchrun) arrive with the
-sharding work, so any degree above 1 is refused with a message saying so.
+Several ranks: ``torchrun --nproc-per-node 4 examples/offline_inference.py --ep 2 --cp 2`` (the
+world is the product of the degrees; cp and ep must nest; steps run eagerly on a mesh).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def main() -> None:
         ap.error(str(e))
 
     try:
-        llm = LLM(args.model, mesh=str(mesh), overlap=not args.no_overlap, eager=True)
-    except ValueError as e:
+        llm = LLM(args.model, mesh=str(mesh), overlap=not args.no_overlap, eager=True if args.eager else None)
+    except (ValueError, RuntimeError) as e:  # bad settings, or a mesh launched without torchrun
         raise SystemExit(f"error: {e}") from None
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     for out in llm.generate(PROMPTS, params, use_tqdm=True):
