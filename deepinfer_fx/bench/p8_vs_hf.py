@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
             hf = None
     c = model.config
     print(f"setup {time.perf_counter() - t0:.0f} s; ours vs HF on 64 tokens: {check}", flush=True)
+    print("decode tok/s = steps/s x batch x (1 + nextn) / cp with nextn = 0 (P8 has no draft head, so no "
+          "acceptance rate is assumed) and cp = 1 (one GPU)", flush=True)
 
     slots = max(batches)
     state = init_state(c, max(*contexts, *chunk_sizes) + 64, torch.bfloat16, "cuda", mtp=False, slots=slots)
