@@ -16,6 +16,7 @@ ops' CPU kernels are the references).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -35,9 +36,9 @@ class KernelSwap(GraphPass):
     place: ClassVar[str]  # a graphs/swap.py place, e.g. "moe.routed_experts"
     op: ClassVar[str]  # the deepinfer op that replaces it
 
+    @abstractmethod
     def replacement(self) -> Callable[..., Any]:
         """The callable installed at the place: the place's signature, calling the op."""
-        raise NotImplementedError
 
     def swap(self) -> dict[str, Callable[..., Any]]:
         return {self.place: self.replacement()}

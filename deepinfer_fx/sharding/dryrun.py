@@ -200,6 +200,9 @@ def cli(model: str | None, mesh: str, rank: int, dump_dir: str | None) -> int:
 
     path = model or setting("DEEPINFER_HF_MODEL_DIR") or SPEC_CONFIG
     if path == SPEC_CONFIG:
+        if not SPEC_CONFIG.is_file():
+            raise ValueError(f"--dry-run without --model reads the spec's V4.1-Flash config, which is not at {SPEC_CONFIG}; "
+                             "pass --model with a checkpoint directory or a config.json")
         print(f"[dry run] no --model: using the V4.1-Flash config at {path}")
     c = load_config(path)
     spec = parse_mesh(mesh)
