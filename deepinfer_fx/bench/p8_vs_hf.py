@@ -65,6 +65,11 @@ def hf_decode_ms(hf, batch: int, context: int, steps: int, vocab: int) -> float:
     return timed(step, steps) * 1e3
 
 
+def _print_kernels(kernels: list[dict], top: int = 12) -> None:
+    for r in kernels[:top]:
+        print(f"   {r['us']:9.1f} us {r['launches']:5d}x {100 * r['share']:5.1f}%  {r['kernel'][:90]}")
+
+
 def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int) -> dict:
     sl, starts = list(range(b)), [context] * b
     graphs.decode(sl, starts)
@@ -77,10 +82,9 @@ def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int) -> 
            "roofline": roof.as_dict()}
     # the profile comes after the measurement window, never inside it
     kernels, kernel_us, launches = kernel_table(lambda: graphs.decode(sl, starts), 3)
-    row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, top_kernels=kernels[:15])
-    print({k: v for k, v in row.items() if k not in ("top_kernels", "roofline")}, flush=True)
-    for r in kernels[:12]:
-        print(f"   {r['us']:9.1f} us {r['launches']:5d}x {100 * r['share']:5.1f}%  {r['kernel'][:90]}")
+    row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, kernels=kernels)
+    print({k: v for k, v in row.items() if k not in ("kernels", "roofline")}, flush=True)
+    _print_kernels(kernels)
     return row
 
 
@@ -148,8 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
             row = {"tokens": n, "ours_ms": round(ms, 2), "ours_tok_s": round(n / ms * 1e3), "first_call_s": round(compile_s, 1),
                    "hf_ms": None if hf_ms is None else round(hf_ms, 2), "hf_tok_s": None if hf_ms is None else round(n / hf_ms * 1e3),
                    "roofline_ms": round(roof.seconds * 1e3, 3), "roofline_tok_s": round(n / roof.seconds), "roofline": roof.as_dict()}
+            kernels, kernel_us, launches = kernel_table(lambda: graphs.prefill(chunk), 1)
+            row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, kernels=kernels)
             result["prefill"].append(row)
-            print(row, flush=True)
+            print({k: v for k, v in row.items() if k not in ("kernels", "roofline")}, flush=True)
+            _print_kernels(kernels)
             write_result(name, result, args.out)  # after every row: a run cut short keeps what it measured
 
     if "decode" in segments:
