@@ -19,26 +19,9 @@ import torch
 from ..graphs.moe import routed_experts
 from ..kernels.triton.moe import moe_experts_fp8_triton, moe_experts_triton
 from .p8 import P8, run_info, write_result
+from .timing import graph_ms
 
 _BLOCK = 128
-
-
-def _graph_ms(fn, iters: int) -> float:
-    """Mean ms per replay of ``fn`` captured in a CUDA graph (after an eager warm-up call that
-    compiles the kernels)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,15 +67,15 @@ def main(argv: list[str] | None = None) -> dict:
         bf16_args = (x, w["w1"], w["w3"], w["w2"], idx, rw, limit)
         got = moe_experts_triton(*bf16_args)
         err = ((got - ref).abs().max() / ref.abs().max()).item()
-        t_triton = _graph_ms(lambda: moe_experts_triton(*bf16_args, out=out), args.iters)
-        t_torch = _graph_ms(lambda: routed_experts.reference(w, limit, x, idx, rw), args.iters)
+        t_triton = graph_ms(lambda: moe_experts_triton(*bf16_args, out=out), args.iters)
+        t_torch = graph_ms(lambda: routed_experts.reference(w, limit, x, idx, rw), args.iters)
         row = {"tokens": t, "active_experts": active, **_row("triton", t_triton, weight_bytes, flops),
                **_row("torch", t_torch, weight_bytes, flops), "speedup": round(t_torch / t_triton, 2),
                "max_rel_diff": err}
         if q:
             w8 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
             fp8_args = (x, *w8, idx, rw, limit, _BLOCK)
-            t_fp8 = _graph_ms(lambda: moe_experts_fp8_triton(*fp8_args, out=out), args.iters)
+            t_fp8 = graph_ms(lambda: moe_experts_fp8_triton(*fp8_args, out=out), args.iters)
             row.update(_row("fp8", t_fp8, weight_bytes // 2, flops))
         rows.append(row)
         print(row, flush=True)

@@ -44,3 +44,21 @@ def kernel_table(fn: Callable[[], object], steps: int) -> tuple[list[dict], floa
         key=lambda r: -r["us"],
     )
     return rows, step_us, sum(count.values()) // steps
+
+
+def graph_ms(fn: Callable[[], object], iters: int) -> float:
+    """Mean ms per replay of ``fn`` captured in a CUDA graph (after an eager warm-up call that
+    compiles the kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters

@@ -87,16 +87,30 @@ def test_modes_bitwise_equal(device: str) -> None:
 
 
 def _batch_invariance(seed: int, c: int, t: int, h: int, d: int, n: int, dtype: torch.dtype, device: str, **kw) -> None:
+    """A chunk alone (parallel path: few programs) == the same chunk among ``c`` (sequential)."""
     q, keys, bias, sink = _case(seed, (c,), t, h, d, n, dtype, device)
     batched = sparse_mqa_triton(q, keys, bias, sink, **kw)
-    for ci, ti in [(0, 1), (c - 1, t - 1), (c // 2, t // 3)]:
-        alone = sparse_mqa_triton(q[ci : ci + 1, ti : ti + 1], keys[ci : ci + 1], bias[ci : ci + 1, ti : ti + 1], sink, **kw)
-        assert torch.equal(alone[0, 0], batched[ci, ti]), f"seed {seed}: query ({ci}, {ti}) differs alone"
+    for ci in (0, c - 1, c // 2):
+        alone = sparse_mqa_triton(q[ci : ci + 1], keys[ci : ci + 1], bias[ci : ci + 1], sink, **kw)
+        assert torch.equal(alone[0], batched[ci]), f"seed {seed}: chunk {ci} differs alone"
 
 
-def test_batch_invariance(device: str) -> None:
-    """Alone, a query takes the parallel path; in a batch of 144, the sequential one; the bits agree."""
-    _batch_invariance(_fresh_seed(), 12, 12, 4, 32, 100, torch.float32, device, block_n=16, split=32)
+@pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill"])
+def test_batch_invariance(device: str, t: int) -> None:
+    """Alone, a chunk takes the parallel path; in a batch of 70, the sequential one; the bits agree."""
+    _batch_invariance(_fresh_seed(), 70, t, 4, 32, 100, torch.float32, device, block_n=16, split=32)
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_skipping_hidden_tiles_is_exact(device: str, t: int) -> None:
+    """Reading only the live tiles gives the bits of reading every tile in one split."""
+    seed = _fresh_seed()
+    q, keys, bias, sink = _case(seed, (2,), t, 4, 32, 100, torch.float32, device)
+    bias[..., 50:90] = float("-inf")  # more whole hidden tiles, between live ones
+    a = sparse_mqa_triton(q, keys, bias, sink, block_n=16, skip=True)
+    b = sparse_mqa_triton(q, keys, bias, sink, block_n=16, skip=False, split=100, parallel=False)
+    assert torch.equal(a, b), f"seed {seed}"
+    _check(a, q, keys, bias, sink, seed)
 
 
 def test_split_rule() -> None:
@@ -128,9 +142,30 @@ def test_fp32_d512() -> None:
 
 
 @needs_cuda
-def test_bf16_batch_invariance() -> None:
-    """Default rule at model sizes: alone is parallel (split + combine), 8 x 64 queries sequential."""
-    _batch_invariance(_fresh_seed(), 8, 64, 64, 512, 4224, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("c, t", [(64, 1), (8, 2)], ids=["decode", "prefill"])
+def test_bf16_batch_invariance(c: int, t: int) -> None:
+    """Default rule at model sizes: alone is parallel (split + combine), in the batch sequential."""
+    _batch_invariance(_fresh_seed(), c, t, 64, 512, 4224, torch.bfloat16, "cuda")
+
+
+@needs_cuda
+def test_bf16_prefill_chunk() -> None:
+    """A 1024-query prefill chunk whose bias is the model's: a 128-key window and 512 chosen
+    compressed entries of the 256 + 1024 (ring + chunk) rows and 256 entries."""
+    seed = _fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    t, ring, ents = 1024, 128, 256
+    pos = torch.arange(t)[:, None]
+    key_pos = torch.cat([torch.arange(-ring, 0), torch.arange(t)])[None, :]
+    window = (key_pos <= pos) & (key_pos > pos - 128)
+    chosen = torch.rand(t, ents, generator=g) < 0.5
+    chosen &= torch.arange(ents)[None, :] < (pos + 1) // 4
+    hidden = ~torch.cat([window, chosen], 1)
+    bias = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf")).cuda()
+    q = torch.randn(t, 64, 512, generator=g).to("cuda", torch.bfloat16)
+    keys = torch.randn(hidden.shape[1], 512, generator=g).to("cuda", torch.bfloat16)
+    sink = torch.randn(64, generator=g).cuda()
+    _check(sparse_mqa_triton(q, keys, bias, sink), q, keys, bias, sink, seed, tol=2e-2)
 
 
 @needs_cuda

@@ -2,9 +2,13 @@
 
 One program holds a block of ``BH`` heads of one query (their fp32 accumulator stays in
 registers) and streams the shared K = V rows in tiles of ``BLOCK_N``, with an online softmax
-in base 2. Tiles whose bias is all -inf are not skipped: a data-dependent branch around the
+in base 2. Decode (one query per chunk) reads every tile: a data-dependent branch around the
 key load stops Triton from pipelining it, which cost more on an H200 (decode 1.5-2x slower)
-than the skipped tiles saved (causal prefill ~1.2x at best).
+than skipped tiles saved. Chunks of several queries (prefill) see a few hundred live keys
+among thousands (the window plus the selected entries), so there a program takes all heads
+of its query and reads only the tiles where its bias row holds a visible key, from a per-row
+list built before the launch, in one split. Skipping is exact: a hidden tile would leave the
+online-softmax state bit for bit as it was.
 
 The keys are cut into splits of ``split`` rows, a length that depends on N alone. Each split
 runs its own online softmax from an empty state and the split states are merged in split order,
@@ -43,26 +47,48 @@ def _split_state(q, k_base, b_base, stride_kn, stride_bn, n_lo, n_hi, qk_scale,
         offs_n = start + tl.arange(0, BLOCK_N)
         in_n = offs_n < n_hi
         b = tl.load(b_base + offs_n * stride_bn, mask=in_n, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        k_mask = in_n[:, None] & (offs_d[None, :] < D)
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=k_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale + b[None, :]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # A row with every key so far hidden keeps its max at -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            acc = tl.dot(p, k, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
-        m = m_new
+        m, l, acc = _tile(q, k_base, stride_kn, offs_n, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
     return m, l, acc
+
+
+@triton.jit
+def _live_state(q, k_base, b_base, tiles, count, stride_kn, stride_bn, N, qk_scale,
+                BH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Online softmax of ``q`` over the ``count`` tiles listed at ``tiles`` (ascending)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BLOCK_D], tl.float32)
+    for i in range(0, count):
+        offs_n = tl.load(tiles + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = offs_n < N
+        b = tl.load(b_base + offs_n * stride_bn, mask=in_n, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m, l, acc = _tile(q, k_base, stride_kn, offs_n, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
+    return m, l, acc
+
+
+@triton.jit
+def _tile(q, k_base, stride_kn, offs_n, offs_d, in_n, b, m, l, acc, qk_scale, D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One key tile into the online-softmax state (m, l, acc)."""
+    k_mask = in_n[:, None] & (offs_d[None, :] < D)
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=k_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale + b[None, :]
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # A row with every key so far hidden keeps its max at -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        acc = tl.dot(p, k, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
+    return m_new, l, acc
 
 
 @triton.jit
@@ -97,10 +123,10 @@ def _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D: tl.constexpr, 
 
 
 @triton.jit
-def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, out_ptr, T, H, N, split, qk_scale,
+def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, out_ptr, tiles_ptr, count_ptr, T, H, N, split, n_tiles, qk_scale,
                     stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_or, stride_oh,
                     BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                    DOT_FP32: tl.constexpr):
+                    DOT_FP32: tl.constexpr, SKIP: tl.constexpr):
     # Head blocks of one query are neighbours in launch order, so the keys they share stay in L2.
     pid = tl.program_id(0)
     row = (pid // HB).to(tl.int64)  # flattened (leading index, query t); int64: long offsets
@@ -108,13 +134,17 @@ def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, out_ptr, T, H, N, split, qk_s
     q = _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D, D, DOT_FP32)
     k_base = k_ptr + (row // T) * stride_kb
     b_base = b_ptr + row * stride_br
-    m = tl.full([BH], float("-inf"), tl.float32)
-    l = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, BLOCK_D], tl.float32)
-    for n_lo in range(0, N, split):
-        m_s, l_s, acc_s = _split_state(q, k_base, b_base, stride_kn, stride_bn, n_lo, tl.minimum(n_lo + split, N), qk_scale,
-                                       BH, BLOCK_N, BLOCK_D, D, DOT_FP32)
-        m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
+    if SKIP:  # one split; only the row's live tiles
+        m, l, acc = _live_state(q, k_base, b_base, tiles_ptr + row * n_tiles, tl.load(count_ptr + row), stride_kn, stride_bn,
+                                N, qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32)
+    else:
+        m = tl.full([BH], float("-inf"), tl.float32)
+        l = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, BLOCK_D], tl.float32)
+        for n_lo in range(0, N, split):
+            m_s, l_s, acc_s = _split_state(q, k_base, b_base, stride_kn, stride_bn, n_lo, tl.minimum(n_lo + split, N),
+                                           qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32)
+            m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
     _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, stride_oh, offs_h, H, BLOCK_D, D)
 
 
@@ -157,10 +187,13 @@ def _mqa_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, n_splits, stride_o
     _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, stride_oh, offs_h, H, BLOCK_D, D)
 
 
-# Tiling depends on H, d and dtypes alone (never on the number of queries) so that a query's
-# arithmetic is the same in any batch; the split length depends on N alone for the same reason.
-# Chosen on an H200 for decode (bf16, H 64, d 512); prefill would prefer 64 heads per program.
+# Tiling depends on H, d, dtypes and the queries per chunk T (decode or prefill), never on the
+# number of chunks or on other chunks, so that a query's arithmetic is the same in any batch; the
+# split length depends on N alone for the same reason. Decode tiling chosen on an H200 (bf16,
+# H 64, d 512); prefill takes all heads of a query per program so each live tile is read once.
 _BH = 16
+_PREFILL_BH = 64
+_PREFILL_WARPS = 8
 _BLOCK_N = 64
 _MIN_SPLIT = 256
 _MAX_SPLITS = 32
@@ -192,12 +225,16 @@ def sparse_mqa_triton(
     block_n: Optional[int] = None,
     split: Optional[int] = None,
     parallel: Optional[bool] = None,
+    skip: Optional[bool] = None,
+    heads: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> torch.Tensor:
     """``graphs/attention.py::mqa_with_sink`` for q ``[..., T, H, d]``, keys ``[..., N, d]``,
     bias ``[..., T, N]``, sink ``[H]``, written into ``out`` (q's shape and dtype) if given.
 
-    ``block_n``, ``split`` (keys per split) and ``parallel`` (split programs + combine) default
-    to the shape rule; tests set them to reach every path at small sizes."""
+    ``block_n``, ``split`` (keys per split), ``parallel`` (split programs + combine), ``skip``
+    (pass over all -inf tiles), ``heads`` (per program) and ``num_warps`` default to the shape
+    rule; tests and the kernel bench set them to reach every path or compare tilings."""
     *lead, t, h, d = q.shape
     n = keys.shape[-2]
     if list(keys.shape) != [*lead, n, d] or list(bias.shape) != [*lead, t, n] or list(sink.shape) != [h]:
@@ -217,20 +254,30 @@ def sparse_mqa_triton(
 
     if block_n is None:  # double-buffered fp32 tiles of 64 x 512 would overflow shared memory
         block_n = _BLOCK_N if max(q.element_size(), keys.element_size()) <= 2 else _BLOCK_N // 2
+    prefill = t > 1
+    skip = prefill if skip is None else skip
+    if skip:  # one split over the live tiles only; the partials of a parallel run would need the tile lists per split
+        split, parallel = n, False
     split = default_split(n, block_n) if split is None else split
     n_splits = max(1, triton.cdiv(n, split))
-    head_blocks = triton.cdiv(h, _BH)
+    wide = prefill and max(q.element_size(), keys.element_size()) <= 2  # fp32 tiles of 64 heads would spill
+    if heads is None:
+        heads = min(_PREFILL_BH, max(_BH, triton.next_power_of_2(h))) if wide else _BH
+    if num_warps is None:
+        num_warps = _PREFILL_WARPS if wide else _NUM_WARPS
+    head_blocks = triton.cdiv(h, heads)
     if parallel is None:
         parallel = n_splits > 1 and rows * head_blocks <= _PARALLEL_WAVES * _sm_count(q.device)
     block_d = triton.next_power_of_2(d)
-    meta = dict(BH=_BH, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=_NUM_WARPS)
+    meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=num_warps)
     dot_fp32 = _INTERPRET or q.dtype != keys.dtype or q.dtype == torch.float32
     qk_scale = d**-0.5 * _LOG2E
     strides = (q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), b2.stride(0), b2.stride(1))
     if not parallel:
+        tiles, count, n_tiles = _live_tiles(b2, block_n) if skip else (b2, b2, 0)  # unread without SKIP
         _mqa_sequential[(rows * head_blocks,)](
-            q2, k2, b2, sink, o2, t, h, n, split, qk_scale, *strides, o2.stride(0), o2.stride(1),
-            BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta
+            q2, k2, b2, sink, o2, tiles, count, t, h, n, split, n_tiles, qk_scale, *strides, o2.stride(0), o2.stride(1),
+            BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=_NUM_STAGES, **meta
         )
         return out
     m = torch.empty((rows, n_splits, h), dtype=torch.float32, device=q.device)
@@ -242,6 +289,17 @@ def sparse_mqa_triton(
     )
     _mqa_combine[(rows * head_blocks,)](m, l, acc, sink, o2, h, n_splits, o2.stride(0), o2.stride(1), **meta)
     return out
+
+
+def _live_tiles(bias: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per row of ``bias`` ``[R, N]``: the indices of its tiles of ``block_n`` keys that hold a
+    visible key, ascending and packed first (``[R, n_tiles]`` int32), and how many (``[R]``).
+    Device ops only, so the list is rebuilt on every CUDA-graph replay."""
+    n_tiles = triton.cdiv(bias.shape[1], block_n)
+    padded = torch.nn.functional.pad(bias, (0, n_tiles * block_n - bias.shape[1]), value=float("-inf"))
+    live = padded.view(-1, n_tiles, block_n).amax(-1) > float("-inf")
+    tiles = torch.argsort((~live).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return tiles, live.sum(-1, dtype=torch.int32), n_tiles
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

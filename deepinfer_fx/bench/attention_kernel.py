@@ -1,0 +1,108 @@
+"""Sparse MQA at P8 widths: the Triton kernel's tilings against each other and the reference.
+
+    python -m deepinfer_fx.bench.attention_kernel --prefill 4096,16384 --decode 1,64,256
+
+64 heads x 512, one shared K = V head, bf16. The masks are the model's: a prefill chunk of T
+queries from position 0 sees its 128-key window and, in a CSA layer, top-512 of its T/4
+compressed entries (an HCA layer: all T/128); a decode query at context 512 sees its window and
+every compressed entry. Each call runs captured in a CUDA graph. Reported per case and tiling:
+ms and TFLOP/s counted on the live keys only (4 * H * d flops per query and live key: QK and
+PV), the useful work; the shape rule's own tiling is marked ``default``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..graphs.attention import mqa_with_sink
+from ..kernels.triton.attention import sparse_mqa_triton
+from .p8 import run_info, write_result
+from .timing import graph_ms
+
+H, D, WINDOW, TOPK = 64, 512, 128, 512
+
+# prefill tilings to compare with the rule's: (heads per program, warps, keys per tile)
+_PREFILL_TILINGS = [(64, 8, 64), (64, 8, 32), (32, 4, 64), (32, 8, 64), (16, 4, 64)]
+
+
+def prefill_bias(t: int, ratio: int, device: str) -> torch.Tensor:
+    """``[T, ring + T + entries]`` 0 / -inf: window keys (a ring of 128 before the chunk, then the
+    chunk) and the compressed entries, all visible ones (HCA) or a random top-512 of them (CSA)."""
+    pos = torch.arange(t, device=device)[:, None]
+    key_pos = torch.cat([torch.arange(-WINDOW, 0, device=device), torch.arange(t, device=device)])[None, :]
+    window = (key_pos <= pos) & (key_pos > pos - WINDOW)
+    n_ent = t // ratio
+    visible = torch.arange(n_ent, device=device)[None, :] < (pos + 1) // ratio
+    if ratio == 4:  # the indexer keeps 512 of the visible entries: random scores, top 512
+        scores = torch.rand(t, n_ent, device=device).masked_fill(~visible, -1.0)
+        top = scores.topk(min(TOPK, n_ent), dim=-1).indices
+        visible = torch.zeros_like(visible).scatter_(-1, top, True) & visible
+    live = torch.cat([window, visible], 1)
+    return torch.zeros(live.shape, device=device).masked_fill(~live, float("-inf"))
+
+
+def _case(bias: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    t, n = bias.shape[-2:]
+    q = torch.randn(*lead, t, H, D, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(*lead, n, D, device="cuda", dtype=torch.bfloat16)
+    sink = torch.randn(H, device="cuda")
+    return q, keys, bias.expand(*lead, t, n).contiguous(), sink
+
+
+def _time(q, keys, bias, sink, iters: int, **kw) -> tuple[float, float]:
+    out = torch.empty_like(q)
+    ms = graph_ms(lambda: sparse_mqa_triton(q, keys, bias, sink, out=out, **kw), iters)
+    rows = slice(-256, None)  # the reference materialises [T, H, N] logits: check the last queries only
+    ref = mqa_with_sink.reference(q[..., rows, :, :], keys, bias[..., rows, :], sink).float()
+    err = ((out[..., rows, :, :].float() - ref).abs().max() / ref.abs().max()).item()
+    return ms, err
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill", default="4096", help="chunk lengths, comma-separated")
+    ap.add_argument("--decode", default="1,64", help="batch sizes at context 512, comma-separated")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    result = {**run_info(argv), "heads": H, "head_dim": D, "prefill": [], "decode": []}
+
+    for t in [int(x) for x in args.prefill.split(",") if x]:
+        for ratio, layer in ((4, "CSA"), (128, "HCA")):
+            bias = prefill_bias(t, ratio, "cuda")
+            live = int((bias == 0).sum())
+            q, keys, bias, sink = _case(bias, ())
+            flops = 4 * H * D * live
+            for tiling in [None, *_PREFILL_TILINGS]:
+                kw = {} if tiling is None else dict(heads=tiling[0], num_warps=tiling[1], block_n=tiling[2])
+                try:
+                    ms, err = _time(q, keys, bias, sink, args.iters, **kw)
+                except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal
+                    print(f"prefill T={t} {layer} {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                row = {"tokens": t, "layer": layer, "tiling": "default" if tiling is None else list(tiling),
+                       "live_keys_per_query": round(live / t, 1), "ms": round(ms, 3),
+                       "TFLOPs_live": round(flops / ms / 1e9, 1), "max_rel_err": round(err, 4)}
+                result["prefill"].append(row)
+                print(row, flush=True)
+            del q, keys, bias
+            write_result("attention_kernel", result, args.out)
+
+    for b in [int(x) for x in args.decode.split(",") if x]:
+        n = WINDOW + 512 // 4  # the window ring and every entry of a 512-token CSA context
+        bias = torch.zeros(1, n, device="cuda")
+        q, keys, bias, sink = _case(bias, (b,))
+        ms, err = _time(q, keys, bias, sink, args.iters * 20)
+        kv_bytes = keys.numel() * keys.element_size()
+        row = {"batch": b, "keys": n, "ms": round(ms, 4), "kv_TBps": round(kv_bytes / ms / 1e9, 3), "max_rel_err": round(err, 4)}
+        result["decode"].append(row)
+        print(row, flush=True)
+    write_result("attention_kernel", result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
