@@ -42,11 +42,14 @@ def load_model(
     device: str | torch.device = "cpu",
     fake_quant: bool | None = None,
     experts: Callable | None = None,
+    expert_format: str | None = None,
 ) -> Model:
     """Load a checkpoint directory (or hub repo id; ``None`` reads ``DEEPINFER_HF_MODEL_DIR``).
     ``fake_quant`` switches the official fake-quant points (default: on). ``experts`` maps a
-    stacked expert spec to the expert ids to load (an EP rank's share); default all."""
-    c, params, model_dir = load_checkpoint(path, dtype, device, fake_quant, experts)
+    stacked expert spec to the expert ids to load (an EP rank's share); default all.
+    ``expert_format`` ("auto", "fp8", "dequant"; None reads ``DEEPINFER_EXPERT_FORMAT``, default
+    auto): whether block-FP8 routed experts stay fp8 with fp32 block scales (auto: on CUDA)."""
+    c, params, model_dir = load_checkpoint(path, dtype, device, fake_quant, experts, expert_format)
     return Model(c, params, model_dir)
 
 

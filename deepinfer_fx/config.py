@@ -93,6 +93,9 @@ class ModelConfig:
     # The official reference's QAT fake-quant points (spec §2.3, §3.3, §3.5). HF transformers'
     # V4 leaves them out, so HF parity runs with this off; real checkpoints were trained with it on.
     fake_quant: bool = True
+    # Routed experts held as the checkpoint stores them, float8_e4m3fn with fp32 block scales
+    # (``*_scale`` params, fp8_block), instead of dequantised: load_model's expert_format decides.
+    fp8_experts: bool = False
 
     # ---- V4.1 only (spec §1.2). The defaults describe "absent", so V4 configs are unchanged.
     # CSA2 sharing: KV sources own a compressor + compressed cache (and the index keys); index

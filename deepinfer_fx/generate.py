@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--no-fake-quant", action="store_true", help="skip the official fake-quant points")
+    e.add_argument("--expert-format", choices=["auto", "fp8", "dequant"], default=None,
+                   help="block-FP8 routed experts: keep fp8 or dequantise on load (default: DEEPINFER_EXPERT_FORMAT, auto = fp8 on CUDA)")
     return ap
 
 
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             inductor=False if args.no_inductor else None, dump_graphs=args.dump_graphs, disable_passes=args.disable_passes,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, seed=args.seed, mesh=args.mesh,
-            fake_quant=False if args.no_fake_quant else None,
+            fake_quant=False if args.no_fake_quant else None, expert_format=args.expert_format,
         )
         outs = llm.generate(prompts, params, use_tqdm=True)
     except (CheckpointError, FileNotFoundError, ValueError) as e:

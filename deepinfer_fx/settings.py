@@ -79,6 +79,11 @@ VARIABLES: dict[str, Var] = {
     f"{PREFIX}DISABLE_PASSES": Var("disable_passes", _text, "", "comma-separated pass names", "graph passes switched off"),
     f"{PREFIX}TOPOLOGY_FILE": Var("topology_file", _text, None, "a JSON file", "hardware description for expert placement"),
     f"{PREFIX}DEMO_DIR": Var("demo_dir", _text, None, "a directory", "where the built-in demo model is written"),
+    f"{PREFIX}EXPERT_FORMAT": Var(
+        "expert_format", _choice("auto", "fp8", "dequant"), "auto", "auto, fp8 or dequant",
+        "routed experts of block-FP8 checkpoints: fp8 keeps them as stored, dequant converts them to the model dtype "
+        "on load, auto keeps them on CUDA only; MXFP4 experts are always dequantised",
+    ),
 }
 
 
@@ -92,6 +97,18 @@ def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
         return var.parse(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is invalid: expected {var.allowed} ({var.doc})") from None
+
+
+def argument(name: str, value: str | None) -> Any:
+    """An API argument that stands for variable ``name`` (``load_model(expert_format=...)``): None
+    reads the variable; a value goes through the same parser, so both refuse alike."""
+    if value is None:
+        return setting(name)
+    var = VARIABLES[name]
+    try:
+        return var.parse(str(value))
+    except ValueError:
+        raise ValueError(f"{var.field}={value!r} is invalid: expected {var.allowed} ({var.doc})") from None
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,7 @@ class EngineConfig:
     disable_passes: str = ""
     topology_file: str | None = None
     demo_dir: str | None = None
+    expert_format: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "EngineConfig":

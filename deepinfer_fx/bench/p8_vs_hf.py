@@ -65,6 +65,12 @@ def hf_decode_ms(hf, batch: int, context: int, steps: int, vocab: int) -> float:
     return timed(step, steps) * 1e3
 
 
+def _compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Logits ``a`` against the reference ``b``: max difference relative to b's max, argmax agreement."""
+    return {"max_rel_diff": round(((a - b).abs().max() / b.abs().max()).item(), 4),
+            "argmax_agree": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4)}
+
+
 def _print_kernels(kernels: list[dict], top: int = 12) -> None:
     for r in kernels[:top]:
         print(f"   {r['us']:9.1f} us {r['launches']:5d}x {100 * r['share']:5.1f}%  {r['kernel'][:90]}")
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the peer (our engine and the roofline only)")
     ap.add_argument("--random-weights", action="store_true", help="our own random init, no HF model at all (fast set-up; implies --no-hf)")
+    ap.add_argument("--check-fp32", action="store_true", help="also compare both engines with HF run in fp32 (the bf16 noise floor)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     segments = set(args.segments.split(","))
@@ -119,8 +126,12 @@ def main(argv: list[str] | None = None) -> dict:
             model = load_model(tmp, dtype=torch.bfloat16, device="cuda", fake_quant=False)
         ids = torch.randint(3, model.config.vocab_size, (64,), device="cuda")
         ours, theirs = logits(model, ids), hf(input_ids=ids[None]).logits[0].float()
-        check = {"max_rel_diff": ((ours - theirs).abs().max() / theirs.abs().max()).item(),
-                 "argmax_agree": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()}
+        check = _compare(ours, theirs)
+        if args.check_fp32:  # the bf16 noise floor: both engines against HF run in fp32 on the same weights
+            hf.float()
+            exact = hf(input_ids=ids[None]).logits[0].float()
+            hf.to(torch.bfloat16)  # bf16 -> fp32 -> bf16 is exact: the timed model is unchanged
+            check = {"ours_vs_hf_bf16": check, "ours_vs_hf_fp32": _compare(ours, exact), "hf_bf16_vs_hf_fp32": _compare(theirs, exact)}
         if args.no_hf:
             hf = None
     c = model.config

@@ -52,13 +52,15 @@ class LLM:
         inductor: bool | None = None,
         dump_graphs: str | os.PathLike | None = None,
         disable_passes: str | Seq[str] | None = None,
+        expert_format: str | None = None,
     ) -> None:
         """``eager``: None compiles the steps on GPUs and runs them eagerly on the CPU (there the
         compile time outweighs the gain); True never compiles; False always does. Compiled runs
         take ``cuda_graphs`` (default: on where the device has graphs; decode replays them),
         ``inductor`` (default: on GPUs; off = our passes on aot_eager), ``dump_graphs`` (a
         directory for every graph's stages) and ``disable_passes`` (names, or comma-separated;
-        added to ``DEEPINFER_DISABLE_PASSES``)."""
+        added to ``DEEPINFER_DISABLE_PASSES``). ``expert_format``: as in ``load_model`` (default
+        ``DEEPINFER_EXPERT_FORMAT``, auto: block-FP8 routed experts stay fp8 on CUDA)."""
         self.settings = EngineConfig.from_env()
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
         if self.engine_type is not EngineType.NORMAL and state_dir is None:
@@ -83,7 +85,8 @@ class LLM:
                 model = demo_model_dir()
             if model is None and not self.settings.hf_model_dir:
                 raise ValueError(f"no model given: pass LLM(model=path or hub id), set {ENV_MODEL_DIR}, or use model='demo'")
-            self.model = load_model(model, dtype=dtype, device=device, fake_quant=fake_quant, experts=self.ranks.experts())
+            self.model = load_model(model, dtype=dtype, device=device, fake_quant=fake_quant, experts=self.ranks.experts(),
+                                    expert_format=expert_format)
         c = self.model.config
         self.tokenizer = None
         if self.model.path is not None and (Path(self.model.path) / "tokenizer.json").exists():

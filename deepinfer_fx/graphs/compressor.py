@@ -8,6 +8,8 @@ An entry exists once its window is complete; its RoPE position is the window's f
 Everything is per group of chunks ``[C, L]`` with tensor starts and lengths: a chunk of L
 tokens completes at most ``L // ratio + 1`` windows, at rows fixed by ``start % ratio``, so the
 pooling has a static shape; windows that do not complete are written to the scratch slot.
+The pooling after the projections (ring update, window gather, gate softmax, RMSNorm) is the
+swap place ``compressor.pool_windows``, so a fused kernel can stand in for it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .batch import Group
 from .norm import linear_fp32, rms_norm
 from .rope import apply_rope, cos_sin
 from .state import write_rows
+from .swap import swappable
 
 
 def new_latents(
@@ -30,41 +33,68 @@ def new_latents(
     ``w`` ``[C, n]``, whether they complete ``[C, n]``, and their normed, not yet rotated latents
     ``[C, n, dim]`` (zeros where they do not complete). Without ``wgate`` (V4.1 ratio 1) every
     token is its own window."""
-    pos = g.positions
     kv = linear_fp32(x, p["wkv"])
-    gate = linear_fp32(x, p["wgate"]) if "wgate" in p else torch.zeros_like(kv)
-    if "ape" in p:
-        gate = gate + p["ape"].float()[torch.remainder(pos, ratio)]
+    gate = None
+    if "wgate" in p:
+        gate = linear_fp32(x, p["wgate"])
+        if "ape" in p:
+            gate = gate + p["ape"].float()[torch.remainder(g.positions, ratio)]
+    return pool_windows(kv, gate, st["rows_kv"], st["rows_gate"], g.slots, g.starts, g.lens, p["norm"], ratio, overlap, eps)
 
-    ring = st["rows_kv"].shape[1]
-    before_kv, before_gate = st["rows_kv"][g.slots], st["rows_gate"][g.slots]  # read before the write
-    write = g.valid & (pos >= g.ends[:, None] - ring)
-    write_rows(st["rows_kv"], g.slots, torch.remainder(pos, ring), kv, write)
-    write_rows(st["rows_gate"], g.slots, torch.remainder(pos, ring), gate, write)
+
+@swappable
+def pool_windows(
+    kv: torch.Tensor,
+    gate: torch.Tensor | None,
+    rows_kv: torch.Tensor,
+    rows_gate: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    norm: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pooling after the projections: the chunks' projected rows ``kv`` / ``gate``
+    ``[C, L, width]`` (fp32; no gate: flat gates) go into the row ring ``rows_kv`` / ``rows_gate``
+    ``[slots + 1, ring, width]`` of each chunk's slot, after the windows have read the rows
+    from before the chunk. Returns ``new_latents``' ``(w, complete, latents)``. A swap place:
+    on NVIDIA one kernel does all of it (``kernels/triton/compressor.py``)."""
+    if gate is None:
+        gate = torch.zeros_like(kv)
+    L = kv.shape[1]
+    pos = starts[:, None] + torch.arange(L, device=kv.device)
+    valid = torch.arange(L, device=kv.device) < lens[:, None]
+    ring = rows_kv.shape[1]
+    before_kv, before_gate = rows_kv[slots], rows_gate[slots]  # read before the write
+    write = valid & (pos >= (starts + lens)[:, None] - ring)
+    write_rows(rows_kv, slots, torch.remainder(pos, ring), kv, write)
+    write_rows(rows_gate, slots, torch.remainder(pos, ring), gate, write)
 
     # The rows of each chunk that would close a window, and the rows each window pools: from
     # the chunk itself at or after its start, from the ring before it, nothing before position 0.
-    start = g.starts[:, None]
-    n = x.shape[1] // ratio + 1
-    close = (ratio - 1 - torch.remainder(start, ratio)) + ratio * torch.arange(n, device=x.device)  # [C, n]
-    complete = close < g.lens[:, None]
+    start = starts[:, None]
+    n = L // ratio + 1
+    close = (ratio - 1 - torch.remainder(start, ratio)) + ratio * torch.arange(n, device=kv.device)  # [C, n]
+    complete = close < lens[:, None]
     w = torch.div(start + close, ratio, rounding_mode="floor")
-    r = (w * ratio - (ratio if overlap else 0))[..., None] + torch.arange(ring, device=x.device)  # [C, n, ring]
+    r = (w * ratio - (ratio if overlap else 0))[..., None] + torch.arange(ring, device=kv.device)  # [C, n, ring]
     src = torch.where(r >= start[..., None], ring + r - start[..., None], torch.remainder(r, ring))
-    src = src.clamp(max=ring + x.shape[1] - 1)
-    c_idx = torch.arange(x.shape[0], device=x.device)[:, None, None]
+    src = src.clamp(max=ring + L - 1)
+    c_idx = torch.arange(kv.shape[0], device=kv.device)[:, None, None]
     use = ((r >= 0) & complete[..., None])[..., None]
-    rows_kv = torch.where(use, torch.cat([before_kv, kv], 1)[c_idx, src], 0.0)
+    pooled_kv = torch.where(use, torch.cat([before_kv, kv], 1)[c_idx, src], 0.0)
     # windows that do not complete pool zeros with flat gates: finite, and never stored
     fill = torch.where(complete, float("-inf"), 0.0)[..., None, None]
-    rows_gate = torch.where(use, torch.cat([before_gate, gate], 1)[c_idx, src], fill)
+    pooled_gate = torch.where(use, torch.cat([before_gate, gate], 1)[c_idx, src], fill)
 
-    dim = p["norm"].shape[0]
+    dim = norm.shape[0]
     if overlap:  # slots: A halves of the previous window, then B halves of this one
-        rows_kv = torch.cat([rows_kv[..., :ratio, :dim], rows_kv[..., ratio:, dim:]], dim=-2)
-        rows_gate = torch.cat([rows_gate[..., :ratio, :dim], rows_gate[..., ratio:, dim:]], dim=-2)
-    pooled = (rows_kv * torch.softmax(rows_gate, dim=-2)).sum(-2)
-    return w, complete, rms_norm(pooled, p["norm"], eps)
+        pooled_kv = torch.cat([pooled_kv[..., :ratio, :dim], pooled_kv[..., ratio:, dim:]], dim=-2)
+        pooled_gate = torch.cat([pooled_gate[..., :ratio, :dim], pooled_gate[..., ratio:, dim:]], dim=-2)
+    pooled = (pooled_kv * torch.softmax(pooled_gate, dim=-2)).sum(-2)
+    return w, complete, rms_norm(pooled, norm, eps)
 
 
 def store_entries(entries: torch.Tensor, g: Group, w: torch.Tensor, complete: torch.Tensor, values: torch.Tensor) -> None:

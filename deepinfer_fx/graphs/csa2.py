@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from . import fake_quant as fq
 from .batch import Group
 from .compressor import entry_rope, new_latents, store_entries, visible_entries
+from .indexer import index_scores
 from .norm import linear, linear_fp32, rms_norm
 from .rope import apply_rope, cos_sin
 
@@ -52,11 +53,9 @@ def _select(p: dict, c: ModelConfig, keys: torch.Tensor, x, q_r, q_pos, layer: i
     q = linear(q_r, ip["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = fq.index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(x, ip["weights_proj"]) * c.index_n_heads**-0.5
-    dots = torch.relu(torch.einsum("...thd,...nd->...thn", q.float(), keys.float())) * c.index_head_dim**-0.5
-    scores = (dots * head_w[..., None]).sum(-2)
     n = keys.shape[-2]
     visible = visible_entries(q_pos, n, ratio)
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = index_scores(q, keys, head_w, visible, c.index_head_dim**-0.5)
     if c.is_candidate_source(layer):
         n_vis = torch.div(q_pos + 1, ratio, rounding_mode="floor").clamp(max=n)
         group_ctx["candidates"] = candidate_blocks(scores, n_vis, c.candidate_topk_blocks, c.candidate_block_size)

@@ -14,6 +14,7 @@ from .compressor import compress, visible_entries
 from .fake_quant import index_vector
 from .norm import linear, linear_fp32
 from .rope import apply_rope, cos_sin
+from .swap import swappable
 
 
 def select_entries(
@@ -38,14 +39,23 @@ def select_entries(
     return score_topk(q, keys, head_w, visible_entries(q_pos, keys.shape[-2], ratio), c.index_topk)
 
 
+@swappable
 def score_topk(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     """Per query the ``k`` visible entries with the highest ``sum_h head_w[t,h] relu(q[t,h] . keys[n])``
     (q ``[..., T, Hi, di]``, keys ``[..., N, di]``, head_w ``[..., T, Hi]``): a bool ``[..., T, N]``."""
     n = visible.shape[-1]
     if n == 0 or k <= 0:
         return torch.zeros_like(visible)
-    dots = torch.relu(torch.einsum("...thd,...nd->...thn", q.float(), keys.float()))
-    scores = (dots * head_w.float()[..., None]).sum(-2).masked_fill(~visible, float("-inf"))
+    scores = index_scores(q, keys, head_w, visible, 1.0)
     top = scores.topk(min(k, n), dim=-1).indices
     # fewer than k visible: topk also returns masked entries; drop them
     return torch.zeros_like(visible).scatter_(-1, top, True) & visible
+
+
+@swappable
+def index_scores(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float) -> torch.Tensor:
+    """fp32 ``[..., T, N]``: ``sum_h head_w[t,h] * dot_scale * relu(q[t,h] . keys[n])`` where
+    ``visible``, -inf elsewhere. V4 folds its whole scale into ``head_w`` (``dot_scale`` 1);
+    V4.1 (``csa2.py``) applies ``index_head_dim**-0.5`` after the ReLU, in this order."""
+    dots = torch.relu(torch.einsum("...thd,...nd->...thn", q.float(), keys.float())) * dot_scale
+    return (dots * head_w.float()[..., None]).sum(-2).masked_fill(~visible, float("-inf"))

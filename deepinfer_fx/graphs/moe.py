@@ -7,8 +7,18 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..io.quant import dequant_fp8_block, fp8_block_of
 from .norm import linear, linear_fp32
+from .params import scale_path
 from .swap import swappable
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+def fp8_held(p: dict) -> bool:
+    """Whether routed experts ``p`` are held as stored, float8_e4m3fn with fp32 block scales
+    (``load_model(..., expert_format=...)``), rather than dequantised."""
+    return scale_path("w1") in p
 
 
 def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -51,7 +61,12 @@ def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w:
     """Routed experts as grouped GEMMs over the (token, k) pairs sorted by expert. Static shapes
     and no host synchronisation, so the same code runs eagerly, compiled and in CUDA graphs.
     The routing weight scales the hidden activation before w2, as the official reference does;
-    each token's k results are summed in a fixed order (no atomics: batch-invariant)."""
+    each token's k results are summed in a fixed order (no atomics: batch-invariant). Experts
+    held in fp8 are dequantised to the activation dtype on every call, the values a load with
+    ``expert_format="dequant"`` holds; compiled steps run the fp8 kernel instead (``MoEExpertsSwap``)."""
+    if fp8_held(p):
+        p = {n: dequant_fp8_block(p[n], p[scale_path(n)], fp8_block_of(p[n].shape, p[scale_path(n)].shape), x.dtype)
+             for n in EXPERT_WEIGHTS}
     t, k = idx.shape
     n_exp = p["w1"].shape[0]
     flat = idx.reshape(-1)

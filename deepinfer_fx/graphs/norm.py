@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .swap import swappable
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``w * x / rms(x)`` over the last dim, computed in fp32 and cast back to x's dtype.
@@ -15,18 +17,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` in x's dtype (weights are stored [out, in], as in the checkpoints)."""
-    return x @ w.to(x.dtype).T
+@swappable
+def project(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    """``x @ w.T`` for a weight stored [out, in], as in the checkpoints: in x's dtype (``w`` cast
+    to it), or accumulated and returned in fp32. Every dense projection of the model goes through
+    here, so this one place (``norm.project``) is where a GEMM kernel for decode-sized calls
+    stands in (``passes/swaps.py``).
 
-
-def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` accumulated and returned in fp32: the router, compressor and indexer-weight
-    projections and the LM head. With bf16 operands on CUDA the tensor cores multiply them
-    directly into an fp32 result (``mm`` with ``out_dtype``) instead of casting a weight copy to
-    fp32 every step (2 GiB per step for the head); the products are exact either way, only the
-    accumulation order differs. Elsewhere (CPU, fp32 operands) the operands are cast up."""
+    fp32 results: with bf16 operands on CUDA the tensor cores multiply them directly into an
+    fp32 result (``mm`` with ``out_dtype``) instead of casting a weight copy to fp32 every step
+    (2 GiB per step for the head); the products are exact either way, only the accumulation
+    order differs. Elsewhere (CPU, fp32 operands) the operands are cast up."""
+    if not out_fp32:
+        return x @ w.to(x.dtype).T
     if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
         flat = x.reshape(-1, x.shape[-1])
         return torch.mm(flat, w.T, out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
     return x.float() @ w.float().T
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in x's dtype."""
+    return project(x, w, False)
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` accumulated and returned in fp32: the router, compressor and indexer-weight
+    projections and the LM head."""
+    return project(x, w, True)

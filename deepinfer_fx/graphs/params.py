@@ -27,6 +27,9 @@ class ParamSpec:
     fp32: bool = False  # kept in float32 whatever the activation dtype (mHC, sinks, biases, ape)
     quant: str | None = None  # checkpoint storage: "fp8" (block), "fp4" (MXFP4) or None
     integer: bool = False
+    # Held in memory as stored rather than dequantised: "fp8" (a float8_e4m3fn weight, whose fp32
+    # block scales are the spec at ``scale_path(path)``) or "fp8_scale" (those scales).
+    held: str | None = None
 
     @property
     def numel(self) -> int:
@@ -35,6 +38,19 @@ class ParamSpec:
     @property
     def stacked(self) -> bool:
         return "{e}" in self.key
+
+    def dtype(self, run: torch.dtype) -> torch.dtype:
+        """The tensor's dtype in a tree whose activations are ``run``."""
+        if self.integer:
+            return torch.long
+        if self.held == "fp8":
+            return torch.float8_e4m3fn
+        return torch.float32 if self.fp32 else run
+
+
+def scale_path(path: str) -> str:
+    """The tree path of the block scales of a weight held in fp8 (``...experts.w1_scale``)."""
+    return f"{path}_scale"
 
 
 def _linear(path: str, out: int, inp: int, axes: tuple[str | None, str | None], quant: str | None) -> ParamSpec:
@@ -155,10 +171,17 @@ def _moe(prefix: str, c: ModelConfig, hashed: bool) -> list[ParamSpec]:
         )
     else:
         specs.append(ParamSpec(f"{f}.gate.bias", f"{f}.gate.bias", (e,), ("experts",), init="zeros", fp32=True))
+    if c.fp8_experts and c.fp8_block is None:
+        raise ValueError("fp8_experts needs fp8_block: the block scales' grid is unknown")
     for w, shape, axes in (("w1", (e, i, d), ("experts", "expert_mlp", "embed")),
                            ("w3", (e, i, d), ("experts", "expert_mlp", "embed")),
                            ("w2", (e, d, i), ("experts", "embed", "expert_mlp"))):
-        specs.append(ParamSpec(f"{f}.experts.{w}", f"{f}.experts.{{e}}.{w}.weight", shape, axes, quant=xq))
+        path = f"{f}.experts.{w}"
+        specs.append(ParamSpec(path, f"{f}.experts.{{e}}.{w}.weight", shape, axes, quant=xq, held="fp8" if c.fp8_experts else None))
+        if c.fp8_experts:  # the scales shard with their experts and move with them
+            grid = (e, -(-shape[1] // c.fp8_block), -(-shape[2] // c.fp8_block))
+            specs.append(ParamSpec(scale_path(path), f"{f}.experts.{{e}}.{w}.scale", grid, (axes[0], None, None),
+                                   fp32=True, held="fp8_scale"))
     si = i * c.n_shared_experts
     specs += [
         _linear(f"{f}.shared_experts.w1", si, d, ("mlp", "embed"), "fp8"),
@@ -264,8 +287,9 @@ def param_specs(c: ModelConfig, mtp: bool = True) -> list[ParamSpec]:
 def count_params(c: ModelConfig, mtp: bool = False, engram: bool = False) -> int:
     """Parameters of a config, counted from the specs without allocating. The draft layers
     (``mtp.*``) and V4.1's Engram tables are left out unless asked for: the published
-    backbone sizes count neither."""
-    return sum(s.numel for s in param_specs(c, mtp=mtp) if engram or ".engram." not in s.path)
+    backbone sizes count neither. Block scales of weights held in fp8 are not parameters."""
+    return sum(s.numel for s in param_specs(c, mtp=mtp)
+               if (engram or ".engram." not in s.path) and s.held != "fp8_scale")
 
 
 # --- trees -------------------------------------------------------------------------------------

@@ -5,17 +5,29 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..io.quant import quant_fp8_block, ue8m0_to_float
 from .engram import EngramTable
-from .params import build_tree, init_param, param_specs
+from .params import build_tree, init_param, param_specs, scale_path
 
 
 def random_flat(
     c: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, mtp: bool = True, device=None
 ) -> dict[str, torch.Tensor]:
     """Flat ``{tree path: tensor}`` with every parameter drawn from one seeded generator on
-    ``device`` (a GPU draws benchmark-sized models in seconds; values differ from the CPU's)."""
+    ``device`` (a GPU draws benchmark-sized models in seconds; values differ from the CPU's).
+    Weights held in fp8 are the block quantisation of the value drawn in ``dtype``, so the
+    generator draws the same values as for the dequantised config."""
     gen = torch.Generator(device=device or "cpu").manual_seed(seed)
-    return {s.path: init_param(s, gen, dtype, c.n_routed_experts) for s in param_specs(c, mtp=mtp)}
+    flat: dict[str, torch.Tensor] = {}
+    for s in param_specs(c, mtp=mtp):
+        if s.held == "fp8_scale":
+            continue  # made with its weight
+        value = init_param(s, gen, dtype, c.n_routed_experts)
+        if s.held == "fp8":
+            value, scale = quant_fp8_block(value, c.fp8_block)
+            flat[scale_path(s.path)] = ue8m0_to_float(scale)
+        flat[s.path] = value
+    return flat
 
 
 def random_params(c: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True) -> dict:

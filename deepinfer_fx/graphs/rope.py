@@ -13,6 +13,7 @@ from functools import lru_cache
 import torch
 
 from ..config import ModelConfig, Yarn
+from .swap import swappable
 
 
 @lru_cache(maxsize=32)
@@ -43,6 +44,7 @@ def inv_freq(c: ModelConfig, compressed: bool, device: torch.device | str | None
     return table(c.rope_dim, c.rope_theta, None, device)
 
 
+@swappable
 def cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 tables ``[*positions.shape, rope_dim // 2]``."""
     angles = positions.float()[..., None] * freq.to(positions.device)

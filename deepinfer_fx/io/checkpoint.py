@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_fx.io.quant import dequant_fp8_block, dequant_mxfp4
+from deepinfer_fx.io.quant import dequant_fp8_block, dequant_mxfp4, ue8m0_to_float
 from deepinfer_fx.settings import setting
 
 ENV_MODEL_DIR = "DEEPINFER_HF_MODEL_DIR"
@@ -315,13 +315,34 @@ class CheckpointReader:
 
     def get(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Read (and dequantise) a tensor; integer tensors come back as int64."""
-        e = self._entry(key)
-        w = self._read(e.src, None if e.chunk is None else (e.chunk[0], slice(*e.chunk[1:])))
-        if e.scale is not None:
-            return self._dequant(key, w, self._read(e.scale), dtype)
+        w, scale = self._stored(key)
+        if scale is not None:
+            return self._dequant(key, w, scale, dtype)
         if not w.dtype.is_floating_point:
             return w.to(torch.int64)  # index tables such as tid2eid; dtype is for weights
         return w.to(dtype)
+
+    def get_fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block-FP8 weight as stored, for kernels that dequantise tile by tile: float8_e4m3fn
+        ``[N, K]`` and its scales (ue8m0 or float on disk) as fp32 ``[ceil(N/b), ceil(K/b)]``."""
+        w, scale = self._stored(key)
+        if scale is None or w.dtype != torch.float8_e4m3fn:
+            what = "no scale" if scale is None else "a scale"
+            raise CheckpointError(f"{self.location(key)}: '{key}' is {w.dtype} with {what}, not a block-FP8 weight")
+        self._fp8_block(key, w, scale)
+        return w, ue8m0_to_float(scale)
+
+    def _stored(self, key: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor of ``key`` as stored and its quantisation scale (None: not quantised)."""
+        e = self._entry(key)
+        w = self._read(e.src, None if e.chunk is None else (e.chunk[0], slice(*e.chunk[1:])))
+        if e.scale is None:
+            return w, None
+        scale = self._read(e.scale)
+        if w.dim() != 2 or scale.dim() != 2:
+            raise CheckpointError(f"{self.location(key)}: quantised weight {list(w.shape)} and its scale "
+                                  f"{list(scale.shape)} must both be 2-D")
+        return w, scale
 
     def _read(self, t: _Stored, index: tuple[Any, ...] | None = None) -> torch.Tensor:
         try:
@@ -333,19 +354,25 @@ class CheckpointReader:
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"{t.shard}: cannot read tensor '{t.name}' ({type(exc).__name__}: {exc})") from exc
 
+    def _fp8_block(self, key: str, w: torch.Tensor, scale: torch.Tensor) -> int:
+        """The block that tiles FP8 weight ``key`` onto its scale grid, or an error naming both."""
+        ws, ss = list(w.shape), list(scale.shape)
+        # An explicit fp8_block is checked, not trusted; otherwise take the largest
+        # block that tiles the weight onto the scale grid (ties give equal results).
+        blocks = _FP8_BLOCKS if self.fp8_block is None else (self.fp8_block,)
+        fits = [b for b in blocks if [math.ceil(ws[0] / b), math.ceil(ws[1] / b)] == ss]
+        if not fits:
+            b = self.fp8_block
+            fix = "pass fp8_block" if b is None else (
+                f"fp8_block={b} is wrong or the shard is damaged (block {b} needs scale "
+                f"{[math.ceil(ws[0] / b), math.ceil(ws[1] / b)]})")
+            raise CheckpointError(f"{self.location(key)}: FP8 scale {ss} of '{key}' does not tile weight {ws}; {fix}")
+        return fits[0]
+
     def _dequant(self, key: str, w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         where, ws, ss = self.location(key), list(w.shape), list(scale.shape)
-        if w.dim() != 2 or scale.dim() != 2:
-            raise CheckpointError(f"{where}: quantised weight {ws} and its scale {ss} must both be 2-D")
         if w.dtype == torch.float8_e4m3fn:
-            # An explicit fp8_block is checked, not trusted; otherwise take the largest
-            # block that tiles the weight onto the scale grid (ties give equal results).
-            blocks = _FP8_BLOCKS if self.fp8_block is None else (self.fp8_block,)
-            fits = [b for b in blocks if [math.ceil(ws[0] / b), math.ceil(ws[1] / b)] == ss]
-            if not fits:
-                fix = "pass fp8_block" if self.fp8_block is None else f"fp8_block={self.fp8_block} is wrong"
-                raise CheckpointError(f"{where}: FP8 scale {ss} does not tile weight {ws}; {fix}")
-            return dequant_fp8_block(w, scale, fits[0], dtype)
+            return dequant_fp8_block(w, scale, self._fp8_block(key, w, scale), dtype)
         if w.dtype in (torch.int8, torch.uint8):
             if ss != [ws[0], ws[1] // 16] or ws[1] % 16:
                 raise CheckpointError(f"{where}: packed FP4 weight {ws} needs scale [N, K/32] = [{ws[0]}, "

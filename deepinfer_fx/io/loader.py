@@ -1,8 +1,9 @@
 """Checkpoint -> parameter tree, driven by the parameter specs.
 
 Each spec names the tensor it needs; the reader finds it under any of the accepted key
-spellings and dequantises it. Shapes are checked against the config before any data is read,
-so a checkpoint that does not match its config fails at once with the file and tensor named.
+spellings and dequantises it (routed experts held in fp8, ``holds_fp8_experts``, come as stored
+with their block scales). Shapes are checked against the config before any data is read, so a
+checkpoint that does not match its config fails at once with the file and tensor named.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import ModelConfig, load_config
-from ..graphs.params import ParamSpec, backbone_specs, build_tree, mtp_specs
+from ..graphs.params import ParamSpec, backbone_specs, build_tree, mtp_specs, scale_path
 from ..graphs.engram import EngramTable
 from ..graphs.engram_hash import compressed_vocab
+from ..settings import argument
 from .checkpoint import CheckpointError, CheckpointReader, resolve_model_dir
 from .tokenizer import load_tokenizer
 
-
+EXPERT_FORMAT = "DEEPINFER_EXPERT_FORMAT"
 ExpertIds = Callable[[ParamSpec], Sequence[int]]
 
 
@@ -27,14 +29,15 @@ def _expected(spec: ParamSpec) -> tuple[int, ...]:
     return spec.shape[1:] if spec.stacked else spec.shape
 
 
-def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, device, experts: ExpertIds | None = None):
+def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, device, experts: ExpertIds | None = None) -> dict:
+    """``{tree path: value}`` of one spec; a weight held in fp8 brings its scales along."""
     if spec.quant == "engram":  # ~98 GB tables: memory-mapped, rows read on lookup
         if tuple(reader.shape(spec.key)) != spec.shape:
             raise CheckpointError(
                 f"{reader.location(spec.key)}: tensor '{spec.key}' has shape {list(reader.shape(spec.key))}, the config expects {list(spec.shape)}"
             )
         scale = spec.key[: -len(".weight")] + ".scale"
-        return EngramTable.from_checkpoint(reader, spec.key, scale if _has_raw(reader, scale) else None)
+        return {spec.path: EngramTable.from_checkpoint(reader, spec.key, scale if _has_raw(reader, scale) else None)}
     if spec.stacked:  # a sharded rank reads only the experts it holds (replicas repeat an id)
         ids = range(spec.shape[0]) if experts is None else experts(spec)
         keys = [spec.key.format(e=e) for e in ids]
@@ -48,10 +51,13 @@ def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, dev
             raise CheckpointError(
                 f"{reader.location(key)}: tensor '{key}' has shape {list(got)}, the config expects {list(_expected(spec))}"
             )
-    target = torch.float32 if spec.fp32 else dtype
+    if spec.held == "fp8":  # as stored; the reader checks each scale grid against fp8_block
+        weights, scales = zip(*(reader.get_fp8(key) for key in keys))
+        return {spec.path: torch.stack(weights).to(device), scale_path(spec.path): torch.stack(scales).to(device)}
+    target = spec.dtype(dtype)
     parts = [reader.get(key, dtype=target) for key in keys]
     t = torch.stack(parts) if spec.stacked else parts[0]
-    return (t.long() if spec.integer else t.to(target)).to(device)
+    return {spec.path: t.to(target).to(device)}
 
 
 def load_params(
@@ -70,7 +76,8 @@ def load_params(
         specs = specs + extra
     if c.tie_word_embeddings and "head.weight" not in reader:
         specs = [s for s in specs if s.path != "head"]
-    flat = {s.path: _load_one(reader, s, dtype, device, experts) for s in specs}
+    flat = {path: value for s in specs if s.held != "fp8_scale"  # scales come with their weights
+            for path, value in _load_one(reader, s, dtype, device, experts).items()}
     if "head" not in flat:
         flat["head"] = flat["embed"]
     if c.engram_layer_ids:
@@ -105,15 +112,33 @@ def engram_vocab(model_dir, c: ModelConfig) -> torch.Tensor:
     return table[: c.vocab_size]
 
 
+def holds_fp8_experts(c: ModelConfig, expert_format: str | None, device=None) -> bool:
+    """Whether the routed experts of checkpoint config ``c`` stay as stored (float8_e4m3fn + fp32
+    block scales) on ``device``. ``expert_format`` (None: ``DEEPINFER_EXPERT_FORMAT``): "fp8"
+    keeps them, "dequant" converts them to the model dtype, "auto" keeps them on CUDA, where the
+    compiled steps run them through the fp8 kernel at half the bytes, and converts them elsewhere,
+    where every eager call would dequantise them again. Only block-FP8 experts can stay; MXFP4
+    ones are always dequantised."""
+    fmt = argument(EXPERT_FORMAT, expert_format)
+    fp8 = c.expert_dtype == "fp8" and c.fp8_block is not None
+    if fmt == "fp8" and not fp8:
+        stored = "unquantised" if c.fp8_block is None or c.expert_dtype == "bf16" else "MXFP4"
+        raise CheckpointError(f"expert_format='fp8' keeps block-FP8 routed experts, but this checkpoint's are {stored}; "
+                              f"use 'auto' or 'dequant'")
+    return fp8 and (fmt == "fp8" or (fmt == "auto" and torch.device(device or "cpu").type == "cuda"))
+
+
 def load_checkpoint(
-    path: str | os.PathLike, dtype: torch.dtype, device=None, fake_quant: bool | None = None, experts: ExpertIds | None = None
+    path: str | os.PathLike, dtype: torch.dtype, device=None, fake_quant: bool | None = None, experts: ExpertIds | None = None,
+    expert_format: str | None = None,
 ):
     """-> (config, params, model_dir). ``fake_quant`` overrides the config's switch; ``experts``
-    as in ``load_params``."""
+    as in ``load_params``; ``expert_format`` as in ``holds_fp8_experts``."""
     model_dir = resolve_model_dir(path)
     c = load_config(model_dir)
     if fake_quant is not None:
         c = c.replace(fake_quant=fake_quant)
+    c = c.replace(fp8_experts=holds_fp8_experts(c, expert_format, device))
     reader = CheckpointReader(model_dir, fp8_block=c.fp8_block)
     try:
         params = load_params(reader, c, dtype, device, experts=experts)

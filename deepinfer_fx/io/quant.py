@@ -15,12 +15,14 @@ rounded once, when cast back to the caller's dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "ue8m0_to_float",
+    "fp8_block_of",
     "dequant_fp8_block",
     "quant_fp8_block",
     "dequant_mxfp4",
@@ -113,17 +115,36 @@ def _e2m1_codes(q: Tensor) -> Tensor:
     return torch.where(q < 0, mag | 8, mag)
 
 
+def fp8_block_of(shape: Sequence[int], scale_shape: Sequence[int]) -> int:
+    """The square block that tiles a weight ``[..., N, K]`` onto its scale grid ``[..., nb, kb]``:
+    the smallest power of two ``b`` with ``nb = ceil(N / b)`` and ``kb = ceil(K / b)``.
+
+    Kernels and the eager path read the block from the shapes, so a held weight needs nothing
+    beside its scales. DeepSeek's blocks are powers of two (128, 32); among those a grid of two or
+    more blocks on a dim admits exactly one, and any that covers a dim in one block gives the
+    same values, so the smallest that fits is the block the scales were made with."""
+    *lead, n, k = shape
+    *slead, nb, kb = scale_shape
+    b = 1
+    while lead == slead and b < 2 * max(n, k):  # past the first b >= N, K nothing new fits
+        if -(-n // b) == nb and -(-k // b) == kb:
+            return b
+        b *= 2
+    raise ValueError(f"scale shape {tuple(scale_shape)} is no power-of-two block grid of weight shape {tuple(shape)}")
+
+
 def dequant_fp8_block(w: Tensor, scale: Tensor, block: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Dequantize a block-scaled e4m3 weight [N, K] with scales [ceil(N/b), ceil(K/b)]."""
-    if w.dim() != 2:
-        raise ValueError(f"expected a 2-D fp8 weight, got shape {tuple(w.shape)}")
+    """Dequantize a block-scaled e4m3 weight ``[..., N, K]`` (one matrix, or experts stacked on
+    the leading dims) with scales ``[..., ceil(N/b), ceil(K/b)]``."""
+    if w.dim() < 2:
+        raise ValueError(f"expected an fp8 weight of at least 2 dims, got shape {tuple(w.shape)}")
     if w.dtype in (torch.uint8, torch.int8):
         w = w.view(torch.float8_e4m3fn)
-    n, k = w.shape
+    *lead, n, k = w.shape
     nb, kb = -(-n // block), -(-k // block)
-    if tuple(scale.shape) != (nb, kb):
+    if tuple(scale.shape) != (*lead, nb, kb):
         raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not match expected {(nb, kb)} "
+            f"scale shape {tuple(scale.shape)} does not match expected {(*lead, nb, kb)} "
             f"for weight shape {tuple(w.shape)} with block {block}"
         )
     s = ue8m0_to_float(scale)
@@ -131,24 +152,25 @@ def dequant_fp8_block(w: Tensor, scale: Tensor, block: int, dtype: torch.dtype =
     if n % block or k % block:
         # Pad to whole blocks so a broadcasted multiply works, then crop.
         wf = torch.nn.functional.pad(wf, (0, kb * block - k, 0, nb * block - n))
-    out = wf.reshape(nb, block, kb, block) * s[:, None, :, None]
-    return out.view(nb * block, kb * block)[:n, :k].to(dtype).contiguous()
+    out = wf.reshape(*lead, nb, block, kb, block) * s[..., :, None, :, None]
+    return out.view(*lead, nb * block, kb * block)[..., :n, :k].to(dtype).contiguous()
 
 
 def quant_fp8_block(w: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """Quantize [N, K] to (float8_e4m3fn weight, float8_e8m0fnu scales [ceil(N/b), ceil(K/b)])."""
-    if w.dim() != 2:
-        raise ValueError(f"expected a 2-D weight, got shape {tuple(w.shape)}")
-    n, k = w.shape
+    """Quantize ``[..., N, K]`` to (float8_e4m3fn weight, float8_e8m0fnu scales
+    ``[..., ceil(N/b), ceil(K/b)]``); leading dims are independent matrices (stacked experts)."""
+    if w.dim() < 2:
+        raise ValueError(f"expected a weight of at least 2 dims, got shape {tuple(w.shape)}")
+    *lead, n, k = w.shape
     nb, kb = -(-n // block), -(-k // block)
     # Zero padding cannot raise a block's amax, so partial blocks scale correctly.
     wf = torch.nn.functional.pad(w.to(torch.float32), (0, kb * block - k, 0, nb * block - n))
-    blocks = wf.view(nb, block, kb, block)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(_FP8_AMAX_FLOOR)
+    blocks = wf.view(*lead, nb, block, kb, block)
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(_FP8_AMAX_FLOOR)
     e = _pow2_ceil_exponent(amax / E4M3_MAX)
     scale = torch.exp2(e.to(torch.float32))
-    w8 = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    w8 = w8.view(nb * block, kb * block)[:n, :k].contiguous()
+    w8 = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    w8 = w8.view(*lead, nb * block, kb * block)[..., :n, :k].contiguous()
     return w8, _exponent_to_ue8m0(e)
 
 

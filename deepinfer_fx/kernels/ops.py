@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from ..graphs.attention import mqa_with_sink
-from ..graphs.indexer import score_topk
+from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import sinkhorn
 from ..graphs.moe import routed_experts, swiglu_act
 from ..graphs.norm import rms_norm as _graphs_rms_norm
@@ -103,7 +103,7 @@ def indexer_topk(
     """Boolean ``[T, N]``: per query the top ``k`` visible entries by the V4 score
     ``sum_h head_w[t, h] * relu(q[t, h] . keys[n])`` (the lines of ``graphs/indexer.py``
     after its projections; ``head_w`` already carries the head scaling)."""
-    return score_topk(q, keys, head_w, visible, k)
+    return score_topk.reference(q, keys, head_w, visible, k)
 
 
 @indexer_topk.register_fake
@@ -111,6 +111,23 @@ def _indexer_topk_fake(
     q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
 ) -> torch.Tensor:
     return visible.new_empty(visible.shape, dtype=torch.bool)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::indexer_scores", mutates_args=())
+def indexer_scores(
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float
+) -> torch.Tensor:
+    """fp32 ``[..., T, N]``: the indexer scores before the top-k, -inf where not ``visible``
+    (``graphs/indexer.py::index_scores``; V4.1 selects from them in two levels)."""
+    # einsum may hand back a permuted view; the fake promises a contiguous tensor.
+    return index_scores.reference(q, keys, head_w, visible, dot_scale).contiguous()
+
+
+@indexer_scores.register_fake
+def _indexer_scores_fake(
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float
+) -> torch.Tensor:
+    return q.new_empty(visible.shape, dtype=torch.float32)
 
 
 # --- routed MoE experts ----------------------------------------------------------------------
@@ -149,5 +166,5 @@ def _moe_experts_fake(
 # The OpOverloads, for passes that insert calls and for tests that run opcheck on each.
 OPS: dict[str, torch._ops.OpOverload] = {
     name: getattr(torch.ops.deepinfer, name).default
-    for name in ("rms_norm", "swiglu_clamp", "mhc_sinkhorn", "sparse_mqa", "indexer_topk", "moe_experts")
+    for name in ("rms_norm", "swiglu_clamp", "mhc_sinkhorn", "sparse_mqa", "indexer_topk", "indexer_scores", "moe_experts")
 }

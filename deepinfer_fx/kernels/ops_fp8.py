@@ -1,5 +1,5 @@
 """Ops over fp8 weights with DeepSeek's block scales, so released checkpoints run without
-dequantising them on load (``io/quant.py`` does that for the reference path).
+dequantising them on load (``load_model(..., expert_format="fp8")`` keeps them so).
 
 ``deepinfer::moe_experts_fp8`` is ``deepinfer::moe_experts`` with each stacked expert weight
 given as float8_e4m3fn ``[E, out, in]`` plus fp32 scales ``[E, cdiv(out, block), cdiv(in,
@@ -13,15 +13,8 @@ No ``from __future__ import annotations``: ``custom_op`` infers the schema from 
 import torch
 
 from ..graphs.moe import routed_experts
+from ..io.quant import dequant_fp8_block
 from .ops import NAMESPACE
-
-
-def dequant_stacked(w: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 ``[E, out, in]`` times its block ``scale`` ``[E, cdiv(out, block), cdiv(in, block)]``
-    -> ``dtype``."""
-    _, n, k = w.shape
-    s = scale.float().repeat_interleave(block, 1)[:, :n].repeat_interleave(block, 2)[:, :, :k]
-    return (w.float() * s).to(dtype)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::moe_experts_fp8", mutates_args=())
@@ -40,9 +33,9 @@ def moe_experts_fp8(
 ) -> torch.Tensor:
     """``moe_experts`` with fp8 block-scaled expert weights (see the module docstring)."""
     experts = {
-        "w1": dequant_stacked(w1, w1_scale, block, x.dtype),
-        "w3": dequant_stacked(w3, w3_scale, block, x.dtype),
-        "w2": dequant_stacked(w2, w2_scale, block, x.dtype),
+        "w1": dequant_fp8_block(w1, w1_scale, block, x.dtype),
+        "w3": dequant_fp8_block(w3, w3_scale, block, x.dtype),
+        "w2": dequant_fp8_block(w2, w2_scale, block, x.dtype),
     }
     return getattr(routed_experts, "reference", routed_experts)(experts, limit, x, idx, weight)
 

@@ -91,10 +91,14 @@ def register_pass(cls: type[GraphPass]) -> type[GraphPass]:
 
 
 def registered_passes() -> dict[str, GraphPass]:
-    """Every registered pass by name, built-ins included."""
+    """Every registered pass by name, built-ins included, in pipeline order: built-in modules in
+    ``_BUILTIN_PASS_MODULES`` order (whichever a caller happened to import first), then any
+    other module's passes; registration order within a module."""
     for module in _BUILTIN_PASS_MODULES:
         importlib.import_module(module)
-    return dict(_REGISTRY)
+    rank = {m: i for i, m in enumerate(_BUILTIN_PASS_MODULES)}
+    ordered = sorted(_REGISTRY.items(), key=lambda kv: rank.get(type(kv[1]).__module__, len(rank)))  # stable
+    return dict(ordered)
 
 
 def parse_pass_list(value: str) -> frozenset[str]:

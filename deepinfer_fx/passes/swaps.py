@@ -24,9 +24,16 @@ import torch
 import torch.fx
 
 from ..graphs.attention import mqa_with_sink
+from ..graphs.compressor import pool_windows
+from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import sinkhorn
-from ..graphs.moe import routed_experts
+from ..graphs.moe import EXPERT_WEIGHTS, fp8_held, routed_experts
+from ..graphs.norm import project
+from ..graphs.params import scale_path
+from ..graphs.rope import cos_sin
+from ..io.quant import fp8_block_of
 from ..kernels.ops import OPS
+from ..kernels.ops_linear import decode_sized
 from .manager import GraphPass, register_pass
 
 _SERVED: frozenset[str] = frozenset({"cpu", "nvidia"})  # Ascend has no kernels for these yet
@@ -52,13 +59,17 @@ class KernelSwap(GraphPass):
 
 
 def _moe_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if fp8_held(p):  # experts kept as the checkpoint stores them: the kernel dequantises tile by tile
+        s1, s3, s2 = (p[scale_path(n)] for n in EXPERT_WEIGHTS)
+        block = fp8_block_of(p["w1"].shape, s1.shape)
+        return torch.ops.deepinfer.moe_experts_fp8(x, p["w1"], s1, p["w3"], s3, p["w2"], s2, idx, w, limit, block)
     return torch.ops.deepinfer.moe_experts(x, p["w1"], p["w3"], p["w2"], idx, w, limit)
 
 
 @register_pass
 class MoEExpertsSwap(KernelSwap):
-    """``moe.routed_experts`` => ``deepinfer.moe_experts`` (Triton grouped GEMMs with fused
-    SwiGLU-with-clamp on NVIDIA)."""
+    """``moe.routed_experts`` => ``deepinfer.moe_experts``, or ``deepinfer.moe_experts_fp8`` for
+    experts held in fp8 (Triton grouped GEMMs with fused SwiGLU-with-clamp on NVIDIA)."""
 
     name: ClassVar[str] = "moe_experts_kernel"
     accelerators: ClassVar[frozenset[str]] = _SERVED
@@ -66,6 +77,10 @@ class MoEExpertsSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return _moe_experts
+
+    def __call__(self, gm: torch.fx.GraphModule) -> int:
+        targets = (OPS[self.op], torch.ops.deepinfer.moe_experts_fp8.default)  # either, by the experts' storage
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
 
 
 @register_pass
@@ -94,7 +109,113 @@ class SparseMQASwap(KernelSwap):
         return torch.ops.deepinfer.sparse_mqa
 
 
+@register_pass
+class CompressorSwap(KernelSwap):
+    """``compressor.pool_windows`` => ``deepinfer.compressor_pool`` (ring update, window gather,
+    gate softmax and RMSNorm of the KV compressor in one launch instead of ~15)."""
+
+    name: ClassVar[str] = "compressor_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "compressor.pool_windows", "compressor_pool"
+
+    def replacement(self) -> Callable[..., Any]:
+        return torch.ops.deepinfer.compressor_pool
+
+    def __call__(self, gm: torch.fx.GraphModule) -> int:
+        # The op writes the ring, so functionalisation wraps each call in an
+        # auto_functionalized node whose first argument is the op.
+        target = torch.ops.deepinfer.compressor_pool.default
+        wrappers = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+        return sum(
+            1 for n in gm.graph.nodes
+            if n.op == "call_function" and (n.target is target or (n.target in wrappers and n.args[0] is target))
+        )
+
+
+@register_pass
+class IndexerTopkSwap(KernelSwap):
+    """``indexer.score_topk`` => ``deepinfer.indexer_topk`` (V4's indexer scores without the
+    ``[T, Hi, N]`` intermediate, then a per-query top-k by threshold search instead of a sort)."""
+
+    name: ClassVar[str] = "indexer_topk_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "indexer.score_topk", "indexer_topk"
+
+    def replacement(self) -> Callable[..., Any]:
+        return torch.ops.deepinfer.indexer_topk
+
+
+@register_pass
+class IndexerScoresSwap(KernelSwap):
+    """``indexer.index_scores`` => ``deepinfer.indexer_scores`` (the same scoring kernel, for
+    V4.1's two-level selection, which goes on from the scores)."""
+
+    name: ClassVar[str] = "indexer_scores_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "indexer.index_scores", "indexer_scores"
+
+    def replacement(self) -> Callable[..., Any]:
+        return torch.ops.deepinfer.indexer_scores
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    if not decode_sized(x, w):  # prefill-sized or unaligned: the reference's GEMM serves it
+        return project.reference(x, w, out_fp32)  # type: ignore[attr-defined]
+    y = torch.ops.deepinfer.skinny_linear(x.reshape(-1, x.shape[-1]), w, out_fp32)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+@register_pass
+class SkinnyLinearSwap(KernelSwap):
+    """``norm.project`` (every ``linear`` / ``linear_fp32``) => ``deepinfer.skinny_linear`` for
+    decode-sized calls (``ops_linear.decode_sized``: <= 16 rows, bf16, aligned weight), a
+    GEMM that streams the weight at close to HBM bandwidth; the rest trace the reference.
+    The choice reads static shapes only, so it is made once per traced bucket."""
+
+    name: ClassVar[str] = "skinny_linear_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "norm.project", "skinny_linear"
+
+    def replacement(self) -> Callable[..., Any]:
+        return _project
+
+    def __call__(self, gm: torch.fx.GraphModule) -> int:
+        target = torch.ops.deepinfer.skinny_linear.default  # declared in ops_linear, not in OPS
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+# Fewer positions than this (decode) keep the inline tables: recomputing a few thousand
+# elements costs less than the op's extra launches, and Inductor fuses them.
+_TABLE_MIN_POSITIONS = 1024
+
+
+def _cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if positions.numel() < _TABLE_MIN_POSITIONS:
+        return cos_sin.reference(positions, freq)  # type: ignore[attr-defined]
+    return torch.ops.deepinfer.rope_table(positions, freq.to(positions.device))
+
+
+@register_pass
+class RopeTableSwap(KernelSwap):
+    """``rope.cos_sin`` => ``deepinfer.rope_table`` for prefill-sized position sets, so the
+    tables are computed once per call instead of once per element of every tensor they rotate
+    (``kernels/ops_rope.py`` says why Inductor would recompute them)."""
+
+    name: ClassVar[str] = "rope_table_op"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "rope.cos_sin", "rope_table"
+
+    def replacement(self) -> Callable[..., Any]:
+        return _cos_sin
+
+    def __call__(self, gm: torch.fx.GraphModule) -> int:
+        target = torch.ops.deepinfer.rope_table.default  # declared in ops_rope, not in OPS
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
 # the places exist where the functions are defined; importing them above registered them
-assert {routed_experts.place, sinkhorn.place, mqa_with_sink.place} == {  # type: ignore[attr-defined]
-    MoEExpertsSwap.place, SinkhornSwap.place, SparseMQASwap.place
+assert {routed_experts.place, sinkhorn.place, mqa_with_sink.place, pool_windows.place,  # type: ignore[attr-defined]
+        score_topk.place, index_scores.place, project.place, cos_sin.place} == {  # type: ignore[attr-defined]
+    MoEExpertsSwap.place, SinkhornSwap.place, SparseMQASwap.place, CompressorSwap.place, IndexerTopkSwap.place, IndexerScoresSwap.place,
+    SkinnyLinearSwap.place, RopeTableSwap.place,
 }

@@ -62,8 +62,7 @@ def abstract_params(c: ModelConfig, spec: MeshSpec, rank: int, placement: Expert
     coord = rank_coordinate(spec, rank)
     flat: dict[str, object] = {}
     for s in param_specs(c, mtp=False):
-        dt = torch.long if s.integer else torch.float32 if s.fp32 else dtype
-        t = torch.empty(local_shape(s, spec, coord, placement), dtype=dt)
+        t = torch.empty(local_shape(s, spec, coord, placement), dtype=s.dtype(dtype))
         flat[s.path] = EngramTable.from_tensor(t, name=s.path) if s.quant == "engram" else t
     if c.engram_layer_ids:
         flat["engram_vocab"] = torch.empty(c.vocab_size, dtype=torch.long)

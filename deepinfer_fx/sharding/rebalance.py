@@ -25,7 +25,8 @@ from .topology import Topology
 
 def rebalance(group: EPGroup, experts: list[dict[str, torch.Tensor]], topology: Topology | None = None) -> EPGroup:
     """Re-place the experts of ``group`` by its measured loads. ``experts``: every MoE layer's
-    local expert tensors (``{"w1", "w3", "w2"}`` stacked by slot), replaced in place by the new
+    local expert tensors (``{"w1", "w3", "w2"}`` stacked by slot, plus ``w1_scale``... for experts
+    held in fp8: every tensor of the dict moves), replaced in place by the new
     layout (one placement serves every layer). Returns the new group (the old one must not be
     used again: its tables describe the old layout)."""
     loads = group.loads.clone()

@@ -58,6 +58,10 @@ def _indexer_args(g: torch.Generator) -> tuple:
     return _randn(g, t, hi, di), _randn(g, n, di), _randn(g, t, hi), visible, 3
 
 
+def _indexer_scores_args(g: torch.Generator) -> tuple:
+    return (*_indexer_args(g)[:4], 8**-0.5)  # V4.1's dot scale, index_head_dim ** -0.5
+
+
 def _moe_args(g: torch.Generator) -> tuple:
     t, d, i, e, k = 7, 16, 8, 5, 2
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
@@ -70,6 +74,7 @@ ARGS = {
     "mhc_sinkhorn": _sinkhorn_args,
     "sparse_mqa": _mqa_args,
     "indexer_topk": _indexer_args,
+    "indexer_scores": _indexer_scores_args,
     "moe_experts": _moe_args,
 }
 
@@ -136,6 +141,14 @@ def test_indexer_topk_matches_graphs(seed: int, k: int, monkeypatch: pytest.Monk
     head_w = head_w_raw * (di**-0.5 * hi**-0.5)
     visible = visible_entries(torch.arange(start, start + t), n, c.csa_ratio)
     assert torch.equal(ops.indexer_topk(q, keys, head_w, visible, k), chosen)
+
+
+@pytest.mark.parametrize("seed", [53, 54])
+def test_indexer_scores_matches_graphs(seed: int) -> None:
+    q, keys, head_w, visible, scale = _indexer_scores_args(_gen(seed))
+    scores = ops.indexer_scores(q, keys, head_w, visible, scale)
+    assert torch.equal(scores, indexer_mod.index_scores(q, keys, head_w, visible, scale))
+    assert torch.equal(scores == float("-inf"), ~visible)
 
 
 @pytest.mark.parametrize("seed", [61, 62])

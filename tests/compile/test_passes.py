@@ -18,7 +18,9 @@ from deepinfer_fx.passes.dump import graph_name
 
 RMS, SWIGLU = "rms_norm_fusion", "swiglu_clamp_fusion"
 RMS_OP, SWIGLU_OP = torch.ops.deepinfer.rms_norm.default, torch.ops.deepinfer.swiglu_clamp.default
-SWAPS = ("moe_experts_kernel", "mhc_sinkhorn_kernel", "sparse_mqa_kernel")  # kernel swaps: no swap place in these blocks
+# kernel swaps: not installed around these blocks
+SWAPS = ("moe_experts_kernel", "mhc_sinkhorn_kernel", "sparse_mqa_kernel", "compressor_kernel", "indexer_topk_kernel",
+         "indexer_scores_kernel", "skinny_linear_kernel", "rope_table_op")
 NO_SWAPS = dict.fromkeys(SWAPS, 0)
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")

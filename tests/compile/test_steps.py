@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from tiny import tiny_v4, tiny_v41
+from tiny import FP8_EXPERTS, tiny_v4, tiny_v41
 
 from deepinfer_fx.api import random_model
 from deepinfer_fx.config import config_from_dict
@@ -42,8 +42,10 @@ def _real_slots(state: dict, n: int):
 def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=()):
     rng = random.Random(seed)
     # fake-quant off: its rounding steps turn ulp-level differences into visible ones (see the
-    # state-equivalence tests); here the paths must agree to fp32 precision
-    model = random_model(config_from_dict(cfg).replace(fake_quant=False), seed=seed)
+    # state-equivalence tests); here the paths must agree to fp32 precision. Block-FP8 experts
+    # are held as stored, as a CUDA load does.
+    c = config_from_dict(cfg).replace(fake_quant=False)
+    model = random_model(c.replace(fp8_experts=c.expert_dtype == "fp8"), seed=seed)
     c, params = model
     slots = 3
     state = init_state(c, 64, torch.float32, mtp=False, slots=slots)
@@ -83,20 +85,38 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
     graphs = _run(cfg, seed, tmp_path)
     report = {r["graph"]: r for r in graphs.report()}
     assert set(report) == {"prefill-t64-r4-all", "decode-t4-r4"}, f"seed={seed}"
+    # V4 selects with the whole indexer op; V4.1 takes the scores op and selects in two levels
+    indexer = {"v4": "indexer_topk_kernel", "v41": "indexer_scores_kernel"}
     for r in report.values():  # the fusion passes fired in both graphs, and every kernel swap
-        for name in ("rms_norm_fusion", "swiglu_clamp_fusion", "moe_experts_kernel", "mhc_sinkhorn_kernel", "sparse_mqa_kernel"):
+        for name in ("rms_norm_fusion", "swiglu_clamp_fusion", "moe_experts_kernel", "mhc_sinkhorn_kernel", "sparse_mqa_kernel", "compressor_kernel", indexer[which]):
             assert r["rewrites"].get(name, 0) > 0, (name, r["graph"])
+        other = indexer["v41" if which == "v4" else "v4"]  # replaced whole (V4) or never called (V4.1)
+        assert r["rewrites"].get(other, 0) == 0, (other, r["graph"])
     index = json.loads((tmp_path / "dump" / "index.json").read_text())
     assert {"prefill-t64-r4-all", "decode-t4-r4"} <= set(json.dumps(index).split('"')), "every graph is in the dump index"
 
 
 def test_disabled_pass_leaves_no_rewrite_and_same_result(tmp_path) -> None:
     seed = random.SystemRandom().randrange(2**31)
-    graphs = _run(tiny_v4(), seed, tmp_path, disabled=("rms_norm_fusion", "moe_experts_kernel"))
+    disabled = ("rms_norm_fusion", "moe_experts_kernel", "indexer_topk_kernel")
+    graphs = _run(tiny_v4(), seed, tmp_path, disabled=disabled)
     for r in graphs.report():
-        for off in ("rms_norm_fusion", "moe_experts_kernel"):  # a disabled swap traces the reference
+        for off in disabled:  # a disabled swap traces the reference
             assert r["rewrites"].get(off, 0) == 0, f"seed={seed} {off}"
         assert r["rewrites"].get("swiglu_clamp_fusion", 0) > 0 and r["rewrites"].get("mhc_sinkhorn_kernel", 0) > 0
+        # the top-k's reference scores through the scores place, which its own swap still fills
+        assert r["rewrites"].get("indexer_scores_kernel", 0) > 0, f"seed={seed}"
+
+
+def test_fp8_experts_compiled_equal_eager(tmp_path) -> None:
+    """Routed experts held in fp8: the MoE swap puts ``moe_experts_fp8`` in both graphs, and they
+    equal the eager twin, which dequantises the experts on every call."""
+    seed = random.SystemRandom().randrange(2**31)
+    graphs = _run(tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4], **FP8_EXPERTS), seed, tmp_path)
+    for r in graphs.report():
+        assert r["rewrites"].get("moe_experts_kernel", 0) > 0, f"seed={seed} {r['graph']}"
+        final = sorted((tmp_path / "dump" / r["graph"]).glob("*.py"))[-1].read_text()
+        assert "deepinfer.moe_experts_fp8" in final and "deepinfer.moe_experts." not in final, f"seed={seed} {r['graph']}"
 
 
 def test_inductor_steps_equal_eager(tmp_path) -> None:

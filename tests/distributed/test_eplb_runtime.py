@@ -1,17 +1,19 @@
 """EPLB at run time (``sharding/rebalance.py``) on 2 gloo ranks: the loads every EP call measures
 add up to the routed pairs, a rebalance by those loads changes the placement and moves the
 expert weights to exactly the new layout, and a tiny model keeps the one-process logits through
-the shuffle mid-run (prefill before it, decode steps after it)."""
+the shuffle mid-run (prefill before it, decode steps after it); experts held in fp8 move with
+their block scales."""
 
 from __future__ import annotations
 
 import random
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tiny import tiny_v4
+from tiny import FP8_EXPERTS, tiny_v4
 
 from deepinfer_fx.api import random_model
 from deepinfer_fx.config import config_from_dict
@@ -29,10 +31,10 @@ from deepinfer_fx.sharding.rebalance import rebalance
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _worker(rank: int, init_file: str, seed: int) -> None:
+def _worker(rank: int, init_file: str, seed: int, fp8: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
-        c = config_from_dict(tiny_v4()).replace(fake_quant=False)
+        c = config_from_dict(tiny_v4(**FP8_EXPERTS) if fp8 else tiny_v4()).replace(fake_quant=False, fp8_experts=fp8)
         full = random_model(c, seed=seed).params
         spec = MeshSpec(ep=2)
         start = eplb.default_placement(c.n_routed_experts, eplb.num_physical_experts(c.n_routed_experts, 2, 4), 2)
@@ -62,14 +64,17 @@ def _worker(rank: int, init_file: str, seed: int) -> None:
                 assert new.placement == eplb.plan_placement(total.double(), start.n_physical, 2, previous=start)
                 assert int(new.loads.sum()) == 0
                 moved = dict(iter_tree(rank_params(full, c, rank_expert_ids(spec, rank, new.placement))))
-                for path, t in iter_tree(params):
-                    if path.startswith("layers.") and ".experts." in path:  # the trunk's placement
-                        assert torch.equal(t, moved[path]), f"seed={seed} rank={rank}: {path} not in the new layout"
+                local = {path: t for path, t in iter_tree(params) if path.startswith("layers.") and ".experts." in path}
+                assert len(local) == c.num_hidden_layers * (6 if fp8 else 3)  # fp8: the scales move too
+                for path, t in local.items():  # the trunk's placement; as floats: torch.equal takes no fp8, fp8 -> fp32 is exact
+                    assert t.dtype == moved[path].dtype and torch.equal(t.float(), moved[path].float()), \
+                        f"seed={seed} rank={rank}: {path} not in the new layout"
                 group = new
     finally:
         dist.destroy_process_group()
 
 
-def test_rebalance_mid_run_keeps_outputs_and_moves_weights(tmp_path) -> None:
+@pytest.mark.parametrize("fp8", [False, True], ids=["dequantised", "fp8-experts"])
+def test_rebalance_mid_run_keeps_outputs_and_moves_weights(tmp_path, fp8: bool) -> None:
     seed = random.SystemRandom().randrange(2**31)
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), seed), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), seed, fp8), nprocs=2, join=True)

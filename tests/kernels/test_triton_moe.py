@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepinfer_fx.graphs.moe import routed_experts
-from deepinfer_fx.kernels.ops_fp8 import dequant_stacked
+from deepinfer_fx.io.quant import dequant_fp8_block
 from deepinfer_fx.kernels.triton.moe import moe_experts_fp8_triton, moe_experts_triton, sort_pairs
 
 reference = routed_experts.reference
@@ -120,7 +120,7 @@ def _fp8(c: dict, block: int, seed: int) -> tuple[dict, dict]:
         s = torch.rand(e, -(-o // block), -(-i // block), generator=g, device=w.device) + 0.5
         w8 = (w.float() * 8).to(torch.float8_e4m3fn)
         q[n], q[n + "_scale"] = w8, s / 8
-        deq[n] = dequant_stacked(w8, s / 8, block, c["x"].dtype)
+        deq[n] = dequant_fp8_block(w8, s / 8, block, c["x"].dtype)
     return q, deq
 
 

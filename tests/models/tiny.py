@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import copy
 
+# V4 -Base storage (spec §5): block-FP8 routed experts, beside the block-FP8 dense weights.
+# 32x32 blocks, so the tiny widths span several blocks.
+FP8_EXPERTS = {
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]},
+    "expert_dtype": "fp8",
+}
+
 
 def tiny_v4(**overrides) -> dict:
     """Every layer kind (SWA, CSA ratio 4, HCA ratio 8), hash and learned routing, an MTP block.

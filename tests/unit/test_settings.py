@@ -10,7 +10,7 @@ from deepinfer_fx.settings import VARIABLES, EngineConfig, setting
 def test_defaults_and_overrides() -> None:
     cfg = EngineConfig.from_env({})
     assert cfg.extra_experts == 32 and cfg.nextn_decode == 5 and cfg.yoco_keep_tokens == 140
-    assert cfg.batch_invariant is False and cfg.accelerator is None
+    assert cfg.batch_invariant is False and cfg.accelerator is None and cfg.expert_format == "auto"
     env = {"DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "8", "DEEPINFER_BATCH_INVARIANT": "1", "DEEPINFER_ACCELERATOR": "CPU"}
     cfg = EngineConfig.from_env(env, extra_experts=4)
     assert cfg.extra_experts == 4 and cfg.batch_invariant is True and cfg.accelerator == "cpu"
@@ -24,6 +24,7 @@ def test_defaults_and_overrides() -> None:
         ("DEEPINFER_BATCH_INVARIANT", "maybe"),
         ("DEEPINFER_ACCELERATOR", "tpu"),
         ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mask"),
+        ("DEEPINFER_EXPERT_FORMAT", "int8"),
     ],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:

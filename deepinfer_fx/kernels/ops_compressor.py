@@ -1,0 +1,62 @@
+"""``deepinfer::compressor_pool``: the KV compressor's pooling after its projections.
+
+The op is ``graphs/compressor.py::pool_windows``: the chunks' projected rows go into the
+per-slot row ring (``rows_kv`` / ``rows_gate``, mutated in place, after the windows have read
+the rows from before the chunk), and every window a chunk could complete is pooled with a
+channelwise softmax over its gate rows and RMS-normed. It returns the window ids, the
+completion flags and the latents. The reference is the graphs function itself; the Triton
+kernel (``kernels/triton/compressor.py``) registers for CUDA on top.
+
+Declaring the ring as mutated lets torch.compile functionalise the call (an
+``auto_functionalized`` node in the ATen graph) and Inductor write the ring in place again.
+
+No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
+"""
+
+from typing import Optional
+
+import torch
+
+from ..graphs.compressor import pool_windows
+from .ops import NAMESPACE
+
+
+@torch.library.custom_op(f"{NAMESPACE}::compressor_pool", mutates_args=("rows_kv", "rows_gate"))
+def compressor_pool(
+    kv: torch.Tensor,
+    gate: Optional[torch.Tensor],
+    rows_kv: torch.Tensor,
+    rows_gate: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    norm: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kv / gate ``[C, L, width]`` fp32 (no gate: flat gates) -> window ids ``[C, n]`` long,
+    completion ``[C, n]`` bool and fp32 latents ``[C, n, dim]``, ``n = L // ratio + 1``."""
+    return pool_windows.reference(kv, gate, rows_kv, rows_gate, slots, starts, lens, norm, ratio, overlap, eps)
+
+
+@compressor_pool.register_fake
+def _compressor_pool_fake(
+    kv: torch.Tensor,
+    gate: Optional[torch.Tensor],
+    rows_kv: torch.Tensor,
+    rows_gate: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    norm: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    c, n = kv.shape[0], kv.shape[1] // ratio + 1
+    return (
+        kv.new_empty((c, n), dtype=torch.long),
+        kv.new_empty((c, n), dtype=torch.bool),
+        kv.new_empty((c, n, norm.shape[0]), dtype=torch.float32),
+    )

@@ -1,0 +1,55 @@
+"""``deepinfer::skinny_linear``: a dense projection ``x @ w.T`` with few rows and a large weight.
+
+At decode a projection has one row per request (<= 64 in the buckets we serve) against a weight
+of tens of MiB, so its time is the time to stream the weight once; cuBLAS picks split-K tiles
+that stay well below HBM bandwidth there. The op is ``graphs/norm.py::project`` on a 2-D ``x``
+``[M, K]`` and ``w`` ``[N, K]`` (out, in) -> ``[M, N]``, in x's dtype or fp32 (``out_fp32``);
+the reference calls that function, so the two cannot drift. The Triton kernel
+(``kernels/triton/linear.py``) is batch-invariant: row m's result does not depend on M or on
+the other rows.
+
+``decode_sized`` is the domain the kernel is built for; the ``skinny_linear_kernel`` swap
+(``passes/swaps.py``) routes only such calls through the op and leaves the rest to the
+reference's GEMM.
+
+No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
+"""
+
+import math
+
+import torch
+
+from ..graphs.norm import project
+from .ops import NAMESPACE
+
+# Rows up to which a call counts as decode-sized. Measured on the H200 at P8 widths
+# (bench/results/skinny_linear_p8.json): the kernel matches or beats cuBLAS by 1-14 % at 1 and
+# 8 rows, and loses 30-40 % at 64 rows, where cuBLAS's tiles reuse the weight better.
+MAX_ROWS = 16
+# Both weight dims must be multiples of this (full k steps and aligned rows for the kernel).
+ALIGN = 16
+
+
+def decode_sized(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``project(x, w, ...)`` suits the kernel: 1..MAX_ROWS flattened rows, bf16
+    operands, a 2-D weight with both dims multiples of ALIGN. Shapes and dtypes only, so under
+    torch.compile this is decided once at trace time, with no host sync."""
+    rows = math.prod(x.shape[:-1])
+    return (
+        0 < rows <= MAX_ROWS
+        and x.dtype == w.dtype == torch.bfloat16
+        and w.dim() == 2
+        and w.shape[0] % ALIGN == 0
+        and w.shape[1] % ALIGN == 0
+    )
+
+
+@torch.library.custom_op(f"{NAMESPACE}::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    """x ``[M, K]``, w ``[N, K]`` -> ``x @ w.T`` ``[M, N]`` in x's dtype, or fp32 (``out_fp32``)."""
+    return project.reference(x, w, out_fp32)  # type: ignore[attr-defined]
+
+
+@skinny_linear.register_fake
+def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype)
