@@ -92,3 +92,20 @@ def test_errors_are_one_line(monkeypatch, argv: list[str], world: str | None, me
     with pytest.raises(SystemExit, match=message) as e:
         main(argv)
     assert "\n" not in str(e.value.code)
+
+
+def test_compare_accepts_only_near_tie_flips() -> None:
+    """A differing greedy token passes only where the reference's two candidates are within the
+    tolerance and each run holds the other's token; logprob drift beyond it fails."""
+    from deepinfer_fx.bench.mesh import compare
+
+    ref = [([5, 7], [{5: -1.00, 6: -1.01}, {7: -0.5, 8: -2.0}])]
+    same = compare(ref, ref, 0.05)
+    assert same["ok"] and same["tokens_equal"] and same["max_logprob_diff"] == 0
+    tie = compare([([6, 9], [{6: -0.99, 5: -1.00}, {9: -0.1}])], ref, 0.05)
+    assert tie["ok"] and not tie["tokens_equal"] and tie["near_tie_flips"] == 1
+    assert tie["mismatched"] == [{"request": 0, "first_differing_token": 0, "near_tie": True}]
+    real = compare([([6, 9], [{6: -0.99, 5: -1.00}, {9: -0.1}])], ref, 0.001)  # the gap (0.01) exceeds the tolerance
+    assert not real["ok"] and real["near_tie_flips"] == 0
+    drift = compare([([5, 7], [{5: -1.2, 6: -1.01}, {7: -0.5}])], ref, 0.05)
+    assert not drift["ok"] and drift["tokens_equal"]
