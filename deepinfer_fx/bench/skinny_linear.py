@@ -30,6 +30,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..kernels.triton.linear import Tiles, choose_tiles, skinny_linear_triton
+from .timing import graph_ms
 from .p8 import P8, run_info, write_result
 
 _ROTATE_BYTES = 256 << 20  # several times the H200's L2
@@ -54,21 +55,8 @@ def p8_weights(head: bool) -> dict[str, tuple[int, int]]:
 
 def _time_us(call: Callable[[torch.Tensor], object], weights: list[torch.Tensor], rounds: int) -> float:
     """Mean us per call of ``call(w)`` over the weight copies, replayed from a CUDA graph (an
-    eager call first compiles the kernels and sets up cuBLAS outside the capture)."""
-    call(weights[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            call(w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (rounds * len(weights))
+    eager pass first compiles the kernels and sets up cuBLAS outside the capture)."""
+    return graph_ms(lambda: [call(w) for w in weights], rounds) * 1e3 / len(weights)
 
 
 def _cublas(out_fp32: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -84,11 +84,16 @@ def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w:
 def _grouped(x: torch.Tensor, w: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rows of ``x`` sorted by expert times ``w[e].T`` (``w`` stacked ``[E, out, in]``, the
     checkpoint's linear layout). ``groups``: each expert's end offset and each row's expert.
-    bf16 runs torch's grouped GEMM; other dtypes (fp32 tests, which that kernel does not take)
-    multiply each row by its gathered expert matrix."""
+    bf16 runs torch's grouped GEMM; other dtypes (fp32, which that kernel does not take)
+    multiply each row by its gathered expert matrix, except eager steps on a GPU: there the
+    gathered matrices of a model-sized batch would not fit (hundreds of GiB), so each expert's
+    rows are multiplied in turn, reading the group ends on the host (never inside a graph)."""
     offs, expert = groups
     if x.dtype == torch.bfloat16:
         return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offs)
+    if x.is_cuda and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
+        ends = offs.tolist()
+        return torch.cat([x[a:b] @ w[e].to(x.dtype).T for e, (a, b) in enumerate(zip([0, *ends[:-1]], ends))])
     return torch.einsum("pi,poi->po", x, w.to(x.dtype)[expert])
 
 
