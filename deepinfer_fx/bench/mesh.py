@@ -21,7 +21,9 @@ them all):
     rounded up to a multiple of the EP degree; checked and reported);
 (b, c) decode and prefill steps timed in lock step, with the EP all-to-all time per MoE layer
     (``bench/mesh_steps.py`` says what a step is and how the collectives are timed).
-Multi-rank engines step eagerly for now, so the reference is eager too (same code path).
+Steps are compiled on GPUs (the engine's ``StepGraphs``, CUDA graphs for decode; the ranks agree
+on each turn's graphs) and eager on the CPU (``--steps-mode`` overrides); cp meshes step eagerly
+for now. The JSON's ``engine.steps`` says which ran, for the mesh and for the reference.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--steps-mode", choices=("auto", "eager", "compiled"), default="auto",
+                    help="auto: compiled on GPUs, eager on the CPU; cp meshes step eagerly either way for now")
     ap.add_argument("--out", default="bench/results")
     return ap.parse_args(argv)
 
@@ -211,7 +215,7 @@ def mesh_result(spec: MeshSpec, args: argparse.Namespace, argv: list[str] | None
             "model": {"widths": "demo" if args.tiny else "P8", "layers": c.num_hidden_layers, "compress_ratios": list(c.compress_ratios),
                       "n_routed_experts": c.n_routed_experts, "top_k": c.num_experts_per_tok,
                       "dtype": str(dtype).removeprefix("torch."), "seed": args.seed, "weights": "random"},
-            "engine": {**engine, "steps": "eager (multi-rank meshes step eagerly; the reference does too)"},
+            "engine": engine,
             "env": {k: os.environ.get(k) for k in MULTICAST_OFF}, "experts": experts,
             "correctness": {"requests": args.requests, "prompt_lens": _ints(args.prompt_lens), "max_tokens": args.max_tokens,
                             **check, "eplb": shuffle},
@@ -228,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tol = args.logprob_tol if args.logprob_tol is not None else (1e-4 if dtype == torch.float32 else 5e-2)
     lens, batches, chunks = _ints(args.prompt_lens), _ints(args.decode_batches), _ints(args.prefill_tokens)
-    engine = {"eager": True, "max_num_seqs": max(batches + [1]), "max_num_batched_tokens": args.budget,
+    # compiled prefill graphs must hold the largest timed chunk, so the token budget covers it
+    engine = {"max_num_seqs": max(batches + [1]), "max_num_batched_tokens": max([args.budget] + chunks),
               "max_model_len": max(chunks + [args.context + 1, max(lens) + args.max_tokens])}
+    eager = {"auto": None, "eager": True, "compiled": False}[args.steps_mode]
 
     init_world(specs[0], device.type)  # the engine's own join (NCCL on GPU LOCAL_RANK, gloo on the CPU)
     rank = dist.get_rank()
@@ -239,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=TOP_LOGPROBS)
 
     if rank == 0:  # the one-process reference, while the other ranks wait
-        ref = LLM(model, **engine)
+        ref = LLM(model, eager=eager, **engine)
         want, _ = serve(ref, prompts, params, rebalance=False)
+        ref_steps = "eager" if ref.runner.steps is None else "compiled"
         one_gpu = timing_rows(ref, args, None)
         del ref
         _free(device)
@@ -248,14 +255,17 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = []
     for spec in specs:
-        llm = LLM(model, mesh=str(spec), **engine)
+        llm = LLM(model, mesh=str(spec), eager=True if spec.cp > 1 and eager is False else eager, **engine)
         experts = expert_counts(llm)
+        mesh_steps = "eager" if llm.runner.steps is None else "compiled"
         got, shuffle = serve(llm, prompts, params, rebalance=args.eplb)
         mesh_rows = timing_rows(llm, args, host)
         del llm
         _free(device)
         if rank == 0:
-            result = mesh_result(spec, args, argv, c, dtype, engine, experts, compare(got, want, tol), shuffle, mesh_rows, one_gpu)
+            steps = {"mesh": mesh_steps, "one_gpu": ref_steps}
+            result = mesh_result(spec, args, argv, c, dtype, {**engine, "steps": steps}, experts, compare(got, want, tol), shuffle,
+                                 mesh_rows, one_gpu)
             tag = f"{'demo' if args.tiny else 'p8'}l{c.num_hidden_layers}" + ("_eplb" if args.eplb else "")
             path = write_result(f"mesh_{str(spec).replace(',', '_')}_{tag}", result, args.out)
             check = result["correctness"]

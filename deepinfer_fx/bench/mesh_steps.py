@@ -1,7 +1,9 @@
 """Step timing for ``bench/mesh.py``: one engine's decode and prefill forwards, timed in lock
 step over the ranks of a mesh (or alone on one device), and the time spent in the EP all-to-all.
 
-What a step is. Decode: ``engine.steps.decode_step`` of ``B`` requests at position ``context``
+What a step is. With compiled steps (GPUs by default) the engine's own decode / prefill graphs
+(``StepGraphs``; traced again per row, with the row's EP group); eagerly as follows.
+Decode: ``engine.steps.decode_step`` of ``B`` requests at position ``context``
 (slots ``0..B-1``); a decode at a fixed position rewrites the same cache rows, so it repeats
 (as in ``bench/decode_graphs.py``), and the cache's contents do not change the work. Prefill:
 one chunk of ``T`` tokens at position 0 of slot 0, cut by the engine's own CP split
@@ -57,6 +59,8 @@ def row_swaps(llm: LLM, max_tokens: int) -> tuple[dict[str, Callable], EPGroup |
 
 
 def decode_fn(llm: LLM, batch: int, context: int) -> Callable[[], torch.Tensor]:
+    if llm.runner.steps is not None:  # the engine's compiled decode graph (captured on GPUs)
+        return lambda: llm.runner.steps.decode(list(range(batch)), [context] * batch)
     c, params = llm.model
     dev = llm.model.device
     slots = torch.arange(batch, device=dev)
@@ -69,6 +73,8 @@ def prefill_fn(llm: LLM, tokens: int, seed: int) -> Callable[[], torch.Tensor]:
     c, params = llm.model
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, c.vocab_size, (tokens,), generator=gen)
+    if llm.runner.steps is not None:  # the engine's compiled prefill graph: logits of the last row
+        return lambda: llm.runner.steps.prefill([(0, 0, ids.tolist())])[0]
     batch = make_batch([ids], [0], [0], llm.model.device)
     if llm.runner.split is not None:
         batch = llm.runner.split(batch)
@@ -124,12 +130,16 @@ def measure(llm: LLM, kind: str, size: int, *, context: int, steps: int, warmup:
     (a CP group shares one)."""
     spec, dev = llm.ranks.spec, llm.model.device
     swaps, group = row_swaps(llm, size)
+    if llm.runner.steps is not None and group is not None:  # graphs captured with another EP group would replay it
+        llm.runner.steps.reset()
     with torch.no_grad(), swapped(swaps):
         fn = decode_fn(llm, size, context) if kind == "decode" else prefill_fn(llm, size, seed)
         step_s = seconds_per_step(fn, steps, warmup, dev, host)
         row = {"step_ms": round(step_s * 1e3, 3), "tok_s_per_gpu": round(size * spec.dp * spec.ep / spec.world_size / step_s, 1)}
         if group is not None:
             row.update(ep_columns(llm, group, fn, profile_steps, host))
+    if llm.runner.steps is not None and group is not None:
+        llm.runner.steps.reset()
     return row
 
 

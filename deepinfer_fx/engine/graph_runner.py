@@ -141,21 +141,25 @@ class StepGraphs:
         torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)
 
     # -- steps ------------------------------------------------------------------------------
-    def decode(self, slots: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
-        """Logits ``[len(slots), vocab]``: one token per request, read from ``next_token[slot]``."""
+    def decode(self, slots: Sequence[int], starts: Sequence[int], min_requests: int = 0) -> torch.Tensor:
+        """Logits ``[len(slots), vocab]``: one token per request, read from ``next_token[slot]``.
+        ``min_requests``: run a bucket for at least that many (padded), as multi-rank turns agree."""
         n = len(slots)
-        b = bucket_for(n, self.decode_buckets)
+        b = bucket_for(max(n, min_requests), self.decode_buckets)
         e = self._entry(GraphKey("decode", b, b))
         pad = b - n
         host = torch.tensor([*slots, *[self.scratch] * pad, *starts, *[0] * pad, *[1] * n, *[0] * pad])
         return self._run(e, host)[:n]
 
-    def prefill(self, chunks: Sequence[tuple[int, int, Sequence[int]]], all_rows: bool = False) -> tuple[torch.Tensor, list[int]]:
+    def prefill(
+        self, chunks: Sequence[tuple[int, int, Sequence[int]]], all_rows: bool = False, min_chunks: int = 0, min_length: int = 0
+    ) -> tuple[torch.Tensor, list[int]]:
         """``chunks``: (slot, start, token ids). Returns logits and, per chunk, the row of its
         first logit: with ``all_rows`` a chunk of n tokens owns rows ``r .. r+n-1``, otherwise
-        only its last token's row ``r``."""
-        c_bucket = bucket_for(len(chunks), self.request_buckets)
-        length = bucket_for(max(len(ids) for _, _, ids in chunks), self.length_buckets)
+        only its last token's row ``r``. ``min_chunks`` / ``min_length``: run a bucket for at
+        least that many chunks of that length (padded), as multi-rank turns agree."""
+        c_bucket = bucket_for(max(len(chunks), min_chunks), self.request_buckets)
+        length = bucket_for(max([len(ids) for _, _, ids in chunks] + [min_length]), self.length_buckets)
         key = GraphKey("prefill", c_bucket * length, c_bucket, all_rows)
         e = self._entry(key)
         tokens = torch.zeros(c_bucket, length, dtype=torch.long)
@@ -171,6 +175,12 @@ class StepGraphs:
             rows = torch.arange(c_bucket) * length + (lens - 1).clamp(min=0)
             first = list(range(len(chunks)))
         return self._run(e, torch.cat([tokens.reshape(-1), meta.T.reshape(-1), rows])), first
+
+    def reset(self) -> None:
+        """Forget every compiled and captured graph: a captured graph replays the tensors it was
+        captured with, so after an EPLB shuffle (new placement tables, moved expert slots) the
+        steps are traced again on their next call."""
+        self._entries.clear()
 
     # -- machinery --------------------------------------------------------------------------
     def _run(self, e: _Entry, host: torch.Tensor) -> torch.Tensor:

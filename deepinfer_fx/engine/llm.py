@@ -112,7 +112,8 @@ class LLM:
             }
         swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
         cp_swap, split = self.ranks.cp_split()
-        self.runner = ModelRunner(self.model, self.pool, compiled, {**swaps, **cp_swap}, split)
+        self.runner = ModelRunner(self.model, self.pool, compiled, {**swaps, **cp_swap}, split,
+                                  lockstep=self.ranks.lockstep if compiled is not None else None)
         self.runner.importer = self._import
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.engine_type)
         self.seed = seed
@@ -274,6 +275,8 @@ class LLM:
         swaps = self.ranks.rebalance(self.model.params)
         if swaps is not None:
             self.runner.swaps.update(swaps)
+            if self.runner.steps is not None:
+                self.runner.steps.reset()
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a queued or running request: it finishes with reason 'abort' and keeps what it

@@ -11,8 +11,11 @@ With cp > 1 the ranks of a CP group serve the same requests: each forward's chun
 zigzag over the group (``sharding.cp``), attention gathers its rows over the group, and the
 logits are gathered back so every CP rank samples the same tokens from the same rows.
 
-For now multi-rank runs step eagerly: a compiled turn may run a decode and a prefill graph, and
-ranks would first have to agree on which graphs run.
+Compiled steps (the default on GPUs; not yet with cp > 1, whose split is built on the host per
+step) run a decode and a prefill graph per turn; the ranks agree each turn on which graphs run
+and at what bucket (``ModelRunner._plan``, ``LockStep.agree``), so the all-to-alls inside them
+pair up. An EPLB shuffle drops the graphs (``StepGraphs.reset``): a captured graph would replay
+the old placement tables.
 """
 
 from __future__ import annotations
@@ -52,14 +55,16 @@ class Ranks:
         spec = parse_mesh(mesh) if mesh else MeshSpec()
         if spec.world_size == 1:
             return cls(spec), device, eager
-        if eager is False:
-            raise ValueError(f"mesh {spec}: multi-rank runs step eagerly for now (ranks would first have to agree on the compiled graphs of each turn); drop eager=False / --compile")
+        if spec.cp > 1:
+            if eager is False:
+                raise ValueError(f"mesh {spec}: context parallelism steps eagerly for now (its split is built on the host per step); drop eager=False / --compile")
+            eager = True
         world = init_world(spec, device.type)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         coord = rank_coordinate(spec, dist.get_rank())
         lockstep = LockStep(server=coord["dp"] * spec.ep + coord["ep"], servers=spec.dp * spec.ep)
-        return cls(spec, lockstep.rank, lockstep, world=world), device, True
+        return cls(spec, lockstep.rank, lockstep, world=world), device, eager
 
     @property
     def multi(self) -> bool:

@@ -17,6 +17,7 @@ from ..api import Model
 from ..graphs.batch import Batch, Chunk, context_gather, group_chunks
 from ..graphs.model import forward_batch
 from ..graphs.swap import swapped
+from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
 from .cache import CachePool
 from .graph_runner import StepGraphs
@@ -45,15 +46,21 @@ class StepHandle:
 class ModelRunner:
     def __init__(
         self, model: Model, pool: CachePool, compiled: dict | None = None, swaps: dict | None = None,
-        split: Callable[[Batch], Batch] | None = None,
+        split: Callable[[Batch], Batch] | None = None, lockstep: LockStep | None = None,
     ) -> None:
         """``compiled``: None runs the model functions eagerly; a dict (``StepGraphs`` options:
         graphs, inductor, dump_dir, disabled, accelerator, max_requests, max_tokens) runs the
         compiled steps. ``swaps``: ``graphs.swap`` replacements in force around every forward
         (a multi-rank mesh: the expert-parallel MoE, ``sharding.parallel.ep_swaps``). ``split``:
-        context parallelism, a step's batch -> this rank's share (``sharding.cp.split_batch``)."""
+        context parallelism, a step's batch -> this rank's share (``sharding.cp.split_batch``).
+        ``lockstep``: a multi-rank mesh with compiled steps, whose ranks agree on each turn's
+        graphs (``_plan``)."""
+        if compiled is not None and split is not None:
+            raise ValueError("context parallelism steps eagerly for now (its split is built on the host per step)")
         self.model = model
         self.split = split
+        self.lockstep = lockstep
+        self._rows_all = False  # whether the last compiled prefill graph computed every row
         self.swaps = dict(swaps or {})
         self.pool = pool
         self.device = model.device
@@ -119,15 +126,19 @@ class ModelRunner:
 
     @torch.no_grad()
     def idle(self) -> None:
-        """One forward of a padding request (the scratch slot, nothing kept): what a rank with
-        nothing to launch runs while other ranks step, so that its EP group's all-to-alls complete."""
-        c, params = self.model
+        """What a rank with nothing to launch runs while other ranks step, so that its EP group's
+        all-to-alls complete: eagerly one forward of a padding request (the scratch slot,
+        nothing kept); compiled, the turn's agreed graphs on padding alone."""
         with swapped(self.swaps):
+            if self.steps is not None:
+                self._forward_compiled(None)
+                return
+            c, params = self.model
             decode_step(params, self.pool.state, c, self.next_token, *idle_step(self.pool.state, self.device))
 
     def _all_rows(self, sched: SchedulerOutputs, i: int) -> bool:
         """Whether chunk i's logits cover every row (else only its last row was computed)."""
-        return self.steps is None or (not sched.chunks[i].from_device and self._wants_prompt_lp(sched))
+        return self.steps is None or (not sched.chunks[i].from_device and self._rows_all)
 
     @staticmethod
     def _wants_prompt_lp(sched: SchedulerOutputs) -> bool:
@@ -160,23 +171,38 @@ class ModelRunner:
             logits = context_gather(logits, batch.split)
         return logits, [ch.offset for ch in chunks]
 
-    def _forward_compiled(self, sched: SchedulerOutputs) -> tuple[torch.Tensor, list[int]]:
-        """Compiled: decode rows through the decode graph, prompt chunks through the prefill graph."""
-        dec = [i for i, ch in enumerate(sched.chunks) if ch.from_device]
-        pre = [i for i, ch in enumerate(sched.chunks) if not ch.from_device]
-        parts, first_row, base = [], [0] * len(sched.chunks), 0
-        if dec:
-            parts.append(self.steps.decode([sched.chunks[i].seq.slot for i in dec], [sched.chunks[i].start for i in dec]))
+    def _forward_compiled(self, sched: SchedulerOutputs | None) -> tuple[torch.Tensor, list[int]]:
+        """Compiled: decode rows through the decode graph, prompt chunks through the prefill graph,
+        at the sizes this turn's plan agreed (``sched`` None: an idle rank's padding alone)."""
+        all_chunks = [] if sched is None else sched.chunks
+        dec = [i for i, ch in enumerate(all_chunks) if ch.from_device]
+        pre = [i for i, ch in enumerate(all_chunks) if not ch.from_device]
+        chunks = [(ch.seq.slot, ch.start, ch.seq.prompt_ids[ch.start : ch.start + ch.length]) for ch in (all_chunks[i] for i in pre)]
+        n_dec, n_pre, length, rows_all = self._plan(
+            [len(dec), len(chunks), max([len(ids) for _, _, ids in chunks] + [0]), int(sched is not None and self._wants_prompt_lp(sched))]
+        )
+        self._rows_all = bool(rows_all)
+        parts, first_row, base = [], [0] * len(all_chunks), 0
+        if n_dec:
+            out = self.steps.decode([all_chunks[i].seq.slot for i in dec], [all_chunks[i].start for i in dec], min_requests=n_dec)
+            parts.append(out)
             for j, i in enumerate(dec):
                 first_row[i] = j
             base = len(dec)
-        if pre:
-            chunks = [(ch.seq.slot, ch.start, ch.seq.prompt_ids[ch.start : ch.start + ch.length]) for ch in (sched.chunks[i] for i in pre)]
-            out, first = self.steps.prefill(chunks, all_rows=self._wants_prompt_lp(sched))
+        if n_pre:
+            out, first = self.steps.prefill(chunks, all_rows=self._rows_all, min_chunks=n_pre, min_length=length)
             parts.append(out)
             for j, i in enumerate(pre):
                 first_row[i] = base + first[j]
+        if not parts:
+            return torch.empty(0, device=self.device), first_row
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), first_row
+
+    def _plan(self, mine: list[int]) -> list[int]:
+        """This turn's graphs: decode requests, prefill chunks, prefill length, every row or
+        not. On a multi-rank mesh the max over ranks, so every rank runs the same graphs at the
+        same sizes and the EP all-to-alls inside them pair up."""
+        return mine if self.lockstep is None else self.lockstep.agree(mine)
 
     def _copy_back(self, sched, tokens, lp, tid, tlp, prompt_lp) -> StepHandle:
         if self.copy_stream is None:

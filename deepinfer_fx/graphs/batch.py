@@ -35,7 +35,8 @@ class Chunk:
 @dataclass(frozen=True)
 class Group:
     """Chunks laid out ``[C, L]``. ``index[c, j]``: the packed row of token j of chunk c; rows at
-    or past ``lens[c]`` point at row N (a padding row the caller appends)."""
+    or past ``lens[c]`` are padding: row N (a padding row the caller appends) in eager batches,
+    the bucket's own padding rows in compiled steps (``valid`` tells them apart either way)."""
 
     index: torch.Tensor  # [C, L] long
     slots: torch.Tensor  # [C] long
@@ -90,6 +91,16 @@ class Batch:
     def queries(self) -> tuple[Group | Queries, ...]:
         """Per key-side group, the rows of this batch that query it."""
         return self.groups if self.split is None else self.split.queries
+
+    @property
+    def real_rows(self) -> torch.Tensor:
+        """``[N]`` bool: rows that are some chunk's token, not a compiled bucket's padding."""
+        n = self.token_ids.shape[0]
+        real = torch.zeros(n + 1, dtype=torch.bool, device=self.token_ids.device)
+        for g in self.queries:
+            token = g.valid if isinstance(g, Group) else g.positions >= 0
+            real[torch.where(token, g.index, n).reshape(-1)] = True  # padding lands on row N, cut off
+        return real[:n]
 
 
 @dataclass(frozen=True)

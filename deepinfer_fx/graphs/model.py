@@ -56,7 +56,7 @@ def block(
     a = attn(lp["attn"], states, c, rms_norm(u, lp["attn_norm"], eps), batch, layer, ratio, ctx if ctx is not None else {})
     X = mhc_expand(X, a, post, comb)
     pre_f, post, comb = _site(lp, "ffn", c, X)
-    f = moe(lp["ffn"], c, rms_norm(mhc_collapse(X, pre_f if pre_prev is None else pre_a), lp["ffn_norm"], eps), batch.token_ids)
+    f = moe(lp["ffn"], c, rms_norm(mhc_collapse(X, pre_f if pre_prev is None else pre_a), lp["ffn_norm"], eps), batch.token_ids, batch.real_rows)
     return mhc_expand(X, f, post, comb), pre_f
 
 

@@ -98,15 +98,18 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, groups: tuple[torch.Tensor, torch
 
 
 @swappable
-def expert_parallel(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def expert_parallel(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """The region expert parallelism replaces with dispatch -> local experts -> combine
-    (``sharding/ep.py``); in one process every expert is local."""
+    (``sharding/ep.py``); in one process every expert is local. ``real`` ``[T]`` bool marks the
+    rows that are tokens rather than a compiled bucket's padding: the dispatch sends no pair of
+    a padding row (its capacity is sized for real tokens); here every row is computed alike."""
     return routed_experts(p, limit, x, idx, w)
 
 
-def moe(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def moe(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The FFN sublayer; ``real`` as in ``expert_parallel``."""
     idx, w = route(p, c, x, token_ids)
-    routed = expert_parallel(p["experts"], c.swiglu_limit, x, idx, w)
+    routed = expert_parallel(p["experts"], c.swiglu_limit, x, idx, w, real)
     sh = p["shared_experts"]
     shared = linear(swiglu(x, sh["w1"], sh["w3"], c.swiglu_limit).to(x.dtype), sh["w2"])
     return (routed + shared.float()).to(x.dtype)

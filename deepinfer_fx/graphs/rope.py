@@ -51,6 +51,7 @@ def cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, 
     return angles.cos(), angles.sin()
 
 
+@swappable
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last ``2 * cos.shape[-1]`` channels of x. x is ``[*P, ..., d]``; cos/sin are
     ``[*P, rd/2]`` (one row per position) and broadcast over the middle dims. ``inverse``

@@ -138,26 +138,35 @@ def ep_routed_experts(
     w: torch.Tensor,
     group: EPGroup,
     positions: torch.Tensor | None = None,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``routed_experts`` with the experts spread over the EP group: ``p_local`` holds this rank's
     physical slots ``[rank*S, (rank+1)*S)``, ``idx`` logical expert ids. ``positions`` ([T] token
-    positions) choose among an expert's replicas; they default to the row index."""
+    positions) choose among an expert's replicas; they default to the row index. ``real`` ([T]
+    bool, default all): rows that are tokens; a padding row's pairs are neither sent nor counted
+    as load, and its output is zero, so a compiled bucket's padding costs no capacity."""
     t, k = idx.shape
     d, cap, size, s = x.shape[1], group.capacity, group.size, group.slots_per_rank
     if p_local["w1"].shape[0] != s:
         raise ValueError(f"ep_routed_experts: p_local holds {p_local['w1'].shape[0]} expert slots, this rank owns {s}")
     if positions is None:
         positions = torch.arange(t, device=x.device)
-    group.loads.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))  # measured for EPLB
+    if real is None:
+        real = torch.ones(t, dtype=torch.bool, device=x.device)
+    real_pairs = real[:, None].expand(t, k).reshape(-1)
+    group.loads.scatter_add_(0, idx.reshape(-1), real_pairs.long())  # measured for EPLB
     phys = pick_replicas(idx, group.replica_slots, group.replica_counts, positions).reshape(-1)
-    dest, slot = phys // s, phys % s
+    dest, slot = torch.where(real_pairs, phys // s, size), phys % s  # padding pairs: destination `size`, nowhere
     n = t * k
 
-    # place of each pair among its destination's pairs, in pair order (stable sort keeps it)
+    # place of each pair among its destination's pairs, in pair order (stable sort keeps it);
+    # the padding pairs sort after every real one
     order = torch.argsort(dest, stable=True)
-    counts = torch.zeros(size, dtype=torch.long, device=x.device).scatter_add_(0, dest, torch.ones_like(dest))
-    starts = torch.cumsum(counts, 0) - counts
-    place = torch.empty_like(dest).scatter_(0, order, torch.arange(n, device=x.device) - starts[dest[order]])
+    counts_all = torch.zeros(size + 1, dtype=torch.long, device=x.device).scatter_add_(0, dest, torch.ones_like(dest))
+    starts_all = torch.cumsum(counts_all, 0) - counts_all
+    counts, starts = counts_all[:size], starts_all[:size]
+    place = torch.empty_like(dest).scatter_(0, order, torch.arange(n, device=x.device) - starts_all[dest[order]])
+    place = torch.where(real_pairs, place, cap)  # a padding pair reads the zero row, like a dropped one
     group.overflow.add_((counts - cap).clamp(min=0).sum())
 
     # send row (r, c) carries the pair at sorted position starts[r] + c, or the pad pair n

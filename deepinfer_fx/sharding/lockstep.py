@@ -10,7 +10,9 @@ the whole world (host flags, whatever the device):
   launch then runs an idle step (one padding request) so the others' all-to-alls complete.
 
 Each turn launches at most one forward per rank (eager steps), so agreeing per turn keeps the
-collectives of every rank in the same order.
+collectives of every rank in the same order. Compiled steps split a turn into a decode graph
+and a prefill graph, each of a bucketed size; there the ranks also ``agree`` on which graphs run
+and on their sizes (the max over ranks), and a rank with less work pads its graphs.
 
 Requests go to ranks (to CP groups, with cp > 1) round-robin by their index in a ``generate``
 call (``owns``), and the outputs are gathered back in that order on every rank (``gather``).
@@ -44,6 +46,13 @@ class LockStep:
         t = torch.tensor([int(flag)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
+
+    def agree(self, values: list[int]) -> list[int]:
+        """The element-wise max of ``values`` over every rank (compiled steps: the graph sizes
+        of a turn, so that every rank runs the same graphs and their collectives match)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
 
     def owns(self, index: int) -> bool:
         """Whether request ``index`` (of one ``generate`` call) is served by this rank."""

@@ -1,7 +1,8 @@
 """Run by ``test_llm_mesh.py`` under torchrun: every rank builds ``LLM(ckpt, mesh=...)`` for each
 mesh given and generates the same requests (SPMD), then rebalances the experts by the measured
 loads and generates them again; every rank must get all outputs back, and rank 0 writes them to
-a JSON file. Usage: ``llm_mesh_job.py CKPT REQUESTS.json OUT.json MESH...``."""
+a JSON file. Usage: ``llm_mesh_job.py CKPT REQUESTS.json OUT.json MESH...``; a mesh written
+``ep2@compiled`` runs compiled steps."""
 
 from __future__ import annotations
 
@@ -17,16 +18,17 @@ def main(ckpt: str, requests: str, out: str, meshes: list[str]) -> None:
     reqs = json.loads(open(requests).read())
     params = [SamplingParams(**r["params"]) for r in reqs]
     results = {}
-    for mesh in meshes:
+    for name in meshes:
+        mesh, _, steps = name.partition("@")  # "ep2@compiled": compiled steps (aot_eager on the CPU)
         llm = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=96, max_num_seqs=4,
-                  max_num_batched_tokens=48, mesh=mesh)
+                  max_num_batched_tokens=48, mesh=mesh, eager=steps != "compiled")
         outs = llm.generate([r["prompt"] for r in reqs], params)
-        assert len(outs) == len(reqs), (mesh, dist.get_rank(), len(outs))
-        results[mesh] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
+        assert len(outs) == len(reqs), (name, dist.get_rank(), len(outs))
+        results[name] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
         # EPLB mid-run: re-place the experts by the loads just measured, then serve again
         llm.rebalance_experts()
         outs = llm.generate([r["prompt"] for r in reqs], params)
-        results[f"{mesh}+eplb"] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
+        results[f"{name}+eplb"] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -163,6 +163,18 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
         last[-1, -1] = 0
         _close(got, routed_experts(logical, LIMIT, x, idx, w * last))
 
+        # 6. a compiled bucket's padding: twice MAX_T rows of which the real ones fit the capacity;
+        # padding rows send nothing (no overflow, no load) and come back as zeros
+        x, idx, w, pos = _all_to_one_rank(mine + 5, pl, (rank + 1) % world, 2 * MAX_T)
+        real = torch.zeros(2 * MAX_T, dtype=torch.bool)
+        real[torch.randperm(2 * MAX_T, generator=torch.Generator().manual_seed(mine + 6))[:MAX_T]] = True
+        grp = fresh()
+        got = ep_routed_experts(p_local, LIMIT, x, idx, w, grp, pos, real=real)
+        check_overflow(grp)
+        _close(got, routed_experts(logical, LIMIT, x, idx, w * real[:, None]))
+        assert torch.equal(got[~real], torch.zeros_like(got[~real]))
+        assert int(grp.loads.sum()) == MAX_T * K
+
         # 5. (4 ranks) EP over a sub-group: dp2 x ep2, each EP group its own pair of ranks
         if world == 4:
             sub = moe_view(build_mesh(MeshSpec(dp=2, ep=2)))

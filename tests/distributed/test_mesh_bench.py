@@ -109,3 +109,12 @@ def test_compare_accepts_only_near_tie_flips() -> None:
     assert not real["ok"] and real["near_tie_flips"] == 0
     drift = compare([([5, 7], [{5: -1.2, 6: -1.01}, {7: -0.5}])], ref, 0.05)
     assert not drift["ok"] and drift["tokens_equal"]
+
+
+def test_compiled_steps_on_two_ranks(tmp_path) -> None:
+    """The engine's compiled steps (aot_eager on the CPU) serve the requests and time the rows,
+    including the all-to-all inside the graphs, before and after the EPLB shuffle."""
+    results = _launch(tmp_path, 2, ["--mesh", "ep2", "--steps-mode", "compiled", "--eplb"], extra_experts=2)
+    result = results["ep2"]
+    assert result["engine"]["steps"] == {"mesh": "compiled", "one_gpu": "compiled"}, result["engine"]
+    _check(result, eplb=True)

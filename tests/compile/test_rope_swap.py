@@ -1,0 +1,60 @@
+"""The ``rope_kernel`` swap: ``deepinfer::rope`` equals ``graphs/rope.py::apply_rope``, a compiled
+prefill-sized rotation (and its inverse) runs as the op, one node each, while a decode-sized one
+traces the reference; compiled equals eager either way. The kernel itself is tested in
+``tests/kernels/test_triton_rope.py``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from deepinfer_fx.config import Yarn
+from deepinfer_fx.graphs.rope import _inv_freq, apply_rope, cos_sin
+from deepinfer_fx.graphs.swap import swapped
+from deepinfer_fx.passes.compiler import compile_graph, make_backend
+
+pytestmark = pytest.mark.usefixtures("fresh_compile")
+
+SWAP = "rope_kernel"
+YARN = Yarn(factor=16.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little") >> 1
+
+
+def _rotate_and_back(x: torch.Tensor, o: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What attention does: rotate the queries, un-rotate the output, with one pair of tables."""
+    cos, sin = cos_sin(positions, freq)
+    return apply_rope(x, cos, sin), apply_rope(o, cos, sin, inverse=True)
+
+
+@pytest.mark.parametrize("shape, lead", [((5, 3, 96), 1), ((2, 7, 4, 64), 2), ((6, 40), 1)], ids=["heads", "chunks", "flat"])
+def test_op_is_the_graphs_function(shape: tuple[int, ...], lead: int) -> None:
+    g = torch.Generator().manual_seed(_seed())
+    x = torch.randn(*shape, generator=g)
+    positions = torch.randint(0, 100_000, shape[:lead], generator=g)
+    cos, sin = cos_sin.reference(positions, _inv_freq(32, 10000.0, YARN))  # type: ignore[attr-defined]
+    for inverse in (False, True):
+        got, want = torch.ops.deepinfer.rope(x, cos, sin, inverse), apply_rope.reference(x, cos, sin, inverse)  # type: ignore[attr-defined]
+        assert torch.equal(got, want)
+        torch.library.opcheck(torch.ops.deepinfer.rope.default, (x, cos, sin, inverse))
+
+
+# 1024 positions x 16 heads x 64 channels is the smallest prefill-sized rotation (2^20 elements)
+@pytest.mark.parametrize("tokens, ops", [(1024, 2), (8, 0)], ids=["prefill", "decode"])
+def test_compiled_rotation_equals_eager(tokens: int, ops: int) -> None:
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    x, o = torch.randn(tokens, 16, 64, generator=g), torch.randn(tokens, 16, 64, generator=g)
+    positions = torch.randint(0, 50_000, (tokens,), generator=g)
+    freq = _inv_freq(32, 10000.0, YARN)
+    be = make_backend("cpu", environ={})
+    compiled = compile_graph(_rotate_and_back, be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()):
+        got = compiled(x, o, positions, freq)
+    for a, b in zip(got, _rotate_and_back(x, o, positions, freq)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+    assert be.rewrites().get(SWAP, 0) == ops, f"seed={seed}"

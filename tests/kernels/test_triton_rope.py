@@ -1,0 +1,187 @@
+"""The Triton rotary embedding against ``graphs/rope.py::apply_rope``: fresh random inputs every
+run (the seed is in the failure message), forward and inverse, the three layouts the model
+rotates (positions x heads, chunks x rows x heads, no middle dims), widths that are not powers
+of two, row counts that leave the last program partly filled, strided inputs, and an output
+poisoned with NaN so that an element the kernel forgets to write fails. On CUDA, also the
+model's sizes, the op's dispatch and a CUDA-graph replay. Everywhere ptxas is, the kernel is
+compiled for sm_90 offline and must not spill."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as triton_compile
+from triton.runtime.jit import JITFunction
+
+from deepinfer_fx.graphs.rope import _inv_freq, apply_rope, cos_sin
+from deepinfer_fx.kernels.triton.rope import _rope_kernel, launch_config, rope_triton
+
+CUDA = torch.cuda.is_available()
+
+# (x shape, number of leading dims that index positions, rope dim)
+CASES = [
+    ((37, 5, 96), 1, 32),  # d not a power of two; 185 rows of 32 per program: the last one partial
+    ((3, 7, 4, 128), 2, 64),  # [C, L, H, d] against [C, L] tables
+    ((50, 512), 1, 64),  # no middle dims (the window latent)
+    ((11, 2, 100), 1, 40),  # 20 pairs: a masked pair block
+    ((9, 3, 64), 1, 64),  # the whole row rotates, nothing to copy
+]
+# Sizes of the model (query heads / attention output, window latent, indexer query, a prefill
+# group); too slow for the interpreter.
+CUDA_CASES = [((4096, 64, 512), 1, 64), ((4096, 512), 1, 64), ((4096, 64, 128), 1, 64), ((2, 2048, 64, 512), 2, 64)]
+
+
+def _seed() -> int:
+    return torch.seed() % 2**31
+
+
+def _inputs(shape: tuple[int, ...], lead: int, rd: int, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*shape, generator=g) * 3).to(device=device, dtype=dtype)
+    positions = torch.randint(0, 200_000, shape[:lead], generator=g)
+    cos, sin = cos_sin.reference(positions, _inv_freq(rd, 10000.0, None))  # type: ignore[attr-defined]
+    return x, cos.to(device), sin.to(device)
+
+
+def _assert_matches(out: torch.Tensor, ref: torch.Tensor, why: str) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape, why
+    if ref.dtype == torch.bfloat16:
+        # One bf16 ulp of the reference: the fp32 values agree to ~1e-7 (an FMA on the GPU), but
+        # a rounding may not, and the interpreter rounds fp32 -> bf16 towards zero.
+        _, exp = torch.frexp(ref.float())
+        ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), exp - 8)
+        bad = ~((out.float() - ref.float()).abs() <= ulp)
+        assert not bad.any(), f"{why}: {int(bad.sum())} elements off by more than one bf16 ulp"
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{why}\n{m}")
+
+
+def _run(shape: tuple[int, ...], lead: int, rd: int, dtype: torch.dtype, inverse: bool, device: str, layout: str = "contiguous") -> None:
+    seed = _seed()
+    x, cos, sin = _inputs(shape, lead, rd, dtype, device, seed)
+    if layout == "slice":  # rows further apart than d: read in place with their stride
+        x = torch.cat([x, torch.zeros_like(x[..., :24])], -1)[..., : shape[-1]]
+    elif layout == "transpose":  # rows that do not flatten to one stride: the launcher copies
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    out = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    got = rope_triton(x, cos, sin, inverse, out=out)
+    why = f"seed={seed} shape={shape} rd={rd} dtype={dtype} inverse={inverse} layout={layout}"
+    assert got is out, why
+    _assert_matches(out, apply_rope.reference(x, cos, sin, inverse), why)  # type: ignore[attr-defined]
+    fresh = rope_triton(x, cos, sin, inverse)
+    assert fresh.is_contiguous() and torch.equal(fresh, out), why
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("shape,lead,rd", CASES)
+def test_rope_matches_reference(shape: tuple[int, ...], lead: int, rd: int, inverse: bool, device: str) -> None:
+    _run(shape, lead, rd, torch.float32, inverse, device)
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+def test_rope_bf16(inverse: bool, device: str) -> None:
+    _run((21, 3, 96), 1, 32, torch.bfloat16, inverse, device)
+
+
+@pytest.mark.parametrize("layout", ["slice", "transpose"])
+def test_rope_strided_input(layout: str, device: str) -> None:
+    _run((13, 4, 96), 1, 32, torch.float32, True, device, layout)
+
+
+def test_rope_refuses_tables_of_other_positions(device: str) -> None:
+    x = torch.randn(6, 2, 64, device=device)
+    cos = torch.randn(1, 16, device=device)  # broadcasts in apply_rope, but not the op's layout
+    with pytest.raises(ValueError, match="rope"):
+        rope_triton(x, cos, cos, False)
+
+
+@pytest.mark.skipif(not CUDA, reason="model-sized tensors need a GPU")
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,lead,rd", CUDA_CASES)
+def test_rope_model_sizes(shape: tuple[int, ...], lead: int, rd: int, dtype: torch.dtype, inverse: bool) -> None:
+    _run(shape, lead, rd, dtype, inverse, "cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="the CUDA registration only dispatches for CUDA tensors")
+def test_rope_op_dispatches_to_triton() -> None:
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::rope", "CUDA")
+    seed = _seed()
+    x, cos, sin = _inputs((1024, 64, 512), 1, 64, torch.bfloat16, "cuda", seed)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
+        got = torch.ops.deepinfer.rope(x, cos, sin, True)
+        torch.cuda.synchronize()
+    assert any("_rope_kernel" in e.name for e in prof.events()), f"seed={seed}: the op did not launch the kernel"
+    assert torch.equal(got, rope_triton(x, cos, sin, True)), f"seed={seed}"
+    torch.library.opcheck(torch.ops.deepinfer.rope.default, (x[:64], cos[:64], sin[:64], False))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_rope_cuda_graph_replay() -> None:
+    """Captured once, replayed on new values written into the same buffers."""
+    seed = _seed()
+    x, cos, sin = _inputs((4096, 64, 512), 1, 64, torch.bfloat16, "cuda", seed)
+    torch.ops.deepinfer.rope(x, cos, sin, False)  # compiles the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.deepinfer.rope(x, cos, sin, False)
+    for step in range(2):
+        new = _inputs((4096, 64, 512), 1, 64, torch.bfloat16, "cuda", seed + 1 + step)
+        for buf, value in zip((x, cos, sin), new):
+            buf.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_matches(out, apply_rope.reference(x, cos, sin, False), f"seed={seed} replay {step}")  # type: ignore[attr-defined]
+
+
+# --- offline compile for the H200 --------------------------------------------------------------
+
+def _ptxas() -> str | None:
+    try:
+        return knobs.nvidia.ptxas.path  # Triton's bundled ptxas, or TRITON_PTXAS_PATH
+    except RuntimeError:  # neither runs here
+        return None
+
+
+_PTXAS = _ptxas()
+
+
+@pytest.mark.skipif(_PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("d", [512, 128])  # query heads / output / latent, indexer query
+def test_rope_compiles_for_sm90_without_spills(d: int, dtype: str, inverse: bool) -> None:
+    """Triton -> PTX for sm_90 needs no device; ptxas then reports registers and spills. The
+    launch configuration is the launcher's for 4096 tokens, with the pointer and stride
+    alignment Triton specialises on at a real launch."""
+    cfg = launch_config(4096 * 64, d, 32)
+    num_warps = cfg.pop("num_warps")
+    # Under TRITON_INTERPRET=1 the decorator returned an interpreter wrapper around the function.
+    fn = _rope_kernel if isinstance(_rope_kernel, JITFunction) else JITFunction(_rope_kernel.fn)
+    ptr = f"*{dtype}"
+    signature = {"x_ptr": ptr, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": ptr, "n_rows": "i32", "heads": "i32", "stride_x": "i32"}
+    constants = {"D": d, "HALF": 32, "INVERSE": inverse, **cfg}
+    signature |= dict.fromkeys(constants, "constexpr")
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6)}
+    kernel = triton_compile(ASTSource(fn, signature, constexprs=constants, attrs=aligned),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "rope.ptx"
+        src.write_text(ptx)
+        log = subprocess.run([_PTXAS, "-v", "--gpu-name=sm_90a", str(src), "-o", str(src.with_suffix(".cubin"))],
+                             capture_output=True, text=True, check=True).stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))  # type: ignore[union-attr]
+    assert spills == [0, 0] and registers <= 64, log
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "rows move in 16-byte vectors"
+    if dtype == "bf16":  # the served dtype: pairs and tables meet in registers, with no shuffle
+        # (fp32 at d=128 loads its tables 4 wide and regroups them through 4 KiB of shared memory)
+        assert kernel.metadata.shared == 0 and "bar.sync" not in ptx
