@@ -4,7 +4,7 @@
     python examples/offline_inference.py            # the built-in tiny demo model (random weights)
 
 Several ranks: ``torchrun --nproc-per-node 4 examples/offline_inference.py --ep 2 --cp 2`` (the
-world is the product of the degrees; cp and ep must nest; steps run eagerly on a mesh).
+world is the product of the degrees; cp and ep must nest; steps compile on GPUs, except with cp > 1).
 """
 
 from __future__ import annotations
