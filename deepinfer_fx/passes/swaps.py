@@ -33,7 +33,6 @@ from ..graphs.norm import project
 from ..graphs.params import scale_path
 from ..graphs.rope import apply_rope, cos_sin
 from ..io.quant import fp8_block_of
-from ..kernels.ops import OPS
 from ..kernels.ops_linear import decode_sized
 from .manager import GraphPass, register_pass
 
@@ -54,9 +53,13 @@ class KernelSwap(GraphPass):
     def sources(self) -> tuple[object, ...]:
         return (type(self).replacement,)
 
+    def targets(self) -> tuple[Any, ...]:
+        """The op overloads whose nodes count as this pass's rewrites."""
+        return (getattr(torch.ops.deepinfer, self.op).default,)
+
     def __call__(self, gm: torch.fx.GraphModule) -> int:
-        target = OPS[self.op]
-        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+        targets = self.targets()
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
 
 
 def _moe_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -79,9 +82,8 @@ class MoEExpertsSwap(KernelSwap):
     def replacement(self) -> Callable[..., Any]:
         return _moe_experts
 
-    def __call__(self, gm: torch.fx.GraphModule) -> int:
-        targets = (OPS[self.op], torch.ops.deepinfer.moe_experts_fp8.default)  # either, by the experts' storage
-        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+    def targets(self) -> tuple[Any, ...]:
+        return (torch.ops.deepinfer.moe_experts.default, torch.ops.deepinfer.moe_experts_fp8.default)  # by the experts' storage
 
 
 @register_pass
@@ -180,10 +182,6 @@ class SkinnyLinearSwap(KernelSwap):
     def replacement(self) -> Callable[..., Any]:
         return _project
 
-    def __call__(self, gm: torch.fx.GraphModule) -> int:
-        target = torch.ops.deepinfer.skinny_linear.default  # declared in ops_linear, not in OPS
-        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
-
 
 # Fewer positions than this (decode) keep the inline tables: recomputing a few thousand
 # elements costs less than the op's extra launches, and Inductor fuses them.
@@ -208,10 +206,6 @@ class RopeTableSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return _cos_sin
-
-    def __call__(self, gm: torch.fx.GraphModule) -> int:
-        target = torch.ops.deepinfer.rope_table.default  # declared in ops_rope, not in OPS
-        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
 
 
 # Rotations smaller than this stay with the reference. Not measured: at 2^20 bf16 elements
@@ -243,10 +237,6 @@ class RopeSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return _apply_rope
-
-    def __call__(self, gm: torch.fx.GraphModule) -> int:
-        target = torch.ops.deepinfer.rope.default  # declared in ops_rope, not in OPS
-        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
 
 
 # the places exist where the functions are defined; importing them above registered them
