@@ -60,7 +60,8 @@ def pool_windows(
     ``[C, L, width]`` (fp32; no gate: flat gates) go into the row ring ``rows_kv`` / ``rows_gate``
     ``[slots + 1, ring, width]`` of each chunk's slot, after the windows have read the rows
     from before the chunk. Returns ``new_latents``' ``(w, complete, latents)``. A swap place:
-    on NVIDIA one kernel does all of it (``kernels/triton/compressor.py``)."""
+    on NVIDIA two launches do all of it (``kernels/triton/compressor.py``: pooling over channel
+    blocks, then the norm)."""
     if gate is None:
         gate = torch.zeros_like(kv)
     L = kv.shape[1]

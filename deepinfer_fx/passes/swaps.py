@@ -115,7 +115,7 @@ class SparseMQASwap(KernelSwap):
 @register_pass
 class CompressorSwap(KernelSwap):
     """``compressor.pool_windows`` => ``deepinfer.compressor_pool`` (ring update, window gather,
-    gate softmax and RMSNorm of the KV compressor in one launch instead of ~15)."""
+    gate softmax and RMSNorm of the KV compressor in two launches instead of ~15)."""
 
     name: ClassVar[str] = "compressor_kernel"
     accelerators: ClassVar[frozenset[str]] = _SERVED

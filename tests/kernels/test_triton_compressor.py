@@ -1,4 +1,4 @@
-"""The one-launch Triton compressor pooling against ``graphs/compressor.py::pool_windows``.
+"""The two-launch Triton compressor pooling against ``graphs/compressor.py::pool_windows``.
 
 Every case draws a fresh seed (in the failure message) and starts from a ring full of random
 stale rows, so a row read from the wrong place or written at the wrong time shows. The outputs
@@ -6,22 +6,37 @@ are poisoned (NaN latents, window id -1, the negated completion flags), so an un
 fails. Compared: window ids and completion exactly, latents to fp32 precision, and the ring of
 every real slot exactly after the call (the scratch slot is left out: the reference parks its
 masked rows there and the kernel writes none). Cases: CSA (ratio 4, overlapping windows), HCA
-(ratio 8 and 128, disjoint), V4.1 (ratio 2 gated, ratio 1 without a gate); decode-like (one
+(ratio 8, 16 and 128, disjoint), V4.1 (ratio 2 gated, ratio 1 without a gate); decode-like (one
 token per chunk, at position 0, mid-window and window-closing positions, with a padding chunk
 on the scratch slot) and prefill-like (chunks spanning several windows from starts that are not
-multiples of the ratio); and whole sequences fed chunk by chunk, each side carrying its own
-ring. On CUDA also model sizes, the op's dispatch to one launch and a CUDA-graph replay.
+multiples of the ratio); latents wide enough that a window's channels split over several
+programs, the last block partly masked; and whole sequences fed chunk by chunk, each side
+carrying its own ring. A window's latent is the same bit for bit whatever batch it comes in.
+On CUDA also model sizes, the op's dispatch to two launches and a CUDA-graph replay. Everywhere
+ptxas is, both kernels are compiled for sm_90 at the model's sizes offline and must not spill.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import triton
+from triton import knobs
 
 from deepinfer_fx.graphs.compressor import pool_windows
-from deepinfer_fx.kernels.triton.compressor import compressor_pool_triton
+from deepinfer_fx.kernels.triton.compressor import (
+    _compressor_norm_kernel,
+    _compressor_pool_kernel,
+    compressor_pool_triton,
+    norm_config,
+    pool_config,
+)
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="model-sized inputs need a GPU")
@@ -93,6 +108,13 @@ CPU_CASES = {
     "v41-ratio2-decode": (2, False, True, 16, 1, [0, 1, 2, 5], [1, 1, 1, 1]),
     "v41-ratio2-prefill": (2, False, True, 16, 7, [3, 0, 1], [7, 4, 6]),
     "v41-ratio1": (1, False, False, 16, 5, [0, 6, 3, 2], [5, 1, 4, 0]),
+    # channels over several programs (pool_config): 3 blocks of 64, 3 of 32, 2 of 32, 2 of 256, 2 of 512
+    "csa-decode-split": (4, True, True, 160, 1, [0, 3, 5, 7, 8, 0], [1, 1, 1, 1, 1, 0]),
+    "csa-prefill-split": (4, True, True, 160, 13, [6, 1, 0, 4], [13, 10, 3, 0]),
+    "hca16-split": (16, False, True, 72, 19, [3, 0, 9], [19, 16, 5]),
+    "hca128-split": (128, False, True, 40, 140, [100, 0], [140, 129]),
+    "v41-ratio2-split": (2, False, True, 300, 7, [3, 0, 1], [7, 4, 6]),
+    "v41-ratio1-split": (1, False, False, 600, 5, [0, 6, 3, 2], [5, 1, 4, 0]),
 }
 
 
@@ -144,6 +166,32 @@ def test_sequences_fed_in_chunks(ratio: int, overlap: bool, gated: bool, chunkin
         torch.testing.assert_close(a[:n_seq], b[:n_seq], rtol=0, atol=0, msg=lambda m: f"seed={seed} ring\n{m}")
 
 
+def test_split_cases_split() -> None:
+    """The -split cases above do spread a window over programs, and so do the model's decode
+    windows: CSA at dim 512 (width 1024) and HCA over at least 8 programs, the indexer over 2."""
+    def blocks(dim: int, ring: int) -> int:
+        return triton.cdiv(dim, pool_config(dim, ring)["BLOCK_D"])
+
+    for name, (ratio, overlap, _, dim, *_) in CPU_CASES.items():
+        assert (blocks(dim, ratio * (2 if overlap else 1)) > 1) == name.endswith("-split"), name
+    assert blocks(512, 8) >= 8 and blocks(512, 128) >= 8 and blocks(128, 8) >= 2
+
+
+@pytest.mark.parametrize("ratio,overlap,gated,dim", [(4, True, True, 160), (128, False, True, 40)])
+def test_window_does_not_depend_on_the_batch(ratio: int, overlap: bool, gated: bool, dim: int, device: str) -> None:
+    """One decode chunk alone and the same chunk beside others in a longer, padded batch: the
+    same latent bit for bit (the tiling depends on the widths and the ratio only)."""
+    seed = _fresh_seed()
+    start = 3 * ratio - 1  # closes a window
+    batch = Case(seed, ratio, overlap, dim, 2 * ratio + 3, [5, start, 0], [2 * ratio + 3, 1, 2], gated=gated, device=device)
+    alone = (batch.kv[1:2, :1], None if batch.gate is None else batch.gate[1:2, :1], batch.rows_kv.clone(), batch.rows_gate.clone(),
+             batch.slots[1:2], batch.starts[1:2], batch.lens[1:2], batch.norm, ratio, overlap, EPS)
+    got_alone = compressor_pool_triton(*alone)
+    got_batch = compressor_pool_triton(*batch.args(batch.rows_kv.clone(), batch.rows_gate.clone()))
+    assert bool(got_alone[1][0, 0]) and bool(got_batch[1][1, 0]), f"seed={seed}"
+    assert torch.equal(got_alone[2][0, 0], got_batch[2][1, 0]), f"seed={seed}"
+
+
 def test_layout_that_does_not_fit_is_refused(device: str) -> None:
     case = Case(_fresh_seed(), 4, True, 16, 1, [0], [1], device=device)
     with pytest.raises(ValueError, match="do not fit"):
@@ -187,7 +235,7 @@ def test_model_sizes(name: str) -> None:
 
 
 @needs_cuda
-def test_op_dispatches_to_one_launch() -> None:
+def test_op_dispatches_to_two_launches() -> None:
     assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::compressor_pool", "CUDA")
     seed = _fresh_seed()
     case = _gpu_case(seed, "csa-decode-64")
@@ -199,7 +247,8 @@ def test_op_dispatches_to_one_launch() -> None:
         got = torch.ops.deepinfer.compressor_pool(*case.args(*ring))
         torch.cuda.synchronize()
     launches = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(launches) == 1 and "_compressor_pool_kernel" in launches[0], f"seed={seed}: {launches}"
+    assert len(launches) == 2, f"seed={seed}: {launches}"
+    assert "_compressor_pool_kernel" in launches[0] and "_compressor_norm_kernel" in launches[1], f"seed={seed}: {launches}"
     want_ring = (case.rows_kv.clone(), case.rows_gate.clone())
     want = pool_windows(*case.args(*want_ring))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"seed={seed}"
@@ -233,3 +282,87 @@ def test_cuda_graph_replay() -> None:
         torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5, msg=lambda m: f"{why}\n{m}")
         for a, b in zip(ring, want_ring):
             assert torch.equal(a[:-1], b[:-1]), why
+
+
+# --- offline compile for the H200 --------------------------------------------------------------
+
+def _ptxas() -> str | None:
+    try:
+        return knobs.nvidia.ptxas.path  # Triton's bundled ptxas, or TRITON_PTXAS_PATH
+    except RuntimeError:  # neither runs here
+        return None
+
+
+_PTXAS = _ptxas()
+
+# The model's compressors (dim, ratio, overlap, gated): V4's CSA (width 1024), its indexer and
+# HCA; V4.1's ratio 2 and ratio 1 (no gate).
+SM90_CASES = {
+    "csa": (512, 4, True, True),
+    "csa-index": (128, 4, True, True),
+    "hca": (512, 128, False, True),
+    "v41-ratio2": (512, 2, False, True),
+    "v41-ratio1": (512, 1, False, False),
+}
+
+
+def _compile_for_sm90(out_dir: str) -> None:
+    """PTX of both launches for sm_90 at every SM90_CASES size, into ``out_dir``. Runs in a child
+    process without the interpreter: under it Triton's own library functions (tl.sum, tl.max)
+    are interpreted ones, which its compiler cannot inline. The signatures are what a launch
+    specialises on: contiguous fp32 rows (unit channel strides become constants; the others,
+    multiples of 16, aligned), a bf16 norm weight, 16-byte aligned pointers."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    pointers = {"slots_ptr": "*i64", "starts_ptr": "*i64", "lens_ptr": "*i64", "norm_ptr": "*bf16", "w_ptr": "*i64",
+                "done_ptr": "*u8", "eps": "fp32"}
+
+    def ptx(fn: triton.runtime.jit.JITFunction, constants: dict, num_warps: int) -> str:
+        signature = {a: "constexpr" if a in constants else pointers.get(a, "*fp32" if a.endswith("_ptr") else "i32")
+                     for a in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                   if signature[a].startswith("*") or (a.startswith("s_") and a not in constants)}
+        src = ASTSource(fn, signature, constexprs=constants, attrs=aligned)
+        return triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+    for name, (dim, ratio, overlap, gated) in SM90_CASES.items():
+        halves = 2 if overlap else 1
+        cfg = pool_config(dim, ratio * halves)
+        warps = cfg.pop("num_warps")
+        unit = dict.fromkeys(("s_kd", "s_gd", "s_rd", "s_qd"), 1)
+        consts = {"DIM": dim, "RATIO": ratio, "HALVES": halves, "RING": ratio * halves, "HAS_GATE": gated, **unit, **cfg}
+        Path(out_dir, f"{name}-pool.ptx").write_text(ptx(_compressor_pool_kernel, consts, warps))
+        cfg = norm_config(dim)
+        warps = cfg.pop("num_warps")
+        Path(out_dir, f"{name}-norm.ptx").write_text(ptx(_compressor_norm_kernel, {"DIM": dim, "RATIO": ratio, **cfg}, warps))
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sm90")
+    here = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here), env.get("PYTHONPATH", "")])
+    code = f"from test_triton_compressor import _compile_for_sm90; _compile_for_sm90({str(out)!r})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.skipif(_PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("kernel", ["pool", "norm"])
+@pytest.mark.parametrize("name", list(SM90_CASES))
+def test_compiles_for_sm90_without_spills(name: str, kernel: str, sm90_ptx: Path) -> None:
+    """ptxas reports registers and spills of the PTX; 128 registers leave room for two programs
+    of 8 warps per SM."""
+    src = sm90_ptx / f"{name}-{kernel}.ptx"
+    log = subprocess.run([_PTXAS, "-v", "--gpu-name=sm_90a", str(src), "-o", str(src.with_suffix(".cubin"))],
+                         capture_output=True, text=True, check=True).stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))  # type: ignore[union-attr]
+    assert spills == [0, 0] and registers <= 128, log
+    ptx = src.read_text()
+    if kernel == "pool":
+        assert "ld.global.v4" in ptx, "rows load in 16-byte vectors"
+        assert "bar.sync" in ptx, "the ring write waits for the ring reads of the program"
