@@ -19,7 +19,6 @@ ptxas is, both kernels are compiled for sm_90 at the model's sizes offline and m
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from triton import knobs
+
+from sm90_ptxas import PTXAS, ptxas_report
 
 from deepinfer_fx.graphs.compressor import pool_windows
 from deepinfer_fx.kernels.triton.compressor import (
@@ -286,15 +286,6 @@ def test_cuda_graph_replay() -> None:
 
 # --- offline compile for the H200 --------------------------------------------------------------
 
-def _ptxas() -> str | None:
-    try:
-        return knobs.nvidia.ptxas.path  # Triton's bundled ptxas, or TRITON_PTXAS_PATH
-    except RuntimeError:  # neither runs here
-        return None
-
-
-_PTXAS = _ptxas()
-
 # The model's compressors (dim, ratio, overlap, gated): V4's CSA (width 1024), its indexer and
 # HCA; V4.1's ratio 2 and ratio 1 (no gate).
 SM90_CASES = {
@@ -350,19 +341,15 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.skipif(_PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("kernel", ["pool", "norm"])
 @pytest.mark.parametrize("name", list(SM90_CASES))
 def test_compiles_for_sm90_without_spills(name: str, kernel: str, sm90_ptx: Path) -> None:
     """ptxas reports registers and spills of the PTX; 128 registers leave room for two programs
     of 8 warps per SM."""
-    src = sm90_ptx / f"{name}-{kernel}.ptx"
-    log = subprocess.run([_PTXAS, "-v", "--gpu-name=sm_90a", str(src), "-o", str(src.with_suffix(".cubin"))],
-                         capture_output=True, text=True, check=True).stderr
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))  # type: ignore[union-attr]
+    ptx = (sm90_ptx / f"{name}-{kernel}.ptx").read_text()
+    spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, log
-    ptx = src.read_text()
     if kernel == "pool":
         assert "ld.global.v4" in ptx, "rows load in 16-byte vectors"
         assert "bar.sync" in ptx, "the ring write waits for the ring reads of the program"

@@ -8,17 +8,14 @@ compiled for sm_90 offline and must not spill."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
 from triton.runtime.jit import JITFunction
+
+from sm90_ptxas import PTXAS, ptxas_report
 
 from deepinfer_fx.graphs.rope import _inv_freq, apply_rope, cos_sin
 from deepinfer_fx.kernels.triton.rope import _rope_kernel, launch_config, rope_triton
@@ -143,17 +140,7 @@ def test_rope_cuda_graph_replay() -> None:
 
 # --- offline compile for the H200 --------------------------------------------------------------
 
-def _ptxas() -> str | None:
-    try:
-        return knobs.nvidia.ptxas.path  # Triton's bundled ptxas, or TRITON_PTXAS_PATH
-    except RuntimeError:  # neither runs here
-        return None
-
-
-_PTXAS = _ptxas()
-
-
-@pytest.mark.skipif(_PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("d", [512, 128])  # query heads / output / latent, indexer query
@@ -173,13 +160,7 @@ def test_rope_compiles_for_sm90_without_spills(d: int, dtype: str, inverse: bool
     kernel = triton_compile(ASTSource(fn, signature, constexprs=constants, attrs=aligned),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "rope.ptx"
-        src.write_text(ptx)
-        log = subprocess.run([_PTXAS, "-v", "--gpu-name=sm_90a", str(src), "-o", str(src.with_suffix(".cubin"))],
-                             capture_output=True, text=True, check=True).stderr
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))  # type: ignore[union-attr]
+    spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 64, log
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "rows move in 16-byte vectors"
     if dtype == "bf16":  # the served dtype: pairs and tables meet in registers, with no shuffle
