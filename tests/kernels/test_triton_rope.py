@@ -47,14 +47,18 @@ def _inputs(shape: tuple[int, ...], lead: int, rd: int, dtype: torch.dtype, devi
     return x, cos.to(device), sin.to(device)
 
 
-def _assert_matches(out: torch.Tensor, ref: torch.Tensor, why: str) -> None:
+def _assert_matches(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, why: str) -> None:
     assert out.dtype == ref.dtype and out.shape == ref.shape, why
     if ref.dtype == torch.bfloat16:
         # One bf16 ulp of the reference: the fp32 values agree to ~1e-7 (an FMA on the GPU), but
-        # a rounding may not, and the interpreter rounds fp32 -> bf16 towards zero.
+        # a rounding may not, and the interpreter rounds fp32 -> bf16 towards zero. Where
+        # x1*cos - x2*sin cancels to near zero, that fp32 difference is relative to the inputs,
+        # not to the tiny result: allow 2^-20 of the row's largest input on top (the H200 found
+        # 15 such elements in 134M).
         _, exp = torch.frexp(ref.float())
         ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), exp - 8)
-        bad = ~((out.float() - ref.float()).abs() <= ulp)
+        cancel = x.float().abs().amax(-1, keepdim=True) * 2.0**-20
+        bad = ~((out.float() - ref.float()).abs() <= ulp + cancel)
         assert not bad.any(), f"{why}: {int(bad.sum())} elements off by more than one bf16 ulp"
     else:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{why}\n{m}")
@@ -71,7 +75,7 @@ def _run(shape: tuple[int, ...], lead: int, rd: int, dtype: torch.dtype, inverse
     got = rope_triton(x, cos, sin, inverse, out=out)
     why = f"seed={seed} shape={shape} rd={rd} dtype={dtype} inverse={inverse} layout={layout}"
     assert got is out, why
-    _assert_matches(out, apply_rope.reference(x, cos, sin, inverse), why)  # type: ignore[attr-defined]
+    _assert_matches(out, apply_rope.reference(x, cos, sin, inverse), x, why)  # type: ignore[attr-defined]
     fresh = rope_triton(x, cos, sin, inverse)
     assert fresh.is_contiguous() and torch.equal(fresh, out), why
 
@@ -135,7 +139,7 @@ def test_rope_cuda_graph_replay() -> None:
             buf.copy_(value)
         graph.replay()
         torch.cuda.synchronize()
-        _assert_matches(out, apply_rope.reference(x, cos, sin, False), f"seed={seed} replay {step}")  # type: ignore[attr-defined]
+        _assert_matches(out, apply_rope.reference(x, cos, sin, False), x, f"seed={seed} replay {step}")  # type: ignore[attr-defined]
 
 
 # --- offline compile for the H200 --------------------------------------------------------------
