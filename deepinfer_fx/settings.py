@@ -86,6 +86,9 @@ VARIABLES: dict[str, Var] = {
     ),
 }
 
+# Read by the benchmarks, not the engine: the commit a tree without .git was copied from.
+BENCH_VARIABLES = frozenset({f"{PREFIX}COMMIT"})
+
 
 def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """The parsed value of one declared variable (its default when unset or empty)."""
@@ -132,7 +135,7 @@ class EngineConfig:
         """Every declared variable from ``environ`` (default ``os.environ``); ``overrides`` (CLI
         flags, API arguments) win where not None. Unknown ``DEEPINFER_*`` names warn."""
         env = os.environ if environ is None else environ
-        for name in sorted(k for k in env if k.startswith(PREFIX) and k not in VARIABLES):
+        for name in sorted(k for k in env if k.startswith(PREFIX) and k not in VARIABLES and k not in BENCH_VARIABLES):
             warnings.warn(f"unknown setting {name} is ignored; known: {', '.join(sorted(VARIABLES))}", stacklevel=2)
         values = {v.field: setting(name, env) for name, v in VARIABLES.items()}
         fields = {f.name for f in dataclasses.fields(cls)}

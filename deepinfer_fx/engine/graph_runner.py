@@ -67,20 +67,11 @@ class GraphWrapper(Protocol):
 
 class DeviceGraph:
     """One captured graph of a device's graph API (``torch.cuda`` or torch_npu's ``torch.npu``,
-    which mirror each other); every graph of one API allocates from the same memory pool."""
+    which mirror each other), allocating from ``pool`` (``graph_api(device_type).graph_pool_handle()``)."""
 
-    _pools: dict[str, object] = {}
-
-    def __init__(self, device_type: str) -> None:
-        if device_type == "npu":
-            try:
-                import torch_npu  # noqa: F401  (only on Ascend machines: registers torch.npu)
-            except ImportError as e:
-                raise RuntimeError("ACL graphs need torch_npu (Ascend); run with graphs off elsewhere") from e
-        self.api = getattr(torch, device_type)
-        if device_type not in DeviceGraph._pools:
-            DeviceGraph._pools[device_type] = self.api.graph_pool_handle()
-        self.pool = DeviceGraph._pools[device_type]
+    def __init__(self, device_type: str, pool: object) -> None:
+        self.api = graph_api(device_type)
+        self.pool = pool
         self.graph = self.api.CUDAGraph() if device_type == "cuda" else self.api.NPUGraph()
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -93,6 +84,16 @@ class DeviceGraph:
 
 
 GRAPH_DEVICES = ("cuda", "npu")  # CUDA graphs on NVIDIA, ACL graphs on Ascend
+
+
+def graph_api(device_type: str):
+    """``torch.cuda`` or ``torch.npu``: the module with ``CUDAGraph``/``NPUGraph`` and pools."""
+    if device_type == "npu":
+        try:
+            import torch_npu  # noqa: F401  (only on Ascend machines: registers torch.npu)
+        except ImportError as e:
+            raise RuntimeError("ACL graphs need torch_npu (Ascend); run with graphs off elsewhere") from e
+    return getattr(torch, device_type)
 
 
 @dataclass
@@ -131,6 +132,10 @@ class StepGraphs:
         self.length_buckets = buckets(max_tokens, smallest=min(16, max_tokens))
         self.scratch = state["slots"]
         self._entries: dict[GraphKey, _Entry] = {}
+        # The graphs of these steps share one memory pool, owned here. Once every graph of a pool
+        # is gone (reset, or an engine dropped) the allocator retires the pool, and capturing
+        # into its id again fails an internal assert: so a fresh pool after each reset.
+        self._pool: object | None = None
         if self.accelerator == "nvidia" and not register_nvidia_kernels():
             raise RuntimeError("compiled steps on NVIDIA GPUs need Triton (pip install triton), or run with eager=True")
         _make_engram_resident(self.params, self.device)
@@ -181,6 +186,7 @@ class StepGraphs:
         captured with, so after an EPLB shuffle (new placement tables, moved expert slots) the
         steps are traced again on their next call."""
         self._entries.clear()
+        self._pool = None
 
     # -- machinery --------------------------------------------------------------------------
     def _run(self, e: _Entry, host: torch.Tensor) -> torch.Tensor:
@@ -199,7 +205,9 @@ class StepGraphs:
             e.compile_s = time.perf_counter() - t0
             if self.graphs and e.key.kind == "decode":
                 t0 = time.perf_counter()
-                graph = DeviceGraph(self.device.type)
+                if self._pool is None:
+                    self._pool = graph_api(self.device.type).graph_pool_handle()
+                graph = DeviceGraph(self.device.type, self._pool)
                 e.out = graph.capture(e.fn)
                 e.graph = graph
                 e.capture_s = time.perf_counter() - t0

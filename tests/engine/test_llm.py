@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
+import torch
 from tiny import tiny_v4
 
 import deepinfer_fx
@@ -167,3 +169,26 @@ def test_bad_input_is_rejected_and_loses_nothing(ckpt) -> None:
         make_llm(ckpt, max_model_len=10**9)
     with pytest.raises(ValueError, match="bad mesh"):
         make_llm(ckpt, mesh="tp8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphs_recaptured_after_reset_and_in_a_second_engine(ckpt) -> None:
+    """Decode replays CUDA graphs from a pool its steps own. Dropping every graph (an EPLB
+    shuffle's reset, or a first engine going away, as the mesh bench's one-GPU reference does)
+    retires that pool; capturing again must take a fresh one, and give the same tokens."""
+    seed = random.SystemRandom().randrange(2**31)
+    reqs = _requests(seed, 6, 300)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate([p for p, _ in reqs], params)]
+
+    first = LLM(ckpt, dtype="float32", device="cuda", fake_quant=False, max_model_len=MAX_LEN, inductor=False)
+    want = run(first)
+    first.runner.steps.reset()
+    assert run(first) == want, f"seed={seed}: after reset"
+    del first
+    gc.collect()
+    second = LLM(ckpt, dtype="float32", device="cuda", fake_quant=False, max_model_len=MAX_LEN, inductor=False)
+    assert run(second) == want, f"seed={seed}: second engine"
+    assert any(r["captured"] for r in second.runner.steps.report()), "decode was not replayed from a graph"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from deepinfer_fx.settings import VARIABLES, EngineConfig, setting
@@ -40,3 +42,6 @@ def test_unknown_names_warn_and_unknown_overrides_fail() -> None:
         EngineConfig.from_env({"DEEPINFER_BATCH_INVARIENT": "1", "DEEPINFER_BATCH_INVARIENT".replace("ANT", "ENT"): "1"})
     with pytest.raises(ValueError, match="unknown engine setting"):
         EngineConfig.from_env({}, not_a_setting=1)
+    with warnings.catch_warnings():  # the benches' variable is known, not the engine's
+        warnings.simplefilter("error")
+        EngineConfig.from_env({"DEEPINFER_COMMIT": "abc123"})
