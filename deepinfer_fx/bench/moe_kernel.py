@@ -1,6 +1,7 @@
 """Routed experts at P8 widths: the Triton kernels against ``graphs/moe.py`` (torch._grouped_mm).
 
     python -m deepinfer_fx.bench.moe_kernel --tokens 1,8,64,256,4096
+    python -m deepinfer_fx.bench.moe_kernel --sweep 4096   # prefill tile candidates
 
 D 4096, I 2048, 64 experts, top-6, bf16, uniform random routing. Each implementation runs
 captured in a CUDA graph (as decode runs in the engine) and the replays are timed with CUDA
@@ -17,7 +18,7 @@ import argparse
 import torch
 
 from ..graphs.moe import routed_experts
-from ..kernels.triton.moe import moe_experts_fp8_triton, moe_experts_triton
+from ..kernels.triton.moe import Tiles, choose_tiles, moe_experts_fp8_triton, moe_experts_triton
 from .p8 import P8, run_info, write_result
 from .timing import graph_ms
 
@@ -38,6 +39,43 @@ def _row(name: str, ms: float, weight_bytes: int, flops: int) -> dict:
             f"{name}_TFLOPs": round(flops / ms / 1e9, 2)}
 
 
+# Candidates of the prefill tile sweep (bm, bn, bk, group_m, warps, stages); each list starts
+# from the tiles ``choose_tiles`` picks at T = 4096. Two fp32 accumulators of bm x bn in the
+# gate/up kernel bound its tile at 128 x 128 on 8 warps.
+_GATE_UP_SWEEP = [(128, 128, 64, 16, 8, 3), (128, 128, 64, 16, 8, 4), (128, 128, 32, 16, 8, 5), (128, 64, 64, 16, 4, 4),
+                  (64, 128, 64, 16, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 128, 16, 8, 2), (64, 64, 64, 16, 4, 5)]
+_DOWN_SWEEP = [(128, 256, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
+               (256, 128, 64, 8, 8, 3), (128, 256, 32, 8, 8, 5), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3)]
+
+
+def sweep(t: int, w: dict, limit: float, top: int, iters: int) -> list[dict]:
+    """Time the bf16 op at ``t`` tokens over the gate/up candidates (down tiles as chosen), then
+    the down candidates (gate/up as chosen). Each row: whole-op ms and TFLOP/s, max rel diff."""
+    e, inter, d = w["w1"].shape
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    idx = torch.rand(t, e, device="cuda").topk(top, dim=-1).indices
+    rw = torch.rand(t, top, device="cuda")
+    out = torch.empty(t, d, device="cuda")
+    ref = routed_experts.reference(w, limit, x, idx, rw)
+    flops = 6 * t * top * d * inter
+    base = (choose_tiles(t * top, e, inter, d, True, 0), choose_tiles(t * top, e, d, inter, False, 0))
+    args = (x, w["w1"], w["w3"], w["w2"], idx, rw, limit)
+    rows = []
+    for part, cands in (("gate_up", _GATE_UP_SWEEP), ("down", _DOWN_SWEEP)):
+        for cand in cands:
+            tiles = (Tiles(*cand), base[1]) if part == "gate_up" else (base[0], Tiles(*cand))
+            try:
+                err = ((moe_experts_triton(*args, tiles=tiles) - ref).abs().max() / ref.abs().max()).item()
+                ms = graph_ms(lambda: moe_experts_triton(*args, out=out, tiles=tiles), iters)
+            except Exception as exc:  # a config Triton cannot compile (shared memory, registers)
+                rows.append({"part": part, "tiles": list(cand), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                continue
+            rows.append({"part": part, "tiles": list(cand), "chosen": cand == tuple(base[0 if part == "gate_up" else 1]),
+                         "ms": round(ms, 4), "TFLOPs": round(flops / ms / 1e9, 1), "max_rel_diff": err})
+            print(rows[-1], flush=True)
+    return rows
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,6 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--experts", type=int, default=P8["n_routed_experts"])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--fp8", action="store_true", help="also time fp8 weights with block-128 scales")
+    ap.add_argument("--sweep", type=int, default=0, metavar="T",
+                    help="instead: sweep the prefill tiles of the bf16 kernels at T tokens (e.g. 4096)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     d, inter, top, limit = P8["hidden_size"], P8["moe_intermediate_size"], P8["num_experts_per_tok"], P8["swiglu_limit"]
@@ -53,6 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
     w = {"w1": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
          "w3": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
          "w2": torch.randn(e, d, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5}
+    if args.sweep:
+        result = {**run_info(argv), "tokens": args.sweep, "rows": sweep(args.sweep, w, limit, top, args.iters)}
+        write_result("moe_tile_sweep_p8", result, args.out)
+        return result
     q = {n: _fp8(v) for n, v in w.items()} if args.fp8 else {}
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:

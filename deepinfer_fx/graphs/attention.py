@@ -24,10 +24,24 @@ from .rope import apply_rope, cos_sin, inv_freq
 from .window import window_bias, window_keys
 
 
+# fp32 logits the reference materialises at once (1 GiB): an eager 16k-token chunk would
+# otherwise need [T, H, N] = 34 GiB (found on a cp2 mesh, which steps eagerly).
+_LOGITS_BUDGET = 1 << 28
+
+
 @swappable
 def mqa_with_sink(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """q ``[..., T, H, d]``, keys ``[..., N, d]`` (K = V), bias ``[..., T, N]`` (0 / -inf). The sink
-    adds ``exp(sink_h)`` to each head's softmax denominator and contributes no value."""
+    adds ``exp(sink_h)`` to each head's softmax denominator and contributes no value. Rows are
+    independent, so long ``T`` runs in blocks of queries within ``_LOGITS_BUDGET``."""
+    t = q.shape[-3]
+    rows = max(1, _LOGITS_BUDGET // max(1, q[..., 0, :, 0].numel() * keys.shape[-2]))
+    if t <= rows:
+        return _mqa_rows(q, keys, bias, sink)
+    return torch.cat([_mqa_rows(q[..., s : s + rows, :, :], keys, bias[..., s : s + rows, :], sink) for s in range(0, t, rows)], -3)
+
+
+def _mqa_rows(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     scale = q.shape[-1] ** -0.5
     logits = torch.einsum("...thd,...nd->...thn", q.float(), keys.float()) * scale + bias[..., :, None, :]
     sink_col = sink.float()[:, None].expand(*logits.shape[:-1], 1)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_fx.config import Yarn, config_from_dict
-from deepinfer_fx.graphs import rope
+from deepinfer_fx.graphs import attention, rope
 from deepinfer_fx.graphs.attention import mqa_with_sink
 from deepinfer_fx.graphs.compressor import compress, visible_entries
 from deepinfer_fx.graphs.mhc import hc_head, mhc_coeffs, mhc_collapse, mhc_expand
@@ -519,3 +519,20 @@ def test_mqa_with_sink(seed):
     # every key masked: all mass on the sink, zero output
     none = mqa_with_sink(q, keys, torch.full((T, N), float("-inf")), sink)
     assert torch.equal(none, torch.zeros_like(none)), f"seed={seed}"
+
+
+def test_mqa_with_sink_in_query_blocks_equals_one_shot(seed, monkeypatch):
+    """Past the logits budget the reference runs blocks of queries (rows are independent):
+    same result, leading chunk dims included, a last block shorter than the others."""
+    g = gen(seed)
+    C, T, H, N, d = 2, 11, 3, 9, 16
+    q = torch.randn(C, T, H, d, generator=g)
+    keys = torch.randn(C, N, d, generator=g)
+    sink = torch.randn(H, generator=g)
+    mask = torch.rand(C, T, N, generator=g) < 0.5
+    mask[..., 0] = False
+    bias = torch.zeros(C, T, N).masked_fill(mask, float("-inf"))
+    whole = mqa_with_sink(q, keys, bias, sink)
+    monkeypatch.setattr(attention, "_LOGITS_BUDGET", C * H * N * 4)  # 4 queries per block
+    blocks = mqa_with_sink(q, keys, bias, sink)
+    close(blocks, whole, f"seed={seed}: query blocks vs one shot", atol=1e-6)

@@ -104,9 +104,11 @@ def run_experts(
     weight: torch.Tensor,
     limit: float,
     out: torch.Tensor | None,
+    tiles: tuple[Tiles, Tiles] | None = None,
 ) -> torch.Tensor:
     """The five launches for bf16/fp32 weights (``scales`` None) or fp8 weights with fp32
-    block ``scales`` of ``qblock``; shared by the ``moe_experts`` and ``moe_experts_fp8`` ops."""
+    block ``scales`` of ``qblock``; shared by the ``moe_experts`` and ``moe_experts_fp8`` ops.
+    ``tiles`` (gate/up, down) overrides ``choose_tiles``: the tile sweep of ``bench/moe_kernel.py``."""
     w1, w3, w2 = weights
     t, top = idx.shape
     n_exp, inter, dim = w1.shape
@@ -128,7 +130,7 @@ def run_experts(
     qb = qblock if fp8 else 1
 
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
-    g = choose_tiles(p, n_exp, inter, dim, True, qblock if fp8 else 0)
+    g = tiles[0] if tiles else choose_tiles(p, n_exp, inter, dim, True, qblock if fp8 else 0)
     n_blocks = max_blocks(p, n_exp, g.bm)
     gate_up_kernel[(n_blocks * triton.cdiv(inter, g.bn),)](
         x, w1, w3, s1, s3, h, pairs, rw, ends,
@@ -140,7 +142,7 @@ def run_experts(
     )
 
     y = torch.empty(p, dim, dtype=torch.float32, device=x.device)
-    d = choose_tiles(p, n_exp, dim, inter, False, qblock if fp8 else 0)
+    d = tiles[1] if tiles else choose_tiles(p, n_exp, dim, inter, False, qblock if fp8 else 0)
     n_blocks = max_blocks(p, n_exp, d.bm)
     down_kernel[(n_blocks * triton.cdiv(dim, d.bn),)](
         h, w2, s2, y, pairs, ends,
@@ -165,11 +167,12 @@ def moe_experts_triton(
     weight: torch.Tensor,
     limit: float,
     out: torch.Tensor | None = None,
+    tiles: tuple[Tiles, Tiles] | None = None,
 ) -> torch.Tensor:
     """``deepinfer::moe_experts``: x ``[T, D]`` through experts ``idx`` ``[T, k]`` (w1/w3
     ``[E, I, D]``, w2 ``[E, D, I]``, cast to x's dtype as they are loaded) with routing
     ``weight`` ``[T, k]``; -> fp32 ``[T, D]``, written to ``out`` when given."""
-    return run_experts(x, (w1, w3, w2), None, 0, idx, weight, limit, out)
+    return run_experts(x, (w1, w3, w2), None, 0, idx, weight, limit, out, tiles)
 
 
 def moe_experts_fp8_triton(
