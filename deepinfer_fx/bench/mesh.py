@@ -185,9 +185,16 @@ def expert_counts(llm: LLM) -> dict[str, Any]:
 
 
 def timing_rows(llm: LLM, args: argparse.Namespace, host: dist.ProcessGroup | None) -> dict[tuple[str, int], dict]:
+    """Every timed row on ``llm``; rank 0 prints each as it lands, so a run cut short by a
+    time limit or a later failure still reports the rows it measured."""
     kw = {"context": args.context, "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps, "seed": args.seed, "host": host}
-    rows = {("decode", b): measure(llm, "decode", b, **kw) for b in _ints(args.decode_batches)}
-    rows.update({("prefill", t): measure(llm, "prefill", t, **kw) for t in _ints(args.prefill_tokens)})
+    todo = [("decode", b) for b in _ints(args.decode_batches)] + [("prefill", t) for t in _ints(args.prefill_tokens)]
+    rows = {}
+    for kind, size in todo:
+        rows[kind, size] = measure(llm, kind, size, **kw)
+        if dist.get_rank() == 0:
+            where = "one gpu" if host is None else str(llm.ranks.spec)
+            print(f"  [{where}] {kind} {size}: {rows[kind, size]}", flush=True)
     return rows
 
 
