@@ -49,6 +49,20 @@ def mhc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * X.float()).sum(-2).to(X.dtype)
 
 
+@swappable
+def mhc_site(
+    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float, iters: int,
+    pre_in: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One site up to the sublayer input: ``mhc_coeffs`` and the collapse of ``X`` with
+    ``pre_in`` (``[T, N]`` fp32; V4.1 passes the previous site's ``pre``) or, without it, with
+    the site's own ``pre``. Returns pre, post, comb and the collapsed ``u`` ``[T, D]`` in X's dtype.
+    One place for the whole site, so a kernel can fuse the GEMV, the coefficients and the
+    collapse (``passes/swaps.py``)."""
+    pre, post, comb = mhc_coeffs(X, fn, base, scale, rms_eps, hc_eps, iters)
+    return pre, post, comb, mhc_collapse(X, pre if pre_in is None else pre_in)
+
+
 def mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``X'_k = post_k y + sum_j comb[j, k] X_j`` (the sum runs over comb's first index)."""
     dt = X.dtype

@@ -27,7 +27,7 @@ import torch.fx
 from ..graphs.attention import mqa_with_sink
 from ..graphs.compressor import pool_windows
 from ..graphs.indexer import index_scores, score_topk
-from ..graphs.mhc import sinkhorn
+from ..graphs.mhc import mhc_site, sinkhorn
 from ..graphs.moe import EXPERT_WEIGHTS, fp8_held, routed_experts
 from ..graphs.norm import project
 from ..graphs.params import scale_path
@@ -239,9 +239,24 @@ class RopeSwap(KernelSwap):
         return _apply_rope
 
 
+@register_pass
+class MHCSiteSwap(KernelSwap):
+    """``mhc.mhc_site`` => ``deepinfer.mhc_site`` (an mHC site's mixing GEMV in true fp32, its
+    coefficients, Sinkhorn and the collapse of the streams in two launches instead of ~6). With
+    it in force the site's ``mhc.sinkhorn`` is inside the op, so ``mhc_sinkhorn_kernel`` counts
+    no rewrites in the model."""
+
+    name: ClassVar[str] = "mhc_site_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "mhc.mhc_site", "mhc_site"
+
+    def replacement(self) -> Callable[..., Any]:
+        return torch.ops.deepinfer.mhc_site
+
+
 # the places exist where the functions are defined; importing them above registered them
 assert {routed_experts.place, sinkhorn.place, mqa_with_sink.place, pool_windows.place,  # type: ignore[attr-defined]
-        score_topk.place, index_scores.place, project.place, cos_sin.place, apply_rope.place} == {  # type: ignore[attr-defined]
+        score_topk.place, index_scores.place, project.place, cos_sin.place, apply_rope.place, mhc_site.place} == {  # type: ignore[attr-defined]
     MoEExpertsSwap.place, SinkhornSwap.place, SparseMQASwap.place, CompressorSwap.place, IndexerTopkSwap.place, IndexerScoresSwap.place,
-    SkinnyLinearSwap.place, RopeTableSwap.place, RopeSwap.place,
+    SkinnyLinearSwap.place, RopeTableSwap.place, RopeSwap.place, MHCSiteSwap.place,
 }

@@ -4,15 +4,32 @@ On CPU the launcher runs under Triton's interpreter with fp32 operands (its bf16
 not usable) and small shapes; on a GPU the same cases also run bf16, plus the attention
 projections of the P8 model, for accuracy and for batch invariance: a row's result must be the
 same bits alone or inside any batch. Every case draws a fresh seed and names it on failure.
+
+Split K runs in one launch: the last split of a tile to arrive sums every split's partial in
+split order. The result must be the same bits as summing, in torch, the partials that one-split
+calls over each k range produce, and the arrival counters must be zero after every call. The
+interpreter runs programs one after another, so it checks the election and the sum but not the
+memory ordering between SMs; on a GPU, repeats replayed from a CUDA graph must match the first
+result bitwise, and each call must be one kernel. Everywhere ptxas is, the kernel is compiled
+for sm_90 offline and must not spill.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import triton
+
+from sm90_ptxas import PTXAS, ptxas_report
 
 from deepinfer_fx.graphs.norm import project
-from deepinfer_fx.kernels.triton.linear import _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
+from deepinfer_fx.kernels.triton import linear
+from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -32,6 +49,15 @@ CASES = [
 ]
 # The P8 projections at decode: wq_b, wo_b, wq_a, wkv, and a router-sized one.
 MODEL_WEIGHTS = [(32768, 1024), (4096, 8192), (1024, 4096), (512, 4096), (256, 4096)]
+# (M, N, K, tiles) with K split: even ones, N and K off the tiles, more row blocks than one.
+SPLIT_CASES = [
+    (4, 64, 128, Tiles(32, 32, 2, 4, 3)),
+    (3, 48, 192, Tiles(16, 16, 3, 4, 3)),
+    (16, 64, 256, Tiles(32, 16, 8, 4, 3)),
+    (7, 50, 200, Tiles(16, 16, 8, 4, 3)),  # 32-wide splits: seven, the last one 8 deep
+    (20, 40, 90, Tiles(32, 16, 4, 4, 3)),  # two row blocks, two column tiles, one partial
+    (1, 96, 112, Tiles(32, 16, 7, 4, 3)),
+]
 
 
 def _seed() -> int:
@@ -43,6 +69,16 @@ def _operands(seed: int, m: int, n: int, k: int, dtype: torch.dtype, device: str
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g) * k**-0.5
     return x.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+
+
+def _split_bounds(k: int, t: Tiles) -> list[int]:
+    """Where the launcher cuts [0, K): equal runs of whole k tiles, the last one short."""
+    k_split = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
+    return [*range(0, k, k_split), k]
+
+
+def _live_counters(device: torch.device) -> torch.Tensor:
+    return linear._COUNTERS[device][-1]
 
 
 def _assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, out_fp32: bool, why: str) -> None:
@@ -112,6 +148,44 @@ def test_op_reference_on_cpu() -> None:
             torch.library.opcheck(torch.ops.deepinfer.skinny_linear.default, (x, w, out_fp32))
 
 
+@pytest.mark.parametrize("out_fp32", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,tiles", SPLIT_CASES)
+def test_split_k_is_the_ordered_sum_of_partials(m: int, n: int, k: int, tiles: Tiles, dtype: torch.dtype, out_fp32: bool, device: str) -> None:
+    """One launch == partial_0 + partial_1 + ... in fp32, summed in torch, bitwise; each partial
+    is a one-split call over the split's k range (the same tiles run the same dots), and the
+    arrival counters are all zero after every call."""
+    seed = _seed()
+    x, w = _operands(seed, m, n, k, dtype, device)
+    why = f"seed={seed} M={m} N={n} K={k} tiles={tiles} {dtype} out_fp32={out_fp32}"
+    bounds = _split_bounds(k, tiles)
+    assert len(bounds) > 2, why
+    one = tiles._replace(split=1)
+    want = skinny_linear_triton(x[:, : bounds[1]], w[:, : bounds[1]], True, one)
+    for lo, hi in zip(bounds[1:-1], bounds[2:]):
+        want = want + skinny_linear_triton(x[:, lo:hi], w[:, lo:hi], True, one)
+    want = want.to(torch.float32 if out_fp32 else dtype)
+    for call in range(3):  # repeats: the counters the first call leaves must elect correctly again
+        got = skinny_linear_triton(x, w, out_fp32, tiles)
+        assert torch.equal(got, want), f"{why} call {call}"
+        assert not _live_counters(x.device).any(), f"{why}: counters left nonzero after call {call}"
+    _assert_close(got, x, w, out_fp32, why)
+
+
+def test_counters_grow_outside_capture_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A larger grid gets a larger zeroed buffer, and the superseded one stays allocated (a graph
+    captured earlier may hold it); during a capture growing is refused with a clear error."""
+    monkeypatch.setattr(linear, "_COUNTERS", {})
+    cpu = torch.device("cpu")
+    small = linear._counters(cpu, 10)
+    assert linear._counters(cpu, small.numel()) is small
+    big = linear._counters(cpu, small.numel() + 1)
+    assert big.numel() > small.numel() and not big.any() and linear._COUNTERS[cpu] == [small, big]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="graph capture"):  # raised before touching the device
+        linear._counters(torch.device("cuda", 0), 10)
+
+
 # --- GPU: model sizes ----------------------------------------------------------------------
 
 
@@ -157,3 +231,105 @@ def test_op_dispatches_to_triton() -> None:
     assert any("_skinny_kernel" in e.name for e in prof.events()), f"seed={seed}: the op did not launch the kernel"
     assert torch.equal(got, skinny_linear_triton(x, w, True)), f"seed={seed}"
     torch.library.opcheck(torch.ops.deepinfer.skinny_linear.default, (x, w, False))
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("n,k", MODEL_WEIGHTS[1:4])
+def test_split_k_graph_replay_is_deterministic(n: int, k: int, m: int) -> None:
+    """Many calls captured in one CUDA graph and replayed again and again: every result is the
+    bits of the first eager call. Programs of a launch run on many SMs at once here, so this is
+    where the arrival counters' memory ordering is exercised (a partial read before it lands,
+    or a counter left nonzero, changes the bits or the summing program)."""
+    seed = _seed()
+    x, w = _operands(seed, m, n, k, torch.bfloat16, "cuda")
+    assert choose_tiles(n, k).split > 1
+    first = skinny_linear_triton(x, w, False)  # compiles and sizes the counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [skinny_linear_triton(x, w, False) for _ in range(64)]
+    for replay in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, out in enumerate(outs):
+            assert torch.equal(out, first), f"seed={seed} N={n} K={k} M={m}: replay {replay} call {i} differs"
+        assert not _live_counters(x.device).any(), f"seed={seed}: counters left nonzero"
+
+
+@cuda_only
+@pytest.mark.parametrize("n,k", MODEL_WEIGHTS)
+def test_one_launch_per_call(n: int, k: int) -> None:
+    """Split or not, a call is one kernel on the device: no sum kernel, no counter reset."""
+    x, w = _operands(_seed(), 8, n, k, torch.bfloat16, "cuda")
+    skinny_linear_triton(x, w, False)  # compiles and allocates the counters first
+    torch.cuda.synchronize()
+    calls = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
+        for _ in range(calls):
+            skinny_linear_triton(x, w, False)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == calls and all("_skinny_kernel" in name for name in kernels), (choose_tiles(n, k), kernels)
+
+
+# --- offline compile for the H200 --------------------------------------------------------------
+
+
+def _compile_for_sm90(out_dir: str) -> None:
+    """PTX for sm_90 of the kernel at every MODEL_WEIGHTS size, bf16 and fp32 results, into
+    ``out_dir``. Runs in a child process without the interpreter, under which Triton's compiler
+    cannot build IR. The signature is what a launch specialises on: contiguous bf16 operands
+    (unit k strides become constants; N and the row strides, multiples of 16, aligned), 16-byte
+    aligned pointers, M and the workspace's split stride left unspecialised."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    fn = linear._skinny_kernel
+    for n, k in MODEL_WEIGHTS:
+        t = choose_tiles(n, k)
+        bounds = _split_bounds(k, t)
+        consts = {"stride_xk": 1, "stride_wk": 1, "K": k, "K_SPLIT": bounds[1], "SPLITS": len(bounds) - 1,
+                  "BM": BM, "BN": t.bn, "BK": t.bk, "EVEN": True, "PREC": "tf32"}
+        if len(bounds) == 2:
+            consts |= {"ws_ptr": None, "count_ptr": None}
+        for out in ("bf16", "fp32"):
+            pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": f"*{out}", "ws_ptr": "*fp32", "count_ptr": "*i32"}
+            signature = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                       if signature[a].startswith("*") or a in ("N", "stride_xm", "stride_wn")}
+            src = ASTSource(fn, signature, constexprs=consts, attrs=aligned)
+            kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps, "num_stages": t.stages})
+            Path(out_dir, f"{n}x{k}-{out}.ptx").write_text(kernel.asm["ptx"])
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sm90")
+    here = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here), env.get("PYTHONPATH", "")])
+    code = f"from test_triton_linear import _compile_for_sm90; _compile_for_sm90({str(out)!r})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("out", ["bf16", "fp32"])
+@pytest.mark.parametrize("n,k", MODEL_WEIGHTS)
+def test_compiles_for_sm90_without_spills(n: int, k: int, out: str, sm90_ptx: Path) -> None:
+    """No spills, and at most 128 registers (four warps: several programs per SM). With split K:
+    one gpu-scope acq_rel atomic, issued after a barrier that follows every partial store, and
+    the partials read back through L2 (``ld.global.cg``); with one split, neither."""
+    ptx = (sm90_ptx / f"{n}x{k}-{out}.ptx").read_text()
+    spills, registers, log = ptxas_report(ptx)
+    assert spills == [0, 0] and registers <= 128, log
+    lines = [line.strip() for line in ptx.splitlines()]
+    atoms = [i for i, line in enumerate(lines) if "atom." in line]
+    if choose_tiles(n, k).split == 1:
+        assert not atoms and not any("ld.global.cg" in line for line in lines)
+        return
+    assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], lines[atoms[0]] if atoms else "no atomic"
+    last_store = max(i for i in range(atoms[0]) if "st.global" in lines[i])
+    assert any(line.startswith("bar.sync") for line in lines[last_store : atoms[0]]), "no barrier between the partial stores and the atomic"
+    assert any("ld.global.cg" in line for line in lines[atoms[0] :]), "partials must be read through L2"

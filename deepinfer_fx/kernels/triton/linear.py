@@ -5,13 +5,17 @@ With M <= 64 rows the work is streaming ``w`` ``[N, K]`` once from HBM, so the t
 bandwidth rather than FLOPs (the decode tiles of the MoE kernels, ``moe_kernels.py``): 16-row
 blocks (the smallest ``tl.dot`` takes), many programs over N, each streaming its weight tiles
 through a software pipeline with fp32 accumulation. When N has too few column tiles to fill the
-GPU (about two programs per SM), K is split as well: each split writes an fp32 partial and a
-second launch sums them in split order.
+GPU (about two programs per SM), K is split as well: each split writes an fp32 partial, and the
+last split of a tile to finish sums them all (a serial reduction by the last arrival, as in
+CUTLASS's split-K semaphore), so every call is one launch: at decode these GEMMs are
+launch-bound, and a second launch per call cost ~4 % of the step.
 
 Batch invariance: the tiles and the split depend on N and K only, M is not specialised on, and
 every row's dot products run the same k order in every 16-row block, whatever M or the other
-rows are; partials are summed in a fixed order (no atomics). So row m's result is the same
-bits alone or inside a batch, which decode needs (a request must not change with its company).
+rows are; partials are summed in split order, read back from memory whichever split arrives
+last (the atomics only elect the summing program, they add no data). So row m's result is the
+same bits alone or inside a batch, which decode needs (a request must not change with its
+company), and the same bits from run to run.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ BM = 16  # rows per block: fixed, never chosen from M (batch invariance)
 # About two programs per SM of an H200 (132 SMs), as the MoE decode tiles aim for.
 _MIN_PROGRAMS = 256
 _MAX_SPLIT = 16
-_SUM_BLOCK = 1024
+# Arrival counters per device (see ``_counters``): a few KiB, so that decode never grows them.
+_MIN_COUNTERS = 4096
 
 
 class Tiles(NamedTuple):
@@ -59,17 +64,20 @@ def choose_tiles(n: int, k: int) -> Tiles:
     return Tiles(bn, bk, split, 4, 4)
 
 
-@triton.jit(do_not_specialize=["M", "stride_os"])  # M-dependent: one binary for every M
+@triton.jit(do_not_specialize=["M"])  # M-dependent: one binary for every M
 def _skinny_kernel(
-    x_ptr, w_ptr, out_ptr, M, N,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_os,
-    K: tl.constexpr, K_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN: tl.constexpr, PREC: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """out[split, rows, cols] = x[rows, ks] @ w[cols, ks].T over the split's k range ``ks``,
-    fp32 accumulation, stored in out's dtype: the result itself when there is one split, else
-    the split's fp32 partial. Axis 0 runs over row blocks so that the blocks sharing a weight
-    tile run side by side and all but the first read it from L2."""
+    """out[rows, cols] = x[rows, :] @ w[cols, :].T with fp32 accumulation, stored in out's dtype.
+    With SPLITS > 1, program ``split`` covers k range ``ks`` only: it stores x[rows, ks] @
+    w[cols, ks].T to ws[split, rows, cols] (fp32), and the tile's last program to arrive sums
+    ws[0] + ws[1] + ... into out and zeroes the tile's counter ``count[tile]`` again (the counters
+    are zero between launches, which replays of a CUDA graph rely on). Axis 0 runs over row
+    blocks so that the blocks sharing a weight tile run side by side and all but the first read
+    it from L2."""
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -94,21 +102,55 @@ def _skinny_kernel(
         acc = tl.dot(a, b.to(dtype), acc, input_precision=PREC)
         x_ptrs += BK * stride_xk
         w_ptrs += BK * stride_wk
-    out_ptrs = out_ptr + split.to(tl.int64) * stride_os + rows.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask = rmask[:, None] & nmask[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Computed here rather than passed: N is specialised on (a multiple of 16 at every
+        # served width) and M is not, so the compiler knows the product's alignment from N's
+        # and moves partials in 16-byte vectors.
+        stride_ws = M.to(tl.int64) * N
+        tl.store(ws_ptr + split * stride_ws + offs, acc, mask=mask)
+        # The atomic below is issued by one thread, and its release orders only what that
+        # thread's CTA has already made visible to it: the barrier makes every thread's partial
+        # stores happen before it (the pattern of CUTLASS's barrier: __syncthreads, then one
+        # thread's release), so the program that acquires the last count sees all of them.
+        # (Triton may emit a barrier here anyway, for its shared-memory reuse; not to rely on.)
+        tl.debug_barrier()
+        counter = count_ptr + tile_m * tl.num_programs(1) + tile_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            # Every split's partial, its own included, read back in split order: the sum is the
+            # same bits whichever split arrives last. ".cg" reads L2, where the other SMs'
+            # stores are, never a stale line of this SM's L1.
+            total = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                total += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            # Every split has arrived, so no program of this launch touches the counter again;
+            # the next launch on the stream starts after this one ends and finds it zero.
+            tl.store(counter, 0)
 
 
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, N, stride_s, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[row, cols] = part[0, row, cols] + part[1, row, cols] + ... in split order."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    offs = row * N + cols
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * stride_s + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``tiles`` arrival counters on ``device``, shared by
+    every call there: each launch leaves it zero again, and calls on one stream run one after
+    another (two streams running split calls at once would share counters: not supported).
+    Grown outside graph capture only: a graph captured earlier keeps the buffer it was captured
+    with, so superseded buffers stay allocated rather than return to the allocator under it."""
+    held = _COUNTERS.setdefault(device, [])
+    if held and held[-1].numel() >= tiles:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"skinny_linear: {tiles} split-K counters needed during CUDA graph capture, "
+            f"{held[-1].numel() if held else 0} allocated; run the same shapes once eagerly before capturing")
+    held.append(torch.zeros(max(_MIN_COUNTERS, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool, tiles: Tiles | None = None) -> torch.Tensor:
@@ -129,17 +171,17 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool, tiles
     t = tiles or choose_tiles(n, k)
     k_split = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
     splits = triton.cdiv(k, k_split)
-    dst = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    _skinny_kernel[(triton.cdiv(m, BM), triton.cdiv(n, t.bn), splits)](
-        x, w, dst, m, n,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), m * n,
-        K=k, K_SPLIT=k_split, BM=BM, BN=t.bn, BK=t.bk,
+    grid = (triton.cdiv(m, BM), triton.cdiv(n, t.bn), splits)
+    # One split needs neither workspace nor counters: None makes them constexpr, never read.
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else None
+    counts = _counters(x.device, grid[0] * grid[1]) if splits > 1 else None
+    _skinny_kernel[grid](
+        x, w, out, ws, counts, m, n,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        K=k, K_SPLIT=k_split, SPLITS=splits, BM=BM, BN=t.bn, BK=t.bk,
         EVEN=n % t.bn == 0 and k % k_split == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=t.warps, num_stages=t.stages,
     )
-    if splits > 1:
-        block = min(_SUM_BLOCK, triton.next_power_of_2(n))
-        _sum_splits_kernel[(m, triton.cdiv(n, block))](dst, out, n, m * n, SPLITS=splits, BLOCK=block, num_warps=4)
     return out
 
 

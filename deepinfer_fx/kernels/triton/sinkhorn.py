@@ -33,6 +33,19 @@ _MAX_N = 16
 
 
 @triton.jit
+def sinkhorn_tile(x, eps, ITERS: tl.constexpr):
+    """The Sinkhorn math on an fp32 tile whose last two axes are the matrix (rows, columns);
+    leading axes are independent matrices. Shared with the fused mHC site (``mhc.py``)."""
+    e = tl.exp(x - tl.max(x, axis=-1, keep_dims=True))
+    comb = e / tl.sum(e, axis=-1, keep_dims=True) + eps
+    comb = comb / (tl.sum(comb, axis=-2, keep_dims=True) + eps)
+    for _ in range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=-1, keep_dims=True) + eps)
+        comb = comb / (tl.sum(comb, axis=-2, keep_dims=True) + eps)
+    return comb
+
+
+@triton.jit
 def _sinkhorn_kernel(
     x_ptr,
     out_ptr,
@@ -53,14 +66,7 @@ def _sinkhorn_kernel(
     src = x_ptr + tok3 * stride_t + r[None, :, None] * stride_r + c[None, None, :] * stride_c
     # Padding tokens load zeros: their rows are finite, so nothing below divides by zero.
     x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-
-    e = tl.exp(x - tl.max(x, axis=2)[:, :, None])
-    comb = e / tl.sum(e, axis=2)[:, :, None] + eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
-    for _ in range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
-
+    comb = sinkhorn_tile(x, eps, ITERS)
     dst = out_ptr + tok3 * (N * N) + r[None, :, None] * N + c[None, None, :]
     tl.store(dst, comb, mask=mask)
 

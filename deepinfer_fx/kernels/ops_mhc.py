@@ -1,0 +1,55 @@
+"""``deepinfer::mhc_site``: one mHC site up to the sublayer input.
+
+The op is ``graphs/mhc.py::mhc_site``: the fp32 mixing GEMV of the RMS-normed streams, the
+``pre`` / ``post`` coefficients, the Sinkhorn ``comb`` and the collapse of the streams with
+``pre_in`` (or the site's own ``pre``). Left to the compiler a site is about six launches at
+decode (the GEMV and its split-K reduction, the norm, Sinkhorn, pointwise kernels, the
+collapse), 16 sites a step; the Triton kernel (``kernels/triton/mhc.py``) does it in two.
+The reference is the graphs function itself.
+
+No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
+"""
+
+from typing import Optional
+
+import torch
+
+from ..graphs.mhc import mhc_site as _graphs_mhc_site
+from .ops import NAMESPACE
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mhc_site", mutates_args=())
+def mhc_site(
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    iters: int,
+    pre_in: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X ``[..., N, D]`` -> fp32 pre ``[..., N]``, post ``[..., N]``, comb ``[..., N, N]`` and the
+    collapsed ``u`` ``[..., D]`` in X's dtype (all contiguous)."""
+    outs = _graphs_mhc_site.reference(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in)  # type: ignore[attr-defined]
+    return tuple(t.contiguous() for t in outs)  # type: ignore[return-value]
+
+
+@mhc_site.register_fake
+def _mhc_site_fake(
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    iters: int,
+    pre_in: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    lead, n, d = X.shape[:-2], X.shape[-2], X.shape[-1]
+    return (
+        X.new_empty((*lead, n), dtype=torch.float32),
+        X.new_empty((*lead, n), dtype=torch.float32),
+        X.new_empty((*lead, n, n), dtype=torch.float32),
+        X.new_empty((*lead, d)),
+    )

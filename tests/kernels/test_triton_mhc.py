@@ -1,0 +1,257 @@
+"""The two-launch Triton mHC site against ``graphs/mhc.py::mhc_site``: fresh random inputs every
+run (the seed is in the failure message), with and without ``pre_in``, token counts from 0 to
+several launch-1 blocks, widths whose row splits and channel blocks end part-filled, the tiny
+configs' width, strided rows (read in place) and layouts the launcher copies, a stream count
+the kernel leaves to the reference, and outputs poisoned with NaN so that an element the
+kernel forgets to write fails. A token's outputs are the same bit for bit alone or in a batch.
+On CUDA, also the model's sizes (bf16 streams), the op's dispatch to two launches, opcheck
+and a CUDA-graph replay. Everywhere ptxas is, both launches are compiled for sm_90 at the
+model's sizes offline and must not spill."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from sm90_ptxas import PTXAS, ptxas_report
+
+from deepinfer_fx.graphs.mhc import mhc_site
+from deepinfer_fx.kernels.triton.mhc import _mhc_dots_kernel, _mhc_finish_kernel, launch_config, mhc_site_triton
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="model-sized inputs need a GPU")
+RMS_EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
+
+
+def _seed() -> int:
+    return torch.seed() % 2**31
+
+
+def _inputs(seed: int, lead: tuple[int, ...], n: int, d: int, dtype: torch.dtype, device: str, with_pre: bool) -> tuple:
+    """Site arguments with the model's value ranges: mixes of unit scale, comb logits up to ~4."""
+    g = torch.Generator().manual_seed(seed)
+    m = 2 * n + n * n
+    X = (torch.randn(*lead, n, d, generator=g) * 2).to(device=device, dtype=dtype)
+    fn = (torch.randn(m, n * d, generator=g) * (n * d) ** -0.5).to(device)
+    base = torch.randn(m, generator=g).to(device)
+    scale = (0.5 + 1.5 * torch.rand(3, generator=g)).to(device)
+    pre_in = torch.rand(*lead, n, generator=g).to(device) if with_pre else None
+    return X, fn, base, scale, RMS_EPS, HC_EPS, ITERS, pre_in
+
+
+def _poisoned(X: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    *lead, n, d = X.shape
+    f32 = {"dtype": torch.float32, "device": X.device}
+    return (torch.full((*lead, n), float("nan"), **f32), torch.full((*lead, n), float("nan"), **f32),
+            torch.full((*lead, n, n), float("nan"), **f32), torch.full((*lead, d), float("nan"), dtype=X.dtype, device=X.device))
+
+
+def _assert_matches(got: tuple, want: tuple, X: torch.Tensor, why: str) -> None:
+    for name, a, b in zip(("pre", "post", "comb"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{why}: {name}\n{m}")
+    u, ref = got[3], want[3]
+    assert u.dtype == ref.dtype == X.dtype, why
+    if ref.dtype == torch.bfloat16:
+        # One bf16 ulp: the fp32 sums agree to ~1e-7 but a rounding may not; where the weighted
+        # streams cancel, that fp32 difference is relative to the inputs, not to the small result.
+        _, exp = torch.frexp(ref.float())
+        ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), exp - 8)
+        cancel = X.float().abs().amax((-1, -2))[..., None] * 2.0**-20
+        bad = ~((u.float() - ref.float()).abs() <= ulp + cancel)
+        assert not bad.any(), f"{why}: {int(bad.sum())} elements of u off by more than one bf16 ulp"
+    else:
+        torch.testing.assert_close(u, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{why}: u\n{m}")
+
+
+def _run(lead: tuple[int, ...], n: int, d: int, with_pre: bool, device: str, dtype: torch.dtype = torch.float32, layout: str = "contiguous") -> None:
+    seed = _seed()
+    args = _inputs(seed, lead, n, d, dtype, device, with_pre)
+    X = args[0]
+    if layout == "slice":  # tokens further apart than N*D: read in place with their stride
+        X = torch.cat([X, torch.zeros_like(X[..., :1, :])], -2)[..., :n, :]
+    elif layout == "transpose":  # channels not contiguous: the launcher copies
+        X = X.transpose(-1, -2).contiguous().transpose(-1, -2)
+    args = (X, *args[1:])
+    why = f"seed={seed} lead={lead} n={n} d={d} pre_in={with_pre} dtype={dtype} layout={layout}"
+    out = _poisoned(X)
+    got = mhc_site_triton(*args, out=out)
+    assert all(a is b for a, b in zip(got, out)), why
+    _assert_matches(got, mhc_site.reference(*args), X, why)  # type: ignore[attr-defined]
+    fresh = mhc_site_triton(*args)
+    assert all(f.is_contiguous() and torch.equal(f, o) for f, o in zip(fresh, out)), why
+
+
+# d = 64: the tiny configs' hidden width (4 row chunks of 64); d = 100: the last row chunk and
+# the channel block part-filled; d = 1100: two channel blocks of launch 2.
+@pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
+@pytest.mark.parametrize("d", [64, 100])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 37])
+def test_site_matches_reference(tokens: int, d: int, with_pre: bool, device: str) -> None:
+    _run((tokens,), 4, d, with_pre, device)
+
+
+@pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
+def test_two_channel_blocks(with_pre: bool, device: str) -> None:
+    assert triton.cdiv(1100, launch_config(4, 1100)["finish"]["BLOCK_D"]) == 2
+    _run((5,), 4, 1100, with_pre, device)
+
+
+@pytest.mark.parametrize("lead,n", [((2, 3), 4), ((6,), 2), ((4,), 3)], ids=["chunks", "n2", "n3-reference"])
+def test_other_shapes(lead: tuple[int, ...], n: int, device: str) -> None:
+    _run(lead, n, 40, True, device)
+
+
+@pytest.mark.parametrize("layout", ["slice", "transpose"])
+def test_strided_streams(layout: str, device: str) -> None:
+    _run((9,), 4, 48, False, device, layout=layout)
+
+
+def test_shapes_that_do_not_fit_are_refused(device: str) -> None:
+    X, fn, *rest = _inputs(_seed(), (3,), 4, 32, torch.float32, device, False)
+    with pytest.raises(ValueError, match="do not fit"):
+        mhc_site_triton(X, fn[:, :64], *rest)
+
+
+def test_splits_depend_on_the_width_only() -> None:
+    """The model's width (N = 4, D = 4096): 32 row chunks of 512, four channel blocks; the test
+    widths above split into several chunks, the last part-filled at d = 100."""
+    cfg = launch_config(4, 4096)
+    assert cfg["finish"]["KSPLIT"] == 32 and cfg["dots"]["CHUNK"] == 512 and 4096 // cfg["finish"]["BLOCK_D"] == 4
+    for d in (64, 100):
+        c = launch_config(4, d)
+        assert c["finish"]["KSPLIT"] > 1 and (4 * d) % c["dots"]["CHUNK"] == (16 if d == 100 else 0)
+
+
+@pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
+def test_token_does_not_depend_on_the_batch(with_pre: bool, device: str) -> None:
+    """Rows of a 37-token batch (three launch-1 blocks, the last part-filled) == each row alone."""
+    seed = _seed()
+    X, fn, base, scale, rms_eps, hc_eps, iters, pre_in = _inputs(seed, (37,), 4, 100, torch.float32, device, with_pre)
+    batch = mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in)
+    for t in (0, 17, 36):
+        alone = mhc_site_triton(X[t : t + 1].clone(), fn, base, scale, rms_eps, hc_eps, iters,
+                                None if pre_in is None else pre_in[t : t + 1].clone())
+        for name, a, b in zip(("pre", "post", "comb", "u"), alone, batch):
+            assert torch.equal(a[0], b[t]), f"seed={seed} token {t}: {name}"
+
+
+# --- CUDA only ------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_model_sizes(tokens: int, with_pre: bool) -> None:
+    _run((tokens,), 4, 4096, with_pre, "cuda", torch.bfloat16)
+
+
+@needs_cuda
+def test_model_size_batch_invariance() -> None:
+    seed = _seed()
+    X, fn, base, scale, rms_eps, hc_eps, iters, _ = _inputs(seed, (64,), 4, 4096, torch.bfloat16, "cuda", False)
+    batch = mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, None)
+    for t in (0, 33, 63):
+        alone = mhc_site_triton(X[t : t + 1].clone(), fn, base, scale, rms_eps, hc_eps, iters, None)
+        assert all(torch.equal(a[0], b[t]) for a, b in zip(alone, batch)), f"seed={seed} token {t}"
+
+
+@needs_cuda
+def test_op_dispatches_to_two_launches() -> None:
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::mhc_site", "CUDA")
+    seed = _seed()
+    args = _inputs(seed, (64,), 4, 4096, torch.bfloat16, "cuda", True)
+    torch.ops.deepinfer.mhc_site(*args)  # compile outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = torch.ops.deepinfer.mhc_site(*args)
+        torch.cuda.synchronize()
+    launches = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(launches) == 2, f"seed={seed}: {launches}"
+    assert "_mhc_dots_kernel" in launches[0] and "_mhc_finish_kernel" in launches[1], f"seed={seed}: {launches}"
+    _assert_matches(got, mhc_site.reference(*args), args[0], f"seed={seed}")  # type: ignore[attr-defined]
+    small = _inputs(seed, (5,), 4, 4096, torch.bfloat16, "cuda", True)
+    torch.library.opcheck(torch.ops.deepinfer.mhc_site.default, small)
+    torch.library.opcheck(torch.ops.deepinfer.mhc_site.default, (*small[:-1], None))
+
+
+@needs_cuda
+def test_cuda_graph_replay() -> None:
+    """Captured once, replayed on new streams and pre_in written into the same buffers."""
+    seed = _seed()
+    args = _inputs(seed, (64,), 4, 4096, torch.bfloat16, "cuda", True)
+    mhc_site_triton(*args)  # compile before capturing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = mhc_site_triton(*args)
+    for step in range(2):
+        new = _inputs(seed + 1 + step, (64,), 4, 4096, torch.bfloat16, "cuda", True)
+        args[0].copy_(new[0])
+        args[-1].copy_(new[-1])
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_matches(got, mhc_site.reference(*args), args[0], f"seed={seed} replay {step}")  # type: ignore[attr-defined]
+
+
+# --- offline compile for the H200 --------------------------------------------------------------
+
+
+def _compile_for_sm90(out_dir: str) -> None:
+    """PTX of both launches for sm_90 at the model's width (N = 4, D = 4096, bf16 streams, fp32
+    weights; with and without pre_in), into ``out_dir``. Runs in a child process without the
+    interpreter: under it Triton's library functions (tl.sum, tl.sigmoid) and the shared
+    Sinkhorn helper are interpreted ones, which its compiler cannot inline. Pointers and row
+    strides are 16-byte aligned, as at a real launch."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    types = {"x_ptr": "*bf16", "u_ptr": "*bf16", "rms_eps": "fp32", "hc_eps": "fp32"}
+
+    def ptx(fn: triton.runtime.jit.JITFunction, constants: dict, num_warps: int) -> str:
+        signature = {a: "constexpr" if a in constants else types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
+                     for a in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                   if signature[a].startswith("*") or a == "stride_xt"}
+        src = ASTSource(fn, signature, constexprs=constants, attrs=aligned)
+        return triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+    n, d = 4, 4096
+    cfg = launch_config(n, d)
+    dots, finish = dict(cfg["dots"]), dict(cfg["finish"])
+    warps = dots.pop("num_warps")
+    Path(out_dir, "dots.ptx").write_text(ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, **dots}, warps))
+    warps = finish.pop("num_warps")
+    for has_pre in (False, True):
+        consts = {"N": n, "D": d, "ITERS": ITERS, "HAS_PRE_IN": has_pre, **finish}
+        Path(out_dir, f"finish-{has_pre}.ptx").write_text(ptx(_mhc_finish_kernel, consts, warps))
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sm90")
+    here = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here), env.get("PYTHONPATH", "")])
+    code = f"from test_triton_mhc import _compile_for_sm90; _compile_for_sm90({str(out)!r})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("kernel", ["dots", "finish-False", "finish-True"])
+def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
+    """No spills; the dot is plain fp32 FMAs (no tensor-core tf32), the streams load in 16-byte
+    vectors."""
+    ptx = (sm90_ptx / f"{kernel}.ptx").read_text()
+    spills, registers, log = ptxas_report(ptx)
+    assert spills == [0, 0] and registers <= 128, log
+    if kernel == "dots":
+        assert "fma.rn.f32" in ptx and "mma" not in ptx and "tf32" not in ptx
+    else:
+        assert "ld.global.v4" in ptx
