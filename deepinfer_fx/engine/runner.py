@@ -9,7 +9,7 @@ back on a side stream; ``StepHandle.wait`` is the only place the host waits for 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -17,6 +17,8 @@ from ..api import Model
 from ..graphs.batch import Batch, Chunk, context_gather, group_chunks
 from ..graphs.model import forward_batch
 from ..graphs.swap import swapped
+from ..kernels.triton import register_nvidia_kernels
+from ..passes.manager import build_pipeline
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
 from .cache import CachePool
@@ -41,6 +43,16 @@ class StepHandle:
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
+
+
+def eager_kernel_swaps(accelerator: str | None, device: torch.device, disabled: Seq[str] = ()) -> dict[str, Callable]:
+    """The kernel swaps of ``device``'s pipeline (minus ``disabled`` and
+    ``DEEPINFER_DISABLE_PASSES``) for eager steps: each op runs its accelerator kernel (its
+    reference on the CPU); the pattern-rewrite passes need a compiled graph and do not apply."""
+    accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(device.type, "cpu")
+    if accelerator == "nvidia" and not register_nvidia_kernels():
+        return {}  # no Triton: the references run, as they would in any eager step
+    return build_pipeline(accelerator, [n.strip() for n in disabled if n.strip()]).swaps()
 
 
 class ModelRunner:

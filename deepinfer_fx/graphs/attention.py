@@ -10,6 +10,8 @@ compressed entries come from.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import ModelConfig
@@ -35,7 +37,7 @@ def mqa_with_sink(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink:
     adds ``exp(sink_h)`` to each head's softmax denominator and contributes no value. Rows are
     independent, so long ``T`` runs in blocks of queries within ``_LOGITS_BUDGET``."""
     t = q.shape[-3]
-    rows = max(1, _LOGITS_BUDGET // max(1, q[..., 0, :, 0].numel() * keys.shape[-2]))
+    rows = max(1, _LOGITS_BUDGET // max(1, math.prod(q.shape[:-3]) * q.shape[-2] * keys.shape[-2]))
     if t <= rows:
         return _mqa_rows(q, keys, bias, sink)
     return torch.cat([_mqa_rows(q[..., s : s + rows, :, :], keys, bias[..., s : s + rows, :], sink) for s in range(0, t, rows)], -3)

@@ -12,7 +12,8 @@ exact at the seams between pieces, and later chunks and decode steps read it on 
 In the engine (``LLM(mesh="cp2,...")``) the ranks of a CP group serve the same requests; a step
 is split when some chunk has at least ``2 * cp`` tokens (``split_step``), else (decode) every CP
 rank runs it whole; the logits are gathered back so every CP rank samples alike. CP runs
-eagerly for now (the split is built on the host per step).
+eagerly for now (the split is built on the host per step), with the kernel swaps of the
+accelerator in force unless eager math was asked for (``LLM(eager=True)``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Run by ``test_llm_mesh.py`` under torchrun: every rank builds ``LLM(ckpt, mesh=...)`` for each
 mesh given and generates the same requests (SPMD), then rebalances the experts by the measured
 loads and generates them again; every rank must get all outputs back, and rank 0 writes them to
-a JSON file. Usage: ``llm_mesh_job.py CKPT REQUESTS.json OUT.json MESH...``; a mesh written
-``ep2@compiled`` runs compiled steps."""
+a JSON file, with the swap places each mesh's runner held. Usage: ``llm_mesh_job.py CKPT
+REQUESTS.json OUT.json MESH...``; a mesh written ``ep2@compiled`` runs compiled steps,
+``cp2@auto`` the engine's default steps."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ def main(ckpt: str, requests: str, out: str, meshes: list[str]) -> None:
     params = [SamplingParams(**r["params"]) for r in reqs]
     results = {}
     for name in meshes:
-        mesh, _, steps = name.partition("@")  # "ep2@compiled": compiled steps (aot_eager on the CPU)
+        # "ep2@compiled": compiled steps (aot_eager on the CPU); "cp2@auto": the engine's default
+        # (cp steps eagerly with the kernel swaps); no suffix: eager=True, the reference math
+        mesh, _, steps = name.partition("@")
         llm = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=96, max_num_seqs=4,
-                  max_num_batched_tokens=48, mesh=mesh, eager=steps != "compiled")
+                  max_num_batched_tokens=48, mesh=mesh, eager={"compiled": False, "auto": None}.get(steps, True))
+        results[f"{name}:swap places"] = sorted(llm.runner.swaps)
         outs = llm.generate([r["prompt"] for r in reqs], params)
         assert len(outs) == len(reqs), (name, dist.get_rank(), len(outs))
         results[name] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
@@ -32,6 +36,10 @@ def main(ckpt: str, requests: str, out: str, meshes: list[str]) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    # Left to interpreter exit, gloo's threads of the several engines' groups were sometimes
+    # torn down while joinable (std::terminate, SIGABRT) after the results were written.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

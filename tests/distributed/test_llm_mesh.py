@@ -35,7 +35,7 @@ def _requests(seed: int) -> list[dict]:
     return out
 
 
-def _meshes_equal_one_process(tmp_path: Path, meshes: list[str]) -> None:
+def _meshes_equal_one_process(tmp_path: Path, meshes: list[str]) -> dict:
     """Launch ``llm_mesh_job.py`` on two ranks over ``meshes``; each mesh's outputs (before and
     after its EPLB rebalance) == one eager process: tokens equal, logprobs within 1e-5."""
     seed = random.SystemRandom().randrange(2**31)
@@ -60,10 +60,15 @@ def _meshes_equal_one_process(tmp_path: Path, meshes: list[str]) -> None:
             for a, b in zip(lps, w.outputs[0].logprobs):
                 assert {int(k) for k in a} == set(b), f"seed={seed} mesh={mesh} request {i}"
                 assert all(abs(a[str(k)] - v) <= 1e-5 for k, v in b.items()), f"seed={seed} mesh={mesh} request {i}"
+    return got
 
 
 def test_llm_on_ep2_dp2_cp2_equals_one_process(tmp_path) -> None:
-    _meshes_equal_one_process(tmp_path, ["ep2", "dp2", "cp2"])
+    """cp2@auto: cp steps eagerly by necessity, so the kernel swaps stay in force (op
+    references on the CPU); cp2 asked eager=True and runs the model's own functions."""
+    got = _meshes_equal_one_process(tmp_path, ["ep2", "dp2", "cp2", "cp2@auto"])
+    assert "attention.mqa_with_sink" in got["cp2@auto:swap places"] and "moe.routed_experts" in got["cp2@auto:swap places"]
+    assert "attention.mqa_with_sink" not in got["cp2:swap places"]
 
 
 def test_compiled_steps_on_ep2_dp2_equal_one_process(tmp_path) -> None:

@@ -536,3 +536,5 @@ def test_mqa_with_sink_in_query_blocks_equals_one_shot(seed, monkeypatch):
     monkeypatch.setattr(attention, "_LOGITS_BUDGET", C * H * N * 4)  # 4 queries per block
     blocks = mqa_with_sink(q, keys, bias, sink)
     close(blocks, whole, f"seed={seed}: query blocks vs one shot", atol=1e-6)
+    # no queries (a context-parallel rank without rows in a group)
+    assert mqa_with_sink(q[:, :0], keys, bias[:, :0], sink).shape == (C, 0, H, d)
