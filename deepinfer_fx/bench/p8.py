@@ -69,14 +69,17 @@ def p8_config(**overrides: Any) -> ModelConfig:
 
 
 def run_info(argv: list[str] | None = None) -> dict[str, Any]:
-    """What a result needs to be reproduced: command, commit, GPU, versions."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        commit = ""
+    """What a result needs to be reproduced: command, commit, GPU, versions. ``DEEPINFER_COMMIT``
+    wins over git: a copied tree may carry a stale ``.git`` (the GPU machine's did)."""
+    commit = os.environ.get("DEEPINFER_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+        except OSError:
+            pass
     return {
         "command": " ".join(["python", "-m", "deepinfer_fx.bench." + Path(sys.argv[0]).stem, *(argv or sys.argv[1:])]),
-        "commit": commit or os.environ.get("DEEPINFER_COMMIT", "unknown"),
+        "commit": commit or "unknown",
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__,
     }

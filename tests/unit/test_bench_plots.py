@@ -1,4 +1,4 @@
-"""The numbers behind the benchmark plots: DeepInfer's throughput accounting."""
+"""The numbers behind the benchmark plots (DeepInfer's throughput accounting) and what each result records."""
 
 from deepinfer_fx.bench.plots import decode_curves, prefill_curves
 
@@ -21,3 +21,13 @@ def test_prefill_points_are_tokens_per_second_and_latency() -> None:
     curves = prefill_curves([res])
     assert curves["ours"] == [(1024, 51200.0, 20.0), (4096, 81920.0, 50.0)]
     assert curves["hf"] == [(4096, 10240.0, 400.0)] and curves["roofline"] == [(4096, 128000.0, 32.0)]
+
+
+def test_run_info_takes_the_given_commit_over_git(monkeypatch) -> None:
+    """The GPU machine gets a copied tree whose stale ``.git`` named an old commit."""
+    from deepinfer_fx.bench.p8 import run_info
+
+    monkeypatch.setenv("DEEPINFER_COMMIT", "abc1234")
+    assert run_info(["--x"])["commit"] == "abc1234"
+    monkeypatch.delenv("DEEPINFER_COMMIT")
+    assert run_info(["--x"])["commit"] not in ("", "abc1234")  # git's HEAD here, or "unknown"
