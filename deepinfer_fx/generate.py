@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--seed", type=int, default=0, help="engine seed; each request's stream derives from it")
     e = ap.add_argument_group("engine")
-    e.add_argument("--mesh", default=None, help="e.g. ep8, ep2,dp4; more than one rank: launch under torchrun (cp meshes step eagerly for now)")
+    e.add_argument("--mesh", default=None, help="e.g. ep8, ep2,dp4; more than one rank: launch under torchrun (cp meshes step eagerly for now, with the GPU kernels)")
     e.add_argument("--dry-run", action="store_true",
                    help="trace one rank's decode and prefill steps of --mesh on a fake process group with abstract "
                         "weights (no values are real), dump the graphs and print the collectives per MoE layer")
