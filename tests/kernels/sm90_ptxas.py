@@ -4,8 +4,10 @@ GPU present."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,3 +35,16 @@ def ptxas_report(ptx: str) -> tuple[list[int], int, str]:
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     registers = int(re.search(r"Used (\d+) registers", log).group(1))  # type: ignore[union-attr]
     return spills, registers, log
+
+
+def compile_in_subprocess(module: str, out: Path) -> Path:
+    """Run ``module._compile_for_sm90(out)`` (a test module beside this file) in a fresh
+    interpreter without ``TRITON_INTERPRET``: in this process Triton's JIT was replaced by the
+    interpreter at import, and only the real one compiles to PTX. Returns ``out``."""
+    here = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here), env.get("PYTHONPATH", "")])
+    code = f"from {module} import _compile_for_sm90; _compile_for_sm90({str(out)!r})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out

@@ -10,16 +10,13 @@ model's sizes offline and must not spill."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import triton
 
-from sm90_ptxas import PTXAS, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
 
 from deepinfer_fx.graphs.mhc import mhc_site
 from deepinfer_fx.kernels.triton.mhc import _mhc_dots_kernel, _mhc_finish_kernel, launch_config, mhc_site_triton
@@ -233,14 +230,7 @@ def _compile_for_sm90(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("sm90")
-    here = Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here), env.get("PYTHONPATH", "")])
-    code = f"from test_triton_mhc import _compile_for_sm90; _compile_for_sm90({str(out)!r})"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return out
+    return compile_in_subprocess("test_triton_mhc", tmp_path_factory.mktemp("sm90"))
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
