@@ -24,7 +24,7 @@ def decode_step(
 ) -> torch.Tensor:
     """Logits ``[B, vocab]`` of one decode token for each of ``B`` requests at positions ``starts``."""
     index = torch.arange(slots.shape[0], device=slots.device)[:, None]
-    batch = Batch(next_token[slots], starts, (Group(index, slots, starts, lens),))
+    batch = Batch(next_token[slots], starts, (Group(index, slots, starts, lens, packed=True),))
     return forward_batch(params, state, c, batch)[0]
 
 
@@ -36,6 +36,6 @@ def prefill_step(
     n_chunks = slots.shape[0]
     length = token_ids.shape[0] // n_chunks
     index = torch.arange(n_chunks * length, device=slots.device).view(n_chunks, length)
-    group = Group(index, slots, starts, lens)
+    group = Group(index, slots, starts, lens, packed=True)
     batch = Batch(token_ids, group.positions.reshape(-1), (group,))
     return forward_batch(params, state, c, batch, rows=rows)[0]

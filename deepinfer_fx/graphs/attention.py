@@ -16,7 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from . import fake_quant as fq
-from .batch import Batch, Group, context_gather, gather_rows, scatter_rows
+from .batch import Batch, Group, context_gather, gather_rows, rows_to_packed
 from .compressor import compress, visible_entries
 from .swap import swappable
 from .csa2 import csa2_entries
@@ -101,7 +101,7 @@ def attention(
         k_cos, k_sin = cos_sin(keys_batch.positions, freq)
     kv = latent_kv(p, c, xk, k_cos, k_sin)
 
-    o = torch.zeros((q.shape[0] + 1, *q.shape[1:]), dtype=q.dtype, device=q.device)
+    outs = []
     st = states[layer]
     for gi, (g, qs) in enumerate(zip(keys_batch.groups, batch.queries)):
         xg = gather_rows(xk, g)
@@ -115,8 +115,8 @@ def attention(
                 entries, chosen = _v4_entries(p, st, c, xg, g, xq, q_rq, q_pos, ratio, freq)
             keys = torch.cat([keys, entries.to(keys.dtype)], 1)
             bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], -1)
-        scatter_rows(o, qs, mqa_with_sink(gather_rows(q, qs), keys, bias, p["attn_sink"]))
-    return attention_output(p, c, o[:-1], cos, sin)
+        outs.append((qs, mqa_with_sink(gather_rows(q, qs), keys, bias, p["attn_sink"])))
+    return attention_output(p, c, rows_to_packed(outs, q.shape[0]), cos, sin)
 
 
 def _v4_entries(p, st, c: ModelConfig, xg, g: Group, xq, q_rq, q_pos, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:

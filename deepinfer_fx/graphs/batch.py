@@ -10,6 +10,7 @@ past a chunk's length are never written anywhere but the scratch slot.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,6 +43,11 @@ class Group:
     slots: torch.Tensor  # [C] long
     starts: torch.Tensor  # [C] long
     lens: torch.Tensor  # [C] long
+    # Static: ``index`` is ``arange(C * L).view(C, L)`` and the batch has no other rows (every
+    # compiled step; an eager batch of equal-length chunks). Gathers are then views and the
+    # attention output needs no scatter: at a 4096-token P8 prefill those copies of the
+    # [T, 64, 512] query and output move ~1 GB per layer (estimated from the shapes).
+    packed: bool = False
 
     @classmethod
     def one(cls, start: int, length: int, slot: int = 0, device=None) -> "Group":
@@ -129,9 +135,25 @@ def context_gather(x: torch.Tensor, split: ContextSplit) -> torch.Tensor:
 
 
 def gather_rows(x: torch.Tensor, g: Group | Queries) -> torch.Tensor:
-    """Packed ``x`` ``[N, ...]`` -> ``[C, L, ...]`` (padding rows are zeros)."""
+    """Packed ``x`` ``[N, ...]`` -> ``[C, L, ...]`` (padding rows are zeros; a packed group's
+    padding rows are the batch's own, and the result is a view)."""
+    if isinstance(g, Group) and g.packed:
+        return x.view(*g.index.shape, *x.shape[1:])
     pad = torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device)
     return torch.cat([x, pad])[g.index]
+
+
+def rows_to_packed(parts: Sequence[tuple[Group | Queries, torch.Tensor]], n: int) -> torch.Tensor:
+    """Per-group results ``y`` ``[C, L, ...]`` -> packed ``[n, ...]`` (rows no group covers are
+    zeros). One packed group's result is reshaped, not copied."""
+    if len(parts) == 1 and isinstance(parts[0][0], Group) and parts[0][0].packed:
+        y = parts[0][1]
+        return y.reshape(n, *y.shape[2:])
+    y0 = parts[0][1]
+    out = torch.zeros((n + 1, *y0.shape[2:]), dtype=y0.dtype, device=y0.device)
+    for g, y in parts:
+        scatter_rows(out, g, y)
+    return out[:-1]
 
 
 def scatter_rows(out: torch.Tensor, g: Group | Queries, y: torch.Tensor) -> None:
@@ -150,6 +172,9 @@ def group_chunks(chunks: Sequence[Chunk], device=None) -> tuple[Group, ...]:
         index = torch.tensor([[ch.offset + j for j in range(length)] for ch in chs], dtype=torch.long)
         meta = torch.tensor([[ch.slot, ch.start, ch.length] for ch in chs], dtype=torch.long)
         groups.append(Group(index.to(device), *(m.to(device) for m in meta.unbind(1))))
+    if len(groups) == 1 and torch.equal(index.reshape(-1), torch.arange(index.numel())):
+        # every chunk one length, in packed order, and every row of the batch in this group
+        groups[0] = dataclasses.replace(groups[0], packed=True)
     return tuple(groups)
 
 
