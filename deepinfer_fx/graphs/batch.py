@@ -136,9 +136,9 @@ def context_gather(x: torch.Tensor, split: ContextSplit) -> torch.Tensor:
 
 def gather_rows(x: torch.Tensor, g: Group | Queries) -> torch.Tensor:
     """Packed ``x`` ``[N, ...]`` -> ``[C, L, ...]`` (padding rows are zeros; a packed group's
-    padding rows are the batch's own, and the result is a view)."""
+    padding rows are the batch's own, and the result is a view wherever x's strides allow)."""
     if isinstance(g, Group) and g.packed:
-        return x.view(*g.index.shape, *x.shape[1:])
+        return x.reshape(*g.index.shape, *x.shape[1:])
     pad = torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device)
     return torch.cat([x, pad])[g.index]
 
