@@ -198,6 +198,14 @@ def timing_rows(llm: LLM, args: argparse.Namespace, host: dist.ProcessGroup | No
     return rows
 
 
+def steps_kind(llm: LLM) -> str:
+    """How the engine steps: "compiled", "eager+kernels" (cp meshes: eager with the kernel
+    swaps in force) or "eager" (the reference math)."""
+    if llm.runner.steps is not None:
+        return "compiled"
+    return "eager+kernels" if "attention.mqa_with_sink" in llm.runner.swaps else "eager"
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -254,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:  # the one-process reference, while the other ranks wait
         ref = LLM(model, eager=eager, **engine)
         want, _ = serve(ref, prompts, params, rebalance=False)
-        ref_steps = "eager" if ref.runner.steps is None else "compiled"
+        ref_steps = steps_kind(ref)
         one_gpu = timing_rows(ref, args, None)
         del ref
         _free(device)
@@ -264,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         llm = LLM(model, mesh=str(spec), eager=True if spec.cp > 1 and eager is False else eager, **engine)
         experts = expert_counts(llm)
-        mesh_steps = "eager" if llm.runner.steps is None else "compiled"
+        mesh_steps = steps_kind(llm)
         got, shuffle = serve(llm, prompts, params, rebalance=args.eplb)
         mesh_rows = timing_rows(llm, args, host)
         del llm

@@ -63,6 +63,8 @@ def test_two_ranks_ep2_dp2_cp2(tmp_path) -> None:
     assert set(results) == {"ep2", "dp2", "cp2"}
     for result in results.values():
         _check(result, eplb=False)
+    # auto on the CPU: eager steps; cp steps eagerly with the kernel swaps (op references here)
+    assert {m: r["engine"]["steps"]["mesh"] for m, r in results.items()} == {"ep2": "eager", "dp2": "eager", "cp2": "eager+kernels"}
 
 
 def test_four_ranks_with_eplb_shuffle(tmp_path) -> None:
