@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from .norm import rms_norm
 from .swap import swappable
 
 
 def _mixes(X: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
-    flat = rms_norm(X.flatten(-2).float(), None, rms_eps)
-    return flat @ fn.float().T
+    """``rms_norm(flat X) @ fn.T``, computed as ``(flat X @ fn.T) * r`` with ``r`` each row's
+    reciprocal RMS: the same in exact arithmetic, and the normalised ``[T, N*D]`` fp32 copy is
+    never written (at a 4096-token P8 prefill, ~0.5 GB per site by the shapes)."""
+    flat = X.flatten(-2).float()
+    r = torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    return (flat @ fn.float().T) * r
 
 
 def mhc_coeffs(
