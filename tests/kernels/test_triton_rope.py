@@ -8,14 +8,15 @@ compiled for sm_90 offline and must not spill."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 import pytest
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
-from triton.runtime.jit import JITFunction
 
-from sm90_ptxas import PTXAS, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
 
 from deepinfer_fx.graphs.rope import _inv_freq, apply_rope, cos_sin
 from deepinfer_fx.kernels.triton.rope import _rope_kernel, launch_config, rope_triton
@@ -144,29 +145,42 @@ def test_rope_cuda_graph_replay() -> None:
 
 # --- offline compile for the H200 --------------------------------------------------------------
 
+# Compiled in a fresh interpreter (``sm90_ptxas.compile_in_subprocess``): in this process
+# Triton's JIT is the interpreter, and compiling next to interpreted kernels of other test
+# modules failed depending on which worker ran what.
+SM90_CASES = [(d, dtype, inverse) for d in (512, 128) for dtype in ("bf16", "fp32") for inverse in (False, True)]
+
+
+def _compile_for_sm90(out_dir: str) -> None:
+    """PTX for each case, with the launcher's configuration for 4096 tokens and the pointer and
+    stride alignment Triton specialises on at a real launch; shared memory in a side file."""
+    for d, dtype, inverse in SM90_CASES:
+        cfg = launch_config(4096 * 64, d, 32)
+        num_warps = cfg.pop("num_warps")
+        ptr = f"*{dtype}"
+        signature = {"x_ptr": ptr, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": ptr, "n_rows": "i32", "heads": "i32", "stride_x": "i32"}
+        constants = {"D": d, "HALF": 32, "INVERSE": inverse, **cfg}
+        signature |= dict.fromkeys(constants, "constexpr")
+        aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6)}
+        kernel = triton_compile(ASTSource(_rope_kernel, signature, constexprs=constants, attrs=aligned),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        Path(out_dir, f"{d}-{dtype}-{inverse}.ptx").write_text(kernel.asm["ptx"])
+        Path(out_dir, f"{d}-{dtype}-{inverse}.shared").write_text(str(kernel.metadata.shared))
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_in_subprocess("test_triton_rope", tmp_path_factory.mktemp("sm90"))
+
+
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("d", [512, 128])  # query heads / output / latent, indexer query
-def test_rope_compiles_for_sm90_without_spills(d: int, dtype: str, inverse: bool) -> None:
-    """Triton -> PTX for sm_90 needs no device; ptxas then reports registers and spills. The
-    launch configuration is the launcher's for 4096 tokens, with the pointer and stride
-    alignment Triton specialises on at a real launch."""
-    cfg = launch_config(4096 * 64, d, 32)
-    num_warps = cfg.pop("num_warps")
-    # Under TRITON_INTERPRET=1 the decorator returned an interpreter wrapper around the function.
-    fn = _rope_kernel if isinstance(_rope_kernel, JITFunction) else JITFunction(_rope_kernel.fn)
-    ptr = f"*{dtype}"
-    signature = {"x_ptr": ptr, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": ptr, "n_rows": "i32", "heads": "i32", "stride_x": "i32"}
-    constants = {"D": d, "HALF": 32, "INVERSE": inverse, **cfg}
-    signature |= dict.fromkeys(constants, "constexpr")
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6)}
-    kernel = triton_compile(ASTSource(fn, signature, constexprs=constants, attrs=aligned),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    ptx = kernel.asm["ptx"]
+@pytest.mark.parametrize("d,dtype,inverse", SM90_CASES)
+def test_rope_compiles_for_sm90_without_spills(d: int, dtype: str, inverse: bool, sm90_ptx: Path) -> None:
+    """Triton -> PTX for sm_90 needs no device; ptxas then reports registers and spills."""
+    ptx = (sm90_ptx / f"{d}-{dtype}-{inverse}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 64, log
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "rows move in 16-byte vectors"
     if dtype == "bf16":  # the served dtype: pairs and tables meet in registers, with no shuffle
         # (fp32 at d=128 loads its tables 4 wide and regroups them through 4 KiB of shared memory)
-        assert kernel.metadata.shared == 0 and "bar.sync" not in ptx
+        assert (sm90_ptx / f"{d}-{dtype}-{inverse}.shared").read_text() == "0" and "bar.sync" not in ptx

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import ops  # noqa: F401  (declares deepinfer::sparse_mqa before the registration below)
+from .buffers import out_buffer
 
 _LOG2E = math.log2(math.e)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -240,10 +241,7 @@ def sparse_mqa_triton(
     if list(keys.shape) != [*lead, n, d] or list(bias.shape) != [*lead, t, n] or list(sink.shape) != [h]:
         shapes = f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, bias {tuple(bias.shape)}, sink {tuple(sink.shape)}"
         raise ValueError(f"sparse_mqa: mismatched shapes {shapes}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"sparse_mqa: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    out = out_buffer(out, q.shape, q.dtype, q.device, "sparse_mqa")
     rows = q.numel() // (h * d)
     if rows == 0:
         return out

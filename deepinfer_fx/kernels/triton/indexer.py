@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import ops  # noqa: F401  (declares the deepinfer ops before the registrations below)
+from .buffers import out_buffer
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -156,10 +157,7 @@ def indexer_scores_triton(
     if list(keys.shape) != [*lead, n, d] or list(head_w.shape) != [*lead, t, h] or list(visible.shape) != [*lead, t, n]:
         shapes = f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, head_w {tuple(head_w.shape)}, visible {tuple(visible.shape)}"
         raise ValueError(f"indexer: mismatched shapes {shapes}")
-    if out is None:
-        out = torch.empty(visible.shape, dtype=torch.float32, device=q.device)
-    elif out.shape != visible.shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"indexer: out must be a contiguous fp32 tensor of shape {tuple(visible.shape)}")
+    out = out_buffer(out, visible.shape, torch.float32, q.device, "indexer")
     if out.numel() == 0:
         return out
     rows = out.numel() // n
@@ -192,10 +190,7 @@ def topk_mask_triton(
     ``out`` (contiguous bool) receives it if given; ``block`` (entries per block, a power of
     two) defaults to the row, up to 4096; tests set it small to reach the block loops."""
     n = scores.shape[-1]
-    if out is None:
-        out = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
-    elif out.shape != scores.shape or out.dtype != torch.bool or not out.is_contiguous():
-        raise ValueError(f"topk_mask: out must be a contiguous bool tensor of shape {tuple(scores.shape)}")
+    out = out_buffer(out, scores.shape, torch.bool, scores.device, "topk_mask")
     if scores.dtype != torch.float32:
         raise ValueError(f"topk_mask: scores must be fp32, got {scores.dtype}")
     if out.numel() == 0:

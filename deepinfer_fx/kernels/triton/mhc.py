@@ -43,6 +43,7 @@ import triton.language as tl
 
 from .. import ops_mhc  # noqa: F401  (declares deepinfer::mhc_site before we register for it)
 from ...graphs.mhc import mhc_site
+from .buffers import out_buffer
 from .sinkhorn import sinkhorn_tile
 
 # The unswapped math, for stream counts the kernel does not tile (not a power of two).
@@ -162,11 +163,9 @@ def mhc_site_triton(
     dev = X.device
     shapes = ((*lead, n), (*lead, n), (*lead, n, n), (*lead, d))
     dtypes = (torch.float32, torch.float32, torch.float32, X.dtype)
-    if out is None:
-        out = tuple(torch.empty(s, dtype=dt, device=dev) for s, dt in zip(shapes, dtypes))  # type: ignore[assignment]
-    elif any(o.shape != s or o.dtype != dt or not o.is_contiguous() for o, s, dt in zip(out, shapes, dtypes)):
-        raise ValueError(f"mhc_site: out must be contiguous {shapes} of {dtypes}")
-    pre, post, comb, u = out
+    names = ("pre", "post", "comb", "u")
+    pre, post, comb, u = (out_buffer(o, s, dt, dev, f"mhc_site {name}")
+                          for o, s, dt, name in zip(out or (None,) * 4, shapes, dtypes, names))
     if t == 0:
         return pre, post, comb, u
     cfg = launch_config(n, d)

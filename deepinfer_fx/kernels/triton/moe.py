@@ -27,6 +27,7 @@ import torch
 import triton
 
 from .. import ops, ops_fp8  # noqa: F401  (declare the ops before we register for them)
+from .buffers import out_buffer
 from .moe_kernels import combine_kernel, count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel
 
 
@@ -112,10 +113,7 @@ def run_experts(
     w1, w3, w2 = weights
     t, top = idx.shape
     n_exp, inter, dim = w1.shape
-    if out is None:
-        out = torch.empty(t, dim, dtype=torch.float32, device=x.device)
-    elif out.shape != (t, dim) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"moe_experts: out must be a contiguous fp32 [{t}, {dim}], got {out.dtype} {tuple(out.shape)}")
+    out = out_buffer(out, (t, dim), torch.float32, x.device, "moe_experts")
     p = t * top
     if p == 0:
         return out

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import ops_rope  # noqa: F401  (declares deepinfer::rope before we register for it)
+from .buffers import out_buffer
 
 # Elements a program moves: 8 rows of 512 at the model's widths, 16 bf16 values per thread.
 _TILE = 4096
@@ -90,10 +91,7 @@ def rope_triton(
     lead = cos.shape[:-1]
     if sin.shape != cos.shape or x.shape[: len(lead)] != lead or not 0 < 2 * half <= d:
         raise ValueError(f"rope: x {tuple(x.shape)} with cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"rope: out must be contiguous {tuple(x.shape)} {x.dtype}")
+    out = out_buffer(out, x.shape, x.dtype, x.device, "rope")
     if x.numel() == 0:
         return out
     x2 = x.reshape(-1, d)
