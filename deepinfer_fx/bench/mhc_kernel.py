@@ -1,14 +1,16 @@
-"""One mHC site at P8 widths: the fused Triton op against the reference that Inductor compiles.
+"""One mHC site at P8 widths: the fused Triton op against what a compiled step runs without it.
 
-    python -m deepinfer_fx.bench.mhc_kernel --tokens 1,8,16,64,256,4096,16384
+    python -m deepinfer_fx.bench.mhc_kernel --tokens 1,8,16,64,256,4096,16384 [--sweep]
 
 X bf16 ``[T, 4, 4096]``, ``fn`` fp32 ``[24, 16384]``, 20 Sinkhorn rounds: the site up to the
 sublayer input (mixing GEMV, pre / post, Sinkhorn comb, collapse). Timed per token count, each
-captured in a CUDA graph: ``mhc_site_triton`` (2 launches), the reference compiled by Inductor
-(what a compiled step runs where the ``mhc_site_kernel`` swap does not apply) and the eager
-reference. Reported: us per site, X read bandwidth of the Triton op (X bytes over its time),
-and the max difference of ``u`` from the compiled reference relative to its max.
-The swap serves sites of <= 16 tokens (``passes/swaps.py``); this bench decides that limit.
+captured in a CUDA graph: ``mhc_site_triton`` (2 launches); the reference compiled through the
+engine's CUDA pipeline with the ``mhc_site_kernel`` swap off (cuBLAS GEMM, the Sinkhorn kernel,
+Inductor for the rest: what a step runs where the swap does not apply); the eager reference.
+Reported: us per site, X read bandwidth of the Triton op (X bytes over its time), and the max
+difference of ``u`` from the reference relative to its max. ``--sweep`` also times launch 1's
+tilings (``dots=`` of ``mhc_site_triton``). The swap's token limit (``passes/swaps.py``)
+follows from these rows.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import torch
 
 from ..graphs.mhc import mhc_site
 from ..kernels.triton.mhc import mhc_site_triton
+from ..passes.compiler import compile_graph, make_backend
 from .p8 import P8, run_info, write_result
 from .timing import graph_ms
+
+_SWEEP = [{"BT": bt, "SPLITS": s, "num_warps": w} for bt in (16, 64) for s in (32, 64, 128) for w in (4, 8)]
 
 
 @torch.no_grad()
@@ -28,6 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,16,64,256,4096,16384")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true", help="also time launch 1's tilings")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     n, d = P8["hc_mult"], P8["hidden_size"]
@@ -37,21 +43,25 @@ def main(argv: list[str] | None = None) -> dict:
     fn = torch.randn(m, n * d, device="cuda") * (n * d) ** -0.5
     base, scale = torch.randn(m, device="cuda"), 0.5 + torch.rand(3, device="cuda")
     reference = mhc_site.reference  # type: ignore[attr-defined]
-    compiled = torch.compile(reference, dynamic=False)
+    engine = compile_graph(reference, make_backend("nvidia", disabled=("mhc_site_kernel",), inductor=True))
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
         X = torch.randn(t, n, d, device="cuda", dtype=torch.bfloat16)
         site = (X, fn, base, scale, *consts, None)
-        want = compiled(*site)[3].float()
+        want = reference(*site)[3].float()
         err = ((mhc_site_triton(*site)[3].float() - want).abs().max() / want.abs().max()).item()
         us = {name: graph_ms(lambda f=f: f(*site), args.iters) * 1e3
-              for name, f in (("triton", mhc_site_triton), ("inductor", compiled), ("eager", reference))}
+              for name, f in (("triton", mhc_site_triton), ("engine_without", engine), ("eager", reference))}
         row = {"tokens": t, **{f"{k}_us": round(v, 2) for k, v in us.items()},
-               "triton_vs_inductor": round(us["inductor"] / us["triton"], 2),
+               "triton_vs_without": round(us["engine_without"] / us["triton"], 2),
                "triton_X_TBps": round(X.numel() * X.element_size() / us["triton"] / 1e6, 3), "u_max_rel_diff": err}
+        if args.sweep:
+            row["sweep_us"] = {"{BT}/{SPLITS}/{num_warps}".format(**cfg): round(
+                graph_ms(lambda c=cfg: mhc_site_triton(*site, dots=c), args.iters) * 1e3, 2) for cfg in _SWEEP}
         rows.append(row)
         print(row, flush=True)
-    result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16"}, "rows": rows}
+    result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16"},
+              "sweep_key": "BT/SPLITS/num_warps", "rows": rows}
     write_result("mhc_kernel_p8", result, args.out)
     return result
 

@@ -49,17 +49,19 @@ def _poisoned(X: torch.Tensor) -> tuple[torch.Tensor, ...]:
             torch.full((*lead, n, n), float("nan"), **f32), torch.full((*lead, d), float("nan"), dtype=X.dtype, device=X.device))
 
 
-def _assert_matches(got: tuple, want: tuple, X: torch.Tensor, why: str) -> None:
+def _assert_matches(got: tuple, want: tuple, X: torch.Tensor, why: str, own_pre: bool = True) -> None:
     for name, a, b in zip(("pre", "post", "comb"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{why}: {name}\n{m}")
     u, ref = got[3], want[3]
     assert u.dtype == ref.dtype == X.dtype, why
     if ref.dtype == torch.bfloat16:
         # One bf16 ulp: the fp32 sums agree to ~1e-7 but a rounding may not; where the weighted
-        # streams cancel, that fp32 difference is relative to the inputs, not to the small result.
+        # streams cancel, that fp32 difference is relative to the inputs, not to the small result,
+        # and a collapse with the site's own pre carries pre's difference times the streams.
         _, exp = torch.frexp(ref.float())
         ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), exp - 8)
-        cancel = X.float().abs().amax((-1, -2))[..., None] * 2.0**-20
+        dpre = (got[0] - want[0]).abs().amax(-1)[..., None] if own_pre else 0.0
+        cancel = X.float().abs().sum(-2) * (dpre + 2.0**-20)
         bad = ~((u.float() - ref.float()).abs() <= ulp + cancel)
         assert not bad.any(), f"{why}: {int(bad.sum())} elements of u off by more than one bf16 ulp"
     else:
@@ -79,7 +81,7 @@ def _run(lead: tuple[int, ...], n: int, d: int, with_pre: bool, device: str, dty
     out = _poisoned(X)
     got = mhc_site_triton(*args, out=out)
     assert all(a is b for a, b in zip(got, out)), why
-    _assert_matches(got, mhc_site.reference(*args), X, why)  # type: ignore[attr-defined]
+    _assert_matches(got, mhc_site.reference(*args), X, why, not with_pre)  # type: ignore[attr-defined]
     fresh = mhc_site_triton(*args)
     assert all(f.is_contiguous() and torch.equal(f, o) for f, o in zip(fresh, out)), why
 
@@ -88,9 +90,17 @@ def _run(lead: tuple[int, ...], n: int, d: int, with_pre: bool, device: str, dty
 # the channel block part-filled; d = 1100: two channel blocks of launch 2.
 @pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
 @pytest.mark.parametrize("d", [64, 100])
-@pytest.mark.parametrize("tokens", [0, 1, 5, 37])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 70])
 def test_site_matches_reference(tokens: int, d: int, with_pre: bool, device: str) -> None:
     _run((tokens,), 4, d, with_pre, device)
+
+
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_bf16_streams_split_fn_exactly(tokens: int, device: str) -> None:
+    """bf16 streams take the three-way bf16 split of ``fn`` (tensor-core dots on a GPU; the same
+    exact products as FMAs under the interpreter): still fp32-accurate coefficients."""
+    assert launch_config(4, 100, bf16=True)["dots"]["SPLIT_BF16"]
+    _run((tokens,), 4, 100, True, device, torch.bfloat16)
 
 
 @pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
@@ -116,10 +126,10 @@ def test_shapes_that_do_not_fit_are_refused(device: str) -> None:
 
 
 def test_splits_depend_on_the_width_only() -> None:
-    """The model's width (N = 4, D = 4096): 32 row chunks of 512, four channel blocks; the test
+    """The model's width (N = 4, D = 4096): 64 row chunks of 256, four channel blocks; the test
     widths above split into several chunks, the last part-filled at d = 100."""
     cfg = launch_config(4, 4096)
-    assert cfg["finish"]["KSPLIT"] == 32 and cfg["dots"]["CHUNK"] == 512 and 4096 // cfg["finish"]["BLOCK_D"] == 4
+    assert cfg["finish"]["KSPLIT"] == 64 and cfg["dots"]["CHUNK"] == 256 and 4096 // cfg["finish"]["BLOCK_D"] == 4
     for d in (64, 100):
         c = launch_config(4, d)
         assert c["finish"]["KSPLIT"] > 1 and (4 * d) % c["dots"]["CHUNK"] == (16 if d == 100 else 0)
@@ -127,11 +137,11 @@ def test_splits_depend_on_the_width_only() -> None:
 
 @pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
 def test_token_does_not_depend_on_the_batch(with_pre: bool, device: str) -> None:
-    """Rows of a 37-token batch (three launch-1 blocks, the last part-filled) == each row alone."""
+    """Rows of a 150-token batch (several launch-1 blocks, the last part-filled) == each row alone."""
     seed = _seed()
-    X, fn, base, scale, rms_eps, hc_eps, iters, pre_in = _inputs(seed, (37,), 4, 100, torch.float32, device, with_pre)
+    X, fn, base, scale, rms_eps, hc_eps, iters, pre_in = _inputs(seed, (150,), 4, 100, torch.float32, device, with_pre)
     batch = mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in)
-    for t in (0, 17, 36):
+    for t in (0, 70, 149):
         alone = mhc_site_triton(X[t : t + 1].clone(), fn, base, scale, rms_eps, hc_eps, iters,
                                 None if pre_in is None else pre_in[t : t + 1].clone())
         for name, a, b in zip(("pre", "post", "comb", "u"), alone, batch):
@@ -171,7 +181,7 @@ def test_op_dispatches_to_two_launches() -> None:
     launches = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(launches) == 2, f"seed={seed}: {launches}"
     assert "_mhc_dots_kernel" in launches[0] and "_mhc_finish_kernel" in launches[1], f"seed={seed}: {launches}"
-    _assert_matches(got, mhc_site.reference(*args), args[0], f"seed={seed}")  # type: ignore[attr-defined]
+    _assert_matches(got, mhc_site.reference(*args), args[0], f"seed={seed}", False)  # type: ignore[attr-defined]
     small = _inputs(seed, (5,), 4, 4096, torch.bfloat16, "cuda", True)
     torch.library.opcheck(torch.ops.deepinfer.mhc_site.default, small)
     torch.library.opcheck(torch.ops.deepinfer.mhc_site.default, (*small[:-1], None))
@@ -192,7 +202,7 @@ def test_cuda_graph_replay() -> None:
         args[-1].copy_(new[-1])
         graph.replay()
         torch.cuda.synchronize()
-        _assert_matches(got, mhc_site.reference(*args), args[0], f"seed={seed} replay {step}")  # type: ignore[attr-defined]
+        _assert_matches(got, mhc_site.reference(*args), args[0], f"seed={seed} replay {step}", False)  # type: ignore[attr-defined]
 
 
 # --- offline compile for the H200 --------------------------------------------------------------
@@ -218,10 +228,14 @@ def _compile_for_sm90(out_dir: str) -> None:
         return triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
     n, d = 4, 4096
-    cfg = launch_config(n, d)
-    dots, finish = dict(cfg["dots"]), dict(cfg["finish"])
-    warps = dots.pop("num_warps")
-    Path(out_dir, "dots.ptx").write_text(ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, **dots}, warps))
+    for bf16 in (False, True):
+        dots = dict(launch_config(n, d, bf16)["dots"], DOT_FP32=False)
+        warps = dots.pop("num_warps")
+        types["x_ptr"] = "*bf16" if bf16 else "*fp32"
+        Path(out_dir, f"dots-{'bf16' if bf16 else 'fp32'}.ptx").write_text(
+            ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, **dots}, warps))
+    types["x_ptr"] = "*bf16"
+    finish = dict(launch_config(n, d)["finish"])
     warps = finish.pop("num_warps")
     for has_pre in (False, True):
         consts = {"N": n, "D": d, "ITERS": ITERS, "HAS_PRE_IN": has_pre, **finish}
@@ -234,14 +248,17 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("kernel", ["dots", "finish-False", "finish-True"])
+@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "finish-False", "finish-True"])
 def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
-    """No spills; the dot is plain fp32 FMAs (no tensor-core tf32), the streams load in 16-byte
-    vectors."""
+    """No spills, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16 streams' dots are
+    bf16 tensor-core MMAs; the collapse loads the streams in 16-byte vectors."""
     ptx = (sm90_ptx / f"{kernel}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, log
-    if kernel == "dots":
-        assert "fma.rn.f32" in ptx and "mma" not in ptx and "tf32" not in ptx
+    assert "tf32" not in ptx
+    if kernel == "dots-fp32":
+        assert "fma.rn.f32" in ptx and "mma" not in ptx
+    elif kernel == "dots-bf16":
+        assert "mma" in ptx and "bf16" in ptx
     else:
         assert "ld.global.v4" in ptx

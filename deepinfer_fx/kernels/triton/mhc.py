@@ -7,11 +7,19 @@ a decode step; at prefill the fp32 GEMM ran on SIMT cores at ~140 us a call. Her
 
 Launch 1 (``_mhc_dots_kernel``, grid ``(cdiv(T, BT), KSPLIT)``): a program multiplies ``BT``
 tokens' flattened rows ``X[t] (N*D)``, over one K-chunk, by every row of ``fn`` (``M = 2N +
-N^2`` rows, padded to a power of two) with ``tl.dot`` in true fp32 (``input_precision="ieee"``:
-the spec keeps mHC in fp32, tf32 would drop 13 mantissa bits), and sums the squares of the
-same elements. It writes fp32 partials ``[KSPLIT, T, M + 1]`` (M dots, then the sum of squares).
-The RMS scale is applied after the product: ``rms_norm(x) @ fn.T == (x @ fn.T) * r`` with ``r``
-the row's reciprocal RMS, so X is read once for both.
+N^2`` rows, padded to a power of two), and sums the squares of the same elements. It writes
+fp32 partials ``[KSPLIT, T, M + 1]`` (M dots, then the sum of squares). The RMS scale is
+applied after the product: ``rms_norm(x) @ fn.T == (x @ fn.T) * r`` with ``r`` the row's
+reciprocal RMS, so X is read once for both. The spec keeps mHC in fp32 (tf32 would drop 13
+mantissa bits), which is met two ways:
+
+- bf16 streams (the model): each fp32 tile of ``fn`` is split exactly into three bf16 tiles
+  ``hi + mid + lo`` (8 significand bits each covers fp32's 24), and a bf16 x bf16 product is
+  exact in fp32, so three bf16 tensor-core dots with fp32 accumulation give the fp32 GEMV's
+  result to within its accumulation rounding. The first version ran one fp32 "ieee" dot (plain
+  FMAs): 21 us a site at one token and ~1.2 ms at 4096 on an H200, where the reference cuBLAS
+  GEMM + Inductor took 47 us and 0.34 ms (``bench/results/mhc_kernel_p8.json``).
+- fp32 streams (CPU tests, fp32 runs): one fp32 "ieee" dot.
 
 Launch 2 (``_mhc_finish_kernel``, grid ``(T, cdiv(D, BLOCK_D))``): a program sums the token's
 partials of ``pre`` over the splits, scales them by ``r`` and collapses one block of D channels,
@@ -20,12 +28,12 @@ partials of ``pre`` over the splits, scales them by ``r`` and collapses one bloc
 math). Every block recomputing ``pre`` (a few hundred partials read) is cheaper than a third
 launch, and spreads a decode token's collapse over several SMs instead of one.
 
-Splits (not measured, reasoned): ``KSPLIT`` aims at 32 chunks of the ``N*D`` row, whole
-multiples of the ``BK`` tile (16384 = 32 x 512 at the model's N = 4, D = 4096). A decode token
-then spreads the 1.5 MiB of ``fn`` over 32 programs (a batch of 64: 128 programs, about one per
-SM of an H200), while a 4096-token prefill writes ~13 MB of partials against the 128 MiB of X
-it reads. ``BT = 16`` is ``tl.dot``'s smallest M; at T = 1 fifteen rows compute zeros, which
-costs FMA issue (~1 us a program) but no memory.
+Splits: ``KSPLIT`` aims at ``_SPLITS`` chunks of the ``N*D`` row, whole multiples of the ``BK``
+tile. A decode token spreads the 1.5 MiB of ``fn`` over that many programs, while a 4096-token
+prefill writes ~13 MB of partials (32 splits) against the 128 MiB of X it reads. ``BT`` tokens
+share each ``fn`` tile a program loads; padding rows compute zeros, which costs tensor-core
+issue but no memory. The bench ``python -m deepinfer_fx.bench.mhc_kernel --sweep`` times
+other values through ``dots=``.
 
 Batch invariance: ``BT``, the chunks and ``BLOCK_D`` depend on N and D only, a row's dot
 accumulates over k in the same order in whichever tile row it sits, and the split sums run in
@@ -35,6 +43,7 @@ configuration reads shapes only, so the launcher can run inside a CUDA graph.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -49,20 +58,23 @@ from .sinkhorn import sinkhorn_tile
 # The unswapped math, for stream counts the kernel does not tile (not a power of two).
 _reference = getattr(mhc_site, "reference", mhc_site)
 
-_BT = 16  # tokens per launch-1 program: tl.dot's smallest M
-# Row elements per launch-1 tile. An fp32 "ieee" dot is plain FMAs that stream their operands
-# from shared memory, so registers do not grow with BK (64 registers, no spill, at 32 to 128);
-# 64 keeps the chunks of small rows fine-grained, at 24 KiB of shared memory a program.
-_BK = 64
-_SPLITS = 32  # the number of K-chunks launch 1 aims for
+# Launch 1's tiling, from the H200 sweep at P8 widths (bf16 streams; us per site, 1 / 64 / 256 /
+# 4096 / 16384 tokens): BT 64, 64 splits, 4 warps: 10.9 / 12.0 / 15.4 / 156 / 601; BT 16, 32
+# splits (the first choice): 12.4 / 13.0 / 22.9 / 277 / 1073; BT 64, 32 splits: 13.5 / 14.4 /
+# 16.3 / 138 / 518; 8 warps slower everywhere. One tiling for every T keeps rows batch-invariant.
+_BT = 64  # tokens per launch-1 program: each fn tile loaded serves 64 rows
+_BT_FP32 = 16  # fp32 streams' FMA dot spills registers at 64 rows (sm_90 ptxas)
+_BK = 64  # row elements per launch-1 tile: keeps the chunks of the tiny configs' rows fine-grained
+_SPLITS = 64  # the number of K-chunks launch 1 aims for
 _BLOCK_D = 1024  # channels per launch-2 program
 _MAX_N = 16
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
                      K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, CHUNK: tl.constexpr,
-                     BT: tl.constexpr, BK: tl.constexpr):
+                     BT: tl.constexpr, BK: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr):
     """Tokens ``[BT]`` x one K-chunk -> partial dots ``[BT, M]`` and sums of squares ``[BT]``."""
     tok = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     split = tl.program_id(1)
@@ -75,10 +87,25 @@ def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
         k = split * CHUNK + i + tl.arange(0, BK)
         k_ok = k < K
         # Padding tokens and columns load zeros: they add nothing and are never stored.
-        x = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(fn_ptr + k[:, None] + m[None, :] * K, mask=k_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
-        ss += tl.sum(x * x, axis=1)
+        xf = x.to(tl.float32)
+        if SPLIT_BF16:  # x is bf16: w = hi + mid + lo exactly, each product exact; smallest first
+            hi = w.to(tl.bfloat16)
+            rest = w - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            if DOT_FP32:  # the same exact products as fp32 FMAs (the interpreter's bf16 dot is wrong)
+                acc = tl.dot(xf, lo.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(xf, mid.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(xf, hi.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, lo, acc)
+                acc = tl.dot(x, mid, acc)
+                acc = tl.dot(x, hi, acc)
+        else:
+            acc = tl.dot(xf, w, acc, input_precision="ieee")
+        ss += tl.sum(xf * xf, axis=1)
     row = part_ptr + (split * n_tokens + tok) * (M + 1)
     tl.store(row[:, None] + m[None, :], acc, mask=tok_ok[:, None] & m_ok[None, :])
     tl.store(row + M, ss, mask=tok_ok)
@@ -122,14 +149,18 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
     tl.store(u_ptr + t * D + d, u.to(u_ptr.dtype.element_ty), mask=d_ok)
 
 
-def launch_config(n: int, d: int) -> dict[str, dict[str, int]]:
-    """Both launches' block constants and warps for N streams of D channels (never T)."""
+def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, int]] = None) -> dict[str, dict[str, int]]:
+    """Both launches' block constants and warps for N streams of D channels and the streams'
+    dtype (never T). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``
+    (the bench's sweep)."""
+    o = {"BT": _BT if bf16 else _BT_FP32, "BK": _BK, "SPLITS": _SPLITS, "num_warps": 4, **(dots or {})}
     k = n * d
-    chunk = _BK * triton.cdiv(triton.cdiv(k, _SPLITS), _BK)
+    chunk = o["BK"] * triton.cdiv(triton.cdiv(k, o["SPLITS"]), o["BK"])
     ksplit = triton.cdiv(k, chunk)
     block_d = min(_BLOCK_D, triton.next_power_of_2(d))
     return {
-        "dots": {"CHUNK": chunk, "BT": _BT, "BK": _BK, "MP": max(16, triton.next_power_of_2(2 * n + n * n)), "num_warps": 4},
+        "dots": {"CHUNK": chunk, "BT": o["BT"], "BK": o["BK"], "MP": max(16, triton.next_power_of_2(2 * n + n * n)),
+                 "SPLIT_BF16": bool(bf16), "DOT_FP32": _INTERPRET, "num_warps": o["num_warps"]},
         "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d,
                    "num_warps": max(1, min(4, n * block_d // 1024))},
     }
@@ -145,10 +176,12 @@ def mhc_site_triton(
     iters: int,
     pre_in: Optional[torch.Tensor],
     out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    dots: Optional[dict[str, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_site`` in two launches: fp32 pre ``[..., N]``, post ``[..., N]``, comb ``[..., N, N]``
     and ``u`` ``[..., D]`` in X's dtype. ``out`` (contiguous tensors of those shapes and dtypes)
-    receives them when given; otherwise they are new contiguous tensors, as the op's fake says."""
+    receives them when given; otherwise they are new contiguous tensors, as the op's fake says.
+    ``dots`` overrides launch 1's tiling (``launch_config``)."""
     *lead, n, d = X.shape
     if n > _MAX_N or n & (n - 1):  # not tiled here: the reference
         ref = tuple(r.contiguous() for r in _reference(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in))
@@ -168,11 +201,11 @@ def mhc_site_triton(
                           for o, s, dt, name in zip(out or (None,) * 4, shapes, dtypes, names))
     if t == 0:
         return pre, post, comb, u
-    cfg = launch_config(n, d)
-    dots, finish = cfg["dots"], cfg["finish"]
+    cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots)
+    launch1, finish = cfg["dots"], cfg["finish"]
     part = torch.empty((finish["KSPLIT"], t, m + 1), dtype=torch.float32, device=dev)
-    _mhc_dots_kernel[(triton.cdiv(t, dots["BT"]), finish["KSPLIT"])](
-        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **dots,
+    _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), finish["KSPLIT"])](
+        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1,
     )
     pre_in_rows = pre if pre_in is None else pre_in.reshape(t, n).float().contiguous()  # unread without pre_in
     _mhc_finish_kernel[(t, triton.cdiv(d, finish["BLOCK_D"]))](
