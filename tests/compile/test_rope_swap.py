@@ -1,6 +1,6 @@
 """The ``rope_kernel`` swap: ``deepinfer::rope`` equals ``graphs/rope.py::apply_rope``, a compiled
-prefill-sized rotation (and its inverse) runs as the op, one node each, while a decode-sized one
-traces the reference; compiled equals eager either way. The kernel itself is tested in
+rotation of at least 2^20 elements (and its inverse) runs as the op, one node each, while a small
+one traces the reference; compiled equals eager either way. The kernel itself is tested in
 ``tests/kernels/test_triton_rope.py``."""
 
 from __future__ import annotations
@@ -43,12 +43,14 @@ def test_op_is_the_graphs_function(shape: tuple[int, ...], lead: int) -> None:
         torch.library.opcheck(torch.ops.deepinfer.rope.default, (x, cos, sin, inverse))
 
 
-# 1024 positions x 16 heads x 64 channels is the smallest prefill-sized rotation (2^20 elements)
-@pytest.mark.parametrize("tokens, ops", [(1024, 2), (8, 0)], ids=["prefill", "decode"])
-def test_compiled_rotation_equals_eager(tokens: int, ops: int) -> None:
+# 2^20 elements is the smallest rotation the op takes: 1024 positions x 16 heads x 64 channels
+# (prefill), or 64 positions x 256 heads (a large decode batch, the P8 shape at b64: 64 x 64 x 512)
+@pytest.mark.parametrize("tokens, heads, ops", [(1024, 16, 2), (64, 256, 2), (8, 16, 0)],
+                         ids=["prefill", "large-decode", "small-decode"])
+def test_compiled_rotation_equals_eager(tokens: int, heads: int, ops: int) -> None:
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
-    x, o = torch.randn(tokens, 16, 64, generator=g), torch.randn(tokens, 16, 64, generator=g)
+    x, o = torch.randn(tokens, heads, 64, generator=g), torch.randn(tokens, heads, 64, generator=g)
     positions = torch.randint(0, 50_000, (tokens,), generator=g)
     freq = _inv_freq(32, 10000.0, YARN)
     be = make_backend("cpu", environ={})
