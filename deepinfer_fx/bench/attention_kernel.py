@@ -1,11 +1,11 @@
 """Sparse MQA at P8 widths: the Triton kernel's tilings against each other and the reference.
 
-    python -m deepinfer_fx.bench.attention_kernel --prefill 4096,16384 --decode 1,64,256
+    python -m deepinfer_fx.bench.attention_kernel --prefill 4096,16384 --decode 1,64,256 [--decode-sweep]
 
 64 heads x 512, one shared K = V head, bf16. The masks are the model's: a prefill chunk of T
 queries from position 0 sees its 128-key window and, in a CSA layer, top-512 of its T/4
-compressed entries (an HCA layer: all T/128); a decode query at context 512 sees its window and
-every compressed entry. Each call runs captured in a CUDA graph. Reported per case and tiling:
+compressed entries (an HCA layer: all T/128); a decode query sees ``--decode-keys`` keys (256:
+its window and every entry of a 512-token CSA context). Each call runs captured in a CUDA graph. Reported per case and tiling:
 ms and TFLOP/s counted on the live keys only (4 * H * d flops per query and live key: QK and
 PV), the useful work; the shape rule's own tiling is marked ``default``.
 """
@@ -25,6 +25,10 @@ H, D, WINDOW, TOPK = 64, 512, 128, 512
 
 # prefill tilings to compare with the rule's: (heads per program, warps, keys per tile)
 _PREFILL_TILINGS = [(64, 8, 64), (64, 8, 32), (32, 4, 64), (32, 8, 64), (16, 4, 64)]
+# decode tilings (``--decode-sweep``): (heads per program, warps, keys per tile, keys per split,
+# split programs + combine)
+_DECODE_TILINGS = [(bh, w, bn, split, par) for bh in (16, 32) for w in (4, 8) for bn in (32, 64)
+                   for split, par in ((256, False), (256, True), (128, True))]
 
 
 def prefill_bias(t: int, ratio: int, device: str) -> torch.Tensor:
@@ -64,7 +68,9 @@ def _time(q, keys, bias, sink, iters: int, **kw) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", default="4096", help="chunk lengths, comma-separated")
-    ap.add_argument("--decode", default="1,64", help="batch sizes at context 512, comma-separated")
+    ap.add_argument("--decode", default="1,64", help="decode batch sizes, comma-separated")
+    ap.add_argument("--decode-keys", default="256", help="keys per decode query, comma-separated")
+    ap.add_argument("--decode-sweep", action="store_true", help="also time the decode tilings")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -91,15 +97,25 @@ def main(argv: list[str] | None = None) -> dict:
             del q, keys, bias
             write_result("attention_kernel", result, args.out)
 
+    # 256 keys: the window ring and every entry of a 512-token CSA context; 640: a CSA layer past
+    # 2k tokens (window + top-512)
     for b in [int(x) for x in args.decode.split(",") if x]:
-        n = WINDOW + 512 // 4  # the window ring and every entry of a 512-token CSA context
-        bias = torch.zeros(1, n, device="cuda")
-        q, keys, bias, sink = _case(bias, (b,))
-        ms, err = _time(q, keys, bias, sink, args.iters * 20)
-        kv_bytes = keys.numel() * keys.element_size()
-        row = {"batch": b, "keys": n, "ms": round(ms, 4), "kv_TBps": round(kv_bytes / ms / 1e9, 3), "max_rel_err": round(err, 4)}
-        result["decode"].append(row)
-        print(row, flush=True)
+        for n in [int(x) for x in args.decode_keys.split(",") if x]:
+            bias = torch.zeros(1, n, device="cuda")
+            q, keys, bias, sink = _case(bias, (b,))
+            kv_bytes = keys.numel() * keys.element_size()
+            for tiling in [None, *(_DECODE_TILINGS if args.decode_sweep else [])]:
+                kw = {} if tiling is None else dict(zip(("heads", "num_warps", "block_n", "split", "parallel"), tiling))
+                try:
+                    ms, err = _time(q, keys, bias, sink, args.iters * 20, **kw)
+                except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal
+                    print(f"decode b={b} n={n} {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                row = {"batch": b, "keys": n, "tiling": "default" if tiling is None else list(tiling), "ms": round(ms, 4),
+                       "kv_TBps": round(kv_bytes / ms / 1e9, 3), "max_rel_err": round(err, 4)}
+                result["decode"].append(row)
+                print(row, flush=True)
+            del q, keys, bias
     write_result("attention_kernel", result, args.out)
     return result
 
