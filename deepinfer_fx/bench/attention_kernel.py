@@ -5,9 +5,10 @@
 64 heads x 512, one shared K = V head, bf16. The masks are the model's: a prefill chunk of T
 queries from position 0 sees its 128-key window and, in a CSA layer, top-512 of its T/4
 compressed entries (an HCA layer: all T/128); a decode query sees ``--decode-keys`` keys (256:
-its window and every entry of a 512-token CSA context). Each call runs captured in a CUDA graph. Reported per case and tiling:
-ms and TFLOP/s counted on the live keys only (4 * H * d flops per query and live key: QK and
-PV), the useful work; the shape rule's own tiling is marked ``default``.
+its window and every entry of a 512-token CSA context). Each call runs captured in a CUDA
+graph. Reported per case and tiling: ms and TFLOP/s counted on the live keys only (4 * H * d
+flops per query and live key: QK and PV), the useful work; the shape rule's own tiling is
+marked ``default``.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ def window_keys(ring: torch.Tensor, kv: torch.Tensor, g: Group) -> tuple[torch.T
         # The row a one-token chunk overwrites holds position p - W, outside its query's window,
         # so it may write first and read its whole window from the ring. Read-after-write lets
         # Inductor scatter into the ring in place; a read before the write made it copy the whole
-        # ring twice per layer (out-of-place index_put, then copy_ back): ~10 us a layer on an
-        # H200 at a 64-request P8 decode.
+        # ring twice per layer (out-of-place index_put, then copy_ back): ~15 us a layer on an
+        # H200 at a 64-request P8 decode (tests/compile/test_window_in_place.py).
         write_rows(ring, g.slots, torch.remainder(pos, w), kv, write)
         return ring[g.slots], ring_positions(g.starts, w)
     held = ring_positions(g.starts - 1, w)

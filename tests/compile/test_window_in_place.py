@@ -2,8 +2,9 @@
 write (an ``index_put_`` on a step input) into a scatter into that input, unless the old ring
 is read before the write: then it copies the whole ring, writes the copy and copies it back,
 twice the ring's bytes per layer per step for one new row. ``window_keys`` reads a one-token
-chunk's window after its write; this checks the generated code allocates no ring-sized buffer,
-and that a chunk of several tokens (which must read first) still gets the right keys."""
+chunk's window after its write; this checks the generated code allocates no ring-sized buffer
+for it, and (the search's control) does for a chunk of several tokens, which must read first.
+Both equal eager."""
 
 from __future__ import annotations
 

@@ -30,12 +30,12 @@ launch, and spreads a decode token's collapse over several SMs instead of one.
 
 Splits: ``KSPLIT`` aims at ``_SPLITS`` chunks of the ``N*D`` row, whole multiples of the ``BK``
 tile. A decode token spreads the 1.5 MiB of ``fn`` over that many programs, while a 4096-token
-prefill writes ~13 MB of partials (32 splits) against the 128 MiB of X it reads. ``BT`` tokens
+prefill writes ~26 MB of partials (64 splits) against the 128 MiB of X it reads. ``BT`` tokens
 share each ``fn`` tile a program loads; padding rows compute zeros, which costs tensor-core
 issue but no memory. The bench ``python -m deepinfer_fx.bench.mhc_kernel --sweep`` times
 other values through ``dots=``.
 
-Batch invariance: ``BT``, the chunks and ``BLOCK_D`` depend on N and D only, a row's dot
+Batch invariance: ``BT``, the chunks and ``BLOCK_D`` depend on N, D and the dtype only, a row's dot
 accumulates over k in the same order in whichever tile row it sits, and the split sums run in
 a fixed tree; so a token's outputs are bit-identical alone or in any batch. The launch
 configuration reads shapes only, so the launcher can run inside a CUDA graph.
