@@ -118,14 +118,16 @@ def compress(
     freq: torch.Tensor,
     eps: float,
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    gather: bool = True,
 ) -> torch.Tensor:
     """V4: pool the chunks, rotate and fake-quantise (``finish``) the new entries, store them,
     and return each chunk's whole entry buffer ``[C, max_entries, dim]`` (``visible_entries``
-    says which ones a query may use)."""
+    says which ones a query may use), or with ``gather=False`` the state's pool of them
+    ``[slots + 1, max_entries, dim]``, to be read by ``g.slots``."""
     w, complete, latents = new_latents(p, st, x, g, ratio, overlap, eps)
     pooled = entry_rope(latents, w, ratio, freq)
     store_entries(st["entries"], g, w, complete, finish(pooled) if finish is not None else pooled)
-    return st["entries"][g.slots]
+    return st["entries"][g.slots] if gather else st["entries"]
 
 
 def visible_entries(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:

@@ -47,15 +47,17 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, top_blocks: 
     return keep.repeat_interleave(block, dim=-1)[..., :n]
 
 
-def _select(p: dict, c: ModelConfig, keys: torch.Tensor, x, q_r, q_pos, layer: int, ratio: int, freq, group_ctx: dict) -> torch.Tensor:
-    """An index source's selection: ``[C, L, n_entries]`` bool."""
+def _select(p: dict, c: ModelConfig, keys: torch.Tensor, key_slots: torch.Tensor | None, x, q_r, q_pos, layer: int, ratio: int,
+            freq, group_ctx: dict) -> torch.Tensor:
+    """An index source's selection: ``[C, L, n_entries]`` bool. ``keys``: each chunk's index keys
+    ``[C, n, di]``, or the pool ``[S, n, di]`` that ``key_slots`` reads."""
     ip = p["indexer"]
     q = linear(q_r, ip["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = fq.index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(x, ip["weights_proj"]) * c.index_n_heads**-0.5
     n = keys.shape[-2]
     visible = visible_entries(q_pos, n, ratio)
-    scores = index_scores(q, keys, head_w, visible, c.index_head_dim**-0.5)
+    scores = index_scores(q, keys, head_w, visible, c.index_head_dim**-0.5, key_slots)
     if c.is_candidate_source(layer):
         n_vis = torch.div(q_pos + 1, ratio, rounding_mode="floor").clamp(max=n)
         group_ctx["candidates"] = candidate_blocks(scores, n_vis, c.candidate_topk_blocks, c.candidate_block_size)
@@ -78,12 +80,12 @@ def csa2_entries(
     closed = _publish(p, st, c, xg, g, ratio, freq) if layer == src else None
     entries = st["entries"][g.slots]
     if c.is_index_source(layer):
-        keys = st["index_keys"][g.slots]
+        keys, key_slots = st["index_keys"], g.slots  # the pool, read by slot
         if c.index_key_quirk and layer == src and ratio > 1:
             # The official reference republishes an owner's keys only when it closes a group; in
             # between, the owner scores against the last keys published, the last KV source's
             # (ratio 1, written every token by the previous step). Spec §11.1.
             last = states[c.kv_source_layer_ids[-1]]["comp"]["index_keys"][g.slots]
-            keys = torch.where(closed[:, None, None], keys, last[:, : keys.shape[1]])
-        group_ctx["selection"] = _select(p, c, keys, xq, q_r, q_pos, layer, ratio, freq, group_ctx)
+            keys, key_slots = torch.where(closed[:, None, None], keys[g.slots], last[:, : keys.shape[1]]), None
+        group_ctx["selection"] = _select(p, c, keys, key_slots, xq, q_r, q_pos, layer, ratio, freq, group_ctx)
     return entries, group_ctx["selection"]

@@ -32,30 +32,41 @@ def select_entries(
     keys are pooled from the group's chunks ``xg``; the queries are ``xq`` / ``q_r`` at ``q_pos``
     (the group's own rows, or a context-parallel rank's share of them)."""
     ratio = c.csa_ratio
-    keys = compress(p["compressor"], st, xg, g, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k))
+    # the whole pool, read by slot: a gathered copy per chunk would move every slot's index keys
+    pool = compress(p["compressor"], st, xg, g, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k), gather=False)
     q = linear(q_r, p["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(xq, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
-    return score_topk(q, keys, head_w, visible_entries(q_pos, keys.shape[-2], ratio), c.index_topk)
+    return score_topk(q, pool, head_w, visible_entries(q_pos, pool.shape[-2], ratio), c.index_topk, g.slots)
 
 
 @swappable
-def score_topk(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+def score_topk(
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int, slots: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per query the ``k`` visible entries with the highest ``sum_h head_w[t,h] relu(q[t,h] . keys[n])``
-    (q ``[..., T, Hi, di]``, keys ``[..., N, di]``, head_w ``[..., T, Hi]``): a bool ``[..., T, N]``."""
+    (q ``[..., T, Hi, di]``, keys ``[..., N, di]`` or a pool read by ``slots``, see
+    ``index_scores``; head_w ``[..., T, Hi]``): a bool ``[..., T, N]``."""
     n = visible.shape[-1]
     if n == 0 or k <= 0:
         return torch.zeros_like(visible)
-    scores = index_scores(q, keys, head_w, visible, 1.0)
+    scores = index_scores(q, keys, head_w, visible, 1.0, slots)
     top = scores.topk(min(k, n), dim=-1).indices
     # fewer than k visible: topk also returns masked entries; drop them
     return torch.zeros_like(visible).scatter_(-1, top, True) & visible
 
 
 @swappable
-def index_scores(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float,
+    slots: torch.Tensor | None = None,
+) -> torch.Tensor:
     """fp32 ``[..., T, N]``: ``sum_h head_w[t,h] * dot_scale * relu(q[t,h] . keys[n])`` where
     ``visible``, -inf elsewhere. V4 folds its whole scale into ``head_w`` (``dot_scale`` 1);
-    V4.1 (``csa2.py``) applies ``index_head_dim**-0.5`` after the ReLU, in this order."""
+    V4.1 (``csa2.py``) applies ``index_head_dim**-0.5`` after the ReLU, in this order. With
+    ``slots`` ``[C]`` (q ``[C, T, Hi, di]``), keys is the state's pool ``[S, N, di]`` and chunk c
+    scores ``keys[slots[c]]``: the kernel reads the pool in place (the visible tiles only)."""
+    if slots is not None:
+        keys = keys[slots]
     dots = torch.relu(torch.einsum("...thd,...nd->...thn", q.float(), keys.float())) * dot_scale
     return (dots * head_w.float()[..., None]).sum(-2).masked_fill(~visible, float("-inf"))

@@ -98,34 +98,39 @@ def _sparse_mqa_fake(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink
 
 @torch.library.custom_op(f"{NAMESPACE}::indexer_topk", mutates_args=())
 def indexer_topk(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int,
+    slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Boolean ``[T, N]``: per query the top ``k`` visible entries by the V4 score
     ``sum_h head_w[t, h] * relu(q[t, h] . keys[n])`` (the lines of ``graphs/indexer.py``
-    after its projections; ``head_w`` already carries the head scaling)."""
-    return score_topk.reference(q, keys, head_w, visible, k)
+    after its projections; ``head_w`` already carries the head scaling). With ``slots``, keys
+    is a pool read by slot (``index_scores``)."""
+    return score_topk.reference(q, keys, head_w, visible, k, slots)
 
 
 @indexer_topk.register_fake
 def _indexer_topk_fake(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int,
+    slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return visible.new_empty(visible.shape, dtype=torch.bool)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::indexer_scores", mutates_args=())
 def indexer_scores(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float,
+    slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """fp32 ``[..., T, N]``: the indexer scores before the top-k, -inf where not ``visible``
     (``graphs/indexer.py::index_scores``; V4.1 selects from them in two levels)."""
     # einsum may hand back a permuted view; the fake promises a contiguous tensor.
-    return index_scores.reference(q, keys, head_w, visible, dot_scale).contiguous()
+    return index_scores.reference(q, keys, head_w, visible, dot_scale, slots).contiguous()
 
 
 @indexer_scores.register_fake
 def _indexer_scores_fake(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float,
+    slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return q.new_empty(visible.shape, dtype=torch.float32)
 

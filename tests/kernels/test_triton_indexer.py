@@ -11,9 +11,12 @@ everywhere what is well defined (the count, visibility, chosen >= unchosen).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
 
 from deepinfer_fx.graphs.compressor import visible_entries
 from deepinfer_fx.graphs.indexer import index_scores, score_topk
@@ -152,6 +155,29 @@ def test_strided_inputs(device: str) -> None:
     _check_selection(indexer_topk_triton(q_view, keys_view, head_w, vis_view, 16), ref, vis_view, 16, 1e-4, seed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_read_from_a_pool_by_slot(dtype: torch.dtype, device: str) -> None:
+    """``slots``: chunk c scores the pool's slot ``slots[c]`` in place, bit for bit what it scores
+    on a gathered copy (slots out of order, one repeated, the pool larger than the batch); the op
+    and the graphs function agree, and a slots tensor that does not fit is refused."""
+    seed = _fresh_seed()
+    q, pool, head_w, visible = _case(seed, (3,), 4, 4, 32, 70, dtype, device)
+    pool = torch.cat([pool, torch.randn(2, 70, 32, generator=torch.Generator().manual_seed(seed)).to(device, dtype)])
+    slots = torch.tensor([4, 1, 4], device=device)
+    scores = indexer_scores_triton(q, pool, head_w, visible, 1.0, slots)
+    assert torch.equal(scores, indexer_scores_triton(q, pool[slots], head_w, visible)), f"seed {seed}"
+    ref = index_scores(q, pool, head_w, visible, 1.0, slots)
+    torch.testing.assert_close(scores, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+    mask = indexer_topk_triton(q, pool, head_w, visible, 16, slots)
+    assert torch.equal(mask, topk_mask_triton(scores, 16)), f"seed {seed}"
+    assert torch.equal(torch.ops.deepinfer.indexer_topk(q, pool, head_w, visible, 16, slots), mask if device == "cuda"
+                       else score_topk(q, pool, head_w, visible, 16, slots)), f"seed {seed}"
+    torch.library.opcheck(torch.ops.deepinfer.indexer_scores.default, (q, pool, head_w, visible, 1.0, slots))
+    torch.library.opcheck(torch.ops.deepinfer.indexer_topk.default, (q, pool, head_w, visible, 16, slots))
+    with pytest.raises(ValueError, match="mismatched shapes"):
+        indexer_scores_triton(q, pool, head_w, visible, 1.0, slots[:2])
+
+
 def _batch_invariance(seed: int, c: int, t: int, h: int, d: int, n: int, k: int, dtype: torch.dtype, device: str) -> None:
     q, keys, head_w, visible = _case(seed, (c,), t, h, d, n, dtype, device)
     scores = indexer_scores_triton(q, keys, head_w, visible)
@@ -241,3 +267,43 @@ def test_op_replays_in_a_cuda_graph() -> None:
     q.copy_(q2), keys.copy_(keys2), head_w.copy_(head_w2), visible.copy_(visible2)
     graph.replay()
     assert torch.equal(out, indexer_topk_triton(q, keys, head_w, visible, 512)), f"seed {seed}"
+
+
+# --- offline compile for the H200 --------------------------------------------------------------
+
+
+def _compile_for_sm90(out_dir: str) -> None:
+    """PTX of the scoring kernel for sm_90 at the model's sizes (Hi 64, di 128, bf16), keys
+    gathered per chunk and read from a pool by slot, into ``out_dir`` (run in a child process
+    without the interpreter, see ``sm90_ptxas.compile_in_subprocess``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    from deepinfer_fx.kernels.triton.indexer import _BLOCK_M, _BLOCK_N, _NUM_WARPS, _scores_kernel
+
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "slot_ptr": "*i64", "w_ptr": "*fp32", "v_ptr": "*u8", "out_ptr": "*fp32",
+             "dot_scale": "fp32"}
+    for has_slots in (False, True):
+        consts = {"BLOCK_Q": _BLOCK_M // 64, "BLOCK_H": 64, "BLOCK_N": _BLOCK_N, "BLOCK_D": 128, "D": 128,
+                  "DOT_FP32": False, "HAS_SLOTS": has_slots}
+        if not has_slots:
+            consts["slot_ptr"] = None
+        signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in _scores_kernel.arg_names}
+        src = ASTSource(_scores_kernel, signature, constexprs=consts)
+        ptx = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": _NUM_WARPS}).asm["ptx"]
+        Path(out_dir, f"scores-{has_slots}.ptx").write_text(ptx)
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_in_subprocess("test_triton_indexer", tmp_path_factory.mktemp("sm90"))
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("has_slots", [False, True], ids=["gathered", "pool"])
+def test_scores_compile_for_sm90(has_slots: bool, sm90_ptx: Path) -> None:
+    """Both key layouts compile for the H200 with tensor-core dots and no spills."""
+    ptx = (sm90_ptx / f"scores-{has_slots}.ptx").read_text()
+    spills, registers, log = ptxas_report(ptx)
+    assert spills == [0, 0] and registers <= 255, log
+    assert "mma" in ptx

@@ -47,10 +47,10 @@ _KEY_NEG_INF = -2139095041
 
 
 @triton.jit
-def _scores_kernel(q_ptr, k_ptr, w_ptr, v_ptr, out_ptr, T, H, N, n_tiles, q_blocks, dot_scale,
+def _scores_kernel(q_ptr, k_ptr, slot_ptr, w_ptr, v_ptr, out_ptr, T, H, N, n_tiles, q_blocks, dot_scale,
                    stride_qr, stride_qh, stride_kc, stride_kn, stride_wr, stride_wh, stride_vr, stride_vn, stride_or,
                    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   D: tl.constexpr, DOT_FP32: tl.constexpr):
+                   D: tl.constexpr, DOT_FP32: tl.constexpr, HAS_SLOTS: tl.constexpr):
     # The entry tiles of one query block are neighbours in launch order: the block's queries stay
     # in cache while its keys (one slot's, small enough for L2) stream past.
     pid = tl.program_id(0)
@@ -75,7 +75,8 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, v_ptr, out_ptr, T, H, N, n_tiles, q_bloc
         # Padded heads and queries load zeros (weight 0 too), so they add exactly 0 to the sum.
         q = tl.load(q_ptr + m_row[:, None] * stride_qr + m_h[:, None] * stride_qh + offs_d[None, :],
                     mask=m_ok[:, None] & in_d[None, :], other=0.0)
-        keys = tl.load(k_ptr + c * stride_kc + offs_n[:, None] * stride_kn + offs_d[None, :],
+        kc = tl.load(slot_ptr + c).to(tl.int64) if HAS_SLOTS else c  # the chunk's keys: its pool slot
+        keys = tl.load(k_ptr + kc * stride_kc + offs_n[:, None] * stride_kn + offs_d[None, :],
                        mask=(offs_n < N)[:, None] & in_d[None, :], other=0.0)
         if DOT_FP32:
             dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
@@ -147,20 +148,29 @@ def indexer_scores_triton(
     head_w: torch.Tensor,
     visible: torch.Tensor,
     dot_scale: float = 1.0,
+    slots: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``graphs/indexer.py::index_scores`` for q ``[..., T, Hi, di]``, keys ``[..., N, di]``,
     head_w ``[..., T, Hi]``, visible bool ``[..., T, N]``: fp32 ``[..., T, N]``, -inf where not
-    visible, written into ``out`` (contiguous fp32) if given."""
+    visible, written into ``out`` (contiguous fp32) if given. With ``slots`` ``[C]`` (q
+    ``[C, T, Hi, di]``) keys is a pool ``[S, N, di]``, chunk c reading slot ``slots[c]``."""
     *lead, t, h, d = q.shape
     n = keys.shape[-2]
-    if list(keys.shape) != [*lead, n, d] or list(head_w.shape) != [*lead, t, h] or list(visible.shape) != [*lead, t, n]:
+    key_lead = lead if slots is None else [keys.shape[0]]
+    bad_slots = slots is not None and (len(lead) != 1 or list(slots.shape) != lead or slots.dtype.is_floating_point)
+    if (list(keys.shape) != [*key_lead, n, d] or list(head_w.shape) != [*lead, t, h] or list(visible.shape) != [*lead, t, n]
+            or bad_slots):
         shapes = f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, head_w {tuple(head_w.shape)}, visible {tuple(visible.shape)}"
+        if slots is not None:
+            shapes += f", slots {tuple(slots.shape)} {slots.dtype}"
         raise ValueError(f"indexer: mismatched shapes {shapes}")
     out = out_buffer(out, visible.shape, torch.float32, q.device, "indexer")
     if out.numel() == 0:
         return out
     rows = out.numel() // n
+    chunks = rows // t
+    slots = None if slots is None else slots.contiguous()
     q2 = _last_dim_contiguous(q.reshape(rows, h, d))
     k2 = _last_dim_contiguous(keys.reshape(-1, n, d))
     w2 = head_w.reshape(rows, h)
@@ -172,12 +182,12 @@ def indexer_scores_triton(
     q_blocks = triton.cdiv(t, block_q)
     # fp32 operands take the exact (non-tf32) dot; the interpreter has no bf16 dot at all
     dot_fp32 = _INTERPRET or q.dtype != keys.dtype or q.dtype == torch.float32
-    _scores_kernel[(k2.shape[0] * q_blocks * n_tiles,)](
-        q2, k2, w2, v2, o2, t, h, n, n_tiles, q_blocks, float(dot_scale),
+    _scores_kernel[(chunks * q_blocks * n_tiles,)](
+        q2, k2, slots, w2, v2, o2, t, h, n, n_tiles, q_blocks, float(dot_scale),
         q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), w2.stride(0), w2.stride(1),
         v2.stride(0), v2.stride(1), o2.stride(0),
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)), D=d,
-        DOT_FP32=dot_fp32, num_warps=_NUM_WARPS,
+        DOT_FP32=dot_fp32, HAS_SLOTS=slots is not None, num_warps=_NUM_WARPS,
     )
     return out
 
@@ -209,12 +219,13 @@ def topk_mask_triton(
 
 
 def indexer_topk_triton(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int,
+    slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``graphs/indexer.py::score_topk``: the scoring kernel, then the top-k kernel on its scores."""
     if k <= 0 or visible.shape[-1] == 0:
         return torch.zeros_like(visible)
-    return topk_mask_triton(indexer_scores_triton(q, keys, head_w, visible), k)
+    return topk_mask_triton(indexer_scores_triton(q, keys, head_w, visible, 1.0, slots), k)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
