@@ -8,46 +8,16 @@ from __future__ import annotations
 import copy
 
 import torch
+from tiny import tiny_v4
 
 from deepinfer_fx.config import config_from_dict
 
 YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
-TINY = {
-    "model_type": "deepseek_v4",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "qk_rope_head_dim": 8,
-    "q_lora_rank": 16,
-    "o_groups": 2,
-    "o_lora_rank": 8,
-    "sliding_window": 8,
-    "compress_ratios": [0, 4, 8, 4, 0],
-    "index_n_heads": 2,
-    "index_head_dim": 16,
-    "index_topk": 4,
-    "rope_theta": 10000,
-    "compress_rope_theta": 160000,
-    "rope_scaling": YARN,
-    "max_position_embeddings": 1048576,
-    "rms_norm_eps": 1e-6,
-    "moe_intermediate_size": 16,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "scoring_func": "sqrtsoftplus",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "num_hash_layers": 1,
-    "swiglu_limit": 10.0,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "num_nextn_predict_layers": 1,
-}
+# The models' tiny V4 (every layer kind) at smaller widths, a rope tail of 8 and a 1M-position YaRN.
+TINY = tiny_v4(
+    vocab_size=64, hidden_size=32, head_dim=32, qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=8, index_n_heads=2,
+    index_head_dim=16, index_topk=4, rope_scaling=YARN, max_position_embeddings=1048576, moe_intermediate_size=16,
+)
 
 
 def tiny_config(**changes):
