@@ -1,4 +1,4 @@
-"""RoPE ops for prefill-sized calls: ``deepinfer::rope_table`` and ``deepinfer::rope``.
+"""RoPE ops for prefill-sized calls: ``deepinfer::rope_table`` and ``deepinfer::rope_``.
 
 ``rope_table``: the cos / sin tables of a step as real buffers.
 
@@ -9,10 +9,15 @@ query re-evaluates the YaRN frequencies and ``cos`` / ``sin`` for each of its 2^
 swap ``rope_table_op`` routes prefill-sized tables through this op and the rotation kernels
 read ``[T, rope_dim / 2]`` values instead. The reference is ``graphs/rope.py::cos_sin``.
 
-``rope``: the rotation itself, ``graphs/rope.py::apply_rope``. Inductor's code for its
-interleaved pairs (slice, stack, flatten, cat) moves the ``[T, 64, 512]`` prefill query and
-attention output at ~1.5 TB/s on an H200; the Triton kernel (``kernels/triton/rope.py``)
-streams whole rows instead. The swap ``rope_kernel`` routes only prefill-sized calls here.
+``rope_``: the rotation itself, ``graphs/rope.py::apply_rope``, done in place on the rotated
+tail of each row. Only the last ``rope_dim`` of ``d`` channels change, so a functional rotation
+moves 512 channels a row to change 64 of them: at 4096 tokens the ``[T, 64, 512]`` query and
+attention output are 268 MB each, ~125 us a call at HBM speed (~2 ms a P8 prefill), while the
+tail alone is an eighth of that. The swap ``rope_kernel`` clones x and rotates the clone in
+place: Inductor drops the clone where x has no other reader (the query and the attention
+output never do), so the compiled step touches the tail only, and keeps it where x is read
+again, so the swap stays a functional rewrite. Inductor's own code for the interleaved pairs
+(slice, stack, flatten, cat) moved the same tensors at ~1.5 TB/s on an H200.
 
 No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
@@ -36,14 +41,10 @@ def _rope_table_fake(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch
     return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::rope", mutates_args=())
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """``apply_rope(x, cos, sin, inverse)`` for x ``[*P, ..., d]`` and cos / sin ``[*P, rd/2]``
-    with exactly x's leading dims (broadcast over the middle ones only): a new contiguous
-    tensor in x's dtype."""
-    return apply_rope.reference(x, cos, sin, inverse)  # type: ignore[attr-defined]
-
-
-@rope.register_fake
-def _rope_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    return x.new_empty(x.shape)
+@torch.library.custom_op(f"{NAMESPACE}::rope_", mutates_args=("x",))
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> None:
+    """x ``[*P, ..., d]`` becomes ``apply_rope(x, cos, sin, inverse)``: its last ``2 * cos.shape[-1]``
+    channels rotate in place; cos / sin ``[*P, rd/2]`` have exactly x's leading dims (broadcast
+    over the middle ones only)."""
+    rd = 2 * cos.shape[-1]
+    x[..., -rd:] = apply_rope.reference(x[..., -rd:], cos, sin, inverse)  # type: ignore[attr-defined]

@@ -57,8 +57,14 @@ class KernelSwap(GraphPass):
         return (getattr(torch.ops.deepinfer, self.op).default,)
 
     def __call__(self, gm: torch.fx.GraphModule) -> int:
+        # An op that writes an argument (the compressor's ring, RoPE in place) is wrapped by
+        # functionalisation in an auto_functionalized node whose first argument is the op.
         targets = self.targets()
-        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+        wrappers = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+        return sum(
+            1 for n in gm.graph.nodes
+            if n.op == "call_function" and (n.target in targets or (n.target in wrappers and n.args[0] in targets))
+        )
 
 
 def _moe_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -122,16 +128,6 @@ class CompressorSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return torch.ops.deepinfer.compressor_pool
-
-    def __call__(self, gm: torch.fx.GraphModule) -> int:
-        # The op writes the ring, so functionalisation wraps each call in an
-        # auto_functionalized node whose first argument is the op.
-        target = torch.ops.deepinfer.compressor_pool.default
-        wrappers = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
-        return sum(
-            1 for n in gm.graph.nodes
-            if n.op == "call_function" and (n.target is target or (n.target in wrappers and n.args[0] is target))
-        )
 
 
 @register_pass
@@ -220,20 +216,23 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     # (a few positions) are computed inline and materialised for the op: a tiny kernel.
     if x.numel() < _ROPE_MIN_ELEMENTS or x.shape[: len(lead)] != lead or sin.shape != cos.shape:
         return apply_rope.reference(x, cos, sin, inverse)  # type: ignore[attr-defined]
-    return torch.ops.deepinfer.rope(x, cos, sin, inverse)
+    # a functional rewrite: Inductor drops the clone when nothing else reads x (ops_rope.py)
+    out = x.clone()
+    torch.ops.deepinfer.rope_(out, cos, sin, inverse)
+    return out
 
 
 @register_pass
 class RopeSwap(KernelSwap):
-    """``rope.apply_rope`` => ``deepinfer.rope`` for rotations of at least ``_ROPE_MIN_ELEMENTS``
+    """``rope.apply_rope`` => ``deepinfer.rope_`` for rotations of at least ``_ROPE_MIN_ELEMENTS``
     (the query heads and the attention output, ``[T, 64, 512]``, at prefill and large decode
-    batches): one kernel streaming whole rows near HBM bandwidth, where Inductor's code for the
-    interleaved pairs reaches about a third of it.
+    batches): one kernel rotating the tail of each row in place, where Inductor's code for the
+    interleaved pairs rewrote whole rows at about a third of HBM bandwidth.
     The choice reads static shapes only, so it is made once per traced bucket."""
 
     name: ClassVar[str] = "rope_kernel"
     accelerators: ClassVar[frozenset[str]] = _SERVED
-    place, op = "rope.apply_rope", "rope"
+    place, op = "rope.apply_rope", "rope_"
 
     def replacement(self) -> Callable[..., Any]:
         return _apply_rope

@@ -1,11 +1,14 @@
-"""The ``rope_kernel`` swap: ``deepinfer::rope`` equals ``graphs/rope.py::apply_rope``, a compiled
-rotation of at least 2^20 elements (and its inverse) runs as the op, one node each, while a small
-one traces the reference; compiled equals eager either way. The kernel itself is tested in
+"""The ``rope_kernel`` swap: ``deepinfer::rope_`` turns x into ``graphs/rope.py::apply_rope(x)``, a
+compiled rotation of at least 2^20 elements (and its inverse) runs as the op, one node each,
+while a small one traces the reference; compiled equals eager either way. Under Inductor the
+swap's clone of x disappears where nothing else reads x (the op then rotates the producer's
+buffer in place) and stays where something does. The kernel itself is tested in
 ``tests/kernels/test_triton_rope.py``."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -38,9 +41,10 @@ def test_op_is_the_graphs_function(shape: tuple[int, ...], lead: int) -> None:
     positions = torch.randint(0, 100_000, shape[:lead], generator=g)
     cos, sin = cos_sin.reference(positions, _inv_freq(32, 10000.0, YARN))  # type: ignore[attr-defined]
     for inverse in (False, True):
-        got, want = torch.ops.deepinfer.rope(x, cos, sin, inverse), apply_rope.reference(x, cos, sin, inverse)  # type: ignore[attr-defined]
-        assert torch.equal(got, want)
-        torch.library.opcheck(torch.ops.deepinfer.rope.default, (x, cos, sin, inverse))
+        got = x.clone()
+        torch.ops.deepinfer.rope_(got, cos, sin, inverse)
+        assert torch.equal(got, apply_rope.reference(x, cos, sin, inverse))  # type: ignore[attr-defined]
+        torch.library.opcheck(torch.ops.deepinfer.rope_.default, (x.clone(), cos, sin, inverse))
 
 
 # 2^20 elements is the smallest rotation the op takes: 1024 positions x 16 heads x 64 channels
@@ -60,3 +64,35 @@ def test_compiled_rotation_equals_eager(tokens: int, heads: int, ops: int) -> No
     for a, b in zip(got, _rotate_and_back(x, o, positions, freq)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
     assert be.rewrites().get(SWAP, 0) == ops, f"seed={seed}"
+
+
+def _query_and_output(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, reread: bool) -> torch.Tensor:
+    """The attention shape of the rotations: heads from a projection rotated, normed (the stand-in
+    for attention), un-rotated and projected back; ``reread`` also reads the query before rotation."""
+    cos, sin = cos_sin(positions, freq)
+    q = (x @ w).unflatten(-1, (16, 64))
+    o = torch.nn.functional.rms_norm(apply_rope(q, cos, sin), (64,))
+    out = apply_rope(o, cos, sin, inverse=True).flatten(1) @ w.T
+    return out + q.flatten(1)[:, :64] if reread else out
+
+
+@pytest.mark.parametrize("reread", [False, True], ids=["in-place", "x-read-again"])
+def test_inductor_rotates_the_producers_buffer_in_place(reread: bool) -> None:
+    """No copy of a [1024, 16, 64] tensor before either rotation, unless x is read afterwards."""
+    from torch._inductor.utils import run_and_get_code
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(1024, 64, generator=g), torch.randn(64, 1024, generator=g) / 8
+    positions, freq = torch.randint(0, 50_000, (1024,), generator=g), _inv_freq(32, 10000.0, YARN)
+    be = make_backend("cpu", environ={}, inductor=True)
+    compiled = compile_graph(_query_and_output, be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()):
+        got, code = run_and_get_code(compiled, x, w, positions, freq, reread)
+    torch.testing.assert_close(got, _query_and_output(x, w, positions, freq, reread), rtol=1e-5, atol=1e-4,
+                               msg=lambda m: f"seed={seed}: {m}")
+    assert be.rewrites().get(SWAP, 0) == 2, f"seed={seed}"
+    src = "\n".join(code)
+    assert src.count("torch.ops.deepinfer.rope_.default(") == 2
+    # Inductor names its kernels after the ATen ops they came from: a surviving clone is a copy kernel
+    assert bool(re.search(r"fused_\w*clone", src)) == reread, src

@@ -1,6 +1,7 @@
-"""Compiled engine steps == the same step functions run eagerly (tiny V4 and V4.1, fp32, CPU).
+"""Compiled engine steps == the same step functions run eagerly (tiny V4 and V4.1, fp32; CPU, and
+on CUDA with captured graphs replayed).
 
-Each check runs a prefill of several padded chunks, then decode steps with a padded request
+Each check runs two rounds of prefill of several padded chunks, then decode steps with a padded request
 bucket, on two copies of one state: the eager twin on one, ``StepGraphs`` on the other. Logits
 and every state tensor (the real slots) must agree. Compiling costs ~10 s per graph here, so
 each model compiles one prefill and one decode bucket."""
@@ -39,43 +40,53 @@ def _real_slots(state: dict, n: int):
     return list(walk(state, ""))
 
 
-def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=()):
+def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), device: str = "cpu", graphs: bool | None = None):
+    """Prefill in two rounds (each prompt cut in two chunks, the second round replays the first
+    round's bucket), then decode steps; the prefill returns every row's logits on CPU and only
+    the last rows where graphs are captured (prompt-logprob prefills are not captured)."""
     rng = random.Random(seed)
     # fake-quant off: its rounding steps turn ulp-level differences into visible ones (see the
     # state-equivalence tests); here the paths must agree to fp32 precision. Block-FP8 experts
     # are held as stored, as a CUDA load does.
     c = config_from_dict(cfg).replace(fake_quant=False)
-    model = random_model(c.replace(fp8_experts=c.expert_dtype == "fp8"), seed=seed)
+    model = random_model(c.replace(fp8_experts=c.expert_dtype == "fp8"), seed=seed, device=device)
     c, params = model
     slots = 3
-    state = init_state(c, 64, torch.float32, mtp=False, slots=slots)
+    state = init_state(c, 64, torch.float32, device=device, mtp=False, slots=slots)
     eager_state = copy.deepcopy(state)
-    next_token = torch.zeros(slots + 1, dtype=torch.long)
-    graphs = StepGraphs(model, state, next_token, max_requests=4, max_tokens=16, inductor=inductor,
-                        dump_dir=tmp_path / "dump", disabled=disabled)
-    lens = [rng.randint(5, 16) for _ in range(slots)]
-    prompts = [[rng.randrange(3, c.vocab_size) for _ in range(n)] for n in lens]
+    next_token = torch.zeros(slots + 1, dtype=torch.long, device=device)
+    steps = StepGraphs(model, state, next_token, max_requests=4, max_tokens=16, inductor=inductor,
+                       dump_dir=tmp_path / "dump", disabled=disabled, graphs=graphs)
+    all_rows = not steps.graphs
+    pos = [0] * slots
     with torch.no_grad():
-        got, first = graphs.prefill([(s, 0, p) for s, p in enumerate(prompts)], all_rows=True)
-        # the eager twin on the same padded layout: bucket of 4 chunks x 16 rows
-        ids = torch.zeros(4, 16, dtype=torch.long)
-        for s, p in enumerate(prompts):
-            ids[s, : len(p)] = torch.tensor(p)
-        meta = torch.tensor([[0, 1, 2, slots], [0, 0, 0, 0], [*lens, 0]])
-        want = prefill_step(params, eager_state, c, ids.reshape(-1), *meta, torch.arange(64))
-        for s, n in enumerate(lens):
-            torch.testing.assert_close(got[first[s] : first[s] + n], want[s * 16 : s * 16 + n], rtol=1e-5, atol=1e-5)
-        pos = list(lens)
+        for _ in range(2):
+            lens = [rng.randint(5, 16) for _ in range(slots)]
+            prompts = [[rng.randrange(3, c.vocab_size) for _ in range(n)] for n in lens]
+            got, first = steps.prefill([(s, pos[s], p) for s, p in enumerate(prompts)], all_rows=all_rows)
+            # the eager twin on the same padded layout: bucket of 4 chunks x 16 rows
+            ids = torch.zeros(4, 16, dtype=torch.long)
+            for s, p in enumerate(prompts):
+                ids[s, : len(p)] = torch.tensor(p)
+            meta = torch.tensor([[0, 1, 2, slots], [*pos, 0], [*lens, 0]])
+            rows = torch.arange(64) if all_rows else torch.arange(4) * 16 + (meta[2] - 1).clamp(min=0)
+            want = prefill_step(params, eager_state, c, ids.reshape(-1).to(device), *meta.to(device), rows.to(device))
+            for s, n in enumerate(lens):
+                if all_rows:
+                    torch.testing.assert_close(got[first[s] : first[s] + n], want[s * 16 : s * 16 + n], rtol=1e-5, atol=1e-5)
+                else:
+                    torch.testing.assert_close(got[first[s]], want[s], rtol=1e-5, atol=1e-5)
+            pos = [p + n for p, n in zip(pos, lens)]
         for _ in range(3):
             next_token[:slots] = torch.tensor([rng.randrange(3, c.vocab_size) for _ in range(slots)])
-            got = graphs.decode([0, 1, 2], pos)
-            meta = torch.tensor([[0, 1, 2, slots], [*pos, 0], [1, 1, 1, 0]])
+            got = steps.decode([0, 1, 2], pos)
+            meta = torch.tensor([[0, 1, 2, slots], [*pos, 0], [1, 1, 1, 0]], device=device)
             want = decode_step(params, eager_state, c, next_token, *meta)[:slots]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             pos = [p + 1 for p in pos]
     for (path, a), (_, b) in zip(_real_slots(state, slots), _real_slots(eager_state, slots)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"state {path}: {m}")
-    return graphs
+    return steps
 
 
 @pytest.mark.parametrize("which", ["v4", "v41"])
@@ -146,3 +157,16 @@ def test_decode_step_is_one_graph_without_host_syncs() -> None:
         return step(params, state, nt, slots, starts + int(lens.sum().item() * 0), lens)
 
     assert torch._dynamo.explain(with_sync)(params, state, nt, *meta).graph_break_count > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("which", ["v4", "v41"])
+def test_captured_prefill_and_decode_replay_equal_eager_on_cuda(which: str, tmp_path) -> None:
+    """Both kinds of step are captured after their compiling run and replayed from then on;
+    a replay (new slots, positions and tokens in the static buffers) equals the eager twin."""
+    seed = random.SystemRandom().randrange(2**31)
+    steps = _run(tiny_v4() if which == "v4" else tiny_v41(), seed, tmp_path, inductor=True, device="cuda", graphs=True)
+    report = {r["graph"]: r for r in steps.report()}
+    assert set(report) == {"prefill-t64-r4", "decode-t4-r4"}, f"seed={seed}"
+    for r in report.values():
+        assert r["captured"] and r["calls"] >= 2, f"seed={seed} {r}"

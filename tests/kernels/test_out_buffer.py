@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from deepinfer_fx.kernels.triton.buffers import out_buffer
-from deepinfer_fx.kernels.triton.rope import rope_triton
+from deepinfer_fx.kernels.triton.indexer import topk_mask_triton
 
 
 def test_fitting_out_is_used_and_none_allocates() -> None:
@@ -22,6 +22,6 @@ def test_unfitting_out_names_the_op(bad: torch.Tensor) -> None:
 
 
 def test_a_launcher_refuses_a_wrong_out(device: str) -> None:
-    x, cos = torch.randn(4, 2, 16, device=device), torch.randn(4, 4, device=device)
-    with pytest.raises(ValueError, match="rope: out must be"):
-        rope_triton(x, cos, cos, False, out=torch.empty(4, 2, 8, device=device))
+    scores = torch.randn(4, 16, device=device)
+    with pytest.raises(ValueError, match="topk_mask: out must be"):
+        topk_mask_triton(scores, 3, out=torch.empty(4, 8, dtype=torch.bool, device=device))

@@ -1,8 +1,9 @@
-"""The Triton rotary embedding against ``graphs/rope.py::apply_rope``: fresh random inputs every
-run (the seed is in the failure message), forward and inverse, the three layouts the model
-rotates (positions x heads, chunks x rows x heads, no middle dims), widths that are not powers
-of two, row counts that leave the last program partly filled, strided inputs, and an output
-poisoned with NaN so that an element the kernel forgets to write fails. On CUDA, also the
+"""The Triton rotary embedding (in place) against ``graphs/rope.py::apply_rope``: fresh random
+inputs every run (the seed is in the failure message), forward and inverse, the three layouts the
+model rotates (positions x heads, chunks x rows x heads, no middle dims), widths that are not
+powers of two, row counts that leave the last program partly filled, and strided inputs (rows
+further apart than d, whose gaps must stay as they were, and rows that do not flatten, rotated
+through a copy). The channels before the tail must come back bit for bit. On CUDA, also the
 model's sizes, the op's dispatch and a CUDA-graph replay. Everywhere ptxas is, the kernel is
 compiled for sm_90 offline and must not spill."""
 
@@ -19,7 +20,7 @@ from triton.compiler import ASTSource, compile as triton_compile
 from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
 
 from deepinfer_fx.graphs.rope import _inv_freq, apply_rope, cos_sin
-from deepinfer_fx.kernels.triton.rope import _rope_kernel, launch_config, rope_triton
+from deepinfer_fx.kernels.triton.rope import _rope_kernel, launch_config, rope_triton_
 
 CUDA = torch.cuda.is_available()
 
@@ -68,17 +69,18 @@ def _assert_matches(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, why: 
 def _run(shape: tuple[int, ...], lead: int, rd: int, dtype: torch.dtype, inverse: bool, device: str, layout: str = "contiguous") -> None:
     seed = _seed()
     x, cos, sin = _inputs(shape, lead, rd, dtype, device, seed)
-    if layout == "slice":  # rows further apart than d: read in place with their stride
-        x = torch.cat([x, torch.zeros_like(x[..., :24])], -1)[..., : shape[-1]]
-    elif layout == "transpose":  # rows that do not flatten to one stride: the launcher copies
+    base = x
+    if layout == "slice":  # rows further apart than d: rotated in place with their stride
+        base = torch.cat([x, torch.full_like(x[..., :24], float("nan"))], -1)
+        x = base[..., : shape[-1]]
+    elif layout == "transpose":  # rows that do not flatten to one stride: rotated through a copy
         x = x.transpose(0, 1).contiguous().transpose(0, 1)
-    out = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    got = rope_triton(x, cos, sin, inverse, out=out)
+    before = x.clone()
+    assert rope_triton_(x, cos, sin, inverse) is None
     why = f"seed={seed} shape={shape} rd={rd} dtype={dtype} inverse={inverse} layout={layout}"
-    assert got is out, why
-    _assert_matches(out, apply_rope.reference(x, cos, sin, inverse), x, why)  # type: ignore[attr-defined]
-    fresh = rope_triton(x, cos, sin, inverse)
-    assert fresh.is_contiguous() and torch.equal(fresh, out), why
+    _assert_matches(x, apply_rope.reference(before, cos, sin, inverse), before, why)  # type: ignore[attr-defined]
+    assert torch.equal(x[..., :-rd], before[..., :-rd]), f"{why}: a channel before the tail moved"
+    assert base[..., shape[-1] :].isnan().all(), f"{why}: wrote between rows"
 
 
 @pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
@@ -101,7 +103,7 @@ def test_rope_refuses_tables_of_other_positions(device: str) -> None:
     x = torch.randn(6, 2, 64, device=device)
     cos = torch.randn(1, 16, device=device)  # broadcasts in apply_rope, but not the op's layout
     with pytest.raises(ValueError, match="rope"):
-        rope_triton(x, cos, cos, False)
+        rope_triton_(x, cos, cos, False)
 
 
 @pytest.mark.skipif(not CUDA, reason="model-sized tensors need a GPU")
@@ -114,15 +116,17 @@ def test_rope_model_sizes(shape: tuple[int, ...], lead: int, rd: int, dtype: tor
 
 @pytest.mark.skipif(not CUDA, reason="the CUDA registration only dispatches for CUDA tensors")
 def test_rope_op_dispatches_to_triton() -> None:
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::rope", "CUDA")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::rope_", "CUDA")
     seed = _seed()
     x, cos, sin = _inputs((1024, 64, 512), 1, 64, torch.bfloat16, "cuda", seed)
+    got = x.clone()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
-        got = torch.ops.deepinfer.rope(x, cos, sin, True)
+        torch.ops.deepinfer.rope_(got, cos, sin, True)
         torch.cuda.synchronize()
     assert any("_rope_kernel" in e.name for e in prof.events()), f"seed={seed}: the op did not launch the kernel"
-    assert torch.equal(got, rope_triton(x, cos, sin, True)), f"seed={seed}"
-    torch.library.opcheck(torch.ops.deepinfer.rope.default, (x[:64], cos[:64], sin[:64], False))
+    rope_triton_(x, cos, sin, True)
+    assert torch.equal(got, x), f"seed={seed}"
+    torch.library.opcheck(torch.ops.deepinfer.rope_.default, (x[:64].clone(), cos[:64], sin[:64], False))
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -130,17 +134,17 @@ def test_rope_cuda_graph_replay() -> None:
     """Captured once, replayed on new values written into the same buffers."""
     seed = _seed()
     x, cos, sin = _inputs((4096, 64, 512), 1, 64, torch.bfloat16, "cuda", seed)
-    torch.ops.deepinfer.rope(x, cos, sin, False)  # compiles the kernel outside the capture
+    torch.ops.deepinfer.rope_(x, cos, sin, False)  # compiles the kernel outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.deepinfer.rope(x, cos, sin, False)
+        torch.ops.deepinfer.rope_(x, cos, sin, False)
     for step in range(2):
         new = _inputs((4096, 64, 512), 1, 64, torch.bfloat16, "cuda", seed + 1 + step)
         for buf, value in zip((x, cos, sin), new):
             buf.copy_(value)
         graph.replay()
         torch.cuda.synchronize()
-        _assert_matches(out, apply_rope.reference(x, cos, sin, False), x, f"seed={seed} replay {step}")  # type: ignore[attr-defined]
+        _assert_matches(x, apply_rope.reference(new[0], cos, sin, False), new[0], f"seed={seed} replay {step}")  # type: ignore[attr-defined]
 
 
 # --- offline compile for the H200 --------------------------------------------------------------
@@ -155,13 +159,12 @@ def _compile_for_sm90(out_dir: str) -> None:
     """PTX for each case, with the launcher's configuration for 4096 tokens and the pointer and
     stride alignment Triton specialises on at a real launch; shared memory in a side file."""
     for d, dtype, inverse in SM90_CASES:
-        cfg = launch_config(4096 * 64, d, 32)
+        cfg = launch_config(4096 * 64, 32)
         num_warps = cfg.pop("num_warps")
-        ptr = f"*{dtype}"
-        signature = {"x_ptr": ptr, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": ptr, "n_rows": "i32", "heads": "i32", "stride_x": "i32"}
+        signature = {"x_ptr": f"*{dtype}", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "n_rows": "i32", "heads": "i32", "stride_x": "i32"}
         constants = {"D": d, "HALF": 32, "INVERSE": inverse, **cfg}
         signature |= dict.fromkeys(constants, "constexpr")
-        aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6)}
+        aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5)}
         kernel = triton_compile(ASTSource(_rope_kernel, signature, constexprs=constants, attrs=aligned),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
         Path(out_dir, f"{d}-{dtype}-{inverse}.ptx").write_text(kernel.asm["ptx"])
@@ -180,7 +183,7 @@ def test_rope_compiles_for_sm90_without_spills(d: int, dtype: str, inverse: bool
     ptx = (sm90_ptx / f"{d}-{dtype}-{inverse}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 64, log
-    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "rows move in 16-byte vectors"
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "tails move in 16-byte vectors"
     if dtype == "bf16":  # the served dtype: pairs and tables meet in registers, with no shuffle
         # (fp32 at d=128 loads its tables 4 wide and regroups them through 4 KiB of shared memory)
         assert (sm90_ptx / f"{d}-{dtype}-{inverse}.shared").read_text() == "0" and "bar.sync" not in ptx
