@@ -12,9 +12,10 @@ import os
 
 import pytest
 import torch
+import triton
 
 from deepinfer_fx.graphs.attention import mqa_with_sink
-from deepinfer_fx.kernels.triton.attention import default_split, sparse_mqa_triton
+from deepinfer_fx.kernels.triton.attention import _live_tiles, default_split, sparse_mqa_triton
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="bf16 at model sizes needs a GPU")
@@ -111,6 +112,30 @@ def test_skipping_hidden_tiles_is_exact(device: str, t: int) -> None:
     b = sparse_mqa_triton(q, keys, bias, sink, block_n=16, skip=False, split=100, parallel=False)
     assert torch.equal(a, b), f"seed {seed}"
     _check(a, q, keys, bias, sink, seed)
+
+
+@pytest.mark.parametrize("n, block_n", [(100, 16), (1000, 8), (64, 64)], ids=["partial-tile", "many-chunks", "one-tile"])
+def test_live_tile_lists(device: str, n: int, block_n: int) -> None:
+    """Per row, the tiles holding a visible key, ascending and packed first, and their count:
+    against a torch scan, on a column-strided bias (rows of all -inf, of all live, and random)."""
+    seed = _fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    rows = 7
+    # a tile is live with probability ~0.4 whatever block_n is: hide whole tiles, then sprinkle keys
+    live_tile = torch.rand(rows, triton.cdiv(n, block_n), generator=g) < 0.4
+    visible = live_tile.repeat_interleave(block_n, -1)[:, :n] & (torch.rand(rows, n, generator=g) < 0.3)
+    visible[torch.arange(rows), (torch.rand(rows, generator=g) * n).long()] = True
+    visible[0], visible[1] = False, True
+    bias = torch.zeros(rows, n).masked_fill(~visible, float("-inf"))
+    strided = torch.full((rows, n, 2), float("nan"))[..., 0]
+    strided.copy_(bias)
+    tiles, count, n_tiles = _live_tiles(strided.to(device), block_n)
+    padded = torch.nn.functional.pad(visible, (0, n_tiles * block_n - n))
+    want = padded.view(rows, n_tiles, block_n).any(-1)
+    assert n_tiles == want.shape[1] and torch.equal(count.cpu(), want.sum(-1).int()), f"seed {seed}"
+    for r in range(rows):
+        got = tiles[r, : int(count[r])].cpu()
+        assert torch.equal(got, want[r].nonzero().flatten().int()), f"seed {seed} row {r}"
 
 
 def test_split_rule() -> None:

@@ -8,7 +8,8 @@ a decode step; at prefill the fp32 GEMM ran on SIMT cores at ~140 us a call. Her
 Launch 1 (``_mhc_dots_kernel``, grid ``(cdiv(T, BT), KSPLIT)``): a program multiplies ``BT``
 tokens' flattened rows ``X[t] (N*D)``, over one K-chunk, by every row of ``fn`` (``M = 2N +
 N^2`` rows, padded to a power of two), and sums the squares of the same elements. It writes
-fp32 partials ``[KSPLIT, T, M + 1]`` (M dots, then the sum of squares). The RMS scale is
+fp32 partials ``[T, KSPLIT, M + 1]`` (M dots, then the sum of squares), token-major: launch 2
+reads a token's partials as one contiguous block, once per block of channels. The RMS scale is
 applied after the product: ``rms_norm(x) @ fn.T == (x @ fn.T) * r`` with ``r`` the row's
 reciprocal RMS, so X is read once for both. The spec keeps mHC in fp32 (tf32 would drop 13
 mantissa bits), which is met two ways:
@@ -106,14 +107,14 @@ def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
         else:
             acc = tl.dot(xf, w, acc, input_precision="ieee")
         ss += tl.sum(xf * xf, axis=1)
-    row = part_ptr + (split * n_tokens + tok) * (M + 1)
+    row = part_ptr + (tok * tl.num_programs(1) + split) * (M + 1)
     tl.store(row[:, None] + m[None, :], acc, mask=tok_ok[:, None] & m_ok[None, :])
     tl.store(row + M, ss, mask=tok_ok)
 
 
 @triton.jit
 def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr, post_ptr, comb_ptr, u_ptr,
-                       n_tokens, stride_xt, rms_eps, hc_eps,
+                       stride_xt, rms_eps, hc_eps,
                        N: tl.constexpr, D: tl.constexpr, KSPLIT: tl.constexpr, KS_BLOCK: tl.constexpr,
                        ITERS: tl.constexpr, HAS_PRE_IN: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token ``t``: coefficients from the partials, and channels ``d`` of its collapse."""
@@ -122,7 +123,7 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
     blk = tl.program_id(1)
     s = tl.arange(0, KS_BLOCK)
     s_ok = s < KSPLIT
-    rows = part_ptr + (s.to(tl.int64) * n_tokens + t) * (M + 1)
+    rows = part_ptr + (t * KSPLIT + s) * (M + 1)
     ss = tl.sum(tl.load(rows + M, mask=s_ok, other=0.0), axis=0)
     r = tl.math.rsqrt(ss / (N * D) + rms_eps)
     j = tl.arange(0, N)
@@ -203,14 +204,14 @@ def mhc_site_triton(
         return pre, post, comb, u
     cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots)
     launch1, finish = cfg["dots"], cfg["finish"]
-    part = torch.empty((finish["KSPLIT"], t, m + 1), dtype=torch.float32, device=dev)
+    part = torch.empty((t, finish["KSPLIT"], m + 1), dtype=torch.float32, device=dev)
     _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), finish["KSPLIT"])](
         x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1,
     )
     pre_in_rows = pre if pre_in is None else pre_in.reshape(t, n).float().contiguous()  # unread without pre_in
     _mhc_finish_kernel[(t, triton.cdiv(d, finish["BLOCK_D"]))](
         part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, pre, post, comb, u,
-        t, x.stride(0), float(rms_eps), float(hc_eps),
+        x.stride(0), float(rms_eps), float(hc_eps),
         N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, **finish,
     )
     return pre, post, comb, u
