@@ -50,6 +50,18 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Ten
     return project.reference(x, w, out_fp32)  # type: ignore[attr-defined]
 
 
+@torch.library.custom_op(f"{NAMESPACE}::skinny_linear_group", mutates_args=())
+def skinny_linear_group(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
+    """``[skinny_linear(x, w, out_fp32) for w in ws]``: projections of one input, which a
+    kernel may stream as one weight (``passes/grouping.py`` forms the groups)."""
+    return [project.reference(x, w, out_fp32) for w in ws]  # type: ignore[attr-defined]
+
+
+@skinny_linear_group.register_fake
+def _skinny_linear_group_fake(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
+    return [x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype) for w in ws]
+
+
 @skinny_linear.register_fake
 def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype)

@@ -26,7 +26,7 @@ from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
 
 from deepinfer_fx.graphs.norm import project
 from deepinfer_fx.kernels.triton import linear
-from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
+from deepinfer_fx.kernels.triton.linear import BM, MAX_GROUP, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_group_triton, skinny_linear_triton
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -46,6 +46,10 @@ CASES = [
 ]
 # The P8 projections at decode: wq_b, wo_b, wq_a, wkv, and a router-sized one.
 MODEL_WEIGHTS = [(32768, 1024), (4096, 8192), (1024, 4096), (512, 4096), (256, 4096)]
+# Groups of projections of one input (passes/grouping.py): wq_a + wkv; a CSA layer's fp32
+# projections of x (compressor wkv / wgate, the indexer's compressor wkv / wgate, weights_proj);
+# wq_b + the indexer's wq_b.
+GROUP_WEIGHTS = [((1024, 512), 4096), ((1024, 1024, 256, 256, 64), 4096), ((32768, 8192), 1024)]
 # (M, N, K, tiles) with K split: even ones, N and K off the tiles, more row blocks than one.
 SPLIT_CASES = [
     (4, 64, 128, Tiles(32, 32, 2, 4, 3)),
@@ -169,6 +173,59 @@ def test_split_k_is_the_ordered_sum_of_partials(m: int, n: int, k: int, tiles: T
     _assert_close(got, x, w, out_fp32, why)
 
 
+# (M, widths of the group's weights, K, tiles): column tiles that end inside a weight, split K,
+# two row blocks, six weights.
+GROUP_CASES = [
+    (3, (48, 32), 64, None),
+    (5, (40, 24, 16), 96, Tiles(32, 32, 3, 4, 3)),
+    (20, (32, 64), 64, Tiles(16, 16, 2, 4, 3)),
+    (1, (16, 32, 48, 16, 64, 32), 48, Tiles(32, 16, 1, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("out_fp32", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,ns,k,tiles", GROUP_CASES)
+def test_group_is_each_weight_alone(m: int, ns: tuple[int, ...], k: int, tiles: Tiles | None, dtype: torch.dtype,
+                                    out_fp32: bool, device: str) -> None:
+    """One launch over a group == one call per weight with the group's tiles, bitwise (each
+    column runs the same dots and split sums wherever its weight sits in the group), and within
+    accumulation error of the exact products; the counters end at zero."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+    ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(device=device, dtype=dtype) for n in ns]
+    t = tiles or choose_tiles(sum(ns), k)
+    why = f"seed={seed} M={m} N={ns} K={k} tiles={t} {dtype} out_fp32={out_fp32}"
+    got = skinny_linear_group_triton(x, ws, out_fp32, tiles)
+    assert len(got) == len(ws), why
+    for i, (w, y) in enumerate(zip(ws, got)):
+        assert torch.equal(y, skinny_linear_triton(x, w, out_fp32, t)), f"{why}: weight {i}"
+        _assert_close(y, x, w, out_fp32, f"{why}: weight {i}")
+    if t.split > 1:
+        assert not _live_counters(x.device).any(), f"{why}: counters left nonzero"
+
+
+def test_group_refuses_what_it_cannot_take(device: str) -> None:
+    x = torch.randn(2, 32, device=device)
+    w = torch.randn(16, 32, device=device)
+    with pytest.raises(ValueError, match="1 to"):
+        skinny_linear_group_triton(x, [w] * (MAX_GROUP + 1), False)
+    with pytest.raises(ValueError, match="share a layout"):
+        skinny_linear_group_triton(x, [w, torch.randn(32, 16, device=device).T], False)
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        skinny_linear_group_triton(x, [w, torch.randn(16, 48, device=device)], False)
+
+
+def test_group_op_reference_on_cpu() -> None:
+    seed = _seed()
+    x, w = _operands(seed, 4, 32, 48, torch.float32, "cpu")
+    ws = [w, w[:16].clone()]
+    got = torch.ops.deepinfer.skinny_linear_group(x, ws, True)
+    assert all(torch.equal(a, reference(x, b, True)) for a, b in zip(got, ws)), f"seed={seed}"
+    torch.library.opcheck(torch.ops.deepinfer.skinny_linear_group.default, (x, ws, True))
+
+
 def test_counters_grow_outside_capture_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """A larger grid gets a larger zeroed buffer, and the superseded one stays allocated (a graph
     captured earlier may hold it); during a capture growing is refused with a clear error."""
@@ -215,6 +272,23 @@ def test_batch_invariant(n: int, k: int, out_fp32: bool) -> None:
                 assert torch.equal(alone[0], inside[r]), f"seed={seed} N={n} K={k} row {r} of M={m}"
         assert torch.equal(alone[0], full[r]), f"seed={seed} N={n} K={k} row {r}"
     assert torch.equal(skinny_linear_triton(other, w, out_fp32)[0], full[0]), f"seed={seed}: other rows changed row 0"
+
+
+@cuda_only
+@pytest.mark.parametrize("out_fp32", [False, True])
+@pytest.mark.parametrize("ns,k", GROUP_WEIGHTS, ids=str)
+def test_group_model_sizes(ns: tuple[int, ...], k: int, out_fp32: bool) -> None:
+    """P8's groups: each output within accumulation error, and row r alone == row r in a batch."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, k, generator=g).to("cuda", torch.bfloat16)
+    ws = [(torch.randn(n, k, generator=g) * k**-0.5).to("cuda", torch.bfloat16) for n in ns]
+    full = skinny_linear_group_triton(x, ws, out_fp32)
+    for i, (w, y) in enumerate(zip(ws, full)):
+        _assert_close(y, x, w, out_fp32, f"seed={seed} N={ns} weight {i}")
+    for r in (0, 7):
+        alone = skinny_linear_group_triton(x[r : r + 1], ws, out_fp32)
+        assert all(torch.equal(a[0], y[r]) for a, y in zip(alone, full)), f"seed={seed} N={ns} row {r}"
 
 
 @cuda_only
@@ -282,21 +356,30 @@ def _compile_for_sm90(out_dir: str) -> None:
     from triton.compiler import ASTSource, compile as triton_compile
 
     fn = linear._skinny_kernel
-    for n, k in MODEL_WEIGHTS:
-        t = choose_tiles(n, k)
+    for ns, k in [((n,), k) for n, k in MODEL_WEIGHTS] + GROUP_WEIGHTS:
+        t = choose_tiles(sum(ns), k)
         bounds = _split_bounds(k, t)
+        tile0 = [0]
+        for n in ns:
+            tile0.append(tile0[-1] + -(-n // t.bn))
         consts = {"stride_xk": 1, "stride_wk": 1, "K": k, "K_SPLIT": bounds[1], "SPLITS": len(bounds) - 1,
-                  "BM": BM, "BN": t.bn, "BK": t.bk, "EVEN": True, "PREC": "tf32"}
+                  "BM": BM, "BN": t.bn, "BK": t.bk, "EVEN": all(n % t.bn == 0 for n in ns), "PREC": "tf32",
+                  "NS": ns, "TILE0": tuple(tile0[:-1]), "COL0": tuple(sum(ns[:g]) for g in range(len(ns))), "N_ALL": sum(ns)}
         if len(bounds) == 2:
             consts |= {"ws_ptr": None, "count_ptr": None}
         for out in ("bf16", "fp32"):
-            pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": f"*{out}", "ws_ptr": "*fp32", "count_ptr": "*i32"}
+            pointers = {"x_ptr": "*bf16", "w_ptrs": ("*bf16",) * len(ns), "out_ptrs": (f"*{out}",) * len(ns),
+                        "ws_ptr": "*fp32", "count_ptr": "*i32"}
             signature = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
-            aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                       if signature[a].startswith("*") or a in ("N", "stride_xm", "stride_wn")}
+            aligned = {}
+            for i, a in enumerate(fn.arg_names):
+                if isinstance(signature[a], tuple):
+                    aligned |= {(i, j): [["tt.divisibility", 16]] for j in range(len(signature[a]))}
+                elif signature[a].startswith("*") or a in ("stride_xm", "stride_wn"):
+                    aligned[(i,)] = [["tt.divisibility", 16]]
             src = ASTSource(fn, signature, constexprs=consts, attrs=aligned)
             kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps, "num_stages": t.stages})
-            Path(out_dir, f"{n}x{k}-{out}.ptx").write_text(kernel.asm["ptx"])
+            Path(out_dir, f"{'+'.join(map(str, ns))}x{k}-{out}.ptx").write_text(kernel.asm["ptx"])
 
 
 @pytest.fixture(scope="module")
@@ -306,17 +389,17 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("out", ["bf16", "fp32"])
-@pytest.mark.parametrize("n,k", MODEL_WEIGHTS)
-def test_compiles_for_sm90_without_spills(n: int, k: int, out: str, sm90_ptx: Path) -> None:
+@pytest.mark.parametrize("ns,k", [((n,), k) for n, k in MODEL_WEIGHTS] + GROUP_WEIGHTS, ids=str)
+def test_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, out: str, sm90_ptx: Path) -> None:
     """No spills, and at most 128 registers (four warps: several programs per SM). With split K:
     one gpu-scope acq_rel atomic, issued after a barrier that follows every partial store, and
     the partials read back through L2 (``ld.global.cg``); with one split, neither."""
-    ptx = (sm90_ptx / f"{n}x{k}-{out}.ptx").read_text()
+    ptx = (sm90_ptx / f"{'+'.join(map(str, ns))}x{k}-{out}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, log
     lines = [line.strip() for line in ptx.splitlines()]
     atoms = [i for i, line in enumerate(lines) if "atom." in line]
-    if choose_tiles(n, k).split == 1:
+    if choose_tiles(sum(ns), k).split == 1:
         assert not atoms and not any("ld.global.cg" in line for line in lines)
         return
     assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], lines[atoms[0]] if atoms else "no atomic"

@@ -20,6 +20,8 @@ company), and the same bits from run to run.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -32,6 +34,7 @@ BM = 16  # rows per block: fixed, never chosen from M (batch invariance)
 # About two programs per SM of an H200 (132 SMs), as the MoE decode tiles aim for.
 _MIN_PROGRAMS = 256
 _MAX_SPLIT = 16
+MAX_GROUP = 6  # weights one launch takes (a V4 CSA layer's fp32 projections of x are five)
 # Arrival counters per device (see ``_counters``): a few KiB, so that decode never grows them.
 _MIN_COUNTERS = 4096
 
@@ -66,52 +69,71 @@ def choose_tiles(n: int, k: int) -> Tiles:
 
 @triton.jit(do_not_specialize=["M"])  # M-dependent: one binary for every M
 def _skinny_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N,
+    x_ptr, w_ptrs, out_ptrs, ws_ptr, count_ptr, M,
     stride_xm, stride_xk, stride_wn, stride_wk,
     K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+    NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr,
 ):
-    """out[rows, cols] = x[rows, :] @ w[cols, :].T with fp32 accumulation, stored in out's dtype.
-    With SPLITS > 1, program ``split`` covers k range ``ks`` only: it stores x[rows, ks] @
-    w[cols, ks].T to ws[split, rows, cols] (fp32), and the tile's last program to arrive sums
-    ws[0] + ws[1] + ... into out and zeroes the tile's counter ``count[tile]`` again (the counters
-    are zero between launches, which replays of a CUDA graph rely on). Axis 0 runs over row
-    blocks so that the blocks sharing a weight tile run side by side and all but the first read
-    it from L2."""
+    """out_g[rows, cols] = x[rows, :] @ w_g[cols, :].T with fp32 accumulation, stored in out's
+    dtype, for a group of weights ``w_ptrs`` (one or more) that share x. Column tiles of BN run
+    over the group's weights in turn: weight g owns tiles ``[TILE0[g], TILE0[g + 1])`` and its
+    ``NS[g]`` columns sit at ``COL0[g]`` of the group's ``N_ALL``. With SPLITS > 1, program
+    ``split`` covers k range ``ks`` only: it stores x[rows, ks] @ w[cols, ks].T to
+    ws[split, rows, cols] (fp32, the group's columns), and the tile's last program to arrive
+    sums ws[0] + ws[1] + ... into out and zeroes the tile's counter ``count[tile]`` again (the
+    counters are zero between launches, which replays of a CUDA graph rely on). Axis 0 runs over
+    row blocks so that the blocks sharing a weight tile run side by side and all but the first
+    read it from L2."""
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     split = tl.program_id(2)
+    # The weight this column tile belongs to (a static chain: the group is a few weights).
+    if len(NS) == 1:  # N stays a constant: the compiler knows the output rows' alignment
+        w_ptr, out_ptr, n, first, col0 = w_ptrs[0], out_ptrs[0], NS[0], 0, 0
+    else:
+        w_ptr, out_ptr = w_ptrs[0], out_ptrs[0]
+        n = tile_n * 0 + NS[0]
+        first = tile_n * 0
+        col0 = tile_n * 0
+        for g in tl.static_range(1, len(NS)):
+            if tile_n >= TILE0[g]:
+                w_ptr, out_ptr = w_ptrs[g], out_ptrs[g]
+                n = tile_n * 0 + NS[g]
+                first = tile_n * 0 + TILE0[g]
+                col0 = tile_n * 0 + COL0[g]
     rows = tile_m * BM + tl.arange(0, BM)
-    cols = tile_n * BN + tl.arange(0, BN)
+    cols = (tile_n - first) * BN + tl.arange(0, BN)
     offs_k = split * K_SPLIT + tl.arange(0, BK)
     rmask = rows < M
-    nmask = cols < N
+    nmask = cols < n
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    w_tile = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K_SPLIT, BK):
         if EVEN:
             a = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-            b = tl.load(w_ptrs)
+            b = tl.load(w_tile)
         else:
             # Splits tile [0, K) exactly, so a split's own k range needs no bound but K.
             kmask = offs_k < K - k0
             a = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            b = tl.load(w_tile, mask=kmask[:, None] & nmask[None, :], other=0.0)
         acc = tl.dot(a, b.to(dtype), acc, input_precision=PREC)
         x_ptrs += BK * stride_xk
-        w_ptrs += BK * stride_wk
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        w_tile += BK * stride_wk
+    offs = rows.to(tl.int64)[:, None] * n + cols[None, :]
     mask = rmask[:, None] & nmask[None, :]
     if SPLITS == 1:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        # Computed here rather than passed: N is specialised on (a multiple of 16 at every
-        # served width) and M is not, so the compiler knows the product's alignment from N's
-        # and moves partials in 16-byte vectors.
-        stride_ws = M.to(tl.int64) * N
-        tl.store(ws_ptr + split * stride_ws + offs, acc, mask=mask)
+        # The group's columns side by side: N_ALL is a constant (a multiple of 16 at every
+        # served width), so the compiler knows the partials' alignment and moves them in
+        # 16-byte vectors.
+        stride_ws = M.to(tl.int64) * N_ALL
+        ws_offs = rows.to(tl.int64)[:, None] * N_ALL + col0 + cols[None, :]
+        tl.store(ws_ptr + split * stride_ws + ws_offs, acc, mask=mask)
         # The atomic below is issued by one thread, and its release orders only what that
         # thread's CTA has already made visible to it: the barrier makes every thread's partial
         # stores happen before it (the pattern of CUTLASS's barrier: __syncthreads, then one
@@ -124,9 +146,9 @@ def _skinny_kernel(
             # Every split's partial, its own included, read back in split order: the sum is the
             # same bits whichever split arrives last. ".cg" reads L2, where the other SMs'
             # stores are, never a stale line of this SM's L1.
-            total = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            total = tl.load(ws_ptr + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLITS):
-                total += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(ws_ptr + s * stride_ws + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
             # Every split has arrived, so no program of this launch touches the counter again;
             # the next launch on the stream starts after this one ends and finds it zero.
@@ -157,36 +179,58 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool, tiles
     """``deepinfer::skinny_linear``: x ``[M, K]`` times w ``[N, K]`` (both of one dtype, any
     strides) -> ``[M, N]`` in x's dtype or fp32. ``tiles`` overrides ``choose_tiles`` (tests
     and the tile sweep of ``bench/skinny_linear.py``). Any M works; the tiling serves M <= 64."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"skinny_linear: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != w.dtype:
-        raise ValueError(f"skinny_linear: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    return skinny_linear_group_triton(x, [w], out_fp32, tiles)[0]
+
+
+def skinny_linear_group_triton(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool,
+                               tiles: Tiles | None = None) -> list[torch.Tensor]:
+    """``deepinfer::skinny_linear_group``: ``[x @ w.T for w in ws]`` in one launch, the weights
+    (``[N_g, K]``, x's dtype, one layout: equal strides) taken one after another by the column
+    tiles of one tiling, ``choose_tiles(sum N_g, K)``. At decode the small projections of one
+    input (``wq_a`` and ``wkv``; the compressors' and indexer's) are each too small to fill the
+    GPU alone and cost a launch each; as a group they stream as one weight."""
+    if not ws or len(ws) > MAX_GROUP:
+        raise ValueError(f"skinny_linear_group: 1 to {MAX_GROUP} weights, got {len(ws)}")
+    if x.dim() != 2 or any(w.dim() != 2 or w.shape[1] != x.shape[1] for w in ws):
+        shapes = ", ".join(str(tuple(w.shape)) for w in ws)
+        raise ValueError(f"skinny_linear: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {shapes}")
+    if any(w.dtype != x.dtype for w in ws):
+        raise ValueError(f"skinny_linear: x and w must share a dtype, got {x.dtype} and {[w.dtype for w in ws]}")
+    if any(w.stride() != ws[0].stride() for w in ws):
+        raise ValueError(f"skinny_linear_group: the weights must share a layout, got strides {[w.stride() for w in ws]}")
     m, k = x.shape
-    n = w.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32 if out_fp32 else x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
+    ns = tuple(w.shape[0] for w in ws)
+    outs = [torch.empty(m, n, dtype=torch.float32 if out_fp32 else x.dtype, device=x.device) for n in ns]
+    if m == 0 or sum(ns) == 0:
+        return outs
     if k == 0:
-        return out.zero_()
-    t = tiles or choose_tiles(n, k)
+        return [o.zero_() for o in outs]
+    t = tiles or choose_tiles(sum(ns), k)
     k_split = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
     splits = triton.cdiv(k, k_split)
-    grid = (triton.cdiv(m, BM), triton.cdiv(n, t.bn), splits)
+    tile0 = tuple(itertools.accumulate((triton.cdiv(n, t.bn) for n in ns), initial=0))
+    grid = (triton.cdiv(m, BM), tile0[-1], splits)
     # One split needs neither workspace nor counters: None makes them constexpr, never read.
-    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else None
+    ws_buf = torch.empty(splits, m, sum(ns), dtype=torch.float32, device=x.device) if splits > 1 else None
     counts = _counters(x.device, grid[0] * grid[1]) if splits > 1 else None
     _skinny_kernel[grid](
-        x, w, out, ws, counts, m, n,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        x, tuple(ws), tuple(outs), ws_buf, counts, m,
+        x.stride(0), x.stride(1), ws[0].stride(0), ws[0].stride(1),
         K=k, K_SPLIT=k_split, SPLITS=splits, BM=BM, BN=t.bn, BK=t.bk,
-        EVEN=n % t.bn == 0 and k % k_split == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        EVEN=all(n % t.bn == 0 for n in ns) and k % k_split == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        NS=ns, TILE0=tile0[:-1], COL0=tuple(itertools.accumulate(ns[:-1], initial=0)), N_ALL=sum(ns),
         num_warps=t.warps, num_stages=t.stages,
     )
-    return out
+    return outs
 
 
 def _skinny_linear_cuda(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
     return skinny_linear_triton(x, w, out_fp32)
 
 
+def _skinny_linear_group_cuda(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
+    return skinny_linear_group_triton(x, ws, out_fp32)
+
+
 torch.library.register_kernel("deepinfer::skinny_linear", "cuda", _skinny_linear_cuda)
+torch.library.register_kernel("deepinfer::skinny_linear_group", "cuda", _skinny_linear_group_cuda)

@@ -1,0 +1,95 @@
+"""The ``skinny_linear_group`` pass: decode-sized projections of the same rows become one
+``deepinfer::skinny_linear_group`` node per result dtype; projections of other rows, and one
+whose weight is computed after the group's place, stay alone; compiled equals eager (on CPU the
+ops run their references), with Inductor too."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from deepinfer_fx.graphs.norm import linear, linear_fp32
+from deepinfer_fx.graphs.swap import swapped
+from deepinfer_fx.passes.compiler import compile_graph, make_backend
+from deepinfer_fx.passes.grouping import SkinnyLinearGroup
+
+pytestmark = pytest.mark.usefixtures("fresh_compile")
+
+PASS = SkinnyLinearGroup.name
+GROUP = torch.ops.deepinfer.skinny_linear_group.default
+SINGLE = torch.ops.deepinfer.skinny_linear.default
+
+
+def layer(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, wc: torch.Tensor, wd: torch.Tensor,
+          we: torch.Tensor, wf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Like an attention block's decode: two bf16 and two fp32 projections of x (one through a
+    view of x), a projection of another input, and one of a weight computed in the step."""
+    a = linear(x, wa)
+    c = linear_fp32(x, wc)
+    b = linear(x.view(2, 2, -1), wb)
+    d = linear_fp32(x, wd)
+    e = linear(a * 2, we)
+    f = linear(x, wf * 2)
+    return a, b, c, d, e, f
+
+
+def _inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(torch.bfloat16)
+
+    return r(4, 64), r(32, 64), r(48, 64), r(16, 64), r(64, 64), r(16, 32), r(32, 64)
+
+
+def _targets(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["aot-eager", "inductor"])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_projections_of_one_input_run_as_one_group(enabled: bool, inductor: bool) -> None:
+    seed = torch.seed() % 2**31
+    args = _inputs(seed)
+    be = make_backend("cpu", disabled=() if enabled else (PASS,), environ={}, inductor=inductor)
+    compiled = compile_graph(layer, be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()):
+        got = compiled(*args)
+    want = layer(*args)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"seed={seed} output {i}"
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed} output {i}: {m}")
+    targets = _targets(be.graphs[-1])
+    if not enabled:
+        assert GROUP not in targets and targets.count(SINGLE) == 6
+        return
+    assert be.rewrites()[PASS] == 2, f"seed={seed}"
+    groups = [n for n in be.graphs[-1].graph.nodes if n.target is GROUP]
+    # the bf16 pair (x and its view) and the fp32 pair; e (other rows) and f (a computed weight) alone
+    assert sorted(len(n.args[1]) for n in groups) == [2, 2] and targets.count(SINGLE) == 2
+    assert {n.args[2] for n in groups} == {False, True}
+    for n in groups:
+        assert all(u.target is operator.getitem for u in n.users)
+
+
+def test_groups_hold_at_most_max_group_weights() -> None:
+    """Eight projections of one input: a group of six and a group of two."""
+    from deepinfer_fx.kernels.triton.linear import MAX_GROUP
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(2, 32, generator=g).to(torch.bfloat16)
+    ws = [torch.randn(16, 32, generator=g).to(torch.bfloat16) for _ in range(MAX_GROUP + 2)]
+
+    def many(x: torch.Tensor, *ws: torch.Tensor) -> list[torch.Tensor]:
+        return [linear(x, w) for w in ws]
+
+    be = make_backend("cpu", environ={})
+    compiled = compile_graph(many, be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()):
+        got = compiled(x, *ws)
+    for a, b in zip(got, many(x, *ws)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    sizes = sorted(len(n.args[1]) for n in be.graphs[-1].graph.nodes if n.target is GROUP)
+    assert sizes == [2, MAX_GROUP]
