@@ -5,13 +5,15 @@
 A 4096-token P8 prefill keeps the H200's tensor cores busy for ~50 ms; run back to back it
 reaches the 700 W power cap and the SM clock falls from 1980 MHz to ~1600, and a step takes
 ~10 % longer than one started from idle. The wall time of ``p8_vs_hf`` is the sustained one
-(what a stream of prefills gets); this bench reports both, each replay timed with CUDA events,
+(what a stream of prefills gets); this bench reports both, each replay timed with CUDA events
+(back to back: the host waits for each replay's end event, ~0.2 ms, before launching the next),
 next to ``nvidia-smi``'s samples of clock and power taken during the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -37,11 +39,14 @@ def _replay_ms(replay, pause_s: float = 0.0) -> float:
 
 
 def _clock_samples(path: str) -> list[dict[str, float]]:
+    """nvidia-smi's "1980 MHz, 702.13 W" lines; lines it could not fill ("[N/A]") are skipped."""
     out = []
     for line in open(path):
-        parts = [p.split()[0] for p in line.strip().split(", ")]
-        if len(parts) == 2:
-            out.append({"sm_mhz": float(parts[0]), "watts": float(parts[1])})
+        try:
+            mhz, watts = (float(p.split()[0]) for p in line.strip().split(", "))
+        except ValueError:
+            continue
+        out.append({"sm_mhz": mhz, "watts": watts})
     return out
 
 
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
         sampler.wait()
     log.close()
     samples = _clock_samples(log.name) if smi else []
+    os.unlink(log.name)
     loaded = [s for s in samples if s["watts"] > 0.8 * max((x["watts"] for x in samples), default=0)]
     steady = statistics.median(sustained[args.replays // 4 :])
     result = {

@@ -2,10 +2,10 @@
 
 A graph key is (kind, token bucket, request bucket). Each key owns static input buffers, one
 compiled function (``passes.compiler``: the accelerator's pass pipeline, dumps, cache key) and,
-on a device with graphs, one captured graph whose memory comes from a pool shared by every
-graph: decode and prefill alike, except prefill keys that return every row's logits (prompt
-logprobs), whose ``[tokens, vocab]`` fp32 output a graph would hold for good (2 GiB at 4096
-tokens of a 129k vocabulary). Prefill gains from graphs as decode does: uncaptured, a
+on a device with graphs, one captured graph whose memory comes from a pool shared by the
+graphs of its kind (decode, prefill). Decode and prefill alike are captured, except prefill
+keys that return every row's logits (prompt logprobs), whose ``[tokens, vocab]`` fp32 output a
+graph would hold for good (2 GiB at 4096 tokens of a 129k vocabulary). Prefill gains from graphs as decode does: uncaptured, a
 4096-token P8 prefill (~650 launches) ran 3.9 ms longer than its kernels on an H200 (55.2 vs
 51.3 ms). A step pads its inputs up to the nearest bucket, copies them into the key's buffers
 in one host->device copy and replays; the first step of a key runs the compiled function (which
@@ -136,10 +136,14 @@ class StepGraphs:
         self.length_buckets = buckets(max_tokens, smallest=min(16, max_tokens))
         self.scratch = state["slots"]
         self._entries: dict[GraphKey, _Entry] = {}
-        # The graphs of these steps share one memory pool, owned here. Once every graph of a pool
-        # is gone (reset, or an engine dropped) the allocator retires the pool, and capturing
-        # into its id again fails an internal assert: so a fresh pool after each reset.
-        self._pool: object | None = None
+        # The graphs of one kind share a memory pool, owned here: decode graphs one, prefill
+        # graphs another. A graph captured later may place its output in memory an earlier one
+        # of its pool uses as scratch, which is safe only while one graph of the pool runs per
+        # step: a mixed step replays the decode graph and then the prefill graph before it reads
+        # the decode logits. Once every graph of a pool is gone (reset, or an engine dropped) the
+        # allocator retires the pool, and capturing into its id again fails an internal assert:
+        # so fresh pools after each reset.
+        self._pools: dict[str, object] = {}
         if self.accelerator == "nvidia" and not register_nvidia_kernels():
             raise RuntimeError("compiled steps on NVIDIA GPUs need Triton (pip install triton), or run with eager=True")
         _make_engram_resident(self.params, self.device)
@@ -190,7 +194,7 @@ class StepGraphs:
         captured with, so after an EPLB shuffle (new placement tables, moved expert slots) the
         steps are traced again on their next call."""
         self._entries.clear()
-        self._pool = None
+        self._pools.clear()
 
     # -- machinery --------------------------------------------------------------------------
     def _run(self, e: _Entry, host: torch.Tensor) -> torch.Tensor:
@@ -209,9 +213,9 @@ class StepGraphs:
             e.compile_s = time.perf_counter() - t0
             if self.graphs and not e.key.all_rows:
                 t0 = time.perf_counter()
-                if self._pool is None:
-                    self._pool = graph_api(self.device.type).graph_pool_handle()
-                graph = DeviceGraph(self.device.type, self._pool)
+                if e.key.kind not in self._pools:
+                    self._pools[e.key.kind] = graph_api(self.device.type).graph_pool_handle()
+                graph = DeviceGraph(self.device.type, self._pools[e.key.kind])
                 e.out = graph.capture(e.fn)
                 e.graph = graph
                 e.capture_s = time.perf_counter() - t0

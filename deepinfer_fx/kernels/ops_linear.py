@@ -28,6 +28,8 @@ from .ops import NAMESPACE
 MAX_ROWS = 16
 # Both weight dims must be multiples of this (full k steps and aligned rows for the kernel).
 ALIGN = 16
+# Weights one ``skinny_linear_group`` call takes (a V4 CSA layer's fp32 projections of x are five).
+MAX_GROUP = 6
 
 
 def decode_sized(x: torch.Tensor, w: torch.Tensor) -> bool:

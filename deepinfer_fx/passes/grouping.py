@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from .. import kernels  # noqa: F401  (registers torch.ops.deepinfer.*, which this pass inserts)
-from ..kernels.triton.linear import MAX_GROUP
+from ..kernels.ops_linear import MAX_GROUP
 from .manager import GraphPass, register_pass
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
@@ -62,7 +62,7 @@ class SkinnyLinearGroup(GraphPass):
         rewrites = 0
         for members in groups.values():
             first = members[0]
-            members = [first] + [n for n in members[1:] if order[n.args[1]] < order[first]]
+            members = [first] + [n for n in members[1:] if order.get(n.args[1], len(order)) < order[first]]
             for start in range(0, len(members), MAX_GROUP):
                 chunk = members[start : start + MAX_GROUP]
                 if len(chunk) > 1:

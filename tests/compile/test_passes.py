@@ -229,3 +229,21 @@ def test_dump_of_a_recompiled_name_gets_its_own_dir(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["prefill-t8", "prefill-t8.1"]
     labels = [s["label"] for s in json.loads((tmp_path / "prefill-t8.1" / "index.json").read_text())["stages"]]
     assert labels == ["captured", "aten", RMS, *SWAPS]
+
+
+def test_pipelines_build_without_triton() -> None:
+    """Triton is a test extra, not a dependency: without it every pipeline still builds, its
+    swaps included (the NVIDIA kernel registration is where Triton is imported, lazily)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # any 'import triton' now raises ImportError
+        "from deepinfer_fx.passes import build_pipeline\n"
+        "for acc in ('cpu', 'nvidia', 'ascend'):\n"
+        "    build_pipeline(acc, environ={}).swaps()\n"
+        "from deepinfer_fx.kernels.triton import register_nvidia_kernels\n"
+        "assert register_nvidia_kernels() is False\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

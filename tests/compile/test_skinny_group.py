@@ -12,6 +12,7 @@ import torch
 
 from deepinfer_fx.graphs.norm import linear, linear_fp32
 from deepinfer_fx.graphs.swap import swapped
+from deepinfer_fx.kernels.ops_linear import MAX_GROUP
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
 from deepinfer_fx.passes.grouping import SkinnyLinearGroup
 
@@ -76,8 +77,6 @@ def test_projections_of_one_input_run_as_one_group(enabled: bool, inductor: bool
 
 def test_groups_hold_at_most_max_group_weights() -> None:
     """Eight projections of one input: a group of six and a group of two."""
-    from deepinfer_fx.kernels.triton.linear import MAX_GROUP
-
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     x = torch.randn(2, 32, generator=g).to(torch.bfloat16)
     ws = [torch.randn(16, 32, generator=g).to(torch.bfloat16) for _ in range(MAX_GROUP + 2)]

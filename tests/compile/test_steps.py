@@ -43,7 +43,8 @@ def _real_slots(state: dict, n: int):
 def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), device: str = "cpu", graphs: bool | None = None):
     """Prefill in two rounds (each prompt cut in two chunks, the second round replays the first
     round's bucket), then decode steps; the prefill returns every row's logits on CPU and only
-    the last rows where graphs are captured (prompt-logprob prefills are not captured)."""
+    the last rows where graphs are captured (prompt-logprob prefills are not captured).
+    Returns the steps and each slot's next position."""
     rng = random.Random(seed)
     # fake-quant off: its rounding steps turn ulp-level differences into visible ones (see the
     # state-equivalence tests); here the paths must agree to fp32 precision. Block-FP8 experts
@@ -86,14 +87,14 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
             pos = [p + 1 for p in pos]
     for (path, a), (_, b) in zip(_real_slots(state, slots), _real_slots(eager_state, slots)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"state {path}: {m}")
-    return steps
+    return steps, pos
 
 
 @pytest.mark.parametrize("which", ["v4", "v41"])
 def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
     seed = random.SystemRandom().randrange(2**31)
     cfg = tiny_v4() if which == "v4" else tiny_v41()
-    graphs = _run(cfg, seed, tmp_path)
+    graphs, _ = _run(cfg, seed, tmp_path)
     report = {r["graph"]: r for r in graphs.report()}
     assert set(report) == {"prefill-t64-r4-all", "decode-t4-r4"}, f"seed={seed}"
     # V4 selects with the whole indexer op; V4.1 takes the scores op and selects in two levels
@@ -111,7 +112,7 @@ def test_disabled_pass_leaves_no_rewrite_and_same_result(tmp_path) -> None:
     seed = random.SystemRandom().randrange(2**31)
     # with the whole-site swap off, the site's Sinkhorn is traced and its own swap fills it
     disabled = ("rms_norm_fusion", "moe_experts_kernel", "indexer_topk_kernel", "mhc_site_kernel")
-    graphs = _run(tiny_v4(), seed, tmp_path, disabled=disabled)
+    graphs, _ = _run(tiny_v4(), seed, tmp_path, disabled=disabled)
     for r in graphs.report():
         for off in disabled:  # a disabled swap traces the reference
             assert r["rewrites"].get(off, 0) == 0, f"seed={seed} {off}"
@@ -124,7 +125,7 @@ def test_fp8_experts_compiled_equal_eager(tmp_path) -> None:
     """Routed experts held in fp8: the MoE swap puts ``moe_experts_fp8`` in both graphs, and they
     equal the eager twin, which dequantises the experts on every call."""
     seed = random.SystemRandom().randrange(2**31)
-    graphs = _run(tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4], **FP8_EXPERTS), seed, tmp_path)
+    graphs, _ = _run(tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4], **FP8_EXPERTS), seed, tmp_path)
     for r in graphs.report():
         assert r["rewrites"].get("moe_experts_kernel", 0) > 0, f"seed={seed} {r['graph']}"
         final = sorted((tmp_path / "dump" / r["graph"]).glob("*.py"))[-1].read_text()
@@ -165,8 +166,14 @@ def test_captured_prefill_and_decode_replay_equal_eager_on_cuda(which: str, tmp_
     """Both kinds of step are captured after their compiling run and replayed from then on;
     a replay (new slots, positions and tokens in the static buffers) equals the eager twin."""
     seed = random.SystemRandom().randrange(2**31)
-    steps = _run(tiny_v4() if which == "v4" else tiny_v41(), seed, tmp_path, inductor=True, device="cuda", graphs=True)
+    steps, pos = _run(tiny_v4() if which == "v4" else tiny_v41(), seed, tmp_path, inductor=True, device="cuda", graphs=True)
     report = {r["graph"]: r for r in steps.report()}
     assert set(report) == {"prefill-t64-r4", "decode-t4-r4"}, f"seed={seed}"
     for r in report.values():
         assert r["captured"] and r["calls"] >= 2, f"seed={seed} {r}"
+    # A mixed step replays the decode graph, then the prefill graph (captured first), and only
+    # then reads the decode logits: the prefill replay must not have written over them.
+    decoded = steps.decode([0, 1, 2], pos)
+    want = decoded.clone()
+    steps.prefill([(s, p + 1, [5, 6, 7]) for s, p in enumerate(pos)])
+    assert torch.equal(decoded, want), f"seed={seed}: the prefill replay overwrote the decode logits"

@@ -26,7 +26,8 @@ from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
 
 from deepinfer_fx.graphs.norm import project
 from deepinfer_fx.kernels.triton import linear
-from deepinfer_fx.kernels.triton.linear import BM, MAX_GROUP, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_group_triton, skinny_linear_triton
+from deepinfer_fx.kernels.ops_linear import MAX_GROUP
+from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_group_triton, skinny_linear_triton
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a GPU")

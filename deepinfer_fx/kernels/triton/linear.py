@@ -28,13 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops_linear  # noqa: F401  (declares deepinfer::skinny_linear before we register for it)
+from ..ops_linear import MAX_GROUP  # (importing it declares deepinfer::skinny_linear before we register for it)
 
 BM = 16  # rows per block: fixed, never chosen from M (batch invariance)
 # About two programs per SM of an H200 (132 SMs), as the MoE decode tiles aim for.
 _MIN_PROGRAMS = 256
 _MAX_SPLIT = 16
-MAX_GROUP = 6  # weights one launch takes (a V4 CSA layer's fp32 projections of x are five)
 # Arrival counters per device (see ``_counters``): a few KiB, so that decode never grows them.
 _MIN_COUNTERS = 4096
 
