@@ -22,17 +22,11 @@ import pytest
 import torch
 import triton
 
+from linear_helpers import DTYPES, GROUP_WEIGHTS, MODEL_WEIGHTS, assert_close, cuda_only, fresh_seed, live_counters, operands, reference
 from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
 
-from deepinfer_fx.graphs.norm import project
 from deepinfer_fx.kernels.triton import linear
-from deepinfer_fx.kernels.ops_linear import MAX_GROUP
-from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_group_triton, skinny_linear_triton
-
-CUDA = torch.cuda.is_available()
-cuda_only = pytest.mark.skipif(not CUDA, reason="needs a GPU")
-DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
-reference = project.reference
+from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
 
 # (M, N, K, tiles): None is the shape rule; explicit tiles reach the split-K and masked paths
 # on shapes the interpreter can afford.
@@ -45,12 +39,6 @@ CASES = [
     (5, 64, 256, Tiles(64, 32, 4, 4, 4)),  # four full splits
     (2, 48, 24, None),  # K below one k tile
 ]
-# The P8 projections at decode: wq_b, wo_b, wq_a, wkv, and a router-sized one.
-MODEL_WEIGHTS = [(32768, 1024), (4096, 8192), (1024, 4096), (512, 4096), (256, 4096)]
-# Groups of projections of one input (passes/grouping.py): wq_a + wkv; a CSA layer's fp32
-# projections of x (compressor wkv / wgate, the indexer's compressor wkv / wgate, weights_proj);
-# wq_b + the indexer's wq_b.
-GROUP_WEIGHTS = [((1024, 512), 4096), ((1024, 1024, 256, 256, 64), 4096), ((32768, 8192), 1024)]
 # (M, N, K, tiles) with K split: even ones, N and K off the tiles, more row blocks than one.
 SPLIT_CASES = [
     (4, 64, 128, Tiles(32, 32, 2, 4, 3)),
@@ -62,62 +50,34 @@ SPLIT_CASES = [
 ]
 
 
-def _seed() -> int:
-    return torch.seed() % 2**31
-
-
-def _operands(seed: int, m: int, n: int, k: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g) * k**-0.5
-    return x.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
-
-
 def _split_bounds(k: int, t: Tiles) -> list[int]:
     """Where the launcher cuts [0, K): equal runs of whole k tiles, the last one short."""
     k_split = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
     return [*range(0, k, k_split), k]
 
 
-def _live_counters(device: torch.device) -> torch.Tensor:
-    return linear._COUNTERS[device][-1]
-
-
-def _assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, out_fp32: bool, why: str) -> None:
-    """Within fp32 accumulation error of the exact product (bounded by ``|x| @ |w|.T``), plus
-    one rounding to bf16 where the result is bf16."""
-    want = (x.double() @ w.double().T)
-    assert got.shape == want.shape and got.dtype == (torch.float32 if out_fp32 else x.dtype), why
-    bound = 2e-5 * (x.double().abs() @ w.double().abs().T)
-    if got.dtype == torch.bfloat16:
-        _, exp = torch.frexp(want)
-        bound = bound + torch.ldexp(torch.ones_like(want), exp - 8)  # one bf16 ulp
-    bad = ~((got.double() - want).abs() <= bound)
-    assert not bad.any(), f"{why}: {int(bad.sum())} of {bad.numel()} elements off"
-
-
 @pytest.mark.parametrize("out_fp32", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,tiles", CASES)
 def test_matches_reference(m: int, n: int, k: int, tiles: Tiles | None, dtype: torch.dtype, out_fp32: bool, device: str) -> None:
-    seed = _seed()
-    x, w = _operands(seed, m, n, k, dtype, device)
+    seed = fresh_seed()
+    x, w = operands(seed, m, n, k, dtype, device)
     got = skinny_linear_triton(x, w, out_fp32, tiles)
     why = f"seed={seed} M={m} N={n} K={k} tiles={tiles} {dtype} out_fp32={out_fp32}"
-    _assert_close(got, x, w, out_fp32, why)
+    assert_close(got, x, w, out_fp32, why)
     want = reference(x, w, out_fp32)
     assert got.dtype == want.dtype and got.shape == want.shape, why
 
 
-def test_strided_operands(device: str) -> None:
+def test_stridedoperands(device: str) -> None:
     """Rows of a wider buffer and a weight stored transposed: strides are honoured."""
-    seed = _seed()
-    x, w = _operands(seed, 3, 48, 64, torch.float32, device)
+    seed = fresh_seed()
+    x, w = operands(seed, 3, 48, 64, torch.float32, device)
     wide = torch.zeros(3, 80, device=device)
     wide[:, 8:72] = x
     w_t = w.T.contiguous().T  # [N, K] with stride (1, N)
     got = skinny_linear_triton(wide[:, 8:72], w_t, False, Tiles(16, 32, 2, 4, 3))
-    _assert_close(got, x, w, False, f"seed={seed}")
+    assert_close(got, x, w, False, f"seed={seed}")
 
 
 def test_empty_and_mismatched(device: str) -> None:
@@ -141,9 +101,9 @@ def test_shape_rule_fills_the_gpu_without_tiny_splits() -> None:
 
 def test_op_reference_on_cpu() -> None:
     """On CPU the op is the reference math; it traces under fake tensors with the same metadata."""
-    seed = _seed()
+    seed = fresh_seed()
     for dtype in (torch.float32, torch.bfloat16):
-        x, w = _operands(seed, 4, 32, 48, dtype, "cpu")
+        x, w = operands(seed, 4, 32, 48, dtype, "cpu")
         for out_fp32 in (False, True):
             got = torch.ops.deepinfer.skinny_linear(x, w, out_fp32)
             assert torch.equal(got, reference(x, w, out_fp32)), f"seed={seed} {dtype} {out_fp32}"
@@ -157,8 +117,8 @@ def test_split_k_is_the_ordered_sum_of_partials(m: int, n: int, k: int, tiles: T
     """One launch == partial_0 + partial_1 + ... in fp32, summed in torch, bitwise; each partial
     is a one-split call over the split's k range (the same tiles run the same dots), and the
     arrival counters are all zero after every call."""
-    seed = _seed()
-    x, w = _operands(seed, m, n, k, dtype, device)
+    seed = fresh_seed()
+    x, w = operands(seed, m, n, k, dtype, device)
     why = f"seed={seed} M={m} N={n} K={k} tiles={tiles} {dtype} out_fp32={out_fp32}"
     bounds = _split_bounds(k, tiles)
     assert len(bounds) > 2, why
@@ -170,61 +130,8 @@ def test_split_k_is_the_ordered_sum_of_partials(m: int, n: int, k: int, tiles: T
     for call in range(3):  # repeats: the counters the first call leaves must elect correctly again
         got = skinny_linear_triton(x, w, out_fp32, tiles)
         assert torch.equal(got, want), f"{why} call {call}"
-        assert not _live_counters(x.device).any(), f"{why}: counters left nonzero after call {call}"
-    _assert_close(got, x, w, out_fp32, why)
-
-
-# (M, widths of the group's weights, K, tiles): column tiles that end inside a weight, split K,
-# two row blocks, six weights.
-GROUP_CASES = [
-    (3, (48, 32), 64, None),
-    (5, (40, 24, 16), 96, Tiles(32, 32, 3, 4, 3)),
-    (20, (32, 64), 64, Tiles(16, 16, 2, 4, 3)),
-    (1, (16, 32, 48, 16, 64, 32), 48, Tiles(32, 16, 1, 4, 3)),
-]
-
-
-@pytest.mark.parametrize("out_fp32", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,ns,k,tiles", GROUP_CASES)
-def test_group_is_each_weight_alone(m: int, ns: tuple[int, ...], k: int, tiles: Tiles | None, dtype: torch.dtype,
-                                    out_fp32: bool, device: str) -> None:
-    """One launch over a group == one call per weight with the group's tiles, bitwise (each
-    column runs the same dots and split sums wherever its weight sits in the group), and within
-    accumulation error of the exact products; the counters end at zero."""
-    seed = _seed()
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
-    ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(device=device, dtype=dtype) for n in ns]
-    t = tiles or choose_tiles(sum(ns), k)
-    why = f"seed={seed} M={m} N={ns} K={k} tiles={t} {dtype} out_fp32={out_fp32}"
-    got = skinny_linear_group_triton(x, ws, out_fp32, tiles)
-    assert len(got) == len(ws), why
-    for i, (w, y) in enumerate(zip(ws, got)):
-        assert torch.equal(y, skinny_linear_triton(x, w, out_fp32, t)), f"{why}: weight {i}"
-        _assert_close(y, x, w, out_fp32, f"{why}: weight {i}")
-    if t.split > 1:
-        assert not _live_counters(x.device).any(), f"{why}: counters left nonzero"
-
-
-def test_group_refuses_what_it_cannot_take(device: str) -> None:
-    x = torch.randn(2, 32, device=device)
-    w = torch.randn(16, 32, device=device)
-    with pytest.raises(ValueError, match="1 to"):
-        skinny_linear_group_triton(x, [w] * (MAX_GROUP + 1), False)
-    with pytest.raises(ValueError, match="share a layout"):
-        skinny_linear_group_triton(x, [w, torch.randn(32, 16, device=device).T], False)
-    with pytest.raises(ValueError, match=r"\[M, K\]"):
-        skinny_linear_group_triton(x, [w, torch.randn(16, 48, device=device)], False)
-
-
-def test_group_op_reference_on_cpu() -> None:
-    seed = _seed()
-    x, w = _operands(seed, 4, 32, 48, torch.float32, "cpu")
-    ws = [w, w[:16].clone()]
-    got = torch.ops.deepinfer.skinny_linear_group(x, ws, True)
-    assert all(torch.equal(a, reference(x, b, True)) for a, b in zip(got, ws)), f"seed={seed}"
-    torch.library.opcheck(torch.ops.deepinfer.skinny_linear_group.default, (x, ws, True))
+        assert not live_counters(x.device).any(), f"{why}: counters left nonzero after call {call}"
+    assert_close(got, x, w, out_fp32, why)
 
 
 def test_counters_grow_outside_capture_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,11 +155,11 @@ def test_counters_grow_outside_capture_only(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("out_fp32", [False, True])
 @pytest.mark.parametrize("n,k", MODEL_WEIGHTS)
 def test_model_sizes_match_reference(n: int, k: int, out_fp32: bool) -> None:
-    seed = _seed()
+    seed = fresh_seed()
     for m in (1, 8, 64):
-        x, w = _operands(seed + m, m, n, k, torch.bfloat16, "cuda")
+        x, w = operands(seed + m, m, n, k, torch.bfloat16, "cuda")
         got = skinny_linear_triton(x, w, out_fp32)
-        _assert_close(got, x, w, out_fp32, f"seed={seed + m} M={m} N={n} K={k} out_fp32={out_fp32}")
+        assert_close(got, x, w, out_fp32, f"seed={seed + m} M={m} N={n} K={k} out_fp32={out_fp32}")
 
 
 @cuda_only
@@ -260,8 +167,8 @@ def test_model_sizes_match_reference(n: int, k: int, out_fp32: bool) -> None:
 @pytest.mark.parametrize("n,k", [*MODEL_WEIGHTS, (129280, 4096)])
 def test_batch_invariant(n: int, k: int, out_fp32: bool) -> None:
     """Row r alone == row r inside M = 8, 16, 64 == row r beside other rows, bitwise."""
-    seed = _seed()
-    x, w = _operands(seed, 64, n, k, torch.bfloat16, "cuda")
+    seed = fresh_seed()
+    x, w = operands(seed, 64, n, k, torch.bfloat16, "cuda")
     full = skinny_linear_triton(x, w, out_fp32)
     other = x.clone()
     other[1:] = torch.randn_like(other[1:])
@@ -276,27 +183,10 @@ def test_batch_invariant(n: int, k: int, out_fp32: bool) -> None:
 
 
 @cuda_only
-@pytest.mark.parametrize("out_fp32", [False, True])
-@pytest.mark.parametrize("ns,k", GROUP_WEIGHTS, ids=str)
-def test_group_model_sizes(ns: tuple[int, ...], k: int, out_fp32: bool) -> None:
-    """P8's groups: each output within accumulation error, and row r alone == row r in a batch."""
-    seed = _seed()
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(16, k, generator=g).to("cuda", torch.bfloat16)
-    ws = [(torch.randn(n, k, generator=g) * k**-0.5).to("cuda", torch.bfloat16) for n in ns]
-    full = skinny_linear_group_triton(x, ws, out_fp32)
-    for i, (w, y) in enumerate(zip(ws, full)):
-        _assert_close(y, x, w, out_fp32, f"seed={seed} N={ns} weight {i}")
-    for r in (0, 7):
-        alone = skinny_linear_group_triton(x[r : r + 1], ws, out_fp32)
-        assert all(torch.equal(a[0], y[r]) for a, y in zip(alone, full)), f"seed={seed} N={ns} row {r}"
-
-
-@cuda_only
 def test_op_dispatches_to_triton() -> None:
     assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::skinny_linear", "CUDA")
-    seed = _seed()
-    x, w = _operands(seed, 8, 4096, 8192, torch.bfloat16, "cuda")
+    seed = fresh_seed()
+    x, w = operands(seed, 8, 4096, 8192, torch.bfloat16, "cuda")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
         got = torch.ops.deepinfer.skinny_linear(x, w, True)
         torch.cuda.synchronize()
@@ -313,8 +203,8 @@ def test_split_k_graph_replay_is_deterministic(n: int, k: int, m: int) -> None:
     bits of the first eager call. Programs of a launch run on many SMs at once here, so this is
     where the arrival counters' memory ordering is exercised (a partial read before it lands,
     or a counter left nonzero, changes the bits or the summing program)."""
-    seed = _seed()
-    x, w = _operands(seed, m, n, k, torch.bfloat16, "cuda")
+    seed = fresh_seed()
+    x, w = operands(seed, m, n, k, torch.bfloat16, "cuda")
     assert choose_tiles(n, k).split > 1
     first = skinny_linear_triton(x, w, False)  # compiles and sizes the counters outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -325,14 +215,14 @@ def test_split_k_graph_replay_is_deterministic(n: int, k: int, m: int) -> None:
         torch.cuda.synchronize()
         for i, out in enumerate(outs):
             assert torch.equal(out, first), f"seed={seed} N={n} K={k} M={m}: replay {replay} call {i} differs"
-        assert not _live_counters(x.device).any(), f"seed={seed}: counters left nonzero"
+        assert not live_counters(x.device).any(), f"seed={seed}: counters left nonzero"
 
 
 @cuda_only
 @pytest.mark.parametrize("n,k", MODEL_WEIGHTS)
 def test_one_launch_per_call(n: int, k: int) -> None:
     """Split or not, a call is one kernel on the device: no sum kernel, no counter reset."""
-    x, w = _operands(_seed(), 8, n, k, torch.bfloat16, "cuda")
+    x, w = operands(fresh_seed(), 8, n, k, torch.bfloat16, "cuda")
     skinny_linear_triton(x, w, False)  # compiles and allocates the counters first
     torch.cuda.synchronize()
     calls = 5
