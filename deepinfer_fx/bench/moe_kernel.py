@@ -39,13 +39,16 @@ def _row(name: str, ms: float, weight_bytes: int, flops: int) -> dict:
             f"{name}_TFLOPs": round(flops / ms / 1e9, 2)}
 
 
-# Candidates of the prefill tile sweep (bm, bn, bk, group_m, warps, stages); each list starts
-# from the tiles ``choose_tiles`` picks at T = 4096. Two fp32 accumulators of bm x bn in the
-# gate/up kernel bound its tile at 128 x 128 on 8 warps.
-_GATE_UP_SWEEP = [(128, 128, 64, 16, 8, 3), (128, 128, 64, 16, 8, 4), (128, 128, 32, 16, 8, 5), (128, 64, 64, 16, 4, 4),
-                  (64, 128, 64, 16, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 128, 16, 8, 2), (64, 64, 64, 16, 4, 5)]
-_DOWN_SWEEP = [(128, 256, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
-               (256, 128, 64, 8, 8, 3), (128, 256, 32, 8, 8, 5), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3)]
+# Candidates of the prefill tile sweep (bm, bn, bk, group_m, warps, stages, half); each list
+# starts from the tiles ``choose_tiles`` picks at T = 4096, then the same without half-height
+# last blocks. Two fp32 accumulators of bm x bn in the gate/up kernel bound its tile at
+# 128 x 128 on 8 warps.
+_GATE_UP_SWEEP = [(128, 128, 64, 16, 8, 3, True), (128, 128, 64, 16, 8, 3, False), (128, 128, 64, 16, 8, 4, True),
+                  (128, 128, 32, 16, 8, 5, True), (128, 64, 64, 16, 4, 4, True), (64, 128, 64, 16, 4, 4, True),
+                  (128, 128, 64, 8, 8, 3, True), (128, 128, 128, 16, 8, 2, True), (64, 64, 64, 16, 4, 5, False)]
+_DOWN_SWEEP = [(128, 256, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 4, False), (128, 256, 64, 8, 8, 3, True),
+               (128, 128, 64, 8, 8, 4, True), (128, 128, 64, 8, 4, 4, True), (256, 128, 64, 8, 8, 3, True),
+               (128, 256, 32, 8, 8, 5, True), (64, 256, 64, 8, 4, 4, True), (128, 128, 128, 8, 8, 3, True)]
 
 
 def sweep(t: int, w: dict, limit: float, top: int, iters: int) -> list[dict]:
@@ -70,7 +73,7 @@ def sweep(t: int, w: dict, limit: float, top: int, iters: int) -> list[dict]:
             except Exception as exc:  # a config Triton cannot compile (shared memory, registers)
                 rows.append({"part": part, "tiles": list(cand), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                 continue
-            rows.append({"part": part, "tiles": list(cand), "chosen": cand == tuple(base[0 if part == "gate_up" else 1]),
+            rows.append({"part": part, "tiles": list(cand), "chosen": Tiles(*cand) == base[0 if part == "gate_up" else 1],
                          "ms": round(ms, 4), "TFLOPs": round(flops / ms / 1e9, 1), "max_rel_diff": err})
             print(rows[-1], flush=True)
     return rows

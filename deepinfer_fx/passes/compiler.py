@@ -35,6 +35,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import kernels  # noqa: F401  (registers torch.ops.deepinfer.*, which the passes insert)
+from ..settings import setting
 from .dump import GraphDump, start_dump
 from .manager import PassRecord, Pipeline, build_pipeline
 from .pattern import aten_decompositions
@@ -119,9 +120,14 @@ class DeepinferBackend:
     def _compile_inductor(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], dump: GraphDump | None
     ) -> Callable[..., Any]:
+        import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx  # heavy; only the Inductor path pays
 
         patches: dict[str, Any] = {"post_grad_custom_post_pass": _PipelineAsInductorPass(self, dump)}
+        if hasattr(inductor_config.triton, "enable_pdl"):
+            # Inductor's kernels then take part in programmatic dependent launch as ours do
+            # (kernels/triton/pdl.py); Inductor emits it on sm_90+ only.
+            patches["triton.enable_pdl"] = bool(setting("DEEPINFER_PDL"))
         no_cache: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if dump is not None:
             patches["fx_graph_cache"] = False

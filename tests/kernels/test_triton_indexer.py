@@ -285,7 +285,7 @@ def _compile_for_sm90(out_dir: str) -> None:
              "dot_scale": "fp32"}
     for has_slots in (False, True):
         consts = {"BLOCK_Q": _BLOCK_M // 64, "BLOCK_H": 64, "BLOCK_N": _BLOCK_N, "BLOCK_D": 128, "D": 128,
-                  "DOT_FP32": False, "HAS_SLOTS": has_slots}
+                  "DOT_FP32": False, "HAS_SLOTS": has_slots, "PDL": True}
         if not has_slots:
             consts["slot_ptr"] = None
         signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in _scores_kernel.arg_names}
@@ -307,3 +307,4 @@ def test_scores_compile_for_sm90(has_slots: bool, sm90_ptx: Path) -> None:
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 255, log
     assert "mma" in ptx
+    assert "griddepcontrol.wait" in ptx, "PDL (kernels/triton/pdl.py)"

@@ -233,12 +233,12 @@ def _compile_for_sm90(out_dir: str) -> None:
         warps = dots.pop("num_warps")
         types["x_ptr"] = "*bf16" if bf16 else "*fp32"
         Path(out_dir, f"dots-{'bf16' if bf16 else 'fp32'}.ptx").write_text(
-            ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, **dots}, warps))
+            ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, "PDL": True, **dots}, warps))
     types["x_ptr"] = "*bf16"
     finish = dict(launch_config(n, d)["finish"])
     warps = finish.pop("num_warps")
     for has_pre in (False, True):
-        consts = {"N": n, "D": d, "ITERS": ITERS, "HAS_PRE_IN": has_pre, **finish}
+        consts = {"N": n, "D": d, "ITERS": ITERS, "HAS_PRE_IN": has_pre, "PDL": True, **finish}
         Path(out_dir, f"finish-{has_pre}.ptx").write_text(ptx(_mhc_finish_kernel, consts, warps))
 
 
@@ -250,12 +250,13 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "finish-False", "finish-True"])
 def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
-    """No spills, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16 streams' dots are
+    """No spills, PDL's wait and trigger, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16 streams' dots are
     bf16 tensor-core MMAs; the collapse loads the streams in 16-byte vectors."""
     ptx = (sm90_ptx / f"{kernel}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, log
     assert "tf32" not in ptx
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, "PDL (kernels/triton/pdl.py)"
     if kernel == "dots-fp32":
         assert "fma.rn.f32" in ptx and "mma" not in ptx
     elif kernel == "dots-bf16":

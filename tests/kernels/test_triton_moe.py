@@ -14,7 +14,7 @@ import torch
 
 from deepinfer_fx.graphs.moe import routed_experts
 from deepinfer_fx.io.quant import dequant_fp8_block
-from deepinfer_fx.kernels.triton.moe import moe_experts_fp8_triton, moe_experts_triton, sort_pairs
+from deepinfer_fx.kernels.triton.moe import Tiles, choose_tiles, moe_experts_fp8_triton, moe_experts_triton, sort_pairs
 
 reference = routed_experts.reference
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -39,9 +39,9 @@ def _case(seed: int, t: int, e: int, d: int, i: int, k: int, device: str, dtype:
     return {"x": randn(t, d).to(dtype), "w": {n: v.to(dtype) for n, v in w.items()}, "idx": idx, "rw": rw}
 
 
-def _run(c: dict, limit: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def _run(c: dict, limit: float, out: torch.Tensor | None = None, tiles: tuple[Tiles, Tiles] | None = None) -> torch.Tensor:
     w = c["w"]
-    return moe_experts_triton(c["x"], w["w1"], w["w3"], w["w2"], c["idx"], c["rw"], limit, out=out)
+    return moe_experts_triton(c["x"], w["w1"], w["w3"], w["w2"], c["idx"], c["rw"], limit, out=out, tiles=tiles)
 
 
 def _check(got: torch.Tensor, want: torch.Tensor, seed: int, tol: float) -> None:
@@ -87,6 +87,28 @@ def test_skewed_and_empty_experts(device: str, experts: list[int]) -> None:
     seed = random.randrange(2**31)
     c = _case(seed, 20, 8, 48, 40, 4, device, experts=experts)  # 80 rows: several blocks of one expert
     _check(_run(c, 0.6), reference(c["w"], 0.6, c["x"], c["idx"], c["rw"]), seed, 1e-5)
+
+
+def test_half_height_last_blocks(device: str) -> None:
+    """Tiles with ``half``: an expert's last block of <= bm / 2 rows runs as a bm / 2 tile. The
+    experts get 1..40 rows, so last blocks of both heights (and full blocks) occur."""
+    seed = random.randrange(2**31)
+    g = torch.Generator(device).manual_seed(seed)
+    c = _case(seed, 60, 6, 48, 40, 2, device)
+    rows = [1, 9, 16, 17, 31, 40]  # per expert; 114 of the 120 pairs, the rest to expert 5
+    c["idx"] = torch.repeat_interleave(torch.arange(6, device=device), torch.tensor(rows, device=device))
+    c["idx"] = torch.cat([c["idx"], torch.full((6,), 5, device=device)])[torch.randperm(120, generator=g, device=device)]
+    c["idx"] = c["idx"].view(60, 2)
+    half = (Tiles(32, 16, 16, 1, 4, 2, True), Tiles(32, 16, 16, 1, 4, 2, True))
+    want = reference(c["w"], 0.6, c["x"], c["idx"], c["rw"])
+    _check(_run(c, 0.6, tiles=half), want, seed, 1e-5)
+    _check(_run(c, 0.6, tiles=tuple(t._replace(half=False) for t in half)), want, seed, 1e-5)
+
+
+def test_prefill_tiles_take_half_height_last_blocks() -> None:
+    """The 128-row prefill tiles split their last blocks; decode tiles stream weights and do not."""
+    assert choose_tiles(4096 * 6, 64, 2048, 4096, True, 0).half and choose_tiles(4096 * 6, 64, 4096, 2048, False, 0).half
+    assert not choose_tiles(8 * 6, 64, 2048, 4096, True, 0).half
 
 
 def test_poisoned_out(device: str) -> None:
@@ -175,6 +197,17 @@ def test_p8_bf16_batch_invariant(p8_weights: dict) -> None:
     c = p8_weights
     for t in (256, 4096):  # decode-sized and prefill-sized tiles against each token alone
         _alone_vs_batch({**c, "x": c["x"][:t], "idx": c["idx"][:t], "rw": c["rw"][:t]}, 10.0, c["seed"], [0, 5, 200])
+
+
+@cuda_only
+def test_p8_half_height_blocks_bitwise(p8_weights: dict) -> None:
+    """At 4096 tokens every row equals the run without half-height last blocks, bit for bit."""
+    c = p8_weights
+    tiles = (choose_tiles(4096 * 6, 64, 2048, 4096, True, 0), choose_tiles(4096 * 6, 64, 4096, 2048, False, 0))
+    assert all(t.half for t in tiles)
+    got = _run(c, 10.0, tiles=tiles)
+    full = _run(c, 10.0, tiles=tuple(t._replace(half=False) for t in tiles))
+    assert torch.equal(got, full), f"seed {c['seed']}: half-height blocks change results"
 
 
 @cuda_only

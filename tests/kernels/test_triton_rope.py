@@ -162,7 +162,7 @@ def _compile_for_sm90(out_dir: str) -> None:
         cfg = launch_config(4096 * 64, 32)
         num_warps = cfg.pop("num_warps")
         signature = {"x_ptr": f"*{dtype}", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "n_rows": "i32", "heads": "i32", "stride_x": "i32"}
-        constants = {"D": d, "HALF": 32, "INVERSE": inverse, **cfg}
+        constants = {"D": d, "HALF": 32, "INVERSE": inverse, "PDL": True, **cfg}
         signature |= dict.fromkeys(constants, "constexpr")
         aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5)}
         kernel = triton_compile(ASTSource(_rope_kernel, signature, constexprs=constants, attrs=aligned),
@@ -184,6 +184,7 @@ def test_rope_compiles_for_sm90_without_spills(d: int, dtype: str, inverse: bool
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 64, log
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "tails move in 16-byte vectors"
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, "PDL (kernels/triton/pdl.py)"
     if dtype == "bf16":  # the served dtype: pairs and tables meet in registers, with no shuffle
         # (fp32 at d=128 loads its tables 4 wide and regroups them through 4 KiB of shared memory)
         assert (sm90_ptx / f"{d}-{dtype}-{inverse}.shared").read_text() == "0" and "bar.sync" not in ptx

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .. import ops  # noqa: F401  (declares deepinfer::sparse_mqa before the registration below)
 from .buffers import out_buffer
+from .pdl import pdl_args, wait_previous
 
 _LOG2E = math.log2(math.e)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -127,7 +128,8 @@ def _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D: tl.constexpr, 
 def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, out_ptr, tiles_ptr, count_ptr, T, H, N, split, n_tiles, qk_scale,
                     stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_or, stride_oh,
                     BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                    DOT_FP32: tl.constexpr, SKIP: tl.constexpr):
+                    DOT_FP32: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     # Head blocks of one query are neighbours in launch order, so the keys they share stay in L2.
     pid = tl.program_id(0)
     row = (pid // HB).to(tl.int64)  # flattened (leading index, query t); int64: long offsets
@@ -153,8 +155,9 @@ def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, out_ptr, tiles_ptr, count_ptr
 def _mqa_split(q_ptr, k_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, T, H, N, split, n_splits, qk_scale,
                stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn,
                BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-               DOT_FP32: tl.constexpr):
+               DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     """One split's state into the fp32 partials ``m``/``l`` ``[R, S, H]`` and ``acc`` ``[R, S, H, BLOCK_D]``."""
+    wait_previous(PDL)
     pid = tl.program_id(0)
     row = (pid // (HB * n_splits)).to(tl.int64)
     s_idx = (pid // HB) % n_splits
@@ -171,7 +174,8 @@ def _mqa_split(q_ptr, k_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, T, H, N, split, n_spl
 
 @triton.jit
 def _mqa_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, n_splits, stride_or, stride_oh,
-                 BH: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+                 BH: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     pid = tl.program_id(0)
     row = (pid // HB).to(tl.int64)
     offs_h = (pid % HB) * BH + tl.arange(0, BH)
@@ -268,7 +272,7 @@ def sparse_mqa_triton(
     if parallel is None:
         parallel = n_splits > 1 and rows * head_blocks <= _PARALLEL_WAVES * _sm_count(q.device)
     block_d = triton.next_power_of_2(d)
-    meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=num_warps)
+    meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=num_warps, **pdl_args(q.device))
     dot_fp32 = _INTERPRET or q.dtype != keys.dtype or q.dtype == torch.float32
     qk_scale = d**-0.5 * _LOG2E
     strides = (q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), b2.stride(0), b2.stride(1))
@@ -292,8 +296,9 @@ def sparse_mqa_triton(
 
 @triton.jit
 def _live_tiles_kernel(b_ptr, tiles_ptr, count_ptr, N, n_tiles, stride_br, stride_bn,
-                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One row of the bias: the ids of its tiles holding a visible key, ascending, and their count."""
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     base = b_ptr + row * stride_br
     out = tiles_ptr + row * n_tiles
@@ -321,7 +326,7 @@ def _live_tiles(bias: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.T
     count = torch.empty((rows,), dtype=torch.int32, device=bias.device)
     chunk = max(1, min(triton.next_power_of_2(n_tiles), _LIVE_ELEMENTS // block_n))
     _live_tiles_kernel[(rows,)](bias, tiles, count, n, n_tiles, bias.stride(0), bias.stride(1),
-                                BLOCK_N=block_n, CHUNK=chunk, num_warps=4)
+                                BLOCK_N=block_n, CHUNK=chunk, num_warps=4, **pdl_args(bias.device))
     return tiles, count, n_tiles
 
 

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .. import ops_compressor  # noqa: F401  (declares deepinfer::compressor_pool before we register for it)
+from .pdl import pdl_args, wait_previous
 
 # Most elements of one [ROWS, BLOCK_D] tile of a pooling program (HCA: a whole 128-row window
 # of 32 channels in one tile).
@@ -80,9 +81,10 @@ def norm_config(dim: int) -> dict[str, int]:
 def _compressor_pool_kernel(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, slots_ptr, starts_ptr, lens_ptr, pooled_ptr, n_windows,
                             s_kc, s_kl, s_kd, s_gc, s_gl, s_gd, s_rs, s_rr, s_rd, s_qs, s_qr, s_qd,
                             DIM: tl.constexpr, BLOCK_D: tl.constexpr, RATIO: tl.constexpr, HALVES: tl.constexpr,
-                            RING: tl.constexpr, HAS_GATE: tl.constexpr, ROWS: tl.constexpr):
+                            RING: tl.constexpr, HAS_GATE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """Channels ``d`` of a chunk's window(s) -> their pooled values in ``pooled_ptr``; program 0 of
     the chunk and channel block also writes those channels of the chunk's last rows into the ring."""
+    wait_previous(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -156,8 +158,9 @@ def _compressor_pool_kernel(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, slots_ptr, sta
 
 @triton.jit(do_not_specialize=["n_windows"])  # one compiled variant for decode (n = 1) and prefill
 def _compressor_norm_kernel(starts_ptr, lens_ptr, norm_ptr, w_ptr, done_ptr, latents_ptr, n_windows, eps,
-                            DIM: tl.constexpr, BLOCK: tl.constexpr, RATIO: tl.constexpr):
+                            DIM: tl.constexpr, BLOCK: tl.constexpr, RATIO: tl.constexpr, PDL: tl.constexpr):
     """Window ``j`` of chunk ``c``: its id, completion flag, and its pooled row RMS-normed in place."""
+    wait_previous(PDL)
     j = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     start = tl.load(starts_ptr + c).to(tl.int64)
@@ -221,11 +224,11 @@ def compressor_pool_triton(
     _compressor_pool_kernel[grid](
         kv, g, rows_kv, rows_gate, slots, starts, lens, latents, n,
         *kv.stride(), *g.stride(), *rows_kv.stride(), *rows_gate.stride(),
-        DIM=dim, RATIO=int(ratio), HALVES=halves, RING=ring, HAS_GATE=gate is not None, **cfg,
+        DIM=dim, RATIO=int(ratio), HALVES=halves, RING=ring, HAS_GATE=gate is not None, **cfg, **pdl_args(kv.device),
     )
     _compressor_norm_kernel[(n, c)](
         starts, lens, norm.contiguous(), w, complete.view(torch.uint8), latents, n, float(eps),
-        DIM=dim, RATIO=int(ratio), **norm_config(dim),
+        DIM=dim, RATIO=int(ratio), **norm_config(dim), **pdl_args(kv.device),
     )
     return out
 

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .. import ops  # noqa: F401  (declares the deepinfer ops before the registrations below)
 from .buffers import out_buffer
+from .pdl import pdl_args, wait_previous
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -50,7 +51,8 @@ _KEY_NEG_INF = -2139095041
 def _scores_kernel(q_ptr, k_ptr, slot_ptr, w_ptr, v_ptr, out_ptr, T, H, N, n_tiles, q_blocks, dot_scale,
                    stride_qr, stride_qh, stride_kc, stride_kn, stride_wr, stride_wh, stride_vr, stride_vn, stride_or,
                    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   D: tl.constexpr, DOT_FP32: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                   D: tl.constexpr, DOT_FP32: tl.constexpr, HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     # The entry tiles of one query block are neighbours in launch order: the block's queries stay
     # in cache while its keys (one slot's, small enough for L2) stream past.
     pid = tl.program_id(0)
@@ -109,7 +111,8 @@ def _count_at_least(row_ptr, n, threshold, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _topk_mask_kernel(s_ptr, out_ptr, n, k, stride_sr, stride_or, KEY_NEG_INF: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_mask_kernel(s_ptr, out_ptr, n, k, stride_sr, stride_or, KEY_NEG_INF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * stride_sr
     n_vis = _count_at_least(s_row, n, KEY_NEG_INF + 1, BLOCK)
@@ -187,7 +190,7 @@ def indexer_scores_triton(
         q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), w2.stride(0), w2.stride(1),
         v2.stride(0), v2.stride(1), o2.stride(0),
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)), D=d,
-        DOT_FP32=dot_fp32, HAS_SLOTS=slots is not None, num_warps=_NUM_WARPS,
+        DOT_FP32=dot_fp32, HAS_SLOTS=slots is not None, num_warps=_NUM_WARPS, **pdl_args(q.device),
     )
     return out
 
@@ -213,7 +216,7 @@ def topk_mask_triton(
     block = min(triton.next_power_of_2(n), _SELECT_BLOCK) if block is None else block
     _topk_mask_kernel[(rows,)](
         s2, o2, n, min(k, n), s2.stride(0), o2.stride(0),
-        KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, num_warps=8 if block >= 2048 else 4, **pdl_args(scores.device),
     )
     return out
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..ops_linear import MAX_GROUP  # (importing it declares deepinfer::skinny_linear before we register for it)
+from .pdl import pdl_args, release_next, wait_only
 
 BM = 16  # rows per block: fixed, never chosen from M (batch invariance)
 # About two programs per SM of an H200 (132 SMs), as the MoE decode tiles aim for.
@@ -72,7 +73,7 @@ def _skinny_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk,
     K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
-    NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr,
+    NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr, PDL: tl.constexpr,
 ):
     """out_g[rows, cols] = x[rows, :] @ w_g[cols, :].T with fp32 accumulation, stored in out's
     dtype, for a group of weights ``w_ptrs`` (one or more) that share x. Column tiles of BN run
@@ -84,6 +85,7 @@ def _skinny_kernel(
     counters are zero between launches, which replays of a CUDA graph rely on). Axis 0 runs over
     row blocks so that the blocks sharing a weight tile run side by side and all but the first
     read it from L2."""
+    wait_only(PDL)
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,6 +124,7 @@ def _skinny_kernel(
         acc = tl.dot(a, b.to(dtype), acc, input_precision=PREC)
         x_ptrs += BK * stride_xk
         w_tile += BK * stride_wk
+    release_next(PDL)
     offs = rows.to(tl.int64)[:, None] * n + cols[None, :]
     mask = rmask[:, None] & nmask[None, :]
     if SPLITS == 1:
@@ -218,7 +221,7 @@ def skinny_linear_group_triton(x: torch.Tensor, ws: Sequence[torch.Tensor], out_
         K=k, K_SPLIT=k_split, SPLITS=splits, BM=BM, BN=t.bn, BK=t.bk,
         EVEN=all(n % t.bn == 0 for n in ns) and k % k_split == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         NS=ns, TILE0=tile0[:-1], COL0=tuple(itertools.accumulate(ns[:-1], initial=0)), N_ALL=sum(ns),
-        num_warps=t.warps, num_stages=t.stages,
+        num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device),
     )
     return outs
 

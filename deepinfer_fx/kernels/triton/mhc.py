@@ -55,6 +55,7 @@ from .. import ops_mhc  # noqa: F401  (declares deepinfer::mhc_site before we re
 from ...graphs.mhc import mhc_site
 from .buffers import out_buffer
 from .sinkhorn import sinkhorn_tile
+from .pdl import pdl_args, wait_previous
 
 # The unswapped math, for stream counts the kernel does not tile (not a power of two).
 _reference = getattr(mhc_site, "reference", mhc_site)
@@ -75,8 +76,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
                      K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, CHUNK: tl.constexpr,
-                     BT: tl.constexpr, BK: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr):
+                     BT: tl.constexpr, BK: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     """Tokens ``[BT]`` x one K-chunk -> partial dots ``[BT, M]`` and sums of squares ``[BT]``."""
+    wait_previous(PDL)
     tok = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     split = tl.program_id(1)
     tok_ok = tok < n_tokens
@@ -116,8 +118,9 @@ def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
 def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr, post_ptr, comb_ptr, u_ptr,
                        stride_xt, rms_eps, hc_eps,
                        N: tl.constexpr, D: tl.constexpr, KSPLIT: tl.constexpr, KS_BLOCK: tl.constexpr,
-                       ITERS: tl.constexpr, HAS_PRE_IN: tl.constexpr, BLOCK_D: tl.constexpr):
+                       ITERS: tl.constexpr, HAS_PRE_IN: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Token ``t``: coefficients from the partials, and channels ``d`` of its collapse."""
+    wait_previous(PDL)
     M: tl.constexpr = 2 * N + N * N
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -206,13 +209,13 @@ def mhc_site_triton(
     launch1, finish = cfg["dots"], cfg["finish"]
     part = torch.empty((t, finish["KSPLIT"], m + 1), dtype=torch.float32, device=dev)
     _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), finish["KSPLIT"])](
-        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1,
+        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1, **pdl_args(dev),
     )
     pre_in_rows = pre if pre_in is None else pre_in.reshape(t, n).float().contiguous()  # unread without pre_in
     _mhc_finish_kernel[(t, triton.cdiv(d, finish["BLOCK_D"]))](
         part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, pre, post, comb, u,
         x.stride(0), float(rms_eps), float(hc_eps),
-        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, **finish,
+        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, **finish, **pdl_args(dev),
     )
     return pre, post, comb, u
 

@@ -8,15 +8,19 @@ Five launches, none waiting on the host, so the whole thing can be captured in a
    prefix sums, then atomic cursors) into ``pairs`` and per-expert row ends; two launches;
 2. ``gate_up``: x rows gathered by token times w1 and w3 of the row block's expert, SwiGLU with
    clamps and the routing weight in the epilogue -> ``h [P, I]`` in the activation dtype;
-3. ``down``: ``h`` times w2 -> ``y [P, D]`` fp32 at each pair's own row;
-4. ``combine``: each token sums its k rows of ``y`` in k order.
+3. ``down``: ``h`` times w2 -> ``y [P, D]`` at each pair's own row, in the activation dtype as
+   the reference's grouped GEMM returns it (fp32 ``y`` moved twice the bytes: ~0.4 GB written
+   and read again per layer at a 4096-token prefill);
+4. ``combine``: each token sums its k rows of ``y`` in fp32, in k order.
 
 Grids are static: a GEMM grid covers the most row blocks any routing can need (see
 ``max_blocks``) times the column tiles, and programs without a block exit at once; experts
 with no pairs get no block, so their weights are never read. Tile sizes depend on the shapes
 only, through the mean rows per active expert: small blocks (``BLOCK_M`` 16) with long k tiles
 for decode, where the kernels stream each active expert's weights once, and 128-row tiles for
-prefill, where ``tl.dot`` throughput matters.
+prefill, where ``tl.dot`` throughput matters. There an expert's last row block is on average
+half empty (64 of 128 rows at ~384 rows an expert, ~17 % of the tile work), so a last block
+with at most 64 rows runs as a 64-row tile (``Tiles.half``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import triton
 from .. import ops, ops_fp8  # noqa: F401  (declare the ops before we register for them)
 from .buffers import out_buffer
 from .moe_kernels import combine_kernel, count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel
+from .pdl import pdl_args
 
 
 # Decode grids below this many programs (about two per SM of an H200) get narrower tiles.
@@ -47,6 +52,7 @@ class Tiles(NamedTuple):
     group_m: int
     warps: int
     stages: int
+    half: bool = False  # an expert's last block with <= bm / 2 rows runs as a bm / 2 tile
 
 
 def max_blocks(pairs: int, experts: int, bm: int) -> int:
@@ -68,7 +74,7 @@ def choose_tiles(pairs: int, experts: int, n: int, k: int, gated: bool, qblock: 
     elif rows_per_expert <= 64:
         t = Tiles(32, 128, 128, 4, 4, 3)
     else:
-        t = Tiles(128, 128, 64, 16, 8, 3) if gated else Tiles(128, 256, 64, 8, 8, 4)
+        t = Tiles(128, 128, 64, 16, 8, 3, True) if gated else Tiles(128, 256, 64, 8, 8, 4, True)
     bn = min(t.bn, max(16, triton.next_power_of_2(n)))
     bk = min(t.bk, max(16, triton.next_power_of_2(k)))
     if qblock:
@@ -90,9 +96,10 @@ def sort_pairs(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.T
     cursor = torch.empty(g, e_p, dtype=torch.int32, device=idx.device)
     pairs = torch.empty(p, dtype=torch.int32, device=idx.device)
     ends = torch.empty(n_experts, dtype=torch.int32, device=idx.device)
-    count_pairs_kernel[(g,)](flat, hist, p, span, E_P=e_p, CHUNK=_SORT_CHUNK)
+    pdl = pdl_args(idx.device)
+    count_pairs_kernel[(g,)](flat, hist, p, span, E_P=e_p, CHUNK=_SORT_CHUNK, **pdl)
     place_pairs_kernel[(g,)](flat, hist, pairs, ends, cursor, p, n_experts, g, span,
-                             E_P=e_p, G_P=max(2, triton.next_power_of_2(g)), CHUNK=_SORT_CHUNK)
+                             E_P=e_p, G_P=max(2, triton.next_power_of_2(g)), CHUNK=_SORT_CHUNK, **pdl)
     return pairs, ends
 
 
@@ -126,6 +133,7 @@ def run_experts(
     e_p = max(16, triton.next_power_of_2(n_exp))
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     qb = qblock if fp8 else 1
+    pdl = pdl_args(x.device)
 
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     g = tiles[0] if tiles else choose_tiles(p, n_exp, inter, dim, True, qblock if fp8 else 0)
@@ -135,11 +143,11 @@ def run_experts(
         n_blocks, n_exp, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0,
         K=dim, TOPK=top, E_P=e_p, BM=g.bm, BN=g.bn, BK=g.bk, GROUP_M=g.group_m, FP8=fp8, QBLOCK=qb,
-        CLAMP=bool(limit), EVEN=inter % g.bn == 0 and dim % g.bk == 0, PREC=prec,
-        num_warps=g.warps, num_stages=g.stages,
+        CLAMP=bool(limit), EVEN=inter % g.bn == 0 and dim % g.bk == 0, PREC=prec, HALF=g.half,
+        num_warps=g.warps, num_stages=g.stages, **pdl,
     )
 
-    y = torch.empty(p, dim, dtype=torch.float32, device=x.device)
+    y = torch.empty(p, dim, dtype=x.dtype, device=x.device)
     d = tiles[1] if tiles else choose_tiles(p, n_exp, dim, inter, False, qblock if fp8 else 0)
     n_blocks = max_blocks(p, n_exp, d.bm)
     down_kernel[(n_blocks * triton.cdiv(dim, d.bn),)](
@@ -147,12 +155,12 @@ def run_experts(
         n_blocks, n_exp, dim,
         w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         K=inter, E_P=e_p, BM=d.bm, BN=d.bn, BK=d.bk, GROUP_M=d.group_m, FP8=fp8, QBLOCK=qb,
-        EVEN=dim % d.bn == 0 and inter % d.bk == 0, PREC=prec,
-        num_warps=d.warps, num_stages=d.stages,
+        EVEN=dim % d.bn == 0 and inter % d.bk == 0, PREC=prec, HALF=d.half,
+        num_warps=d.warps, num_stages=d.stages, **pdl,
     )
 
     bd = min(1024, triton.next_power_of_2(dim))
-    combine_kernel[(t, triton.cdiv(dim, bd))](y, out, dim, TOPK=top, BD=bd, num_warps=4)
+    combine_kernel[(t, triton.cdiv(dim, bd))](y, out, dim, TOPK=top, BD=bd, num_warps=4, **pdl)
     return out
 
 

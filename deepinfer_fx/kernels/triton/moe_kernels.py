@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from .pdl import release_next, wait_only, wait_previous
 
 
 @triton.jit
-def count_pairs_kernel(idx_ptr, hist_ptr, P, SPAN, E_P: tl.constexpr, CHUNK: tl.constexpr):
+def count_pairs_kernel(idx_ptr, hist_ptr, P, SPAN, E_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program g counts the experts of pairs ``[g * SPAN, (g + 1) * SPAN)`` into ``hist[g]``."""
+    wait_previous(PDL)
     g = tl.program_id(0)
     counts = tl.zeros([E_P], dtype=tl.int32)
     # while, not range: the bounds are runtime values (they follow the token count) and
@@ -37,11 +39,12 @@ def count_pairs_kernel(idx_ptr, hist_ptr, P, SPAN, E_P: tl.constexpr, CHUNK: tl.
 
 @triton.jit
 def place_pairs_kernel(idx_ptr, hist_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E, G, SPAN,
-                       E_P: tl.constexpr, G_P: tl.constexpr, CHUNK: tl.constexpr):
+                       E_P: tl.constexpr, G_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program g writes the ids of its pairs grouped by expert into ``pairs``, each expert's
     group starting where the groups of lower experts and of earlier programs end; program 0
     also writes each expert's end row. Order inside a group is arbitrary (atomic cursors):
     rows are independent, so results do not depend on it."""
+    wait_previous(PDL)
     g = tl.program_id(0)
     offs_g = tl.arange(0, G_P)
     offs_e = tl.arange(0, E_P)
@@ -113,21 +116,15 @@ def _row_tile(a_ptrs, rmask, kmask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def gate_up_kernel(
-    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, ends_ptr,
-    n_blocks, E, N, limit,
+def _gate_up_rows(
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr,
+    e, row0, row_end, tile_n, N, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn,
-    K: tl.constexpr, TOPK: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, CLAMP: tl.constexpr,
-    EVEN: tl.constexpr, PREC: tl.constexpr,
+    K: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FP8: tl.constexpr, QBLOCK: tl.constexpr, CLAMP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight, for the
-    sorted rows of one block and BN columns of I; GEMM results are rounded to the activation
-    dtype before the fp32 epilogue, as the reference's grouped GEMMs return them."""
-    block, tile_n = _tile(n_blocks, N, BN, GROUP_M)
-    e, row0, row_end = _block_rows(ends_ptr, block, E, E_P, BM)
-    if e >= E:
-        return
+    """``gate_up_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``)."""
     rows = row0 + tl.arange(0, BM)
     rmask = rows < row_end
     pair = tl.load(pairs_ptr + rows, mask=rmask, other=0)
@@ -149,6 +146,7 @@ def gate_up_kernel(
         acc3 = tl.dot(a, b3, acc3, input_precision=PREC)
         a_ptrs += BK
         w_off += BK
+    release_next(PDL)
     g = acc1.to(dtype).to(tl.float32)
     u = acc3.to(dtype).to(tl.float32)
     if CLAMP:
@@ -162,19 +160,41 @@ def gate_up_kernel(
 
 
 @triton.jit
-def down_kernel(
-    h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, ends_ptr,
-    n_blocks, E, N,
-    stride_we, stride_wn, stride_se, stride_sn,
-    K: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+def gate_up_kernel(
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, ends_ptr,
+    n_blocks, E, N, limit,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn,
+    K: tl.constexpr, TOPK: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, CLAMP: tl.constexpr,
+    EVEN: tl.constexpr, PREC: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y[pair] = h[row] w2^T in fp32 for one row block and BN columns of D, written at the
-    pair's own (unsorted) row so that the combine reads each token's k rows in k order."""
+    """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight, for the
+    sorted rows of one block and BN columns of I; GEMM results are rounded to the activation
+    dtype before the fp32 epilogue, as the reference's grouped GEMMs return them. ``HALF``: an
+    expert's last block with at most ``BM / 2`` rows runs as a half-height tile."""
+    wait_only(PDL)  # released after the main loop (``pdl.py``); programs without a block exit
     block, tile_n = _tile(n_blocks, N, BN, GROUP_M)
     e, row0, row_end = _block_rows(ends_ptr, block, E, E_P, BM)
     if e >= E:
         return
+    if HALF and row_end - row0 <= BM // 2:
+        _gate_up_rows(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, e, row0, row_end, tile_n, N,
+                      limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
+                      K, TOPK, BM // 2, BN, BK, FP8, QBLOCK, CLAMP, EVEN, PREC, PDL)
+    else:
+        _gate_up_rows(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, e, row0, row_end, tile_n, N,
+                      limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
+                      K, TOPK, BM, BN, BK, FP8, QBLOCK, CLAMP, EVEN, PREC, PDL)
+
+
+@triton.jit
+def _down_rows(
+    h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, e, row0, row_end, tile_n, N,
+    stride_we, stride_wn, stride_se, stride_sn,
+    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FP8: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+):
+    """``down_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``)."""
     rows = row0 + tl.arange(0, BM)
     rmask = rows < row_end
     offs_n = tile_n * BN + tl.arange(0, BN)
@@ -192,18 +212,45 @@ def down_kernel(
         acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BK
         w_off += BK
+    release_next(PDL)
     pair = tl.load(pairs_ptr + rows, mask=rmask, other=0)
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(y_ptrs, acc, mask=rmask[:, None] & nmask[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
-def combine_kernel(y_ptr, out_ptr, D, TOPK: tl.constexpr, BD: tl.constexpr):
-    """out[t] = y[t, 0] + y[t, 1] + ... in k order: a fixed order whatever the batch."""
+def down_kernel(
+    h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, ends_ptr,
+    n_blocks, E, N,
+    stride_we, stride_wn, stride_se, stride_sn,
+    K: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+    HALF: tl.constexpr, PDL: tl.constexpr,
+):
+    """y[pair] = h[row] w2^T for one row block and BN columns of D, rounded to the activation
+    dtype (the reference's grouped GEMM returns it so) and written at the pair's own (unsorted)
+    row so that the combine reads each token's k rows in k order. ``HALF`` as in ``gate_up_kernel``."""
+    wait_only(PDL)
+    block, tile_n = _tile(n_blocks, N, BN, GROUP_M)
+    e, row0, row_end = _block_rows(ends_ptr, block, E, E_P, BM)
+    if e >= E:
+        return
+    if HALF and row_end - row0 <= BM // 2:
+        _down_rows(h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, e, row0, row_end, tile_n, N,
+                   stride_we, stride_wn, stride_se, stride_sn, K, BM // 2, BN, BK, FP8, QBLOCK, EVEN, PREC, PDL)
+    else:
+        _down_rows(h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, e, row0, row_end, tile_n, N,
+                   stride_we, stride_wn, stride_se, stride_sn, K, BM, BN, BK, FP8, QBLOCK, EVEN, PREC, PDL)
+
+
+@triton.jit
+def combine_kernel(y_ptr, out_ptr, D, TOPK: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = y[t, 0] + y[t, 1] + ... in fp32 in k order: a fixed order whatever the batch."""
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = offs < D
-    acc = tl.load(y_ptr + t * TOPK * D + offs, mask=mask, other=0.0)
+    acc = tl.load(y_ptr + t * TOPK * D + offs, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(1, TOPK):
-        acc += tl.load(y_ptr + (t * TOPK + j) * D + offs, mask=mask, other=0.0)
+        acc += tl.load(y_ptr + (t * TOPK + j) * D + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * D + offs, acc, mask=mask)

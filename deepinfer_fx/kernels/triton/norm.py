@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .. import ops  # noqa: F401  (declares deepinfer::rms_norm before we register for it)
 from ...graphs.norm import rms_norm
+from .pdl import pdl_args, wait_previous
 
 # The unswapped math: a swap (graphs/swap.py) may route the graphs function to this op.
 _reference = getattr(rms_norm, "reference", rms_norm)
@@ -42,7 +43,9 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     FUSED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     cols = tl.arange(0, BLOCK)
@@ -119,6 +122,7 @@ def rms_norm_triton(
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2, w, dst, n_rows, x2.stride(0), dst.stride(0), eps,
         D=d, HAS_WEIGHT=weight is not None, ROWS=rows, BLOCK=block, FUSED=fused, num_warps=num_warps,
+        **pdl_args(x.device),
     )
     if not direct:
         out.copy_(dst.view(out.shape))

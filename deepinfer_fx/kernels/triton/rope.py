@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import ops_rope  # noqa: F401  (declares deepinfer::rope_ before we register for it)
+from .pdl import pdl_args, wait_previous
 
 # Elements a program rotates: 64 rows of a 64-channel tail, 16 bf16 values per thread.
 _TILE = 4096
@@ -40,7 +41,9 @@ def _rope_kernel(
     INVERSE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     i = tl.arange(0, BLOCK_HALF)
@@ -88,7 +91,7 @@ def rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse:
     cfg = launch_config(n_rows, half)
     _rope_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
         rows, cos.reshape(-1, half).contiguous(), sin.reshape(-1, half).contiguous(),
-        n_rows, n_rows // math.prod(lead), rows.stride(0), D=d, HALF=half, INVERSE=inverse, **cfg,
+        n_rows, n_rows // math.prod(lead), rows.stride(0), D=d, HALF=half, INVERSE=inverse, **cfg, **pdl_args(x.device),
     )
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import ops_rope  # noqa: F401  (declares deepinfer::rope_table before we register for it)
+from .pdl import pdl_args, wait_previous
 
 # Table elements a program writes: 16 rows of 32 pairs, 4 values (one 16-byte store) a thread.
 # Each value inlines a libdevice cos and sin, so more a thread only grows the code.
@@ -35,7 +36,9 @@ def _rope_table_kernel(
     F: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_F)
     row_ok = rows < n
@@ -71,7 +74,7 @@ def rope_table_triton(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torc
     cfg = launch_config(n, f)
     # enable_fp_fusion=False: the angle must be rounded once as a product, like ATen's mul.
     _rope_table_kernel[(triton.cdiv(n, cfg["ROWS"]),)](
-        positions.reshape(-1), freq.contiguous(), cos, sin, n, F=f, enable_fp_fusion=False, **cfg,
+        positions.reshape(-1), freq.contiguous(), cos, sin, n, F=f, enable_fp_fusion=False, **cfg, **pdl_args(cos.device),
     )
     return cos, sin
 

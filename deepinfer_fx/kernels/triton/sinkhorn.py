@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .. import ops  # noqa: F401  (declares deepinfer::mhc_sinkhorn before we register for it)
 from ...graphs.mhc import sinkhorn
+from .pdl import pdl_args, wait_previous
 
 # The unswapped math: a swap (graphs/swap.py) may route the graphs function to this op.
 _reference = getattr(sinkhorn, "reference", sinkhorn)
@@ -57,7 +58,9 @@ def _sinkhorn_kernel(
     ITERS: tl.constexpr,  # a config constant; a compile-time trip count
     N: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     r = tl.arange(0, N)
     c = tl.arange(0, N)
@@ -95,7 +98,7 @@ def mhc_sinkhorn_triton(
     num_warps = max(1, min(4, block_t * n * n // (_PER_THREAD * 32)))
     _sinkhorn_kernel[(triton.cdiv(n_tokens, block_t),)](
         x, out, n_tokens, x.stride(0), x.stride(1), x.stride(2), float(eps),
-        ITERS=int(iters), N=n, BLOCK_T=block_t, num_warps=num_warps,
+        ITERS=int(iters), N=n, BLOCK_T=block_t, num_warps=num_warps, **pdl_args(out.device),
     )
     return out
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .. import ops  # noqa: F401  (declares deepinfer::swiglu_clamp before we register for it)
 from ...graphs.moe import swiglu_act
+from .pdl import pdl_args, wait_previous
 
 # The unswapped math: a swap (graphs/swap.py) may route the graphs function to this op.
 _reference = getattr(swiglu_act, "reference", swiglu_act)
@@ -39,7 +40,9 @@ def _swiglu_clamp_kernel(
     CLAMP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -85,7 +88,7 @@ def swiglu_clamp_triton(
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n, block_n))
     _swiglu_clamp_kernel[grid](
         g2, u2, out, n_rows, n, g2.stride(0), u2.stride(0), float(limit),
-        CLAMP=bool(limit), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        CLAMP=bool(limit), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl_args(out.device),
     )
     return out
 

@@ -1,0 +1,78 @@
+"""Programmatic dependent launch (PDL) of our Triton kernels on sm_90 and later GPUs.
+
+A kernel launched with PDL may be scheduled while the kernel before it on the stream is still
+running: its launch and the ramp-up of its programs overlap the other's tail. It must not touch
+memory before ``griddepcontrol.wait`` returns, which waits until the previous grid has completed
+and its writes are visible. Every kernel here therefore waits first, and only then lets the
+next kernel launch: so whenever one of our kernels lets its successor start, every kernel
+before it on the stream has completed, which is also what Inductor's PDL kernels assume (they
+wait only where they read the kernel just before them). Short kernels release the next one at
+once (``wait_previous``). Weight-streaming kernels (the skinny GEMV, the expert GEMMs) release
+it after their main loop (``wait_only`` ... ``release_next``): released at once, a chain of
+skinny GEMVs ran slower with PDL than without (11.0 -> 13.7 us a launch on an H200), the next
+grid's waiting programs taking the SM slots as the running one's programs finished.
+Weights could be fetched before the wait (they are never written during a step); the kernels do
+not do that yet.
+
+Measured on an H200 in a CUDA graph (``python -m deepinfer_fx.bench.pdl_chain``): a chain of
+one-row RMSNorms took 1.56 us a launch plain and 1.14 with PDL.
+
+``DEEPINFER_PDL=0`` turns it off (A/B runs, or a driver that refuses the launch attribute).
+Under ``TRITON_INTERPRET`` and on CPU tensors the flag is always off: the interpreter cannot run
+the inline assembly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...settings import setting
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_ON: dict[int, bool] = {}
+
+
+@triton.jit
+def wait_previous(PDL: tl.constexpr):
+    """The first statement of a short kernel: with PDL, wait for the previous grid's results,
+    then let the next grid launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_only(PDL: tl.constexpr):
+    """The first statement of a weight-streaming kernel (its ``release_next`` comes after the
+    main loop): with PDL, wait for the previous grid's results."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release_next(PDL: tl.constexpr):
+    """With PDL, let the next grid launch (after ``wait_only``)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL for launches on ``device``: a CUDA device of compute capability 9 or later, not the
+    interpreter, and ``DEEPINFER_PDL`` not off (read once per process)."""
+    if device.type != "cuda" or _INTERPRET:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ON:
+        _ON[index] = bool(setting("DEEPINFER_PDL")) and torch.cuda.get_device_capability(index)[0] >= 9
+    return _ON[index]
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """The two launch arguments every kernel takes: the ``PDL`` constexpr of its body and
+    Triton's ``launch_pdl`` launch option, both on or both off."""
+    on = pdl_enabled(device)
+    return {"PDL": on, "launch_pdl": on}
