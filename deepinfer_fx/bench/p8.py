@@ -69,8 +69,9 @@ def p8_config(**overrides: Any) -> ModelConfig:
 
 
 def run_info(argv: list[str] | None = None) -> dict[str, Any]:
-    """What a result needs to be reproduced: command, commit, GPU, versions. ``DEEPINFER_COMMIT``
-    wins over git: a copied tree may carry a stale ``.git`` (the GPU machine's did)."""
+    """What a result needs to be reproduced: command, settings, commit, GPU, versions.
+    ``DEEPINFER_COMMIT`` wins over git: a copied tree may carry a stale ``.git`` (the GPU
+    machine's did)."""
     commit = os.environ.get("DEEPINFER_COMMIT", "")
     if not commit:
         try:
@@ -80,6 +81,9 @@ def run_info(argv: list[str] | None = None) -> dict[str, Any]:
     return {
         "command": " ".join(["python", "-m", "deepinfer_fx.bench." + Path(sys.argv[0]).stem, *(argv or sys.argv[1:])]),
         "commit": commit or "unknown",
+        # Settings that change what runs (DEEPINFER_PDL=0, TORCHINDUCTOR_*), as the command ran.
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if (k.startswith("DEEPINFER_") and k != "DEEPINFER_COMMIT") or k.startswith("TORCHINDUCTOR_")},
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__,
     }

@@ -255,7 +255,9 @@ def _compile_for_sm90(out_dir: str) -> None:
             tile0.append(tile0[-1] + -(-n // t.bn))
         consts = {"stride_xk": 1, "stride_wk": 1, "K": k, "K_SPLIT": bounds[1], "SPLITS": len(bounds) - 1,
                   "BM": BM, "BN": t.bn, "BK": t.bk, "EVEN": all(n % t.bn == 0 for n in ns), "PREC": "tf32",
-                  "NS": ns, "TILE0": tuple(tile0[:-1]), "COL0": tuple(sum(ns[:g]) for g in range(len(ns))), "N_ALL": sum(ns)}
+                  "NS": ns, "TILE0": tuple(tile0[:-1]), "COL0": tuple(sum(ns[:g]) for g in range(len(ns))), "N_ALL": sum(ns),
+                  "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // 64)), "LINE": 64,
+                  "PDL": True}
         if len(bounds) == 2:
             consts |= {"ws_ptr": None, "count_ptr": None}
         for out in ("bf16", "fp32"):
@@ -284,11 +286,17 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, out: str, sm90_ptx: Path) -> None:
     """No spills, and at most 128 registers (four warps: several programs per SM). With split K:
     one gpu-scope acq_rel atomic, issued after a barrier that follows every partial store, and
-    the partials read back through L2 (``ld.global.cg``); with one split, neither."""
+    the partials read back through L2 (``ld.global.cg``); with one split, neither. With PDL: L2
+    prefetches of weight, then the wait, and only then any load; the release after the wait."""
     ptx = (sm90_ptx / f"{'+'.join(map(str, ns))}x{k}-{out}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, log
     lines = [line.strip() for line in ptx.splitlines()]
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
+    prefetches = [i for i, line in enumerate(lines) if line.startswith("prefetch.global.L2")]
+    assert prefetches and max(prefetches) < wait, "weights are prefetched before the wait"
+    assert not any(("ld.global" in line or "cp.async" in line) for line in lines[:wait]), "a load before the wait"
+    assert any(line.startswith("griddepcontrol.launch_dependents;") for line in lines[wait:])
     atoms = [i for i, line in enumerate(lines) if "atom." in line]
     if choose_tiles(sum(ns), k).split == 1:
         assert not atoms and not any("ld.global.cg" in line for line in lines)

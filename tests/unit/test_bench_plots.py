@@ -31,3 +31,13 @@ def test_run_info_takes_the_given_commit_over_git(monkeypatch) -> None:
     assert run_info(["--x"])["commit"] == "abc1234"
     monkeypatch.delenv("DEEPINFER_COMMIT")
     assert run_info(["--x"])["commit"] not in ("", "abc1234")  # git's HEAD here, or "unknown"
+
+
+def test_run_info_records_the_settings_a_run_ran_with(monkeypatch) -> None:
+    from deepinfer_fx.bench.p8 import run_info
+
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
+    monkeypatch.setenv("DEEPINFER_COMMIT", "abc1234")
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "1")
+    env = run_info(["--x"])["env"]
+    assert env["DEEPINFER_PDL"] == "0" and env["TORCHINDUCTOR_ENABLE_PDL"] == "1" and "DEEPINFER_COMMIT" not in env

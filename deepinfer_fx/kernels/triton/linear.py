@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..ops_linear import MAX_GROUP  # (importing it declares deepinfer::skinny_linear before we register for it)
-from .pdl import pdl_args, release_next, wait_only
+from .pdl import pdl_args, prefetch_l2, release_next, wait_only
 
 BM = 16  # rows per block: fixed, never chosen from M (batch invariance)
 # About two programs per SM of an H200 (132 SMs), as the MoE decode tiles aim for.
@@ -37,16 +37,21 @@ _MIN_PROGRAMS = 256
 _MAX_SPLIT = 16
 # Arrival counters per device (see ``_counters``): a few KiB, so that decode never grows them.
 _MIN_COUNTERS = 4096
+# With PDL, k tiles of weight each program asks L2 for before it waits on the previous kernel.
+_PREFETCH_TILES = 2
+_LINE_BYTES = 128
 
 
 class Tiles(NamedTuple):
-    """Launch configuration: column tile, k tile, K splits, warps, pipeline stages."""
+    """Launch configuration: column tile, k tile, K splits, warps, pipeline stages, and the k
+    tiles of weight prefetched into L2 before the PDL wait (``kernels/triton/pdl.py``)."""
 
     bn: int
     bk: int
     split: int
     warps: int
     stages: int
+    prefetch: int = _PREFETCH_TILES
 
 
 def choose_tiles(n: int, k: int) -> Tiles:
@@ -73,7 +78,8 @@ def _skinny_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk,
     K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
-    NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr, PDL: tl.constexpr,
+    NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
 ):
     """out_g[rows, cols] = x[rows, :] @ w_g[cols, :].T with fp32 accumulation, stored in out's
     dtype, for a group of weights ``w_ptrs`` (one or more) that share x. Column tiles of BN run
@@ -84,8 +90,9 @@ def _skinny_kernel(
     sums ws[0] + ws[1] + ... into out and zeroes the tile's counter ``count[tile]`` again (the
     counters are zero between launches, which replays of a CUDA graph rely on). Axis 0 runs over
     row blocks so that the blocks sharing a weight tile run side by side and all but the first
-    read it from L2."""
-    wait_only(PDL)
+    read it from L2. With PDL, each program first asks L2 for ``PREFETCH_LINES`` cache lines
+    (``LINE`` elements each) of every weight row it will read, from the start of its k range:
+    nothing it reads before the wait is written by an earlier kernel."""
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -110,6 +117,11 @@ def _skinny_kernel(
     nmask = cols < n
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_tile = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if PDL and PREFETCH_LINES > 0:  # clamped into the weight: every address valid
+        lk = tl.minimum(split * K_SPLIT + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+        lc = tl.minimum(cols, n - 1).to(tl.int64)
+        prefetch_l2(w_ptr + lc[:, None] * stride_wn + lk[None, :])
+    wait_only(PDL)
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K_SPLIT, BK):
@@ -215,12 +227,16 @@ def skinny_linear_group_triton(x: torch.Tensor, ws: Sequence[torch.Tensor], out_
     # One split needs neither workspace nor counters: None makes them constexpr, never read.
     ws_buf = torch.empty(splits, m, sum(ns), dtype=torch.float32, device=x.device) if splits > 1 else None
     counts = _counters(x.device, grid[0] * grid[1]) if splits > 1 else None
+    line = _LINE_BYTES // x.element_size()
+    # Lines along k: only where a weight row is contiguous in k; at most the program's k range.
+    lines = triton.next_power_of_2(triton.cdiv(min(t.prefetch * t.bk, k_split), line)) if t.prefetch else 0
     _skinny_kernel[grid](
         x, tuple(ws), tuple(outs), ws_buf, counts, m,
         x.stride(0), x.stride(1), ws[0].stride(0), ws[0].stride(1),
         K=k, K_SPLIT=k_split, SPLITS=splits, BM=BM, BN=t.bn, BK=t.bk,
         EVEN=all(n % t.bn == 0 for n in ns) and k % k_split == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         NS=ns, TILE0=tile0[:-1], COL0=tuple(itertools.accumulate(ns[:-1], initial=0)), N_ALL=sum(ns),
+        PREFETCH_LINES=lines if ws[0].stride(1) == 1 else 0, LINE=line,
         num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device),
     )
     return outs
