@@ -9,13 +9,15 @@ before it on the stream has completed, which is also what Inductor's PDL kernels
 wait only where they read the kernel just before them). Short kernels release the next one at
 once (``wait_previous``). Weight-streaming kernels (the skinny GEMV, the expert GEMMs) release
 it after their main loop (``wait_only`` ... ``release_next``): released at once, a chain of
-skinny GEMVs ran slower with PDL than without (11.0 -> 13.7 us a launch on an H200), the next
-grid's waiting programs taking the SM slots as the running one's programs finished.
-Weights are never written during a step, so the skinny GEMV asks for its first k tiles of
-weight into L2 before its wait (``prefetch_l2``): their reads overlap the previous kernel's tail.
+skinny GEMVs ran at 13.7 us a launch against 11.0 without PDL, the next grid's waiting programs
+taking the SM slots as the running one's finished. Weights are never written during a step, so
+the skinny GEMV asks for its first k tiles of weight into L2 before its wait (``prefetch_l2``).
 
-Measured on an H200 in a CUDA graph (``python -m deepinfer_fx.bench.pdl_chain``): a chain of
-one-row RMSNorms took 1.56 us a launch plain and 1.14 with PDL.
+Measured on an H200 in CUDA graphs (``python -m deepinfer_fx.bench.pdl_chain``, us a launch,
+plain / PDL / PDL + prefetch): one-row RMSNorms 1.38 / 1.15; 32 MiB skinny GEMVs 11.14 / 11.58
+/ 11.29 (alone, PDL still costs them a little); a norm feeding a GEMV 6.58 / 5.88 / 5.84. A P8
+decode step at batch 1 went from 2.270 to 2.184 ms with ``DEEPINFER_PDL`` 0 and 1
+(``bench/results/p8_decode_b1_pdl_*_s8.json``); 1 also turns on Inductor's PDL.
 
 ``DEEPINFER_PDL=0`` turns it off (A/B runs, or a driver that refuses the launch attribute).
 Under ``TRITON_INTERPRET`` and on CPU tensors the flag is always off: the interpreter cannot run
