@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     device = torch.cuda.current_device()
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        raise SystemExit(f"pdl_chain: {torch.cuda.get_device_name(device)} has no programmatic dependent launch (sm_90+)")
     rows = []
     for name, (fn, n, gemv) in _chains(args.launches).items():
         modes = {m: v for m, v in _MODES.items() if gemv or m != "pdl_prefetch"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,6 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import kernels  # noqa: F401  (registers torch.ops.deepinfer.*, which the passes insert)
-from ..settings import setting
 from .dump import GraphDump, start_dump
 from .manager import PassRecord, Pipeline, build_pipeline
 from .pattern import aten_decompositions
@@ -124,10 +124,13 @@ class DeepinferBackend:
         from torch._inductor.compile_fx import compile_fx  # heavy; only the Inductor path pays
 
         patches: dict[str, Any] = {"post_grad_custom_post_pass": _PipelineAsInductorPass(self, dump)}
-        if hasattr(inductor_config.triton, "enable_pdl"):
-            # Inductor's kernels then take part in programmatic dependent launch as ours do
-            # (kernels/triton/pdl.py); Inductor emits it on sm_90+ only.
-            patches["triton.enable_pdl"] = bool(setting("DEEPINFER_PDL"))
+        if getattr(inductor_config.triton, "enable_pdl", False):
+            # Some of Inductor's PDL kernels never wait on their predecessor, which breaks the
+            # ordering our own PDL kernels rely on (kernels/triton/pdl.py).
+            warnings.warn("TORCHINDUCTOR_ENABLE_PDL (Inductor's triton.enable_pdl) is not supported and is turned off "
+                          "for deepinfer_fx's compiled steps; DEEPINFER_PDL controls programmatic dependent launch",
+                          stacklevel=2)
+            patches["triton.enable_pdl"] = False
         no_cache: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if dump is not None:
             patches["fx_graph_cache"] = False

@@ -87,6 +87,25 @@ def test_inductor_path_fires_and_matches_eager() -> None:
     assert {RMS_OP, SWIGLU_OP} <= _targets(be)
 
 
+def test_inductor_pdl_is_turned_off_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's PDL kernels do not all wait on their predecessor (``kernels/triton/pdl.py``)."""
+    import torch._inductor.compile_fx as compile_fx_module
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        pytest.skip("this torch's Inductor has no PDL")
+    seen: list[dict] = []
+    monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches) or gm)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    be = make_backend("cpu", environ={}, inductor=True)
+    be._compile_inductor(gm, [torch.zeros(2)], None)
+    assert "triton.enable_pdl" not in seen[-1]
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", True)
+    with pytest.warns(UserWarning, match="TORCHINDUCTOR_ENABLE_PDL .* is not supported"):
+        be._compile_inductor(gm, [torch.zeros(2)], None)
+    assert seen[-1]["triton.enable_pdl"] is False
+
+
 def test_near_misses_are_left_alone() -> None:
     """A norm over the wrong dim and an asymmetric clamp look alike but are not these ops."""
 

@@ -14,7 +14,7 @@ from deepinfer_fx.kernels.triton.norm import rms_norm_triton
 from deepinfer_fx.settings import setting
 
 
-def test_off_on_cpu_and_under_the_interpreter() -> None:
+def test_off_for_cpu_tensors() -> None:
     assert pdl.pdl_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
 
 

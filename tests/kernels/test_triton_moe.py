@@ -14,7 +14,8 @@ import torch
 
 from deepinfer_fx.graphs.moe import routed_experts
 from deepinfer_fx.io.quant import dequant_fp8_block
-from deepinfer_fx.kernels.triton.moe import Tiles, choose_tiles, moe_experts_fp8_triton, moe_experts_triton, sort_pairs
+from deepinfer_fx.kernels.triton.moe import (Tiles, choose_tiles, moe_experts_fp8_triton, moe_experts_triton, run_experts,
+                                             sort_pairs)
 
 reference = routed_experts.reference
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -91,7 +92,8 @@ def test_skewed_and_empty_experts(device: str, experts: list[int]) -> None:
 
 def test_half_height_last_blocks(device: str) -> None:
     """Tiles with ``half``: an expert's last block of <= bm / 2 rows runs as a bm / 2 tile. The
-    experts get 1..40 rows, so last blocks of both heights (and full blocks) occur."""
+    experts get 1..46 rows, so last blocks of both heights (and full blocks) occur; bf16-style
+    weights and fp8 block-scaled ones."""
     seed = random.randrange(2**31)
     g = torch.Generator(device).manual_seed(seed)
     c = _case(seed, 60, 6, 48, 40, 2, device)
@@ -103,6 +105,12 @@ def test_half_height_last_blocks(device: str) -> None:
     want = reference(c["w"], 0.6, c["x"], c["idx"], c["rw"])
     _check(_run(c, 0.6, tiles=half), want, seed, 1e-5)
     _check(_run(c, 0.6, tiles=tuple(t._replace(half=False) for t in half)), want, seed, 1e-5)
+    q, deq = _fp8(c, 16, seed)
+    got = run_experts(c["x"], (q["w1"], q["w3"], q["w2"]), (q["w1_scale"], q["w3_scale"], q["w2_scale"]), 16,
+                      c["idx"], c["rw"], 0.6, None, half)
+    _check(got, reference(deq, 0.6, c["x"], c["idx"], c["rw"]), seed, 1e-5)
+    with pytest.raises(ValueError, match="half-height tiles need bm >= 32"):
+        _run(c, 0.6, tiles=(Tiles(16, 16, 16, 1, 4, 2, True), half[1]))
 
 
 def test_prefill_tiles_take_half_height_last_blocks() -> None:

@@ -165,7 +165,8 @@ def _skinny_kernel(
                 total += tl.load(ws_ptr + s * stride_ws + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
             # Every split has arrived, so no program of this launch touches the counter again;
-            # the next launch on the stream starts after this one ends and finds it zero.
+            # the next launch on the stream reads it only after its wait (this launch has
+            # ended by then, PDL or not) and finds it zero.
             tl.store(counter, 0)
 
 

@@ -126,6 +126,8 @@ def run_experts(
         return out
     if x.stride(-1) != 1 or any(not w.is_contiguous() for w in weights):
         raise ValueError("moe_experts: x rows and the expert weights must be contiguous")
+    if tiles and any(t.half and t.bm < 32 for t in tiles):
+        raise ValueError(f"moe_experts: half-height tiles need bm >= 32 (tl.dot takes >= 16 rows), got {tiles}")
     s1, s3, s2 = scales if scales is not None else (w1, w3, w2)  # placeholders, never read
     fp8 = scales is not None
     pairs, ends = sort_pairs(idx, n_exp)

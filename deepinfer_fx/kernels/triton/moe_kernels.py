@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 from .pdl import release_next, wait_only, wait_previous
 
 
@@ -172,7 +173,7 @@ def gate_up_kernel(
     sorted rows of one block and BN columns of I; GEMM results are rounded to the activation
     dtype before the fp32 epilogue, as the reference's grouped GEMMs return them. ``HALF``: an
     expert's last block with at most ``BM / 2`` rows runs as a half-height tile."""
-    wait_only(PDL)  # released after the main loop (``pdl.py``); programs without a block exit
+    wait_only(PDL)  # the next kernel is released after the main loop, or when a program without a block exits
     block, tile_n = _tile(n_blocks, N, BN, GROUP_M)
     e, row0, row_end = _block_rows(ends_ptr, block, E, E_P, BM)
     if e >= E:

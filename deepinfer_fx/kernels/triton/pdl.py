@@ -4,20 +4,24 @@ A kernel launched with PDL may be scheduled while the kernel before it on the st
 running: its launch and the ramp-up of its programs overlap the other's tail. It must not touch
 memory before ``griddepcontrol.wait`` returns, which waits until the previous grid has completed
 and its writes are visible. Every kernel here therefore waits first, and only then lets the
-next kernel launch: so whenever one of our kernels lets its successor start, every kernel
-before it on the stream has completed, which is also what Inductor's PDL kernels assume (they
-wait only where they read the kernel just before them). Short kernels release the next one at
-once (``wait_previous``). Weight-streaming kernels (the skinny GEMV, the expert GEMMs) release
-it after their main loop (``wait_only`` ... ``release_next``): released at once, a chain of
-skinny GEMVs ran at 13.7 us a launch against 11.0 without PDL, the next grid's waiting programs
-taking the SM slots as the running one's finished. Weights are never written during a step, so
-the skinny GEMV asks for its first k tiles of weight into L2 before its wait (``prefetch_l2``).
+next kernel launch, so whenever one of our kernels lets its successor start, every kernel
+before it on the stream has completed. That holds by induction only if every PDL-launched
+kernel waits before it exits: a PDL kernel that never waits may finish while its predecessor
+still runs, and the kernel after it then waits on the wrong grid (NVIDIA/cccl#9134). This is
+why Inductor's own PDL (``triton.enable_pdl``, off by default upstream) stays off: its
+store-only kernels (fills, aranges) never wait. Kernels launched without PDL (Inductor's,
+cuBLAS, NCCL) start only after everything before them has completed, as always.
+
+Short kernels release the next one at once (``wait_previous``). Weight-streaming kernels (the
+skinny GEMV, the expert GEMMs) release it after their main loop (``wait_only`` ...
+``release_next``): released at once, a chain of skinny GEMVs ran at 13.7 us a launch against
+11.0 without PDL, the next grid's waiting programs taking the SM slots as the running one's
+finished. Weights are never written during a step, so the skinny GEMV asks for its first k
+tiles of weight into L2 before its wait (``prefetch_l2``).
 
 Measured on an H200 in CUDA graphs (``python -m deepinfer_fx.bench.pdl_chain``, us a launch,
 plain / PDL / PDL + prefetch): one-row RMSNorms 1.38 / 1.15; 32 MiB skinny GEMVs 11.14 / 11.58
-/ 11.29 (alone, PDL still costs them a little); a norm feeding a GEMV 6.58 / 5.88 / 5.84. A P8
-decode step at batch 1 went from 2.270 to 2.184 ms with ``DEEPINFER_PDL`` 0 and 1
-(``bench/results/p8_decode_b1_pdl_*_s8.json``); 1 also turns on Inductor's PDL.
+/ 11.29 (alone, PDL still costs them a little); a norm feeding a GEMV 6.58 / 5.88 / 5.84.
 
 ``DEEPINFER_PDL=0`` turns it off (A/B runs, or a driver that refuses the launch attribute).
 Under ``TRITON_INTERPRET`` and on CPU tensors the flag is always off: the interpreter cannot run
