@@ -44,7 +44,7 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
     """Prefill in two rounds (each prompt cut in two chunks, the second round replays the first
     round's bucket), then decode steps; the prefill returns every row's logits on CPU and only
     the last rows where graphs are captured (prompt-logprob prefills are not captured).
-    Returns the steps and each slot's next position."""
+    Returns the steps, each slot's next position and the logits of every step."""
     rng = random.Random(seed)
     # fake-quant off: its rounding steps turn ulp-level differences into visible ones (see the
     # state-equivalence tests); here the paths must agree to fp32 precision. Block-FP8 experts
@@ -60,11 +60,13 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
                        dump_dir=tmp_path / "dump", disabled=disabled, graphs=graphs)
     all_rows = not steps.graphs
     pos = [0] * slots
+    outs = []
     with torch.no_grad():
         for _ in range(2):
             lens = [rng.randint(5, 16) for _ in range(slots)]
             prompts = [[rng.randrange(3, c.vocab_size) for _ in range(n)] for n in lens]
             got, first = steps.prefill([(s, pos[s], p) for s, p in enumerate(prompts)], all_rows=all_rows)
+            outs.append(got.clone())
             # the eager twin on the same padded layout: bucket of 4 chunks x 16 rows
             ids = torch.zeros(4, 16, dtype=torch.long)
             for s, p in enumerate(prompts):
@@ -81,20 +83,21 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
         for _ in range(3):
             next_token[:slots] = torch.tensor([rng.randrange(3, c.vocab_size) for _ in range(slots)])
             got = steps.decode([0, 1, 2], pos)
+            outs.append(got.clone())
             meta = torch.tensor([[0, 1, 2, slots], [*pos, 0], [1, 1, 1, 0]], device=device)
             want = decode_step(params, eager_state, c, next_token, *meta)[:slots]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             pos = [p + 1 for p in pos]
     for (path, a), (_, b) in zip(_real_slots(state, slots), _real_slots(eager_state, slots)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"state {path}: {m}")
-    return steps, pos
+    return steps, pos, outs
 
 
 @pytest.mark.parametrize("which", ["v4", "v41"])
 def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
     seed = random.SystemRandom().randrange(2**31)
     cfg = tiny_v4() if which == "v4" else tiny_v41()
-    graphs, _ = _run(cfg, seed, tmp_path)
+    graphs, _, _ = _run(cfg, seed, tmp_path)
     report = {r["graph"]: r for r in graphs.report()}
     assert set(report) == {"prefill-t64-r4-all", "decode-t4-r4"}, f"seed={seed}"
     # V4 selects with the whole indexer op; V4.1 takes the scores op and selects in two levels
@@ -112,7 +115,7 @@ def test_disabled_pass_leaves_no_rewrite_and_same_result(tmp_path) -> None:
     seed = random.SystemRandom().randrange(2**31)
     # with the whole-site swap off, the site's Sinkhorn is traced and its own swap fills it
     disabled = ("rms_norm_fusion", "moe_experts_kernel", "indexer_topk_kernel", "mhc_site_kernel")
-    graphs, _ = _run(tiny_v4(), seed, tmp_path, disabled=disabled)
+    graphs, _, _ = _run(tiny_v4(), seed, tmp_path, disabled=disabled)
     for r in graphs.report():
         for off in disabled:  # a disabled swap traces the reference
             assert r["rewrites"].get(off, 0) == 0, f"seed={seed} {off}"
@@ -125,7 +128,7 @@ def test_fp8_experts_compiled_equal_eager(tmp_path) -> None:
     """Routed experts held in fp8: the MoE swap puts ``moe_experts_fp8`` in both graphs, and they
     equal the eager twin, which dequantises the experts on every call."""
     seed = random.SystemRandom().randrange(2**31)
-    graphs, _ = _run(tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4], **FP8_EXPERTS), seed, tmp_path)
+    graphs, _, _ = _run(tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4], **FP8_EXPERTS), seed, tmp_path)
     for r in graphs.report():
         assert r["rewrites"].get("moe_experts_kernel", 0) > 0, f"seed={seed} {r['graph']}"
         final = sorted((tmp_path / "dump" / r["graph"]).glob("*.py"))[-1].read_text()
@@ -166,7 +169,7 @@ def test_captured_prefill_and_decode_replay_equal_eager_on_cuda(which: str, tmp_
     """Both kinds of step are captured after their compiling run and replayed from then on;
     a replay (new slots, positions and tokens in the static buffers) equals the eager twin."""
     seed = random.SystemRandom().randrange(2**31)
-    steps, pos = _run(tiny_v4() if which == "v4" else tiny_v41(), seed, tmp_path, inductor=True, device="cuda", graphs=True)
+    steps, pos, _ = _run(tiny_v4() if which == "v4" else tiny_v41(), seed, tmp_path, inductor=True, device="cuda", graphs=True)
     report = {r["graph"]: r for r in steps.report()}
     assert set(report) == {"prefill-t64-r4", "decode-t4-r4"}, f"seed={seed}"
     for r in report.values():
@@ -177,3 +180,20 @@ def test_captured_prefill_and_decode_replay_equal_eager_on_cuda(which: str, tmp_
     want = decoded.clone()
     steps.prefill([(s, p + 1, [5, 6, 7]) for s, p in enumerate(pos)])
     assert torch.equal(decoded, want), f"seed={seed}: the prefill replay overwrote the decode logits"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs sm_90+")
+def test_pdl_on_and_off_replay_the_same_bits_on_cuda(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch only moves when kernels start (``kernels/triton/pdl.py``):
+    captured steps with it and without it must give the same bits; a kernel that read before
+    its wait would show here as a difference."""
+    from deepinfer_fx.kernels.triton import pdl
+
+    seed = random.SystemRandom().randrange(2**31)
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setitem(pdl._ON, torch.cuda.current_device(), on)
+        _, _, outs[on] = _run(tiny_v4(), seed, tmp_path / f"pdl-{on}", inductor=True, device="cuda", graphs=True)
+    assert len(outs[True]) == len(outs[False]) == 5
+    for i, (a, b) in enumerate(zip(outs[True], outs[False])):
+        assert torch.equal(a, b), f"seed={seed}: step {i} differs with PDL"
