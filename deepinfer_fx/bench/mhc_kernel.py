@@ -9,7 +9,7 @@ engine's CUDA pipeline with the ``mhc_site_kernel`` swap off (cuBLAS GEMM, the S
 Inductor for the rest: what a step runs where the swap does not apply); the eager reference.
 Reported: us per site, X read bandwidth of the Triton op (X bytes over its time), and the max
 difference of ``u`` from the reference relative to its max. ``--sweep`` also times launch 1's
-tilings (``dots=`` of ``mhc_site_triton``). These rows (the op faster at every size) are why
+tilings (``dots=`` of ``mhc_site_triton``) and launch 2's (``finish=``). These rows (the op faster at every size) are why
 the swap serves every site (``passes/swaps.py``).
 """
 
@@ -26,6 +26,7 @@ from .p8 import P8, run_info, write_result
 from .timing import graph_ms
 
 _SWEEP = [{"BT": bt, "SPLITS": s, "num_warps": w} for bt in (16, 64) for s in (32, 64, 128) for w in (4, 8)]
+_SWEEP_FINISH = [{"BLOCK_D": b, "num_warps": w} for b in (128, 256, 512, 1024) for w in (1, 2, 4)]
 
 
 @torch.no_grad()
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,16,64,256,4096,16384")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--sweep", action="store_true", help="also time launch 1's tilings")
+    ap.add_argument("--sweep", action="store_true", help="also time the launches' tilings")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     n, d = P8["hc_mult"], P8["hidden_size"]
@@ -58,10 +59,12 @@ def main(argv: list[str] | None = None) -> dict:
         if args.sweep:
             row["sweep_us"] = {"{BT}/{SPLITS}/{num_warps}".format(**cfg): round(
                 graph_ms(lambda c=cfg: mhc_site_triton(*site, dots=c), args.iters) * 1e3, 2) for cfg in _SWEEP}
+            row["finish_sweep_us"] = {"{BLOCK_D}/{num_warps}".format(**cfg): round(
+                graph_ms(lambda c=cfg: mhc_site_triton(*site, finish=c), args.iters) * 1e3, 2) for cfg in _SWEEP_FINISH}
         rows.append(row)
         print(row, flush=True)
     result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16"},
-              "sweep_key": "BT/SPLITS/num_warps", "rows": rows}
+              "sweep_key": "BT/SPLITS/num_warps", "finish_sweep_key": "BLOCK_D/num_warps", "rows": rows}
     write_result("mhc_kernel_p8", result, args.out)
     return result
 

@@ -69,6 +69,11 @@ _BT_FP32 = 16  # fp32 streams' FMA dot spills registers at 64 rows (sm_90 ptxas)
 _BK = 64  # row elements per launch-1 tile: keeps the chunks of the tiny configs' rows fine-grained
 _SPLITS = 64  # the number of K-chunks launch 1 aims for
 _BLOCK_D = 1024  # channels per launch-2 program
+# Launch 2's warps, from the H200 sweep (``finish_sweep_us``, us per site at 1 / 64 / 4096 /
+# 16384 tokens): one warp 10.1 / 10.9 / 137 / 518, four (the first choice) 10.8 / 11.7 / 152 /
+# 581; the Sinkhorn tile's row and column sums then stay inside one warp, and at prefill more
+# programs fit an SM. Narrower blocks were no faster at decode and slower at prefill.
+_FINISH_WARPS = 1
 _MAX_N = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -153,20 +158,21 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
     tl.store(u_ptr + t * D + d, u.to(u_ptr.dtype.element_ty), mask=d_ok)
 
 
-def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, int]] = None) -> dict[str, dict[str, int]]:
+def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, int]] = None,
+                  finish: Optional[dict[str, int]] = None) -> dict[str, dict[str, int]]:
     """Both launches' block constants and warps for N streams of D channels and the streams'
-    dtype (never T). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``
-    (the bench's sweep)."""
+    dtype (never T). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``,
+    ``finish`` launch 2's ``BLOCK_D`` or ``num_warps`` (the bench's sweeps)."""
     o = {"BT": _BT if bf16 else _BT_FP32, "BK": _BK, "SPLITS": _SPLITS, "num_warps": 4, **(dots or {})}
     k = n * d
     chunk = o["BK"] * triton.cdiv(triton.cdiv(k, o["SPLITS"]), o["BK"])
     ksplit = triton.cdiv(k, chunk)
-    block_d = min(_BLOCK_D, triton.next_power_of_2(d))
+    block_d = min((finish or {}).get("BLOCK_D", _BLOCK_D), triton.next_power_of_2(d))
+    warps = (finish or {}).get("num_warps", _FINISH_WARPS)
     return {
         "dots": {"CHUNK": chunk, "BT": o["BT"], "BK": o["BK"], "MP": max(16, triton.next_power_of_2(2 * n + n * n)),
                  "SPLIT_BF16": bool(bf16), "DOT_FP32": _INTERPRET, "num_warps": o["num_warps"]},
-        "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d,
-                   "num_warps": max(1, min(4, n * block_d // 1024))},
+        "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d, "num_warps": warps},
     }
 
 
@@ -181,11 +187,12 @@ def mhc_site_triton(
     pre_in: Optional[torch.Tensor],
     out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     dots: Optional[dict[str, int]] = None,
+    finish: Optional[dict[str, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_site`` in two launches: fp32 pre ``[..., N]``, post ``[..., N]``, comb ``[..., N, N]``
     and ``u`` ``[..., D]`` in X's dtype. ``out`` (contiguous tensors of those shapes and dtypes)
     receives them when given; otherwise they are new contiguous tensors, as the op's fake says.
-    ``dots`` overrides launch 1's tiling (``launch_config``)."""
+    ``dots`` and ``finish`` override the launches' tilings (``launch_config``)."""
     *lead, n, d = X.shape
     if n > _MAX_N or n & (n - 1):  # not tiled here: the reference
         ref = tuple(r.contiguous() for r in _reference(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in))
@@ -205,17 +212,17 @@ def mhc_site_triton(
                           for o, s, dt, name in zip(out or (None,) * 4, shapes, dtypes, names))
     if t == 0:
         return pre, post, comb, u
-    cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots)
-    launch1, finish = cfg["dots"], cfg["finish"]
-    part = torch.empty((t, finish["KSPLIT"], m + 1), dtype=torch.float32, device=dev)
-    _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), finish["KSPLIT"])](
+    cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots, finish)
+    launch1, launch2 = cfg["dots"], cfg["finish"]
+    part = torch.empty((t, launch2["KSPLIT"], m + 1), dtype=torch.float32, device=dev)
+    _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), launch2["KSPLIT"])](
         x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1, **pdl_args(dev),
     )
     pre_in_rows = pre if pre_in is None else pre_in.reshape(t, n).float().contiguous()  # unread without pre_in
-    _mhc_finish_kernel[(t, triton.cdiv(d, finish["BLOCK_D"]))](
+    _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
         part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, pre, post, comb, u,
         x.stride(0), float(rms_eps), float(hc_eps),
-        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, **finish, **pdl_args(dev),
+        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, **launch2, **pdl_args(dev),
     )
     return pre, post, comb, u
 
