@@ -8,9 +8,10 @@ next kernel launch, so whenever one of our kernels lets its successor start, eve
 before it on the stream has completed. That holds by induction only if every PDL-launched
 kernel waits before it exits: a PDL kernel that never waits may finish while its predecessor
 still runs, and the kernel after it then waits on the wrong grid (NVIDIA/cccl#9134). This is
-why Inductor's own PDL (``triton.enable_pdl``, off by default upstream) stays off: its
-store-only kernels (fills, aranges) never wait. Kernels launched without PDL (Inductor's,
-cuBLAS, NCCL) start only after everything before them has completed, as always.
+why Inductor's own PDL (``triton.enable_pdl``, off by default upstream) stays off: its kernels
+wait only when they read or overwrite what the scheduler's previous node wrote, so the others
+(fills, aranges, any kernel independent of its predecessor) never wait. Kernels launched
+without PDL (Inductor's, cuBLAS, NCCL) start only after everything before them has completed.
 
 Short kernels release the next one at once (``wait_previous``). Weight-streaming kernels (the
 skinny GEMV, the expert GEMMs) release it after their main loop (``wait_only`` ...
@@ -23,8 +24,9 @@ Measured on an H200 in CUDA graphs (``python -m deepinfer_fx.bench.pdl_chain``, 
 plain / PDL / PDL + prefetch): one-row RMSNorms 1.38 / 1.15; 32 MiB skinny GEMVs 11.14 / 11.58
 / 11.29 (alone, PDL still costs them a little); a norm feeding a GEMV 6.58 / 5.88 / 5.84.
 
-``DEEPINFER_PDL=0`` turns it off (A/B runs, or a driver that refuses the launch attribute).
-Under ``TRITON_INTERPRET`` and on CPU tensors the flag is always off: the interpreter cannot run
+A whole P8 decode step did not gain (session 9, random weights, one call, PDL off / on: b1
+2.253 / 2.238 ms, b8 4.843 / 5.111 ms), so it is off by default and ``DEEPINFER_PDL=1`` turns it
+on. Under ``TRITON_INTERPRET`` and on CPU tensors it is always off: the interpreter cannot run
 the inline assembly.
 """
 
