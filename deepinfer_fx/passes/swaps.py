@@ -204,9 +204,12 @@ class RopeTableSwap(KernelSwap):
 
 
 # Rotations smaller than this stay with the reference, fused by Inductor with their inline
-# tables. Not measured: at 2^20 bf16 elements (4 MiB moved) the kernel saves ~2 us over
-# Inductor's 1.5 TB/s, about one extra launch. A 64-request P8 decode rotates 2^21 query
-# elements; there Inductor's rotation took ~16 us a call (12 calls, ~190 us of a 8.9 ms step).
+# tables: at 2^20 bf16 elements (4 MiB moved) the kernel saves ~2 us over Inductor's 1.5 TB/s,
+# about one extra launch. A 64-request P8 decode rotates 2^21 query elements; there Inductor's
+# rotation took ~16 us a call (12 calls, ~190 us of a 8.9 ms step). With no threshold, a P8
+# decode step's rotations took 69.5 against 52.9 us at batch 1 (54 launches against 30: the
+# tables become launches of their own) and 67.7 against 69.9 us at batch 8
+# (``bench/results/p8_decode_rope_mhc_ab_s9.json``), so small decodes keep the reference.
 _ROPE_MIN_ELEMENTS = 2**20
 
 
