@@ -95,8 +95,8 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[st
             v = row[name]
             v["vs_" + names[0]] = round(v["median"] - base["median"], 4)
             v["vs_" + names[0] + "_pct"] = round(100 * (v["median"] / base["median"] - 1), 2)
-            # A difference inside the rounds' spread is not resolved by this run.
-            v["resolved"] = abs(v["median"] - base["median"]) > max(v["spread"], base["spread"])
+            # A difference inside the rounds' spread is not resolved by this run; one round has no spread.
+            v["resolved"] = len(v["values"]) > 1 and abs(v["median"] - base["median"]) > max(v["spread"], base["spread"])
         table[key] = row
     return table
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     table = summarize(runs, names)
     for key, row in table.items():
         cells = [f"{n} {v['median']:.3f} (+-{v['spread'] / 2:.3f})" for n, v in row.items()]
-        diffs = [f"{n} {v['vs_' + names[0]]:+.3f} ({v['vs_' + names[0] + '_pct']:+.1f} %{'' if v['resolved'] else ', within spread'})"
+        diffs = [f"{n} {v['vs_' + names[0]]:+.3f} ({v['vs_' + names[0] + '_pct']:+.1f} %{'' if v['resolved'] else ', not resolved'})"
                  for n, v in row.items() if n != names[0]]
         print(f"{key}: " + ", ".join(cells) + " | vs " + names[0] + ": " + ", ".join(diffs), flush=True)
     result = {**run_info(argv), "bench": args.bench, "bench_args": bench_args, "variants": variants,

@@ -9,8 +9,8 @@ engine's CUDA pipeline with the ``mhc_site_kernel`` swap off (cuBLAS GEMM, the S
 Inductor for the rest: what a step runs where the swap does not apply); the eager reference.
 Reported: us per site, X read bandwidth of the Triton op (X bytes over its time), and the max
 difference of ``u`` from the reference relative to its max. ``--sweep`` also times launch 1's
-tilings (``dots=`` of ``mhc_site_triton``) and launch 2's (``finish=``). These rows (the op faster at every size) are why
-the swap serves every site (``passes/swaps.py``).
+tilings (``dots=`` of ``mhc_site_triton``) and launch 2's (``finish=``). These rows (the op
+faster at every size) are why the swap serves every site (``passes/swaps.py``).
 """
 
 from __future__ import annotations

@@ -61,6 +61,14 @@ def test_rounds_run_abba_and_the_summary_is_medians_and_differences(tmp_path, fa
     assert len(saved["runs"]) == 8 and saved["runs"][1]["result"]["decode"][0]["ours_ms"] == pytest.approx(2.0 + fake_bench[1])
 
 
+def test_one_round_resolves_nothing(tmp_path, fake_bench: list[float]) -> None:
+    result = ab.main(["--variant", "off", "--variant", "on DEEPINFER_PDL=1", "--rounds", "1", "--bench", "fake_p8_bench",
+                      "--out", str(tmp_path)])
+    decode = result["summary"]["decode b1 ctx512 ms"]
+    assert decode["on"]["vs_off"] == pytest.approx(-0.2 + fake_bench[1] - fake_bench[0], abs=1e-4)
+    assert decode["off"]["spread"] == 0 and not decode["on"]["resolved"]
+
+
 def test_a_failed_run_ends_with_its_output(tmp_path, fake_bench: list[float]) -> None:
     with pytest.raises(RuntimeError, match="(?s)exited with 3 .*boom: no GPU here"):
         ab.main(["--variant", "a", "--variant", "b DEEPINFER_PDL=1", "--bench", "fake_p8_bench", "--out", str(tmp_path),
