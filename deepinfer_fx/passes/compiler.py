@@ -17,6 +17,12 @@ adding or disabling a pass misses the cache instead of reusing a graph compiled 
 eager path has no persistent cache to key; there the uuid is recorded in ``gm.meta`` and in the
 dump index for inspection. When dumping on the Inductor path the caches are switched off, since a
 cache hit skips the passes and so would leave their stages out of the dump.
+
+PDL. ``DEEPINFER_PDL=1`` on the nvidia pipeline turns on Inductor's ``triton.enable_pdl`` with
+its codegen patched so that every kernel waits before its first access (``inductor_pdl.py``;
+upstream's kernels do not all wait, which breaks the ordering every PDL kernel relies on), and
+adds the patch's id to the cache key. ``TORCHINDUCTOR_ENABLE_PDL=1`` alone would run the
+unpatched codegen, so it is overridden by ``DEEPINFER_PDL`` with a warning.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import kernels  # noqa: F401  (registers torch.ops.deepinfer.*, which the passes insert)
+from ..settings import setting
+from . import inductor_pdl
 from .dump import GraphDump, start_dump
 from .manager import PassRecord, Pipeline, build_pipeline
 from .pattern import aten_decompositions
@@ -65,16 +73,19 @@ class DeepinferBackend:
     one graph name. ``records`` keeps what each pass did to each graph it compiled and ``graphs``
     the graphs after the pipeline, for tests and the start-up report."""
 
-    def __init__(self, pipeline: Pipeline, name: str, dump_dir: str | os.PathLike | None, inductor: bool) -> None:
+    def __init__(self, pipeline: Pipeline, name: str, dump_dir: str | os.PathLike | None, inductor: bool,
+                 pdl: bool = False) -> None:
         self.pipeline = pipeline
         self.name = name
         self.dump_dir = None if dump_dir is None else Path(dump_dir)
         self.inductor = inductor
+        self.pdl = pdl  # Inductor's kernels launched with PDL (patched: each waits first)
         self.records: list[list[PassRecord]] = []
         self.graphs: list[torch.fx.GraphModule] = []
 
     def cache_key(self) -> str:
-        return self.pipeline.uuid()
+        key = self.pipeline.uuid()
+        return f"{key}+{inductor_pdl.PATCH_ID}" if self.pdl else key
 
     def rewrites(self) -> dict[str, int]:
         """Rewrites per pass, summed over every graph compiled so far."""
@@ -124,12 +135,15 @@ class DeepinferBackend:
         from torch._inductor.compile_fx import compile_fx  # heavy; only the Inductor path pays
 
         patches: dict[str, Any] = {"post_grad_custom_post_pass": _PipelineAsInductorPass(self, dump)}
-        if getattr(inductor_config.triton, "enable_pdl", False):
-            # Some of Inductor's PDL kernels never wait on their predecessor, which breaks the
-            # ordering our own PDL kernels rely on (kernels/triton/pdl.py).
-            warnings.warn("TORCHINDUCTOR_ENABLE_PDL (Inductor's triton.enable_pdl) is not supported and is turned off "
-                          "for deepinfer_fx's compiled steps; DEEPINFER_PDL controls programmatic dependent launch",
-                          stacklevel=2)
+        if self.pdl:
+            inductor_pdl.install()
+            patches["triton.enable_pdl"] = True
+        elif getattr(inductor_config.triton, "enable_pdl", False):
+            # Unpatched, some of Inductor's PDL kernels never wait on their predecessor, which
+            # breaks the ordering every PDL kernel relies on (inductor_pdl.py).
+            warnings.warn("TORCHINDUCTOR_ENABLE_PDL (Inductor's triton.enable_pdl) is ignored and turned off for "
+                          "deepinfer_fx's compiled steps: set DEEPINFER_PDL=1 for programmatic dependent launch of "
+                          "every kernel, with Inductor's kernels patched to wait first", stacklevel=2)
             patches["triton.enable_pdl"] = False
         no_cache: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if dump is not None:
@@ -145,6 +159,7 @@ class DeepinferBackend:
             "disabled": sorted(self.pipeline.disabled),
             "uuid": self.cache_key(),
             "backend": "inductor" if self.inductor else "aot_eager",
+            "inductor_pdl": self.pdl,
         }
 
 
@@ -159,8 +174,10 @@ def make_backend(
 ) -> DeepinferBackend:
     """A backend running ``accelerator``'s pipeline minus ``disabled`` (and minus the names in
     ``DEEPINFER_DISABLE_PASSES`` of ``environ``, default ``os.environ``); ``name`` (kind and
-    bucket, see ``dump.graph_name``) names the graph's dump under ``dump_dir``."""
-    return DeepinferBackend(build_pipeline(accelerator, disabled, environ), name, dump_dir, inductor)
+    bucket, see ``dump.graph_name``) names the graph's dump under ``dump_dir``. ``DEEPINFER_PDL``
+    of ``environ`` turns on PDL for Inductor's kernels on the nvidia pipeline."""
+    pdl = accelerator == "nvidia" and inductor and bool(setting("DEEPINFER_PDL", environ))
+    return DeepinferBackend(build_pipeline(accelerator, disabled, environ), name, dump_dir, inductor, pdl)
 
 
 def compile_graph(fn: Callable[..., Any], backend: DeepinferBackend, dynamic: bool | None = False) -> Callable[..., Any]:

@@ -88,7 +88,7 @@ def test_inductor_path_fires_and_matches_eager() -> None:
 
 
 def test_inductor_pdl_is_turned_off_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inductor's PDL kernels do not all wait on their predecessor (``kernels/triton/pdl.py``)."""
+    """Unpatched, Inductor's PDL kernels do not all wait on their predecessor (``passes/inductor_pdl.py``)."""
     import torch._inductor.compile_fx as compile_fx_module
     import torch._inductor.config as inductor_config
 
@@ -99,7 +99,7 @@ def test_inductor_pdl_is_turned_off_with_a_warning(monkeypatch: pytest.MonkeyPat
     be._compile_inductor(gm, [torch.zeros(2)], None)
     assert "triton.enable_pdl" not in seen[-1]  # off already (upstream's default): nothing to patch
     monkeypatch.setattr(inductor_config.triton, "enable_pdl", True, raising=False)  # as TORCHINDUCTOR_ENABLE_PDL=1
-    with pytest.warns(UserWarning, match="TORCHINDUCTOR_ENABLE_PDL .* is not supported"):
+    with pytest.warns(UserWarning, match="TORCHINDUCTOR_ENABLE_PDL .* is ignored"):
         be._compile_inductor(gm, [torch.zeros(2)], None)
     assert seen[-1]["triton.enable_pdl"] is False
 
