@@ -78,9 +78,9 @@ VARIABLES: dict[str, Var] = {
     f"{PREFIX}BATCH_INVARIANT": Var("batch_invariant", _boolean, False, "0 or 1", "results independent of batch composition"),
     f"{PREFIX}DISABLE_PASSES": Var("disable_passes", _text, "", "comma-separated pass names", "graph passes switched off"),
     f"{PREFIX}PDL": Var(
-        "pdl", _boolean, False, "0 or 1",
-        "programmatic dependent launch of the Triton kernels on sm_90+ GPUs (each may start while the one before "
-        "it finishes, and waits on the device for its results); off by default: no gain at decode b1, a loss at b8",
+        "pdl", _boolean, True, "0 or 1",
+        "programmatic dependent launch of every Triton kernel (ours and Inductor's, patched to wait first) on "
+        "sm_90+ GPUs: each may start while the one before it finishes, and waits on the device for its results",
     ),
     f"{PREFIX}TOPOLOGY_FILE": Var("topology_file", _text, None, "a JSON file", "hardware description for expert placement"),
     f"{PREFIX}DEMO_DIR": Var("demo_dir", _text, None, "a directory", "where the built-in demo model is written"),
@@ -134,7 +134,7 @@ class EngineConfig:
     topology_file: str | None = None
     demo_dir: str | None = None
     expert_format: str = "auto"
-    pdl: bool = False
+    pdl: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "EngineConfig":

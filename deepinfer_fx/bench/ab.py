@@ -1,7 +1,7 @@
 """A/B runs of a P8 benchmark: variants that differ only in settings, each run as its own
 process, in interleaved rounds on one GPU.
 
-    python -m deepinfer_fx.bench.ab --variant off --variant "on DEEPINFER_PDL=1" --rounds 2 \\
+    python -m deepinfer_fx.bench.ab --variant on --variant "off DEEPINFER_PDL=0" --rounds 2 \\
         -- --random-weights --segments decode --batches 1,8 --steps 10
 
 Why: the same P8 decode measured in separate processes moves by 20-30 us at batch 1 and up to

@@ -97,15 +97,15 @@ def test_patched_codegen_waits_before_every_first_access() -> None:
             assert src.index(_WAIT) < loop, src
 
 
-def test_backend_turns_on_patched_pdl_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backend_turns_on_patched_pdl_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._inductor.compile_fx as compile_fx_module
 
     seen: list[dict] = []
     monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches) or gm)
     monkeypatch.setattr(TritonKernel, "_handle_pdl_before_access", inductor_pdl.upstream())
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    off = make_backend("nvidia", environ={}, inductor=True)
-    on = make_backend("nvidia", environ={"DEEPINFER_PDL": "1"}, inductor=True)
+    off = make_backend("nvidia", environ={"DEEPINFER_PDL": "0"}, inductor=True)
+    on = make_backend("nvidia", environ={}, inductor=True)  # on by default
     cpu = make_backend("cpu", environ={"DEEPINFER_PDL": "1"}, inductor=True)  # no PDL on a CPU
     assert (off.pdl, on.pdl, cpu.pdl) == (False, True, False)
     off._compile_inductor(gm, [torch.zeros(2)], None)

@@ -19,8 +19,8 @@ def test_off_for_cpu_tensors() -> None:
 
 
 def test_setting_refuses_a_bad_value() -> None:
-    assert setting("DEEPINFER_PDL", {}) is False  # off unless asked for (docs/architecture.md, decisions)
-    assert setting("DEEPINFER_PDL", {"DEEPINFER_PDL": "1"}) is True
+    assert setting("DEEPINFER_PDL", {}) is True  # on unless switched off (docs/architecture.md, decisions)
+    assert setting("DEEPINFER_PDL", {"DEEPINFER_PDL": "0"}) is False
     with pytest.raises(ValueError, match="DEEPINFER_PDL='maybe' is invalid: expected 0 or 1"):
         setting("DEEPINFER_PDL", {"DEEPINFER_PDL": "maybe"})
 

@@ -7,10 +7,10 @@ and its writes are visible. Every kernel here therefore waits first, and only th
 next kernel launch, so whenever one of our kernels lets its successor start, every kernel
 before it on the stream has completed. That holds by induction only if every PDL-launched
 kernel waits before it exits: a PDL kernel that never waits may finish while its predecessor
-still runs, and the kernel after it then waits on the wrong grid (NVIDIA/cccl#9134). This is
-why Inductor's own PDL (``triton.enable_pdl``, off by default upstream) stays off: its kernels
-wait only when they read or overwrite what the scheduler's previous node wrote, so the others
-(fills, aranges, any kernel independent of its predecessor) never wait. Kernels launched
+still runs, and the kernel after it then waits on the wrong grid (NVIDIA/cccl#9134). Inductor's
+own PDL codegen (``triton.enable_pdl``) waits only when a kernel reads or overwrites what the
+scheduler's previous node wrote, so its other kernels load before waiting or never wait;
+``passes/inductor_pdl.py`` patches it to wait before the first access, as ours do. Kernels launched
 without PDL (Inductor's, cuBLAS, NCCL) start only after everything before them has completed.
 
 Short kernels release the next one at once (``wait_previous``). Weight-streaming kernels (the
@@ -24,10 +24,11 @@ Measured on an H200 in CUDA graphs (``python -m deepinfer_fx.bench.pdl_chain``, 
 plain / PDL / PDL + prefetch): one-row RMSNorms 1.38 / 1.15; 32 MiB skinny GEMVs 11.14 / 11.58
 / 11.29 (alone, PDL still costs them a little); a norm feeding a GEMV 6.58 / 5.88 / 5.84.
 
-A whole P8 decode step did not gain (session 9, random weights, one call, PDL off / on: b1
-2.253 / 2.238 ms, b8 4.843 / 5.111 ms), so it is off by default and ``DEEPINFER_PDL=1`` turns it
-on. Under ``TRITON_INTERPRET`` and on CPU tensors it is always off: the interpreter cannot run
-the inline assembly.
+A whole P8 decode step gained nothing from our kernels alone (session 9: b1 2.253 / 2.238 ms,
+b8 4.843 / 5.111 ms), but with Inductor's kernels PDL-launched too (patched) it went from 2.220
+to 2.139 ms at b1 and 4.829 to 4.727 ms at b8 (``bench/results/pdl_ab_s10.json``), so
+``DEEPINFER_PDL`` is on by default. Under ``TRITON_INTERPRET`` and on CPU tensors it is always
+off: the interpreter cannot run the inline assembly.
 """
 
 from __future__ import annotations
