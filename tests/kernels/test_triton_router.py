@@ -105,7 +105,7 @@ def _compile_for_sm90(out_dir: str) -> None:
     for kind, hashed in SM90_CASES:
         signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "idx_ptr": "*i64", "w_ptr": "*fp32",
                      "n_tokens": "i32", "stride_l": "i32", "stride_ids": "i32", "temp": "fp32", "scale": "fp32"}
-        constants = {"E": 64, "EP": 64, "K": 6, "KP": 8, "KIND": kind, "HASHED": hashed, "NORM": True, "BT": 8, "PDL": True}
+        constants = {"E": 64, "EP": 64, "K": 6, "KP": 8, "KIND": kind, "HASHED": hashed, "NORM": True, "BT": 1, "PDL": True}
         signature |= dict.fromkeys(constants, "constexpr")
         kernel = triton_compile(ASTSource(_route_kernel, signature, constexprs=constants),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
@@ -125,3 +125,6 @@ def test_compiles_for_sm90_without_spills(kind: int, hashed: bool, sm90_ptx: Pat
     assert spills == [0, 0] and registers <= 128, log
     assert "griddepcontrol.wait" in ptx, "PDL (kernels/triton/pdl.py)"
     assert "div.rn.f32" in ptx, "IEEE division, as the reference's"
+    # one token a program keeps the k rounds' reductions short (router.py: 8 tokens on a warp
+    # took 480 shuffles and 8.6 us a launch)
+    assert ptx.count("shfl.sync") <= 100, ptx.count("shfl.sync")

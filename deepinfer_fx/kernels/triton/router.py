@@ -4,9 +4,10 @@
 Compiled as written, a layer's routing after the gate GEMV is up to four launches: scores plus
 bias, torch.topk's radix select, the gather and sum, the normalisation. In the H200 profile of a
 P8 decode step at batch 1 they were 26 launches and ~59 us a step, 4.8 us of every learned
-layer in ``gatherTopK`` alone (``bench/results/p8_vs_hf_s9.json``). Here a program holds
-``BT`` tokens' E logits in registers and does all of it: the scores, then k rounds of "the
-largest score + bias, the lowest expert id on a tie", the chosen scores summed in that order.
+layer in ``gatherTopK`` alone (``bench/results/p8_vs_hf_s9.json``). Here a program holds one
+token's E logits in registers and does all of it: the scores, then k rounds of "the largest
+score + bias, the lowest expert id on a tie", the chosen scores summed in that order. Not yet
+timed in this form (one token a program; see ``_ELEMS_PER_WARP``).
 
 The ids come out in descending order of ``score + bias``; torch.topk(sorted=False) leaves its
 order unspecified, and since each token's k expert results are summed in id order, the bits of
@@ -30,7 +31,11 @@ _reference = getattr(route_weights, "reference", route_weights)
 
 _KINDS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _MAX_E = 1024  # a token's logits live in one program's registers
-_TILE = 512  # logits a program holds: 8 tokens of 64 experts
+# One token a program: the k rounds are a chain of dependent reductions, and 8 tokens on one
+# warp (the first version) compiled to 2751 PTX instructions with 480 shuffles and took 8.6 us
+# a launch on the H200 at decode (bench/results/router_ab_s9.json); one token compiles to 385
+# with 60.
+_ELEMS_PER_WARP = 256
 
 
 @triton.jit
@@ -105,11 +110,10 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, ids: torc
     hashed = ids is not None
     ids_rows = ids.contiguous() if hashed else idx  # unread without ids
     ep = triton.next_power_of_2(n_exp)
-    bt = max(1, min(16, _TILE // ep))
-    _route_kernel[(triton.cdiv(t, bt),)](
+    _route_kernel[(t,)](
         logits, logits if bias is None else bias.contiguous(), ids_rows, idx, w, t, logits.stride(0), ids_rows.stride(0),
         float(temp), float(scale), E=n_exp, EP=ep, K=k, KP=triton.next_power_of_2(k), KIND=_KINDS[kind],
-        HASHED=hashed, NORM=bool(norm), BT=bt, num_warps=max(1, min(4, bt * ep // 1024)), **pdl_args(logits.device),
+        HASHED=hashed, NORM=bool(norm), BT=1, num_warps=max(1, min(4, ep // _ELEMS_PER_WARP)), **pdl_args(logits.device),
     )
     return idx, w
 
