@@ -32,15 +32,27 @@ def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
 def route(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> expert ids ``[T, k]`` and routing weights ``[T, k]`` (fp32)."""
     gate = p["gate"]
-    scores = _score(linear_fp32(x, gate["weight"]) / c.gate_temp, c.scoring_func)
+    logits = linear_fp32(x, gate["weight"])
     if "tid2eid" in gate:
-        idx = gate["tid2eid"][token_ids].long()
-    else:
-        idx = torch.topk(scores + gate["bias"].float(), c.num_experts_per_tok, dim=-1, sorted=False).indices
+        return route_weights(logits, None, gate["tid2eid"][token_ids].long(), c.num_experts_per_tok, c.scoring_func,
+                             c.gate_temp, c.norm_topk_prob, c.routed_scaling_factor)
+    return route_weights(logits, gate["bias"], None, c.num_experts_per_tok, c.scoring_func, c.gate_temp,
+                         c.norm_topk_prob, c.routed_scaling_factor)
+
+
+@swappable
+def route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
+                  temp: float, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` (fp32) -> expert ids ``[T, k]`` (int64) and weights ``[T, k]``
+    (fp32): scores ``kind(logits / temp)``; the k largest ``scores + bias`` choose the experts
+    unless ``ids`` (hash layers) gives them; the weights are the chosen scores, divided by their
+    sum when ``norm``, times ``scale``."""
+    scores = _score(logits / temp, kind)
+    idx = ids if ids is not None else torch.topk(scores + bias.float(), k, dim=-1, sorted=False).indices
     w = scores.gather(1, idx)
-    if c.norm_topk_prob:
+    if norm:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return idx, w * c.routed_scaling_factor
+    return idx, w * scale
 
 
 def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from ..graphs.attention import mqa_with_sink
 from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import sinkhorn
-from ..graphs.moe import routed_experts, swiglu_act
+from ..graphs.moe import route_weights, routed_experts, swiglu_act
 from ..graphs.norm import rms_norm as _graphs_rms_norm
 
 NAMESPACE = "deepinfer"
@@ -168,8 +168,44 @@ def _moe_experts_fake(
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
+# --- Router ------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::route_topk", mutates_args=())
+def route_topk(
+    logits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ids: Optional[torch.Tensor],
+    k: int,
+    kind: str,
+    temp: float,
+    norm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids ``[T, k]`` and routing weights ``[T, k]`` from router logits
+    (``graphs/moe.py::route_weights``); ``ids`` given (hash layers), they are the choice."""
+    idx, w = route_weights.reference(logits, bias, ids, k, kind, temp, norm, scale)
+    return (idx if ids is None else idx.clone()), w  # an op's outputs never alias its inputs
+
+
+@route_topk.register_fake
+def _route_topk_fake(
+    logits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ids: Optional[torch.Tensor],
+    k: int,
+    kind: str,
+    temp: float,
+    norm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t = logits.shape[0]
+    return logits.new_empty((t, k), dtype=torch.int64), logits.new_empty((t, k), dtype=torch.float32)
+
+
 # The OpOverloads, for passes that insert calls and for tests that run opcheck on each.
 OPS: dict[str, torch._ops.OpOverload] = {
     name: getattr(torch.ops.deepinfer, name).default
-    for name in ("rms_norm", "swiglu_clamp", "mhc_sinkhorn", "sparse_mqa", "indexer_topk", "indexer_scores", "moe_experts")
+    for name in ("rms_norm", "swiglu_clamp", "mhc_sinkhorn", "sparse_mqa", "indexer_topk", "indexer_scores", "moe_experts",
+                 "route_topk")
 }

@@ -27,7 +27,7 @@ from ..graphs.attention import mqa_with_sink
 from ..graphs.compressor import pool_windows
 from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import mhc_site, sinkhorn
-from ..graphs.moe import EXPERT_WEIGHTS, fp8_held, routed_experts
+from ..graphs.moe import EXPERT_WEIGHTS, fp8_held, route_weights, routed_experts
 from ..graphs.norm import project
 from ..graphs.params import scale_path
 from ..graphs.rope import apply_rope, cos_sin
@@ -257,9 +257,29 @@ class MHCSiteSwap(KernelSwap):
         return torch.ops.deepinfer.mhc_site
 
 
+def _route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
+                   temp: float, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.deepinfer.route_topk(logits, bias, ids, k, kind, float(temp), bool(norm), float(scale))
+
+
+@register_pass
+class RouterSwap(KernelSwap):
+    """``moe.route_weights`` => ``deepinfer.route_topk``: a layer's expert choice and routing
+    weights in one launch after the gate GEMV, where the traced code was up to four (scores,
+    torch.topk's radix select, gather and sum, normalisation; ``kernels/triton/router.py``)."""
+
+    name: ClassVar[str] = "route_topk_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "moe.route_weights", "route_topk"
+
+    def replacement(self) -> Callable[..., Any]:
+        return _route_weights
+
+
 # the places exist where the functions are defined; importing them above registered them
 assert {routed_experts.place, sinkhorn.place, mqa_with_sink.place, pool_windows.place,  # type: ignore[attr-defined]
-        score_topk.place, index_scores.place, project.place, cos_sin.place, apply_rope.place, mhc_site.place} == {  # type: ignore[attr-defined]
+        score_topk.place, index_scores.place, project.place, cos_sin.place, apply_rope.place, mhc_site.place,  # type: ignore[attr-defined]
+        route_weights.place} == {  # type: ignore[attr-defined]
     MoEExpertsSwap.place, SinkhornSwap.place, SparseMQASwap.place, CompressorSwap.place, IndexerTopkSwap.place, IndexerScoresSwap.place,
-    SkinnyLinearSwap.place, RopeTableSwap.place, RopeSwap.place, MHCSiteSwap.place,
+    SkinnyLinearSwap.place, RopeTableSwap.place, RopeSwap.place, MHCSiteSwap.place, RouterSwap.place,
 }

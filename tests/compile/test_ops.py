@@ -68,6 +68,12 @@ def _moe_args(g: torch.Generator) -> tuple:
     return (_randn(g, t, d), _randn(g, e, i, d), _randn(g, e, i, d), _randn(g, e, d, i), idx, torch.rand(t, k, generator=g), 3.0)
 
 
+def _route_args(g: torch.Generator, hashed: bool = False) -> tuple:
+    t, e, k = 7, 12, 3
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if hashed else None
+    return _randn(g, t, e), None if hashed else _randn(g, e) * 0.1, ids, k, "sqrtsoftplus", 1.5, True, 2.5
+
+
 ARGS = {
     "rms_norm": _rms_args,
     "swiglu_clamp": _swiglu_args,
@@ -76,6 +82,7 @@ ARGS = {
     "indexer_topk": _indexer_args,
     "indexer_scores": _indexer_scores_args,
     "moe_experts": _moe_args,
+    "route_topk": _route_args,
 }
 
 
@@ -178,6 +185,7 @@ def test_opcheck_rms_norm_variants() -> None:
     torch.library.opcheck(OPS["rms_norm"], _rms_args(_gen(81), torch.bfloat16, weighted=False))
     torch.library.opcheck(OPS["rms_norm"], _rms_args(_gen(82), torch.bfloat16, weighted=True))
     torch.library.opcheck(OPS["swiglu_clamp"], _swiglu_args(_gen(83), torch.bfloat16))
+    torch.library.opcheck(OPS["route_topk"], _route_args(_gen(84), hashed=True))
 
 
 # --- torch.compile traces through each op -------------------------------------------------------

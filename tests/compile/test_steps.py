@@ -103,7 +103,8 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
     # V4 selects with the whole indexer op; V4.1 takes the scores op and selects in two levels
     indexer = {"v4": "indexer_topk_kernel", "v41": "indexer_scores_kernel"}
     for r in report.values():  # the fusion passes fired in both graphs, and every kernel swap
-        for name in ("rms_norm_fusion", "swiglu_clamp_fusion", "moe_experts_kernel", "mhc_site_kernel", "sparse_mqa_kernel", "compressor_kernel", indexer[which]):
+        for name in ("rms_norm_fusion", "swiglu_clamp_fusion", "moe_experts_kernel", "mhc_site_kernel", "sparse_mqa_kernel", "compressor_kernel",
+                     "route_topk_kernel", indexer[which]):
             assert r["rewrites"].get(name, 0) > 0, (name, r["graph"])
         other = indexer["v41" if which == "v4" else "v4"]  # replaced whole (V4) or never called (V4.1)
         assert r["rewrites"].get(other, 0) == 0, (other, r["graph"])
