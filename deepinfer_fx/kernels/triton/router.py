@@ -6,8 +6,10 @@ bias, torch.topk's radix select, the gather and sum, the normalisation. In the H
 P8 decode step at batch 1 they were 26 launches and ~59 us a step, 4.8 us of every learned
 layer in ``gatherTopK`` alone (``bench/results/p8_vs_hf_s9.json``). Here a program holds one
 token's E logits in registers and does all of it: the scores, then k rounds of "the largest
-score + bias, the lowest expert id on a tie", the chosen scores summed in that order. Not yet
-timed in this form (one token a program; see ``_ELEMS_PER_WARP``).
+score + bias, the lowest expert id on a tie", the chosen scores summed in that order. A P8
+decode step with it against the traced routing (two ABBA rounds of separate processes, one
+call, random weights, PDL on; ``bench/results/router_bt1_ab_s10.json``): b1 2.169 against
+2.196 ms (spreads 3 and 1 us), b8 4.912 against 4.969 ms (spread 92 us: not resolved).
 
 The ids come out in descending order of ``score + bias``; torch.topk(sorted=False) leaves its
 order unspecified, and since each token's k expert results are summed in id order, the bits of
