@@ -1,5 +1,10 @@
 """MoE FFN: a router (learned top-k with a selection-only bias, or a fixed hash table on the
-first layers), routed SwiGLU experts with clamps, and an always-on shared expert."""
+first layers), routed SwiGLU experts with clamps, and an always-on shared expert.
+
+Two nested swap places hold the experts: ``experts_with_shared`` (routed + shared expert, where a
+kernel may run the shared expert as one more routed expert that every token takes, saving its
+own launches) around ``expert_parallel`` (the routed experts alone, which expert parallelism
+replaces with its dispatch and combine)."""
 
 from __future__ import annotations
 
@@ -118,10 +123,24 @@ def expert_parallel(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w
     return routed_experts(p, limit, x, idx, w)
 
 
+def shared_expert(p: dict, limit: float, x: torch.Tensor) -> torch.Tensor:
+    """The always-on shared expert (dense weights ``[I, D]``, ``[I, D]``, ``[D, I]``), in x's
+    dtype: the same SwiGLU-with-clamp as a routed expert with routing weight 1."""
+    return linear(swiglu(x, p["w1"], p["w3"], limit).to(x.dtype), p["w2"])
+
+
+@swappable
+def experts_with_shared(
+    pe: dict, ps: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts ``pe`` plus the shared expert ``ps`` -> fp32 ``[T, D]``: each token's
+    routed sum first, then its shared output. A place of its own because a kernel can run the
+    shared expert as one more routed expert inside the routed launches (``passes/swaps.py``);
+    ``real`` as in ``expert_parallel``."""
+    return expert_parallel(pe, limit, x, idx, w, real) + shared_expert(ps, limit, x).float()
+
+
 def moe(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """The FFN sublayer; ``real`` as in ``expert_parallel``."""
     idx, w = route(p, c, x, token_ids)
-    routed = expert_parallel(p["experts"], c.swiglu_limit, x, idx, w, real)
-    sh = p["shared_experts"]
-    shared = linear(swiglu(x, sh["w1"], sh["w3"], c.swiglu_limit).to(x.dtype), sh["w2"])
-    return (routed + shared.float()).to(x.dtype)
+    return experts_with_shared(p["experts"], p["shared_experts"], c.swiglu_limit, x, idx, w, real).to(x.dtype)

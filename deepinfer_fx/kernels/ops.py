@@ -25,7 +25,7 @@ import torch
 from ..graphs.attention import mqa_with_sink
 from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import sinkhorn
-from ..graphs.moe import route_weights, routed_experts, swiglu_act
+from ..graphs.moe import route_weights, routed_experts, shared_expert, swiglu_act
 from ..graphs.norm import rms_norm as _graphs_rms_norm
 
 NAMESPACE = "deepinfer"
@@ -168,6 +168,43 @@ def _moe_experts_fake(
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::moe_experts_shared", mutates_args=())
+def moe_experts_shared(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    sw1: torch.Tensor,
+    sw3: torch.Tensor,
+    sw2: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """``moe_experts`` plus the shared expert (sw1/sw3 ``[I, D]``, sw2 ``[D, I]``, the routed
+    experts' dtype and I) added to each token's routed sum in fp32, the order of
+    ``graphs/moe.py::experts_with_shared``; one op so that a kernel can run the shared expert as
+    one more routed expert that every token takes with weight 1."""
+    routed = routed_experts.reference({"w1": w1, "w3": w3, "w2": w2}, limit, x, idx, weight)
+    return routed + shared_expert({"w1": sw1, "w3": sw3, "w2": sw2}, limit, x).float()
+
+
+@moe_experts_shared.register_fake
+def _moe_experts_shared_fake(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    sw1: torch.Tensor,
+    sw3: torch.Tensor,
+    sw2: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
 # --- Router ------------------------------------------------------------------------------------
 
 
@@ -207,5 +244,5 @@ def _route_topk_fake(
 OPS: dict[str, torch._ops.OpOverload] = {
     name: getattr(torch.ops.deepinfer, name).default
     for name in ("rms_norm", "swiglu_clamp", "mhc_sinkhorn", "sparse_mqa", "indexer_topk", "indexer_scores", "moe_experts",
-                 "route_topk")
+                 "moe_experts_shared", "route_topk")
 }

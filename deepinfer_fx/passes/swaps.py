@@ -27,10 +27,11 @@ from ..graphs.attention import mqa_with_sink
 from ..graphs.compressor import pool_windows
 from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import mhc_site, sinkhorn
-from ..graphs.moe import EXPERT_WEIGHTS, fp8_held, route_weights, routed_experts
+from ..graphs.moe import EXPERT_WEIGHTS, expert_parallel, experts_with_shared, fp8_held, route_weights, routed_experts
 from ..graphs.norm import project
 from ..graphs.params import scale_path
 from ..graphs.rope import apply_rope, cos_sin
+from ..graphs.swap import active
 from ..io.quant import fp8_block_of
 from ..kernels.ops_linear import decode_sized
 from .manager import GraphPass, register_pass
@@ -78,7 +79,8 @@ def _moe_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: t
 @register_pass
 class MoEExpertsSwap(KernelSwap):
     """``moe.routed_experts`` => ``deepinfer.moe_experts``, or ``deepinfer.moe_experts_fp8`` for
-    experts held in fp8 (Triton grouped GEMMs with fused SwiGLU-with-clamp on NVIDIA)."""
+    experts held in fp8 (Triton grouped GEMMs with fused SwiGLU-with-clamp on NVIDIA). Reached
+    where ``moe_shared_fused_kernel`` is off or falls back (fp8 experts, expert parallelism)."""
 
     name: ClassVar[str] = "moe_experts_kernel"
     accelerators: ClassVar[frozenset[str]] = _SERVED
@@ -89,6 +91,39 @@ class MoEExpertsSwap(KernelSwap):
 
     def targets(self) -> tuple[Any, ...]:
         return (torch.ops.deepinfer.moe_experts.default, torch.ops.deepinfer.moe_experts_fp8.default)  # by the experts' storage
+
+
+def _experts_with_shared(
+    pe: dict, ps: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor
+) -> torch.Tensor:
+    # fp8-held experts keep their own kernel (one weight format a launch); under expert
+    # parallelism the routed experts are the EP region, which must run; a shared expert wider
+    # than a routed one (n_shared_experts > 1) is no extra expert of the stack. All static.
+    foldable = all(ps[n].shape == pe[n].shape[1:] and ps[n].dtype == pe[n].dtype for n in EXPERT_WEIGHTS)
+    if fp8_held(pe) or expert_parallel.place in active() or not foldable:  # type: ignore[attr-defined]
+        return experts_with_shared.reference(pe, ps, limit, x, idx, w, real)  # type: ignore[attr-defined]
+    return torch.ops.deepinfer.moe_experts_shared(x, pe["w1"], pe["w3"], pe["w2"], ps["w1"], ps["w3"], ps["w2"], idx, w, limit)
+
+
+@register_pass
+class MoESharedSwap(KernelSwap):
+    """``moe.experts_with_shared`` => ``deepinfer.moe_experts_shared``: the shared expert runs as
+    one more routed expert that every token takes with weight 1, inside the routed experts'
+    launches (at decode its own two skinny GEMVs and SwiGLU were three launches a layer, the
+    GEMVs slower than the grouped GEMMs' weight streaming). With it in force ``moe.routed_experts``
+    is inside the op, so ``moe_experts_kernel`` counts rewrites only where this swap falls back
+    to the reference: experts held in fp8, expert parallelism in force, or a shared expert of
+    another width than a routed one."""
+
+    name: ClassVar[str] = "moe_shared_fused_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "moe.experts_with_shared", "moe_experts_shared"
+
+    def replacement(self) -> Callable[..., Any]:
+        return _experts_with_shared
+
+    def sources(self) -> tuple[object, ...]:
+        return (*super().sources(), _experts_with_shared)
 
 
 @register_pass
@@ -277,9 +312,10 @@ class RouterSwap(KernelSwap):
 
 
 # the places exist where the functions are defined; importing them above registered them
-assert {routed_experts.place, sinkhorn.place, mqa_with_sink.place, pool_windows.place,  # type: ignore[attr-defined]
-        score_topk.place, index_scores.place, project.place, cos_sin.place, apply_rope.place, mhc_site.place,  # type: ignore[attr-defined]
-        route_weights.place} == {  # type: ignore[attr-defined]
-    MoEExpertsSwap.place, SinkhornSwap.place, SparseMQASwap.place, CompressorSwap.place, IndexerTopkSwap.place, IndexerScoresSwap.place,
-    SkinnyLinearSwap.place, RopeTableSwap.place, RopeSwap.place, MHCSiteSwap.place, RouterSwap.place,
+assert {routed_experts.place, experts_with_shared.place, sinkhorn.place, mqa_with_sink.place,  # type: ignore[attr-defined]
+        pool_windows.place, score_topk.place, index_scores.place, project.place, cos_sin.place,  # type: ignore[attr-defined]
+        apply_rope.place, mhc_site.place, route_weights.place} == {  # type: ignore[attr-defined]
+    MoEExpertsSwap.place, MoESharedSwap.place, SinkhornSwap.place, SparseMQASwap.place, CompressorSwap.place,
+    IndexerTopkSwap.place, IndexerScoresSwap.place, SkinnyLinearSwap.place, RopeTableSwap.place, RopeSwap.place,
+    MHCSiteSwap.place, RouterSwap.place,
 }

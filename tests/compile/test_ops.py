@@ -74,6 +74,12 @@ def _route_args(g: torch.Generator, hashed: bool = False) -> tuple:
     return _randn(g, t, e), None if hashed else _randn(g, e) * 0.1, ids, k, "sqrtsoftplus", 1.5, True, 2.5
 
 
+def _moe_shared_args(g: torch.Generator) -> tuple:
+    x, w1, w3, w2, idx, w, limit = _moe_args(g)
+    i, d = w1.shape[1:]
+    return (x, w1, w3, w2, _randn(g, i, d), _randn(g, i, d), _randn(g, d, i), idx, w, limit)
+
+
 ARGS = {
     "rms_norm": _rms_args,
     "swiglu_clamp": _swiglu_args,
@@ -83,6 +89,7 @@ ARGS = {
     "indexer_scores": _indexer_scores_args,
     "moe_experts": _moe_args,
     "route_topk": _route_args,
+    "moe_experts_shared": _moe_shared_args,
 }
 
 
@@ -164,6 +171,14 @@ def test_moe_experts_matches_graphs(seed: int) -> None:
     c = config_from_dict(tiny_v4(swiglu_limit=limit))
     expect = moe.routed_experts({"w1": w1, "w3": w3, "w2": w2}, c.swiglu_limit, x, idx, w)
     torch.testing.assert_close(ops.moe_experts(x, w1, w3, w2, idx, w, limit), expect, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", [63, 64])
+def test_moe_experts_shared_matches_graphs(seed: int) -> None:
+    x, w1, w3, w2, sw1, sw3, sw2, idx, w, limit = _moe_shared_args(_gen(seed))
+    real = torch.ones(len(x), dtype=torch.bool)
+    expect = moe.experts_with_shared({"w1": w1, "w3": w3, "w2": w2}, {"w1": sw1, "w3": sw3, "w2": sw2}, limit, x, idx, w, real)
+    torch.testing.assert_close(ops.moe_experts_shared(x, w1, w3, w2, sw1, sw3, sw2, idx, w, limit), expect, rtol=0, atol=0)
 
 
 # --- opcheck ----------------------------------------------------------------------------------

@@ -103,9 +103,11 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
     # V4 selects with the whole indexer op; V4.1 takes the scores op and selects in two levels
     indexer = {"v4": "indexer_topk_kernel", "v41": "indexer_scores_kernel"}
     for r in report.values():  # the fusion passes fired in both graphs, and every kernel swap
-        for name in ("rms_norm_fusion", "swiglu_clamp_fusion", "moe_experts_kernel", "mhc_site_kernel", "sparse_mqa_kernel", "compressor_kernel",
+        for name in ("rms_norm_fusion", "moe_shared_fused_kernel", "mhc_site_kernel", "sparse_mqa_kernel", "compressor_kernel",
                      "route_topk_kernel", indexer[which]):
             assert r["rewrites"].get(name, 0) > 0, (name, r["graph"])
+        # the routed experts and the shared expert's SwiGLU are inside the fused MoE op
+        assert r["rewrites"].get("moe_experts_kernel", 0) == 0 and r["rewrites"].get("swiglu_clamp_fusion", 0) == 0, r["graph"]
         other = indexer["v41" if which == "v4" else "v4"]  # replaced whole (V4) or never called (V4.1)
         assert r["rewrites"].get(other, 0) == 0, (other, r["graph"])
     index = json.loads((tmp_path / "dump" / "index.json").read_text())
@@ -114,8 +116,9 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
 
 def test_disabled_pass_leaves_no_rewrite_and_same_result(tmp_path) -> None:
     seed = random.SystemRandom().randrange(2**31)
-    # with the whole-site swap off, the site's Sinkhorn is traced and its own swap fills it
-    disabled = ("rms_norm_fusion", "moe_experts_kernel", "indexer_topk_kernel", "mhc_site_kernel")
+    # with the whole-site swap off, the site's Sinkhorn is traced and its own swap fills it; with
+    # the fused MoE op off, the shared expert's SwiGLU is traced and fused
+    disabled = ("rms_norm_fusion", "moe_experts_kernel", "moe_shared_fused_kernel", "indexer_topk_kernel", "mhc_site_kernel")
     graphs, _, _ = _run(tiny_v4(), seed, tmp_path, disabled=disabled)
     for r in graphs.report():
         for off in disabled:  # a disabled swap traces the reference
@@ -126,12 +129,14 @@ def test_disabled_pass_leaves_no_rewrite_and_same_result(tmp_path) -> None:
 
 
 def test_fp8_experts_compiled_equal_eager(tmp_path) -> None:
-    """Routed experts held in fp8: the MoE swap puts ``moe_experts_fp8`` in both graphs, and they
-    equal the eager twin, which dequantises the experts on every call."""
+    """Routed experts held in fp8: the fused MoE swap falls back, the routed swap puts
+    ``moe_experts_fp8`` in both graphs, and they equal the eager twin, which dequantises the
+    experts on every call."""
     seed = random.SystemRandom().randrange(2**31)
     graphs, _, _ = _run(tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4], **FP8_EXPERTS), seed, tmp_path)
     for r in graphs.report():
         assert r["rewrites"].get("moe_experts_kernel", 0) > 0, f"seed={seed} {r['graph']}"
+        assert r["rewrites"].get("moe_shared_fused_kernel", 0) == 0, f"seed={seed} {r['graph']}"
         final = sorted((tmp_path / "dump" / r["graph"]).glob("*.py"))[-1].read_text()
         assert "deepinfer.moe_experts_fp8" in final and "deepinfer.moe_experts." not in final, f"seed={seed} {r['graph']}"
 

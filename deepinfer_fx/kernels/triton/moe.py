@@ -1,6 +1,7 @@
 """Routed experts as Triton grouped GEMMs with the SwiGLU-with-clamp fused in: the CUDA
-implementation of ``deepinfer::moe_experts`` and, over fp8 block-scaled weights, of
-``deepinfer::moe_experts_fp8``.
+implementation of ``deepinfer::moe_experts``, over fp8 block-scaled weights of
+``deepinfer::moe_experts_fp8``, and with the shared expert folded in of
+``deepinfer::moe_experts_shared``.
 
 Five launches, none waiting on the host, so the whole thing can be captured in a CUDA graph:
 
@@ -21,6 +22,13 @@ for decode, where the kernels stream each active expert's weights once, and 128-
 prefill, where ``tl.dot`` throughput matters. There an expert's last row block is on average
 half empty (64 of 128 rows at ~384 rows an expert, ~17 % of the tile work), so a last block
 with at most 64 rows runs as a 64-row tile (``Tiles.half``).
+
+The shared expert (``moe_experts_shared``) is expert ``E``, one past the routed ones, which
+every token takes with weight 1: T*(k+1) pairs over E+1 experts, the kernels deriving each
+token's last pair from its index (``moe_kernels.py``). Run on its own at decode it cost three
+launches a layer, two of them skinny GEMVs at ~3.5 TB/s where these GEMMs stream weights at
+4.1-4.3 TB/s; folded in, a MoE layer's FFN is these five launches. fp8 experts do not take it
+(the shared expert is held in the run dtype, and one kernel reads one weight format).
 """
 
 from __future__ import annotations
@@ -84,23 +92,40 @@ def choose_tiles(pairs: int, experts: int, n: int, k: int, gated: bool, qblock: 
     return t._replace(bn=bn, bk=bk)
 
 
-def sort_pairs(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (pair ids grouped by expert ``[T*k]``, each expert's end row ``[E]``), both int32.
+def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (pair ids grouped by expert ``[T*k]``, each expert's end row ``[E]``), both int32;
+    with ``shared``, ``[T*(k+1)]`` and ``[E+1]``: each token's pair k is the shared expert E.
     Up to ``_SORT_PROGRAMS`` programs each count then place a contiguous span of pairs."""
-    flat = idx.reshape(-1)
-    p = flat.numel()
+    # contiguous: a [T, 1] column sliced from a wider tensor reshapes to a strided view
+    flat = idx.reshape(-1).contiguous()
+    t, top = idx.shape
+    p = t * (top + shared)
     g = min(triton.cdiv(p, _SORT_CHUNK), _SORT_PROGRAMS)
     span = triton.cdiv(triton.cdiv(p, g), _SORT_CHUNK) * _SORT_CHUNK
-    e_p = max(16, triton.next_power_of_2(n_experts))
+    e_p = max(16, triton.next_power_of_2(n_experts + shared))
     hist = torch.empty(g, e_p, dtype=torch.int32, device=idx.device)
     cursor = torch.empty(g, e_p, dtype=torch.int32, device=idx.device)
     pairs = torch.empty(p, dtype=torch.int32, device=idx.device)
-    ends = torch.empty(n_experts, dtype=torch.int32, device=idx.device)
+    ends = torch.empty(n_experts + shared, dtype=torch.int32, device=idx.device)
     pdl = pdl_args(idx.device)
-    count_pairs_kernel[(g,)](flat, hist, p, span, E_P=e_p, CHUNK=_SORT_CHUNK, **pdl)
-    place_pairs_kernel[(g,)](flat, hist, pairs, ends, cursor, p, n_experts, g, span,
+    count_pairs_kernel[(g,)](flat, hist, p, n_experts, span, TOPK=top, SHARED=shared, E_P=e_p, CHUNK=_SORT_CHUNK, **pdl)
+    place_pairs_kernel[(g,)](flat, hist, pairs, ends, cursor, p, n_experts, g, span, TOPK=top, SHARED=shared,
                              E_P=e_p, G_P=max(2, triton.next_power_of_2(g)), CHUNK=_SORT_CHUNK, **pdl)
     return pairs, ends
+
+
+def _check_shared(
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
+    """The shared expert's matrices must be laid out as one routed expert's slice: the kernels
+    address them with the routed strides, only the base pointer changes."""
+    for name, sw, w in zip(("sw1", "sw3", "sw2"), shared, weights):
+        if sw.shape != w.shape[1:] or sw.dtype != w.dtype or sw.device != w.device or not sw.is_contiguous():
+            raise ValueError(
+                f"moe_experts_shared: {name} must be a contiguous {w.dtype} {tuple(w.shape[1:])} on {w.device} (one "
+                f"routed expert's layout), got {'' if sw.is_contiguous() else 'non-contiguous '}{sw.dtype} "
+                f"{tuple(sw.shape)} on {sw.device}"
+            )
 
 
 def run_experts(
@@ -113,15 +138,24 @@ def run_experts(
     limit: float,
     out: torch.Tensor | None,
     tiles: tuple[Tiles, Tiles] | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The five launches for bf16/fp32 weights (``scales`` None) or fp8 weights with fp32
-    block ``scales`` of ``qblock``; shared by the ``moe_experts`` and ``moe_experts_fp8`` ops.
+    block ``scales`` of ``qblock``; shared by the ``moe_experts``, ``moe_experts_fp8`` and
+    ``moe_experts_shared`` ops. ``shared`` (w1, w3, w2 of the shared expert, bf16/fp32 weights
+    only) adds it to every token as expert E with weight 1, after the routed sum.
     ``tiles`` (gate/up, down) overrides ``choose_tiles``: the tile sweep of ``bench/moe_kernel.py``."""
     w1, w3, w2 = weights
     t, top = idx.shape
     n_exp, inter, dim = w1.shape
     out = out_buffer(out, (t, dim), torch.float32, x.device, "moe_experts")
-    p = t * top
+    if shared is not None:
+        if scales is not None:
+            raise ValueError("moe_experts: the shared expert folds into bf16/fp32 experts only, not fp8 ones")
+        _check_shared(shared, weights)
+    fold = shared is not None
+    slots = top + fold  # pairs per token
+    p = t * slots
     if p == 0:
         return out
     if x.stride(-1) != 1 or any(not w.is_contiguous() for w in weights):
@@ -129,40 +163,42 @@ def run_experts(
     if tiles and any(t.half and t.bm < 32 for t in tiles):
         raise ValueError(f"moe_experts: half-height tiles need bm >= 32 (tl.dot takes >= 16 rows), got {tiles}")
     s1, s3, s2 = scales if scales is not None else (w1, w3, w2)  # placeholders, never read
+    sw1, sw3, sw2 = shared if fold else (w1, w3, w2)  # placeholders, never read
     fp8 = scales is not None
-    pairs, ends = sort_pairs(idx, n_exp)
+    pairs, ends = sort_pairs(idx, n_exp, fold)
     rw = weight.reshape(-1).contiguous()
-    e_p = max(16, triton.next_power_of_2(n_exp))
+    experts = n_exp + fold
+    e_p = max(16, triton.next_power_of_2(experts))
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     qb = qblock if fp8 else 1
     pdl = pdl_args(x.device)
 
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
-    g = tiles[0] if tiles else choose_tiles(p, n_exp, inter, dim, True, qblock if fp8 else 0)
-    n_blocks = max_blocks(p, n_exp, g.bm)
+    g = tiles[0] if tiles else choose_tiles(p, experts, inter, dim, True, qblock if fp8 else 0)
+    n_blocks = max_blocks(p, experts, g.bm)
     gate_up_kernel[(n_blocks * triton.cdiv(inter, g.bn),)](
-        x, w1, w3, s1, s3, h, pairs, rw, ends,
+        x, w1, w3, sw1, sw3, s1, s3, h, pairs, rw, ends,
         n_blocks, n_exp, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0,
-        K=dim, TOPK=top, E_P=e_p, BM=g.bm, BN=g.bn, BK=g.bk, GROUP_M=g.group_m, FP8=fp8, QBLOCK=qb,
+        K=dim, TOPK=top, SHARED=fold, E_P=e_p, BM=g.bm, BN=g.bn, BK=g.bk, GROUP_M=g.group_m, FP8=fp8, QBLOCK=qb,
         CLAMP=bool(limit), EVEN=inter % g.bn == 0 and dim % g.bk == 0, PREC=prec, HALF=g.half,
         num_warps=g.warps, num_stages=g.stages, **pdl,
     )
 
     y = torch.empty(p, dim, dtype=x.dtype, device=x.device)
-    d = tiles[1] if tiles else choose_tiles(p, n_exp, dim, inter, False, qblock if fp8 else 0)
-    n_blocks = max_blocks(p, n_exp, d.bm)
+    d = tiles[1] if tiles else choose_tiles(p, experts, dim, inter, False, qblock if fp8 else 0)
+    n_blocks = max_blocks(p, experts, d.bm)
     down_kernel[(n_blocks * triton.cdiv(dim, d.bn),)](
-        h, w2, s2, y, pairs, ends,
+        h, w2, sw2, s2, y, pairs, ends,
         n_blocks, n_exp, dim,
         w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-        K=inter, E_P=e_p, BM=d.bm, BN=d.bn, BK=d.bk, GROUP_M=d.group_m, FP8=fp8, QBLOCK=qb,
+        K=inter, SHARED=fold, E_P=e_p, BM=d.bm, BN=d.bn, BK=d.bk, GROUP_M=d.group_m, FP8=fp8, QBLOCK=qb,
         EVEN=dim % d.bn == 0 and inter % d.bk == 0, PREC=prec, HALF=d.half,
         num_warps=d.warps, num_stages=d.stages, **pdl,
     )
 
     bd = min(1024, triton.next_power_of_2(dim))
-    combine_kernel[(t, triton.cdiv(dim, bd))](y, out, dim, TOPK=top, BD=bd, num_warps=4, **pdl)
+    combine_kernel[(t, triton.cdiv(dim, bd))](y, out, dim, TOPK=slots, BD=bd, num_warps=4, **pdl)
     return out
 
 
@@ -209,5 +245,26 @@ def moe_experts_fp8_triton(
     return run_experts(x, (w1, w3, w2), scales, block, idx, weight, limit, out)
 
 
+def moe_experts_shared_triton(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    sw1: torch.Tensor,
+    sw3: torch.Tensor,
+    sw2: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+    out: torch.Tensor | None = None,
+    tiles: tuple[Tiles, Tiles] | None = None,
+) -> torch.Tensor:
+    """``deepinfer::moe_experts_shared``: ``moe_experts_triton`` plus the shared expert (sw1/sw3
+    ``[I, D]``, sw2 ``[D, I]``, contiguous, the routed weights' dtype) added to each token's
+    routed sum, run as expert E inside the same five launches."""
+    return run_experts(x, (w1, w3, w2), None, 0, idx, weight, limit, out, tiles, shared=(sw1, sw3, sw2))
+
+
 torch.library.register_kernel("deepinfer::moe_experts", "cuda", moe_experts_triton)
+torch.library.register_kernel("deepinfer::moe_experts_shared", "cuda", moe_experts_shared_triton)
 torch.library.register_kernel("deepinfer::moe_experts_fp8", "cuda", moe_experts_fp8_triton)

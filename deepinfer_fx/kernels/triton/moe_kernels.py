@@ -6,6 +6,13 @@ program then finds its row block from the per-expert row ends alone, so the grid
 rows of one expert only; each row's result depends on nothing but its own inputs (no split-K,
 no atomics on results), so a token's output does not depend on the other tokens in the batch.
 
+``SHARED``: the shared expert runs as expert ``E`` (one past the routed ones) that every token
+takes with routing weight 1: a token then has ``TOPK + 1`` pairs, pair ``t * (TOPK + 1) + j``
+reading ``idx[t, j]`` / ``weight[t, j]`` for ``j < TOPK`` and being (E, 1.0) for ``j = TOPK``.
+The kernels derive that last pair from its index, so no widened copy of the routing is ever
+written, and rows of expert E read the shared weights (one ``[out, in]`` matrix laid out as a
+routed expert's slice) instead of ``w + E * stride``.
+
 Weights are ``[E, out, in]`` (the checkpoint's linear layout). ``FP8`` means float8_e4m3fn
 weights with fp32 scales per ``QBLOCK x QBLOCK`` block ``[E, cdiv(out, QBLOCK), cdiv(in,
 QBLOCK)]``; each tile is dequantised to the activation dtype as it is loaded (``BK`` divides
@@ -21,8 +28,21 @@ from .pdl import release_next, wait_only, wait_previous
 
 
 @triton.jit
-def count_pairs_kernel(idx_ptr, hist_ptr, P, SPAN, E_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Program g counts the experts of pairs ``[g * SPAN, (g + 1) * SPAN)`` into ``hist[g]``."""
+def _pair_routing(ptr, pair, mask, shared_value, TOPK: tl.constexpr, SHARED: tl.constexpr):
+    """Each pair's entry of the routing tensor ``ptr`` ``[T, TOPK]`` (expert ids or weights);
+    with ``SHARED`` every token's last pair is the shared expert's and gets ``shared_value``."""
+    if SHARED:
+        j = pair % (TOPK + 1)
+        routed = tl.load(ptr + pair // (TOPK + 1) * TOPK + j, mask=mask & (j < TOPK), other=0)
+        return tl.where(j == TOPK, shared_value, routed)
+    return tl.load(ptr + pair, mask=mask, other=0)
+
+
+@triton.jit
+def count_pairs_kernel(idx_ptr, hist_ptr, P, E, SPAN, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr,
+                       CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program g counts the experts of pairs ``[g * SPAN, (g + 1) * SPAN)`` into ``hist[g]``
+    (``E`` routed experts, plus the shared one with ``SHARED``)."""
     wait_previous(PDL)
     g = tl.program_id(0)
     counts = tl.zeros([E_P], dtype=tl.int32)
@@ -32,7 +52,7 @@ def count_pairs_kernel(idx_ptr, hist_ptr, P, SPAN, E_P: tl.constexpr, CHUNK: tl.
     stop = tl.minimum(P, c0 + SPAN)
     while c0 < stop:
         offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(idx_ptr + offs, mask=offs < stop, other=0).to(tl.int32)
+        ids = _pair_routing(idx_ptr, offs, offs < stop, E, TOPK, SHARED).to(tl.int32)
         counts += tl.histogram(ids, E_P, mask=offs < stop)
         c0 += CHUNK
     tl.store(hist_ptr + g * E_P + tl.arange(0, E_P), counts)
@@ -40,11 +60,13 @@ def count_pairs_kernel(idx_ptr, hist_ptr, P, SPAN, E_P: tl.constexpr, CHUNK: tl.
 
 @triton.jit
 def place_pairs_kernel(idx_ptr, hist_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E, G, SPAN,
-                       E_P: tl.constexpr, G_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                       TOPK: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr, G_P: tl.constexpr,
+                       CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program g writes the ids of its pairs grouped by expert into ``pairs``, each expert's
     group starting where the groups of lower experts and of earlier programs end; program 0
-    also writes each expert's end row. Order inside a group is arbitrary (atomic cursors):
-    rows are independent, so results do not depend on it."""
+    also writes each expert's end row (``E`` routed experts, then the shared one with
+    ``SHARED``). Order inside a group is arbitrary (atomic cursors): rows are independent, so
+    results do not depend on it."""
     wait_previous(PDL)
     g = tl.program_id(0)
     offs_g = tl.arange(0, G_P)
@@ -53,7 +75,7 @@ def place_pairs_kernel(idx_ptr, hist_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E,
     totals = tl.sum(hist, 0)
     ends = tl.cumsum(totals, 0)
     before = tl.sum(tl.where(offs_g[:, None] < g, hist, 0), 0)
-    tl.store(ends_ptr + offs_e, ends, mask=(offs_e < E) & (g == 0))
+    tl.store(ends_ptr + offs_e, ends, mask=(offs_e < E + SHARED) & (g == 0))
     tl.store(cursor_ptr + g * E_P + offs_e, ends - totals + before)
     # The cursors must be in memory for every thread before the atomics below read them.
     tl.debug_barrier()
@@ -61,7 +83,7 @@ def place_pairs_kernel(idx_ptr, hist_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E,
     stop = tl.minimum(P, c0 + SPAN)
     while c0 < stop:
         offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(idx_ptr + offs, mask=offs < stop, other=0).to(tl.int32)
+        ids = _pair_routing(idx_ptr, offs, offs < stop, E, TOPK, SHARED).to(tl.int32)
         # Relaxed: the barrier above orders the cursors; the atomics need no fences of their own.
         pos = tl.atomic_add(cursor_ptr + g * E_P + ids, 1, mask=offs < stop, sem="relaxed")
         tl.store(pairs_ptr + pos, offs, mask=offs < stop)
@@ -96,6 +118,16 @@ def _block_rows(ends_ptr, block, E, E_P: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _expert_weight(w_ptr, sw_ptr, e, E, stride_we, SHARED: tl.constexpr):
+    """Base of expert ``e``'s ``[out, in]`` matrix: its slice of the stack ``w``, or with
+    ``SHARED`` the shared expert's own matrix ``sw`` for ``e == E``."""
+    base = w_ptr + e.to(tl.int64) * stride_we
+    if SHARED:
+        base = tl.where(e == E, sw_ptr, base)
+    return base
+
+
+@triton.jit
 def _weight_tile(w_ptrs, s_ptrs, nmask, kmask, dtype, FP8: tl.constexpr, EVEN: tl.constexpr):
     """A ``[BK, BN]`` weight tile in ``dtype``; fp8 tiles are scaled per output column (their
     k range lies in one scale block) and rounded to ``dtype``, as the reference dequantises."""
@@ -119,13 +151,14 @@ def _row_tile(a_ptrs, rmask, kmask, EVEN: tl.constexpr):
 @triton.jit
 def _gate_up_rows(
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr,
-    e, row0, row_end, tile_n, N, limit,
-    stride_x, stride_we, stride_wn, stride_se, stride_sn,
-    K: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    row0, row_end, tile_n, N, limit,
+    stride_x, stride_wn, stride_sn,
+    K: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     FP8: tl.constexpr, QBLOCK: tl.constexpr, CLAMP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """``gate_up_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``)."""
+    """``gate_up_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``);
+    the weight and scale pointers are the block's expert's."""
     rows = row0 + tl.arange(0, BM)
     rmask = rows < row_end
     pair = tl.load(pairs_ptr + rows, mask=rmask, other=0)
@@ -133,9 +166,9 @@ def _gate_up_rows(
     offs_k = tl.arange(0, BK)
     nmask = offs_n < N
     dtype = h_ptr.dtype.element_ty
-    a_ptrs = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-    w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    s_off = e.to(tl.int64) * stride_se + (offs_n // QBLOCK) * stride_sn
+    a_ptrs = x_ptr + (pair // (TOPK + SHARED)).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    w_off = offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_off = (offs_n // QBLOCK) * stride_sn
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -154,7 +187,7 @@ def _gate_up_rows(
         # Comparisons rather than min/max so that NaN passes through, as torch.clamp does.
         g = tl.where(g > limit, limit, g)
         u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
-    rw = tl.load(rw_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+    rw = _pair_routing(rw_ptr, pair, rmask, 1.0, TOPK, SHARED).to(tl.float32)
     h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(dtype), mask=rmask[:, None] & nmask[None, :])
@@ -162,40 +195,43 @@ def _gate_up_rows(
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, ends_ptr,
+    x_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, ends_ptr,
     n_blocks, E, N, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn,
-    K: tl.constexpr, TOPK: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, CLAMP: tl.constexpr,
-    EVEN: tl.constexpr, PREC: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr,
+    CLAMP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight, for the
     sorted rows of one block and BN columns of I; GEMM results are rounded to the activation
     dtype before the fp32 epilogue, as the reference's grouped GEMMs return them. ``HALF``: an
-    expert's last block with at most ``BM / 2`` rows runs as a half-height tile."""
+    expert's last block with at most ``BM / 2`` rows runs as a half-height tile. ``E`` counts
+    the routed experts; with ``SHARED`` blocks of expert E read ``sw1`` / ``sw3``."""
     wait_only(PDL)  # the next kernel is released after the main loop, or when a program without a block exits
     block, tile_n = _tile(n_blocks, N, BN, GROUP_M)
-    e, row0, row_end = _block_rows(ends_ptr, block, E, E_P, BM)
-    if e >= E:
+    e, row0, row_end = _block_rows(ends_ptr, block, E + SHARED, E_P, BM)
+    if e >= E + SHARED:
         return
+    w1 = _expert_weight(w1_ptr, sw1_ptr, e, E, stride_we, SHARED)
+    w3 = _expert_weight(w3_ptr, sw3_ptr, e, E, stride_we, SHARED)
+    s1, s3 = s1_ptr + e.to(tl.int64) * stride_se, s3_ptr + e.to(tl.int64) * stride_se  # fp8 only, never shared
     if HALF and row_end - row0 <= BM // 2:
-        _gate_up_rows(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, e, row0, row_end, tile_n, N,
-                      limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
-                      K, TOPK, BM // 2, BN, BK, FP8, QBLOCK, CLAMP, EVEN, PREC, PDL)
+        _gate_up_rows(x_ptr, w1, w3, s1, s3, h_ptr, pairs_ptr, rw_ptr, row0, row_end, tile_n, N, limit,
+                      stride_x, stride_wn, stride_sn, K, TOPK, SHARED, BM // 2, BN, BK, FP8, QBLOCK, CLAMP, EVEN, PREC, PDL)
     else:
-        _gate_up_rows(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, e, row0, row_end, tile_n, N,
-                      limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
-                      K, TOPK, BM, BN, BK, FP8, QBLOCK, CLAMP, EVEN, PREC, PDL)
+        _gate_up_rows(x_ptr, w1, w3, s1, s3, h_ptr, pairs_ptr, rw_ptr, row0, row_end, tile_n, N, limit,
+                      stride_x, stride_wn, stride_sn, K, TOPK, SHARED, BM, BN, BK, FP8, QBLOCK, CLAMP, EVEN, PREC, PDL)
 
 
 @triton.jit
 def _down_rows(
-    h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, e, row0, row_end, tile_n, N,
-    stride_we, stride_wn, stride_se, stride_sn,
+    h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, row0, row_end, tile_n, N,
+    stride_wn, stride_sn,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     FP8: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
-    """``down_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``)."""
+    """``down_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``); the
+    weight and scale pointers are the block's expert's."""
     rows = row0 + tl.arange(0, BM)
     rmask = rows < row_end
     offs_n = tile_n * BN + tl.arange(0, BN)
@@ -203,8 +239,8 @@ def _down_rows(
     nmask = offs_n < N
     dtype = h_ptr.dtype.element_ty
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    s_off = e.to(tl.int64) * stride_se + (offs_n // QBLOCK) * stride_sn
+    w_off = offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_off = (offs_n // QBLOCK) * stride_sn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kmask = offs_k < K - k0
@@ -221,32 +257,37 @@ def _down_rows(
 
 @triton.jit
 def down_kernel(
-    h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, ends_ptr,
+    h_ptr, w2_ptr, sw2_ptr, s2_ptr, y_ptr, pairs_ptr, ends_ptr,
     n_blocks, E, N,
     stride_we, stride_wn, stride_se, stride_sn,
-    K: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    K: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
     HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[pair] = h[row] w2^T for one row block and BN columns of D, rounded to the activation
     dtype (the reference's grouped GEMM returns it so) and written at the pair's own (unsorted)
-    row so that the combine reads each token's k rows in k order. ``HALF`` as in ``gate_up_kernel``."""
+    row so that the combine reads each token's k rows in k order. ``E``, ``SHARED`` and ``HALF``
+    as in ``gate_up_kernel``."""
     wait_only(PDL)
     block, tile_n = _tile(n_blocks, N, BN, GROUP_M)
-    e, row0, row_end = _block_rows(ends_ptr, block, E, E_P, BM)
-    if e >= E:
+    e, row0, row_end = _block_rows(ends_ptr, block, E + SHARED, E_P, BM)
+    if e >= E + SHARED:
         return
+    w2 = _expert_weight(w2_ptr, sw2_ptr, e, E, stride_we, SHARED)
+    s2 = s2_ptr + e.to(tl.int64) * stride_se  # fp8 only, never shared
     if HALF and row_end - row0 <= BM // 2:
-        _down_rows(h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, e, row0, row_end, tile_n, N,
-                   stride_we, stride_wn, stride_se, stride_sn, K, BM // 2, BN, BK, FP8, QBLOCK, EVEN, PREC, PDL)
+        _down_rows(h_ptr, w2, s2, y_ptr, pairs_ptr, row0, row_end, tile_n, N,
+                   stride_wn, stride_sn, K, BM // 2, BN, BK, FP8, QBLOCK, EVEN, PREC, PDL)
     else:
-        _down_rows(h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, e, row0, row_end, tile_n, N,
-                   stride_we, stride_wn, stride_se, stride_sn, K, BM, BN, BK, FP8, QBLOCK, EVEN, PREC, PDL)
+        _down_rows(h_ptr, w2, s2, y_ptr, pairs_ptr, row0, row_end, tile_n, N,
+                   stride_wn, stride_sn, K, BM, BN, BK, FP8, QBLOCK, EVEN, PREC, PDL)
 
 
 @triton.jit
 def combine_kernel(y_ptr, out_ptr, D, TOPK: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = y[t, 0] + y[t, 1] + ... in fp32 in k order: a fixed order whatever the batch."""
+    """out[t] = y[t, 0] + y[t, 1] + ... in fp32 in k order: a fixed order whatever the batch.
+    The shared expert's row is each token's last, so it is added after the routed sum, as the
+    reference adds the shared output (``TOPK`` then counts it)."""
     wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
