@@ -93,6 +93,13 @@ class MoEExpertsSwap(KernelSwap):
         return (torch.ops.deepinfer.moe_experts.default, torch.ops.deepinfer.moe_experts_fp8.default)  # by the experts' storage
 
 
+# The most tokens a step folds the shared expert in for: decode batches. A prefill chunk's shared
+# expert is a GEMM of thousands of rows, which cuBLAS runs faster than the grouped GEMM tiles
+# (and the fold there is unmeasured); every decode bucket up to here takes the same path, so a
+# token's bits do not depend on the decode batch it is in.
+FOLD_MAX_TOKENS = 64
+
+
 def _experts_with_shared(
     pe: dict, ps: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor
 ) -> torch.Tensor:
@@ -100,7 +107,7 @@ def _experts_with_shared(
     # parallelism the routed experts are the EP region, which must run; a shared expert wider
     # than a routed one (n_shared_experts > 1) is no extra expert of the stack. All static.
     foldable = all(ps[n].shape == pe[n].shape[1:] and ps[n].dtype == pe[n].dtype for n in EXPERT_WEIGHTS)
-    if fp8_held(pe) or expert_parallel.place in active() or not foldable:  # type: ignore[attr-defined]
+    if fp8_held(pe) or expert_parallel.place in active() or not foldable or x.shape[0] > FOLD_MAX_TOKENS:  # type: ignore[attr-defined]
         return experts_with_shared.reference(pe, ps, limit, x, idx, w, real)  # type: ignore[attr-defined]
     return torch.ops.deepinfer.moe_experts_shared(x, pe["w1"], pe["w3"], pe["w2"], ps["w1"], ps["w3"], ps["w2"], idx, w, limit)
 
@@ -112,8 +119,8 @@ class MoESharedSwap(KernelSwap):
     launches (at decode its own two skinny GEMVs and SwiGLU were three launches a layer, the
     GEMVs slower than the grouped GEMMs' weight streaming). With it in force ``moe.routed_experts``
     is inside the op, so ``moe_experts_kernel`` counts rewrites only where this swap falls back
-    to the reference: experts held in fp8, expert parallelism in force, or a shared expert of
-    another width than a routed one."""
+    to the reference: experts held in fp8, expert parallelism in force, a shared expert of
+    another width than a routed one, or more than ``FOLD_MAX_TOKENS`` tokens (prefill)."""
 
     name: ClassVar[str] = "moe_shared_fused_kernel"
     accelerators: ClassVar[frozenset[str]] = _SERVED

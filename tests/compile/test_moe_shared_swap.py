@@ -19,7 +19,7 @@ from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.graphs import moe
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
-from deepinfer_fx.passes.swaps import MoEExpertsSwap, MoESharedSwap
+from deepinfer_fx.passes.swaps import FOLD_MAX_TOKENS, MoEExpertsSwap, MoESharedSwap
 from deepinfer_fx.sharding import eplb
 from deepinfer_fx.sharding.ep import ep_group
 from deepinfer_fx.sharding.parallel import ep_swaps
@@ -34,14 +34,14 @@ def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little") >> 1
 
 
-def _layer(seed: int, fp8: bool = False) -> tuple:
+def _layer(seed: int, fp8: bool = False, t: int = T) -> tuple:
     """(config, the layer's FFN params, x, token ids, real rows) of a tiny V4 in fp32."""
     c = config_from_dict(tiny_v4(**(FP8_EXPERTS if fp8 else {})))
     c, params = random_model(c.replace(fp8_experts=fp8), seed=seed)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, c.hidden_size, generator=g)
-    ids = torch.randint(3, c.vocab_size, (T,), generator=g)
-    return c, params["layers"][LAYER]["ffn"], x, ids, torch.ones(T, dtype=torch.bool)
+    x = torch.randn(t, c.hidden_size, generator=g)
+    ids = torch.randint(3, c.vocab_size, (t,), generator=g)
+    return c, params["layers"][LAYER]["ffn"], x, ids, torch.ones(t, dtype=torch.bool)
 
 
 def _compiled(c, p: dict, x, ids, real, disabled: tuple[str, ...] = (), outer: dict | None = None):
@@ -77,6 +77,18 @@ def test_eager_swap_equals_reference() -> None:
     want = moe.moe(p, c, x, ids, real)
     with swapped(MoESharedSwap().swap()):
         assert torch.equal(moe.moe(p, c, x, ids, real), want), f"seed={seed}"
+
+
+@pytest.mark.parametrize("t", [FOLD_MAX_TOKENS, FOLD_MAX_TOKENS + 1])
+def test_prefill_sized_steps_fall_back(t: int) -> None:
+    """Up to ``FOLD_MAX_TOKENS`` tokens (decode) the shared expert is folded in; above, the
+    traced shared expert and the routed op run, as before the fused op existed."""
+    seed = _seed()
+    c, p, x, ids, real = _layer(seed, t=t)
+    got, rewrites = _compiled(c, p, x, ids, real)
+    torch.testing.assert_close(got, moe.moe(p, c, x, ids, real), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+    fused = t <= FOLD_MAX_TOKENS
+    assert (rewrites.get(FUSED, 0), rewrites.get(ROUTED, 0)) == ((1, 0) if fused else (0, 1)), f"seed={seed} {rewrites}"
 
 
 def test_fp8_experts_fall_back() -> None:
