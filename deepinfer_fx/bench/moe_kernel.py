@@ -1,24 +1,35 @@
 """Routed experts at P8 widths: the Triton kernels against ``graphs/moe.py`` (torch._grouped_mm).
 
-    python -m deepinfer_fx.bench.moe_kernel --tokens 1,8,64,256,4096
+    python -m deepinfer_fx.bench.moe_kernel --tokens 1,8,64,256,4096 --shared
     python -m deepinfer_fx.bench.moe_kernel --sweep 4096   # prefill tile candidates
+    python -m deepinfer_fx.bench.moe_kernel --sweep 1 --shared   # decode tile candidates
 
 D 4096, I 2048, 64 experts, top-6, bf16, uniform random routing. Each implementation runs
 captured in a CUDA graph (as decode runs in the engine) and the replays are timed with CUDA
 events. Reported per token count: ms, weight bandwidth (bytes of the experts that received at
 least one pair, each read once, over the time: the figure that matters for decode) and TFLOP/s
 (6 * pairs * D * I flops, the figure that matters for prefill), plus the max difference from the
-reference relative to its max. ``--fp8`` adds the fp8-weight kernel (block-128 scales).
+reference relative to its max. ``--fp8`` adds the fp8-weight kernel (block-128 scales);
+``--shared`` the op with the shared expert folded in as expert E (``moe_experts_shared``), whose
+bandwidth counts its weights too: in a P8 decode step at b1 the fold made gate/up and down
+slower per byte (session 10), which this isolates.
+
+``--sweep T`` times tile candidates at T tokens, gate/up then down, the other kernel's tiles as
+chosen: the prefill list for T > 64, else the decode list, with the programs each launches (a
+partial last wave over the H200's SMs shows there). With ``--shared`` the fused op is swept.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
-from ..graphs.moe import routed_experts
-from ..kernels.triton.moe import Tiles, choose_tiles, moe_experts_fp8_triton, moe_experts_triton
+from ..graphs.moe import routed_experts, shared_expert
+import triton
+
+from ..kernels.triton.moe import Tiles, choose_tiles, max_blocks, moe_experts_fp8_triton, moe_experts_shared_triton, moe_experts_triton
 from .p8 import P8, run_info, write_result
 from .timing import graph_ms
 
@@ -51,29 +62,64 @@ _DOWN_SWEEP = [(128, 256, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 4, False), (1
                (128, 256, 32, 8, 8, 5, True), (64, 256, 64, 8, 4, 4, True), (128, 128, 128, 8, 8, 3, True)]
 
 
-def sweep(t: int, w: dict, limit: float, top: int, iters: int) -> list[dict]:
-    """Time the bf16 op at ``t`` tokens over the gate/up candidates (down tiles as chosen), then
-    the down candidates (gate/up as chosen). Each row: whole-op ms and TFLOP/s, max rel diff."""
+# Decode candidates (both kernels): the chosen narrow and wide tiles, and column widths and
+# pipeline depths around them.
+_DECODE_SWEEP = [(16, 32, 128, 1, 4, 4, False), (16, 128, 128, 1, 4, 3, False), (16, 64, 128, 1, 4, 4, False),
+                 (16, 64, 128, 1, 4, 3, False), (16, 32, 128, 1, 4, 3, False), (16, 32, 256, 1, 4, 3, False),
+                 (16, 64, 256, 1, 4, 3, False), (16, 128, 64, 1, 4, 4, False), (16, 32, 128, 1, 2, 4, False)]
+
+
+def _shared_weights(w: dict) -> dict:
+    """A shared expert of one routed expert's shapes (``moe_experts_shared``)."""
+    return {n: torch.randn_like(v[0]) / v.shape[-1] ** 0.5 for n, v in w.items()}
+
+
+def _op(w: dict, sh: dict | None) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """The bf16 op under test, ``(x, idx, rw, limit, out=, tiles=) -> [T, D]``, and its math
+    (``graphs/moe.py``): the routed experts, plus the shared expert ``sh`` when given."""
+    def op(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, limit: float, out: torch.Tensor | None = None,
+           tiles: tuple[Tiles, Tiles] | None = None) -> torch.Tensor:
+        if sh is None:
+            return moe_experts_triton(x, w["w1"], w["w3"], w["w2"], idx, rw, limit, out=out, tiles=tiles)
+        return moe_experts_shared_triton(x, w["w1"], w["w3"], w["w2"], sh["w1"], sh["w3"], sh["w2"], idx, rw, limit,
+                                         out=out, tiles=tiles)
+
+    def reference(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, limit: float) -> torch.Tensor:
+        routed = routed_experts.reference(w, limit, x, idx, rw)
+        return routed if sh is None else routed + shared_expert(sh, limit, x).float()
+
+    return op, reference
+
+
+def sweep(t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None = None) -> list[dict]:
+    """Time the bf16 op (with the shared expert ``sh`` folded in when given) at ``t`` tokens over
+    the gate/up candidates (down tiles as chosen), then the down candidates (gate/up as chosen).
+    Each row: the kernel's programs, whole-op ms and TFLOP/s, max rel diff."""
     e, inter, d = w["w1"].shape
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     idx = torch.rand(t, e, device="cuda").topk(top, dim=-1).indices
     rw = torch.rand(t, top, device="cuda")
     out = torch.empty(t, d, device="cuda")
-    ref = routed_experts.reference(w, limit, x, idx, rw)
-    flops = 6 * t * top * d * inter
-    base = (choose_tiles(t * top, e, inter, d, True, 0), choose_tiles(t * top, e, d, inter, False, 0))
-    args = (x, w["w1"], w["w3"], w["w2"], idx, rw, limit)
+    op, reference = _op(w, sh)
+    ref = reference(x, idx, rw, limit)
+    pairs, experts = t * (top + (sh is not None)), e + (sh is not None)
+    flops = 6 * pairs * d * inter
+    base = (choose_tiles(pairs, experts, inter, d, True, 0), choose_tiles(pairs, experts, d, inter, False, 0))
+    decode = t <= 64
     rows = []
-    for part, cands in (("gate_up", _GATE_UP_SWEEP), ("down", _DOWN_SWEEP)):
+    for part, n, cands in (("gate_up", inter, _DECODE_SWEEP if decode else _GATE_UP_SWEEP),
+                           ("down", d, _DECODE_SWEEP if decode else _DOWN_SWEEP)):
         for cand in cands:
             tiles = (Tiles(*cand), base[1]) if part == "gate_up" else (base[0], Tiles(*cand))
+            programs = max_blocks(pairs, experts, cand[0]) * triton.cdiv(n, cand[1])
             try:
-                err = ((moe_experts_triton(*args, tiles=tiles) - ref).abs().max() / ref.abs().max()).item()
-                ms = graph_ms(lambda: moe_experts_triton(*args, out=out, tiles=tiles), iters)
+                err = ((op(x, idx, rw, limit, tiles=tiles) - ref).abs().max() / ref.abs().max()).item()
+                ms = graph_ms(lambda: op(x, idx, rw, limit, out=out, tiles=tiles), iters)
             except Exception as exc:  # a config Triton cannot compile (shared memory, registers)
                 rows.append({"part": part, "tiles": list(cand), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                 continue
-            rows.append({"part": part, "tiles": list(cand), "chosen": Tiles(*cand) == base[0 if part == "gate_up" else 1],
+            rows.append({"part": part, "tiles": list(cand), "programs": programs,
+                         "chosen": Tiles(*cand) == base[0 if part == "gate_up" else 1],
                          "ms": round(ms, 4), "TFLOPs": round(flops / ms / 1e9, 1), "max_rel_diff": err})
             print(rows[-1], flush=True)
     return rows
@@ -86,8 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--experts", type=int, default=P8["n_routed_experts"])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--fp8", action="store_true", help="also time fp8 weights with block-128 scales")
+    ap.add_argument("--shared", action="store_true", help="also time the op with the shared expert folded in")
     ap.add_argument("--sweep", type=int, default=0, metavar="T",
-                    help="instead: sweep the prefill tiles of the bf16 kernels at T tokens (e.g. 4096)")
+                    help="instead: sweep the tiles of the bf16 kernels at T tokens (prefill tiles above 64)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     d, inter, top, limit = P8["hidden_size"], P8["moe_intermediate_size"], P8["num_experts_per_tok"], P8["swiglu_limit"]
@@ -96,8 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
     w = {"w1": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
          "w3": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
          "w2": torch.randn(e, d, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5}
+    sh = _shared_weights(w) if args.shared else None
     if args.sweep:
-        result = {**run_info(argv), "tokens": args.sweep, "rows": sweep(args.sweep, w, limit, top, args.iters)}
+        rows = sweep(args.sweep, w, limit, top, args.iters, sh)
+        result = {**run_info(argv), "tokens": args.sweep, "shared": args.shared, "rows": rows}
         write_result("moe_tile_sweep_p8", result, args.out)
         return result
     q = {n: _fp8(v) for n, v in w.items()} if args.fp8 else {}
@@ -119,6 +168,12 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"tokens": t, "active_experts": active, **_row("triton", t_triton, weight_bytes, flops),
                **_row("torch", t_torch, weight_bytes, flops), "speedup": round(t_torch / t_triton, 2),
                "max_rel_diff": err}
+        if sh is not None:
+            op, reference = _op(w, sh)
+            err = ((op(x, idx, rw, limit) - reference(x, idx, rw, limit)).abs().max() / ref.abs().max()).item()
+            t_shared = graph_ms(lambda: op(x, idx, rw, limit, out=out), args.iters)
+            row.update(_row("shared", t_shared, weight_bytes + 3 * inter * d * w["w1"].element_size(), flops + 6 * t * d * inter),
+                       shared_max_rel_diff=err)
         if q:
             w8 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
             fp8_args = (x, *w8, idx, rw, limit, _BLOCK)
@@ -127,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(row, flush=True)
     cols = ["tokens", "active_experts", "triton_ms", "torch_ms", "speedup", "triton_TBps", "torch_TBps",
-            "triton_TFLOPs", "torch_TFLOPs"] + (["fp8_ms", "fp8_TBps"] if q else [])
+            "triton_TFLOPs", "torch_TFLOPs"] + (["shared_ms", "shared_TBps"] if sh else []) + (["fp8_ms", "fp8_TBps"] if q else [])
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]:>14}" for c in cols))
