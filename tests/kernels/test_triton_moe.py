@@ -14,7 +14,8 @@ import torch
 
 from deepinfer_fx.graphs.moe import routed_experts
 from deepinfer_fx.io.quant import dequant_fp8_block
-from deepinfer_fx.kernels.triton.moe import (Tiles, choose_tiles, moe_experts_fp8_triton, moe_experts_triton, run_experts,
+from deepinfer_fx.kernels.triton import moe
+from deepinfer_fx.kernels.triton.moe import (Tiles, choose_tiles, tile_smem, moe_experts_fp8_triton, moe_experts_triton, run_experts,
                                              sort_pairs)
 
 reference = routed_experts.reference
@@ -117,6 +118,27 @@ def test_prefill_tiles_take_half_height_last_blocks() -> None:
     """The 128-row prefill tiles split their last blocks; decode tiles stream weights and do not."""
     assert choose_tiles(4096 * 6, 64, 2048, 4096, True, 0).half and choose_tiles(4096 * 6, 64, 4096, 2048, False, 0).half
     assert not choose_tiles(8 * 6, 64, 2048, 4096, True, 0).half
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gate_up", "down"])
+def test_narrow_decode_tiles_run_in_one_wave(gated: bool) -> None:
+    """At T = 1 (P8: D 4096, I 2048, top-6 of 64) the narrow tiles keep 4 stages while every
+    program is resident at once (6 row blocks); with the shared expert folded in (7 blocks over
+    65 experts) 4 stages would need a second wave, so they drop to 3. Where one stage fewer does
+    not fit either (T = 2 folded) the tiles stay as they were; the k tile never changes."""
+    n, k = (2048, 4096) if gated else (4096, 2048)
+    routed, folded, two = (choose_tiles(p, e, n, k, gated, 0) for p, e in ((6, 64), (7, 65), (14, 65)))
+    assert (routed.bn, routed.stages, folded.bn, folded.stages) == (32, 4, 32, 3)
+    # T = 2 folded: gate/up's 14 x 64 programs fit no better at 3 stages; down takes wide tiles
+    assert (two.bn, two.stages) == ((32, 4) if gated else (128, 3))
+    assert routed.bk == folded.bk == two.bk == 128
+    for tiles, blocks in ((routed, 6), (folded, 7)):
+        per_sm = moe._SMEM_PER_SM // (tile_smem(tiles, gated) + moe._SMEM_RESERVED)
+        assert blocks * (n // tiles.bn) <= moe._SMS * per_sm, (tiles, per_sm)
+    per_sm4 = moe._SMEM_PER_SM // (tile_smem(folded._replace(stages=4), gated) + moe._SMEM_RESERVED)
+    assert 7 * (n // 32) > moe._SMS * per_sm4  # why the fold needs the shallower pipeline
+    # fp8 weights (a byte an element) fit more programs: the 4-stage tiles stay one wave folded
+    assert choose_tiles(7, 65, n, k, gated, 128, 2, 1).stages == 4
 
 
 def test_poisoned_out(device: str) -> None:

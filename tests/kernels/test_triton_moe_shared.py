@@ -19,7 +19,7 @@ import torch
 from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
 
 from deepinfer_fx.graphs.moe import experts_with_shared
-from deepinfer_fx.kernels.triton.moe import Tiles, moe_experts_shared_triton, run_experts, sort_pairs
+from deepinfer_fx.kernels.triton.moe import Tiles, moe_experts_shared_triton, run_experts, sort_pairs, tile_smem
 
 
 def _case(seed: int, t: int, e: int, d: int, i: int, k: int, device: str) -> dict:
@@ -206,7 +206,10 @@ def test_p8_cuda_graph_replay(p8_case: dict) -> None:
 # --- offline compile for the H200 --------------------------------------------------------------
 
 # (bm, bn, bk, group_m, warps, stages, half) of choose_tiles' decode and prefill tiles at P8 widths
+# (narrow: the T = 1 tiles at 4 stages, and at 3 as ``_one_wave`` picks them with the fold)
 _P8_TILES = {"decode": ((16, 128, 128, 1, 4, 3, False), (16, 128, 128, 1, 4, 3, False)),
+             "narrow4": ((16, 32, 128, 1, 4, 4, False), (16, 32, 128, 1, 4, 4, False)),
+             "narrow3": ((16, 32, 128, 1, 4, 3, False), (16, 32, 128, 1, 4, 3, False)),
              "prefill": ((128, 128, 64, 16, 8, 3, True), (128, 256, 64, 8, 8, 4, True))}
 
 
@@ -225,8 +228,9 @@ def _compile_for_sm90(out_dir: str) -> None:
         aligned = {(n,): [["tt.divisibility", 16]] for n, a in enumerate(kernel.arg_names)
                    if signature[a].startswith("*") or a.startswith("stride") or a in ("N", "SPAN")}
         src = ASTSource(kernel, signature, constexprs=consts, attrs=aligned)
-        ptx = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
-        Path(out_dir, f"{name}.ptx").write_text(ptx)
+        compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        Path(out_dir, f"{name}.ptx").write_text(compiled.asm["ptx"])
+        Path(out_dir, f"{name}.smem").write_text(str(compiled.metadata.shared))
 
     bf16 = dict.fromkeys(("x_ptr", "w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "s1_ptr", "s3_ptr", "h_ptr", "w2_ptr",
                           "sw2_ptr", "s2_ptr", "y_ptr"), "*bf16")
@@ -253,7 +257,8 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
-@pytest.mark.parametrize("kernel", ["gate_up-decode", "down-decode", "gate_up-prefill", "down-prefill", "count", "place"])
+@pytest.mark.parametrize("kernel", ["gate_up-decode", "down-decode", "gate_up-narrow4", "down-narrow4", "gate_up-narrow3",
+                                    "down-narrow3", "gate_up-prefill", "down-prefill", "count", "place"])
 def test_kernels_compile_for_sm90_without_spills(kernel: str, shared: bool, sm90_ptx: Path) -> None:
     """Both variants compile for the H200 with no spills; the GEMMs on tensor cores. The shared
     variant selects a base pointer per block and should cost no more than a few registers."""
@@ -265,3 +270,15 @@ def test_kernels_compile_for_sm90_without_spills(kernel: str, shared: bool, sm90
         _, routed_registers, _ = ptxas_report((sm90_ptx / f"{kernel}-False.ptx").read_text())
         assert registers <= routed_registers + 16, f"{kernel}: {registers} registers, {routed_registers} without the shared expert"
     assert "griddepcontrol.wait" in ptx, "PDL (kernels/triton/pdl.py)"
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("kind", ["decode", "narrow4", "narrow3"])
+@pytest.mark.parametrize("kernel", ["gate_up", "down"])
+def test_decode_tiles_shared_memory_is_what_the_one_wave_rule_assumes(kernel: str, kind: str, sm90_ptx: Path) -> None:
+    """``moe.tile_smem`` (which sizes the narrow tiles' pipeline so that a launch is one wave)
+    against the compiler's figure for sm_90, bf16."""
+    gated = kernel == "gate_up"
+    tiles = Tiles(*_P8_TILES[kind][0 if gated else 1])
+    for shared in (False, True):
+        assert int((sm90_ptx / f"{kernel}-{kind}-{shared}.smem").read_text()) == tile_smem(tiles, gated), (kernel, kind, shared)

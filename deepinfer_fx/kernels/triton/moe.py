@@ -46,6 +46,11 @@ from .pdl import pdl_args
 
 # Decode grids below this many programs (about two per SM of an H200) get narrower tiles.
 _MIN_PROGRAMS = 256
+# H200 residency for the narrow tiles' one-wave rule: SMs, the shared memory of one SM, and the
+# 1 KiB of it the hardware reserves for each resident program.
+_SMS = 132
+_SMEM_PER_SM = 228 * 1024
+_SMEM_RESERVED = 1024
 # The pair sort: pairs per loop step, and at most this many programs.
 _SORT_CHUNK = 256
 _SORT_PROGRAMS = 64
@@ -69,16 +74,45 @@ def max_blocks(pairs: int, experts: int, bm: int) -> int:
     return min(pairs, (pairs + min(experts, pairs) * (bm - 1)) // bm)
 
 
-def choose_tiles(pairs: int, experts: int, n: int, k: int, gated: bool, qblock: int) -> Tiles:
+def tile_smem(t: Tiles, gated: bool, act_bytes: int = 2, w_bytes: int = 2) -> int:
+    """Shared memory of one GEMM program: Triton's software pipeline keeps ``stages - 1`` buffers
+    of the row tile and of the weight tile(s) (the sm_90 compile test checks this against the
+    compiler's own figure)."""
+    per_stage = t.bm * t.bk * act_bytes + (2 if gated else 1) * t.bk * t.bn * w_bytes
+    return (t.stages - 1) * per_stage
+
+
+def _one_wave(t: Tiles, programs: int, gated: bool, act_bytes: int, w_bytes: int) -> Tiles:
+    """``t`` with one stage fewer when that lets all ``programs`` be resident at once and ``t``
+    does not. At T = 1 with the shared expert folded in, the narrow tiles' 7 row blocks (6
+    routed, 1 shared) made 448 gate/up and 896 down programs, past the 396 and 792 an H200 holds
+    at 4 stages (3 and 6 a SM, by shared memory), and both kernels ran a second, nearly empty
+    wave: 39 % and 46 % slower for 17 % more bytes (``bench/results/shared_fused_ab_s10.json``).
+    At 3 stages 5 and 9 programs fit a SM, one wave. (Derived from the occupancy; the decode
+    sweep of ``bench/moe_kernel.py --sweep 1 --shared`` times it.)"""
+    def fits(c: Tiles) -> bool:
+        return programs <= _SMS * (_SMEM_PER_SM // (tile_smem(c, gated, act_bytes, w_bytes) + _SMEM_RESERVED))
+
+    shallower = t._replace(stages=t.stages - 1)
+    return shallower if not fits(t) and fits(shallower) else t
+
+
+def choose_tiles(pairs: int, experts: int, n: int, k: int, gated: bool, qblock: int,
+                 act_bytes: int = 2, w_bytes: int = 2) -> Tiles:
     """Tiles for the expert GEMM ``[rows, k] x [k, n]`` over ``pairs`` rows (``gated``: the
-    two-weight gate/up one); ``qblock`` > 0 caps the k tile at the fp8 scale block."""
+    two-weight gate/up one); ``qblock`` > 0 caps the k tile at the fp8 scale block. The element
+    sizes of the rows and the weights only size the narrow tiles' pipeline (``_one_wave``); the
+    k tile never depends on them or on the row count, so every row sums its products in one
+    order whatever the batch."""
     rows_per_expert = pairs / min(experts, pairs)
+    narrow = False
     # Measured on an H200 at P8 widths (D 4096, I 2048): the decode tiles stream weights at
     # 4.2-4.4 TB/s from T = 8 to 256; the prefill ones reach ~460 TFLOP/s at T = 4096.
     if rows_per_expert <= 16:
         t = Tiles(16, 128, 128, 1, 4, 3)
         if max_blocks(pairs, experts, 16) * triton.cdiv(n, 128) < _MIN_PROGRAMS:
             t = Tiles(16, 32, 128, 1, 4, 4)  # few rows (T = 1): narrow tiles keep every SM streaming
+            narrow = True
     elif rows_per_expert <= 64:
         t = Tiles(32, 128, 128, 4, 4, 3)
     else:
@@ -89,7 +123,10 @@ def choose_tiles(pairs: int, experts: int, n: int, k: int, gated: bool, qblock: 
         bk = min(bk, qblock & -qblock)  # the largest power of two dividing the block
         if bk < 16:
             raise ValueError(f"fp8 scale block {qblock} must be a multiple of 16")
-    return t._replace(bn=bn, bk=bk)
+    t = t._replace(bn=bn, bk=bk)
+    if narrow:
+        t = _one_wave(t, max_blocks(pairs, experts, t.bm) * triton.cdiv(n, t.bn), gated, act_bytes, w_bytes)
+    return t
 
 
 def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +211,8 @@ def run_experts(
     pdl = pdl_args(x.device)
 
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
-    g = tiles[0] if tiles else choose_tiles(p, experts, inter, dim, True, qblock if fp8 else 0)
+    sizes = (x.element_size(), w1.element_size())
+    g = tiles[0] if tiles else choose_tiles(p, experts, inter, dim, True, qblock if fp8 else 0, *sizes)
     n_blocks = max_blocks(p, experts, g.bm)
     gate_up_kernel[(n_blocks * triton.cdiv(inter, g.bn),)](
         x, w1, w3, sw1, sw3, s1, s3, h, pairs, rw, ends,
@@ -186,7 +224,7 @@ def run_experts(
     )
 
     y = torch.empty(p, dim, dtype=x.dtype, device=x.device)
-    d = tiles[1] if tiles else choose_tiles(p, experts, dim, inter, False, qblock if fp8 else 0)
+    d = tiles[1] if tiles else choose_tiles(p, experts, dim, inter, False, qblock if fp8 else 0, *sizes)
     n_blocks = max_blocks(p, experts, d.bm)
     down_kernel[(n_blocks * triton.cdiv(dim, d.bn),)](
         h, w2, sw2, s2, y, pairs, ends,
