@@ -25,7 +25,7 @@ import pytest
 import torch
 import triton
 
-from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.compressor import pool_windows
 from deepinfer_fx.kernels.triton.compressor import (
@@ -301,19 +301,11 @@ def _compile_for_sm90(out_dir: str) -> None:
     are interpreted ones, which its compiler cannot inline. The signatures are what a launch
     specialises on: contiguous fp32 rows (unit channel strides become constants; the others,
     multiples of 16, aligned), a bf16 norm weight, 16-byte aligned pointers."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
     pointers = {"slots_ptr": "*i64", "starts_ptr": "*i64", "lens_ptr": "*i64", "norm_ptr": "*bf16", "w_ptr": "*i64",
                 "done_ptr": "*u8", "eps": "fp32"}
 
     def ptx(fn: triton.runtime.jit.JITFunction, constants: dict, num_warps: int) -> str:
-        signature = {a: "constexpr" if a in constants else pointers.get(a, "*fp32" if a.endswith("_ptr") else "i32")
-                     for a in fn.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                   if signature[a].startswith("*") or (a.startswith("s_") and a not in constants)}
-        src = ASTSource(fn, signature, constexprs=constants, attrs=aligned)
-        return triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+        return compile_sm90(fn, pointers, constants, lambda a: a.startswith("s_"), num_warps=num_warps).asm["ptx"]
 
     for name, (dim, ratio, overlap, gated) in SM90_CASES.items():
         halves = 2 if overlap else 1

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.compressor import visible_entries
 from deepinfer_fx.graphs.indexer import index_scores, score_topk
@@ -276,9 +276,6 @@ def _compile_for_sm90(out_dir: str) -> None:
     """PTX of the scoring kernel for sm_90 at the model's sizes (Hi 64, di 128, bf16), keys
     gathered per chunk and read from a pool by slot, into ``out_dir`` (run in a child process
     without the interpreter, see ``sm90_ptxas.compile_in_subprocess``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
     from deepinfer_fx.kernels.triton.indexer import _BLOCK_M, _BLOCK_N, _NUM_WARPS, _scores_kernel
 
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "slot_ptr": "*i64", "w_ptr": "*fp32", "v_ptr": "*u8", "out_ptr": "*fp32",
@@ -288,10 +285,8 @@ def _compile_for_sm90(out_dir: str) -> None:
                   "DOT_FP32": False, "HAS_SLOTS": has_slots, "PDL": True}
         if not has_slots:
             consts["slot_ptr"] = None
-        signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in _scores_kernel.arg_names}
-        src = ASTSource(_scores_kernel, signature, constexprs=consts)
-        ptx = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": _NUM_WARPS}).asm["ptx"]
-        Path(out_dir, f"scores-{has_slots}.ptx").write_text(ptx)
+        kernel = compile_sm90(_scores_kernel, types, consts, align_pointers=False, num_warps=_NUM_WARPS)
+        Path(out_dir, f"scores-{has_slots}.ptx").write_text(kernel.asm["ptx"])
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import torch
 import triton
 
 from linear_helpers import DTYPES, GROUP_WEIGHTS, MODEL_WEIGHTS, assert_close, cuda_only, fresh_seed, live_counters, operands, reference
-from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.kernels.triton import linear
 from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
@@ -243,9 +243,6 @@ def _compile_for_sm90(out_dir: str) -> None:
     cannot build IR. The signature is what a launch specialises on: contiguous bf16 operands
     (unit k strides become constants; N and the row strides, multiples of 16, aligned), 16-byte
     aligned pointers, M and the workspace's split stride left unspecialised."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
     fn = linear._skinny_kernel
     for ns, k in [((n,), k) for n, k in MODEL_WEIGHTS] + GROUP_WEIGHTS:
         t = choose_tiles(sum(ns), k)
@@ -263,15 +260,7 @@ def _compile_for_sm90(out_dir: str) -> None:
         for out in ("bf16", "fp32"):
             pointers = {"x_ptr": "*bf16", "w_ptrs": ("*bf16",) * len(ns), "out_ptrs": (f"*{out}",) * len(ns),
                         "ws_ptr": "*fp32", "count_ptr": "*i32"}
-            signature = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
-            aligned = {}
-            for i, a in enumerate(fn.arg_names):
-                if isinstance(signature[a], tuple):
-                    aligned |= {(i, j): [["tt.divisibility", 16]] for j in range(len(signature[a]))}
-                elif signature[a].startswith("*") or a in ("stride_xm", "stride_wn"):
-                    aligned[(i,)] = [["tt.divisibility", 16]]
-            src = ASTSource(fn, signature, constexprs=consts, attrs=aligned)
-            kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps, "num_stages": t.stages})
+            kernel = compile_sm90(fn, pointers, consts, ["stride_xm", "stride_wn"], num_warps=t.warps, num_stages=t.stages)
             Path(out_dir, f"{'+'.join(map(str, ns))}x{k}-{out}.ptx").write_text(kernel.asm["ptx"])
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import triton
 
-from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.mhc import mhc_site
 from deepinfer_fx.kernels.triton.mhc import _mhc_dots_kernel, _mhc_finish_kernel, launch_config, mhc_site_triton
@@ -214,18 +214,10 @@ def _compile_for_sm90(out_dir: str) -> None:
     interpreter: under it Triton's library functions (tl.sum, tl.sigmoid) and the shared
     Sinkhorn helper are interpreted ones, which its compiler cannot inline. Pointers and row
     strides are 16-byte aligned, as at a real launch."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
     types = {"x_ptr": "*bf16", "u_ptr": "*bf16", "rms_eps": "fp32", "hc_eps": "fp32"}
 
     def ptx(fn: triton.runtime.jit.JITFunction, constants: dict, num_warps: int) -> str:
-        signature = {a: "constexpr" if a in constants else types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
-                     for a in fn.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                   if signature[a].startswith("*") or a == "stride_xt"}
-        src = ASTSource(fn, signature, constexprs=constants, attrs=aligned)
-        return triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+        return compile_sm90(fn, types, constants, ["stride_xt"], num_warps=num_warps).asm["ptx"]
 
     n, d = 4, 4096
     for bf16 in (False, True):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.moe import experts_with_shared
 from deepinfer_fx.kernels.triton.moe import Tiles, moe_experts_shared_triton, run_experts, sort_pairs, tile_smem
@@ -218,17 +218,11 @@ def _compile_for_sm90(out_dir: str) -> None:
     of the pair sort, with and without the shared expert, into ``out_dir`` (run in a child
     process without the interpreter, see ``sm90_ptxas.compile_in_subprocess``). Pointers,
     strides and widths carry the 16-divisibility a real launch at these sizes specialises on."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
     from deepinfer_fx.kernels.triton.moe_kernels import count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel
 
     def emit(kernel, name: str, types: dict, consts: dict, warps: int, stages: int) -> None:
-        signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in kernel.arg_names}
-        aligned = {(n,): [["tt.divisibility", 16]] for n, a in enumerate(kernel.arg_names)
-                   if signature[a].startswith("*") or a.startswith("stride") or a in ("N", "SPAN")}
-        src = ASTSource(kernel, signature, constexprs=consts, attrs=aligned)
-        compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        compiled = compile_sm90(kernel, types, consts, lambda a: a.startswith("stride") or a in ("N", "SPAN"),
+                                num_warps=warps, num_stages=stages)
         Path(out_dir, f"{name}.ptx").write_text(compiled.asm["ptx"])
         Path(out_dir, f"{name}.smem").write_text(str(compiled.metadata.shared))
 

@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile as triton_compile
 
-from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.rope import _inv_freq, apply_rope, cos_sin
 from deepinfer_fx.kernels.triton.rope import _rope_kernel, launch_config, rope_triton_
@@ -161,12 +159,8 @@ def _compile_for_sm90(out_dir: str) -> None:
     for d, dtype, inverse in SM90_CASES:
         cfg = launch_config(4096 * 64, 32)
         num_warps = cfg.pop("num_warps")
-        signature = {"x_ptr": f"*{dtype}", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "n_rows": "i32", "heads": "i32", "stride_x": "i32"}
         constants = {"D": d, "HALF": 32, "INVERSE": inverse, "PDL": True, **cfg}
-        signature |= dict.fromkeys(constants, "constexpr")
-        aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5)}
-        kernel = triton_compile(ASTSource(_rope_kernel, signature, constexprs=constants, attrs=aligned),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        kernel = compile_sm90(_rope_kernel, {"x_ptr": f"*{dtype}"}, constants, ["stride_x"], num_warps=num_warps)
         Path(out_dir, f"{d}-{dtype}-{inverse}.ptx").write_text(kernel.asm["ptx"])
         Path(out_dir, f"{d}-{dtype}-{inverse}.shared").write_text(str(kernel.metadata.shared))
 

@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile as triton_compile
 
-from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.config import Yarn
 from deepinfer_fx.graphs.rope import _inv_freq, cos_sin
@@ -137,12 +135,9 @@ def _compile_for_sm90(out_dir: str) -> None:
     for f, dtype in SM90_CASES:
         cfg = launch_config(4096, f)
         num_warps = cfg.pop("num_warps")
-        signature = {"pos_ptr": f"*{dtype}", "freq_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "n": "i32"}
-        constants = {"F": f, **cfg}
-        signature |= dict.fromkeys(constants, "constexpr")
-        aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}
-        kernel = triton_compile(ASTSource(_rope_table_kernel, signature, constexprs=constants, attrs=aligned),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "enable_fp_fusion": False})
+        # PDL on, as an H200 launch has it (pdl_args)
+        kernel = compile_sm90(_rope_table_kernel, {"pos_ptr": f"*{dtype}"}, {"F": f, "PDL": True, **cfg}, ["n"],
+                              num_warps=num_warps, enable_fp_fusion=False)
         Path(out_dir, f"{f}-{dtype}.ptx").write_text(kernel.asm["ptx"])
 
 
@@ -162,3 +157,4 @@ def test_rope_table_compiles_for_sm90_without_spills(f: int, dtype: str, sm90_pt
     assert "cos.approx" not in ptx and "sin.approx" not in ptx
     if f % 4 == 0:
         assert "st.global.v4" in ptx, "tables are written in 16-byte vectors"
+    assert "griddepcontrol.wait" in ptx, "PDL (kernels/triton/pdl.py)"

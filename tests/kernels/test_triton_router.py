@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile as triton_compile
 
-from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
+from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.moe import route_weights
 from deepinfer_fx.kernels.triton.router import _route_kernel, route_topk_triton
@@ -102,13 +100,10 @@ SM90_CASES = [(kind, hashed) for kind in (0, 1, 2) for hashed in (False, True)]
 
 def _compile_for_sm90(out_dir: str) -> None:
     """PTX of each score kind, learned and hashed, at P8's 64 experts and top-6."""
+    types = {"ids_ptr": "*i64", "idx_ptr": "*i64", "temp": "fp32", "scale": "fp32"}
     for kind, hashed in SM90_CASES:
-        signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "idx_ptr": "*i64", "w_ptr": "*fp32",
-                     "n_tokens": "i32", "stride_l": "i32", "stride_ids": "i32", "temp": "fp32", "scale": "fp32"}
         constants = {"E": 64, "EP": 64, "K": 6, "KP": 8, "KIND": kind, "HASHED": hashed, "NORM": True, "BT": 1, "PDL": True}
-        signature |= dict.fromkeys(constants, "constexpr")
-        kernel = triton_compile(ASTSource(_route_kernel, signature, constexprs=constants),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        kernel = compile_sm90(_route_kernel, types, constants, align_pointers=False, num_warps=1)
         Path(out_dir, f"{kind}-{hashed}.ptx").write_text(kernel.asm["ptx"])
 
 
