@@ -88,8 +88,9 @@ def _one_wave(t: Tiles, programs: int, gated: bool, act_bytes: int, w_bytes: int
     routed, 1 shared) made 448 gate/up and 896 down programs, past the 396 and 792 an H200 holds
     at 4 stages (3 and 6 a SM, by shared memory), and both kernels ran a second, nearly empty
     wave: 39 % and 46 % slower for 17 % more bytes (``bench/results/shared_fused_ab_s10.json``).
-    At 3 stages 5 and 9 programs fit a SM, one wave. (Derived from the occupancy; the decode
-    sweep of ``bench/moe_kernel.py --sweep 1 --shared`` times it.)"""
+    At 3 stages 5 and 9 programs fit a SM, one wave: 102.8 -> 92.6 us (gate/up) and 102.3 ->
+    92.6 us (down), as fast as any tile of the sweep (``bench/moe_kernel.py --sweep 1 --shared``,
+    ``bench/results/moe_tile_sweep_t1_shared_s11.json``)."""
     def fits(c: Tiles) -> bool:
         return programs <= _SMS * (_SMEM_PER_SM // (tile_smem(c, gated, act_bytes, w_bytes) + _SMEM_RESERVED))
 
