@@ -21,7 +21,7 @@ from .compressor import compress, visible_entries
 from .swap import swappable
 from .csa2 import csa2_entries
 from .indexer import select_entries
-from .norm import linear, rms_norm
+from .norm import linear, project_blocks, rms_norm
 from .rope import apply_rope, cos_sin, inv_freq
 from .window import window_bias, window_keys
 
@@ -54,11 +54,7 @@ def _mqa_rows(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: tor
 def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
     """o ``[T, H, d]`` -> heads split in ``groups`` contiguous groups, each projected by its own
     block of ``wo_a`` ``[G * r, (H/G) * d]``, then mixed by ``wo_b``."""
-    t = o.shape[0]
-    og = o.reshape(t, groups, -1)
-    wa = wo_a.to(o.dtype).unflatten(0, (groups, -1))
-    z = torch.einsum("tgi,gri->tgr", og, wa).reshape(t, -1)
-    return linear(z, wo_b)
+    return linear(project_blocks(o.flatten(-2), wo_a, groups), wo_b)
 
 
 def query(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

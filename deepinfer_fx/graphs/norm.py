@@ -45,3 +45,15 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` accumulated and returned in fp32: the router, compressor and indexer-weight
     projections and the LM head."""
     return project(x, w, True)
+
+
+@swappable
+def project_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``x`` ``[..., G*K]`` times a block-diagonal weight, in x's dtype: its ``G`` blocks are the
+    row blocks of ``w`` ``[G*R, K]``, so output block g ``[..., R]`` is input block g times
+    ``w[g*R:(g+1)*R].T``. The grouped output projection ``wo_a`` (each group of heads has its
+    own low-rank map); one place (``norm.project_blocks``) where a decode GEMV stands in for
+    the batched matmul (``passes/swaps.py``)."""
+    xb = x.unflatten(-1, (blocks, -1))
+    wb = w.to(x.dtype).unflatten(0, (blocks, -1))
+    return torch.einsum("...gi,gri->...gr", xb, wb).flatten(-2)

@@ -8,7 +8,12 @@ the reference calls that function, so the two cannot drift. The Triton kernel
 (``kernels/triton/linear.py``) is batch-invariant: row m's result does not depend on M or on
 the other rows.
 
-``decode_sized`` is the domain the kernel is built for; the ``skinny_linear_kernel`` swap
+``deepinfer::skinny_linear_blocks`` is ``graphs/norm.py::project_blocks`` (a block-diagonal
+weight stored as its stacked blocks: the grouped output projection ``wo_a``) on the same
+kernel, each column tile reading its block's slice of x: at decode the batched matmul it
+replaces is a cuBLAS launch that PDL cannot chain to.
+
+``decode_sized`` is the domain the kernels are built for; the ``skinny_linear_kernel`` swap
 (``passes/swaps.py``) routes only such calls through the op and leaves the rest to the
 reference's GEMM.
 
@@ -19,7 +24,7 @@ import math
 
 import torch
 
-from ..graphs.norm import project
+from ..graphs.norm import project, project_blocks
 from .ops import NAMESPACE
 
 # Rows up to which a call counts as decode-sized. Measured on the H200 at P8 widths
@@ -67,3 +72,15 @@ def _skinny_linear_group_fake(x: torch.Tensor, ws: list[torch.Tensor], out_fp32:
 @skinny_linear.register_fake
 def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::skinny_linear_blocks", mutates_args=())
+def skinny_linear_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+    """x ``[M, G*K]`` times the block-diagonal weight of w's ``G`` row blocks (w ``[G*R, K]``) ->
+    ``[M, G*R]`` in x's dtype: ``graphs/norm.py::project_blocks`` (the grouped ``wo_a``)."""
+    return project_blocks.reference(x, w, blocks)  # type: ignore[attr-defined]
+
+
+@skinny_linear_blocks.register_fake
+def _skinny_linear_blocks_fake(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])

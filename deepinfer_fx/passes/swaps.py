@@ -28,12 +28,12 @@ from ..graphs.compressor import pool_windows
 from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import mhc_site, sinkhorn
 from ..graphs.moe import EXPERT_WEIGHTS, expert_parallel, experts_with_shared, fp8_held, route_weights, routed_experts
-from ..graphs.norm import project
+from ..graphs.norm import project, project_blocks
 from ..graphs.params import scale_path
 from ..graphs.rope import apply_rope, cos_sin
 from ..graphs.swap import active
 from ..io.quant import fp8_block_of
-from ..kernels.ops_linear import decode_sized
+from ..kernels.ops_linear import ALIGN, decode_sized
 from .manager import GraphPass, register_pass
 
 _SERVED: frozenset[str] = frozenset({"cpu", "nvidia"})  # Ascend has no kernels for these yet
@@ -218,6 +218,28 @@ class SkinnyLinearSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return _project
+
+
+def _project_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+    # each block's rows aligned as well, so that a column tile never straddles two blocks
+    if not decode_sized(x, w) or (w.shape[0] // blocks) % ALIGN:
+        return project_blocks.reference(x, w, blocks)  # type: ignore[attr-defined]
+    y = torch.ops.deepinfer.skinny_linear_blocks(x.reshape(-1, x.shape[-1]), w, blocks)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+@register_pass
+class SkinnyBlocksSwap(KernelSwap):
+    """``norm.project_blocks`` (the grouped ``wo_a``) => ``deepinfer.skinny_linear_blocks`` for
+    decode-sized calls: the skinny GEMV over the stacked blocks, where the reference's batched
+    matmul was a cuBLAS launch that ends the PDL chain before and after it (twice a layer)."""
+
+    name: ClassVar[str] = "skinny_linear_blocks_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "norm.project_blocks", "skinny_linear_blocks"
+
+    def replacement(self) -> Callable[..., Any]:
+        return _project_blocks
 
 
 # Fewer positions than this (decode) keep the inline tables: recomputing a few thousand

@@ -1,21 +1,23 @@
 """The ``skinny_linear_kernel`` swap: decode-sized ``linear`` / ``linear_fp32`` calls become one
 ``deepinfer::skinny_linear`` node each, every other call traces the reference GEMM, and the
-compiled function equals the eager one on CPU (where the op runs its reference)."""
+compiled function equals the eager one on CPU (where the op runs its reference). Likewise the
+``skinny_linear_blocks_kernel`` swap for the grouped ``project_blocks``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepinfer_fx.graphs.norm import linear, linear_fp32, project
+from deepinfer_fx.graphs.norm import linear, linear_fp32, project, project_blocks
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.kernels.ops_linear import MAX_ROWS, decode_sized
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
-from deepinfer_fx.passes.swaps import SkinnyLinearSwap
+from deepinfer_fx.passes.swaps import SkinnyBlocksSwap, SkinnyLinearSwap
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 SWAP = SkinnyLinearSwap.name
+BLOCKS = SkinnyBlocksSwap.name
 BF16 = torch.bfloat16
 
 
@@ -81,3 +83,35 @@ def test_compiled_swap_equals_eager(enabled: bool) -> None:
     assert len(be.graphs) == 1 and be.rewrites().get(SWAP, 0) == 3 * int(enabled), f"seed={seed}"
     assert (SWAP in be.pipeline.names) == enabled
     assert project.place == SkinnyLinearSwap.place  # type: ignore[attr-defined]
+
+
+def grouped(o: torch.Tensor, wa: torch.Tensor, big: torch.Tensor, odd: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``project_blocks`` as ``attention.grouped_output`` calls it (4 groups): decode-sized on 2-D
+    and 3-D rows, then too many rows and a block of 8 rows (weight N = 32, but R = 8 is no
+    multiple of 16: the op would refuse it, so the swap must keep the reference)."""
+    return (project_blocks(o, wa, 4), project_blocks(o.view(2, 2, -1), wa, 4), project_blocks(big, wa, 4),
+            project_blocks(o, odd, 4))
+
+
+def _grouped_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(4, 4 * 32, generator=g).to(BF16), (torch.randn(4 * 16, 32, generator=g) / 32**0.5).to(BF16),
+            torch.randn(MAX_ROWS + 1, 4 * 32, generator=g).to(BF16), (torch.randn(4 * 8, 32, generator=g) / 32**0.5).to(BF16))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_blocks_swap_compiled_equals_eager(enabled: bool) -> None:
+    """The grouped projection: decode-sized calls become ``deepinfer.skinny_linear_blocks``
+    nodes (two), the rest trace the reference; compiled == eager on CPU."""
+    seed = _seed()
+    args = _grouped_inputs(seed)
+    be = make_backend("cpu", disabled=() if enabled else (BLOCKS,), environ={})
+    compiled = compile_graph(grouped, be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()):
+        got = compiled(*args)
+    want = grouped(*args)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"seed={seed} output {i}"
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed} output {i}: {m}")
+    assert len(be.graphs) == 1 and be.rewrites().get(BLOCKS, 0) == 2 * int(enabled), f"seed={seed} {be.rewrites()}"
+    assert project_blocks.place == SkinnyBlocksSwap.place  # type: ignore[attr-defined]

@@ -237,6 +237,14 @@ def test_one_launch_per_call(n: int, k: int) -> None:
 # --- offline compile for the H200 --------------------------------------------------------------
 
 
+# (weights' N, K, X_BLOCK_N): each P8 weight, each group, and wo_a as stacked diagonal blocks.
+SM90_CASES = [((n,), k, 0) for n, k in MODEL_WEIGHTS] + [(ns, k, 0) for ns, k in GROUP_WEIGHTS] + [((8192,), 4096, 1024)]
+
+
+def _case_name(ns: tuple[int, ...], k: int, x_block_n: int) -> str:
+    return f"{'+'.join(map(str, ns))}x{k}" + (f"-blocks{x_block_n}" if x_block_n else "")
+
+
 def _compile_for_sm90(out_dir: str) -> None:
     """PTX for sm_90 of the kernel at every MODEL_WEIGHTS size, bf16 and fp32 results, into
     ``out_dir``. Runs in a child process without the interpreter, under which Triton's compiler
@@ -244,7 +252,7 @@ def _compile_for_sm90(out_dir: str) -> None:
     (unit k strides become constants; N and the row strides, multiples of 16, aligned), 16-byte
     aligned pointers, M and the workspace's split stride left unspecialised."""
     fn = linear._skinny_kernel
-    for ns, k in [((n,), k) for n, k in MODEL_WEIGHTS] + GROUP_WEIGHTS:
+    for ns, k, x_block_n in SM90_CASES:
         t = choose_tiles(sum(ns), k)
         bounds = _split_bounds(k, t)
         tile0 = [0]
@@ -253,7 +261,7 @@ def _compile_for_sm90(out_dir: str) -> None:
         consts = {"stride_xk": 1, "stride_wk": 1, "K": k, "K_SPLIT": bounds[1], "SPLITS": len(bounds) - 1,
                   "BM": BM, "BN": t.bn, "BK": t.bk, "EVEN": all(n % t.bn == 0 for n in ns), "PREC": "tf32",
                   "NS": ns, "TILE0": tuple(tile0[:-1]), "COL0": tuple(sum(ns[:g]) for g in range(len(ns))), "N_ALL": sum(ns),
-                  "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // 64)), "LINE": 64,
+                  "X_BLOCK_N": x_block_n, "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // 64)), "LINE": 64,
                   "PDL": True}
         if len(bounds) == 2:
             consts |= {"ws_ptr": None, "count_ptr": None}
@@ -261,7 +269,7 @@ def _compile_for_sm90(out_dir: str) -> None:
             pointers = {"x_ptr": "*bf16", "w_ptrs": ("*bf16",) * len(ns), "out_ptrs": (f"*{out}",) * len(ns),
                         "ws_ptr": "*fp32", "count_ptr": "*i32"}
             kernel = compile_sm90(fn, pointers, consts, ["stride_xm", "stride_wn"], num_warps=t.warps, num_stages=t.stages)
-            Path(out_dir, f"{'+'.join(map(str, ns))}x{k}-{out}.ptx").write_text(kernel.asm["ptx"])
+            Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}.ptx").write_text(kernel.asm["ptx"])
 
 
 @pytest.fixture(scope="module")
@@ -271,13 +279,13 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("out", ["bf16", "fp32"])
-@pytest.mark.parametrize("ns,k", [((n,), k) for n, k in MODEL_WEIGHTS] + GROUP_WEIGHTS, ids=str)
-def test_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, out: str, sm90_ptx: Path) -> None:
+@pytest.mark.parametrize("ns,k,x_block_n", SM90_CASES, ids=str)
+def test_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, x_block_n: int, out: str, sm90_ptx: Path) -> None:
     """No spills, and at most 128 registers (four warps: several programs per SM). With split K:
     one gpu-scope acq_rel atomic, issued after a barrier that follows every partial store, and
     the partials read back through L2 (``ld.global.cg``); with one split, neither. With PDL: L2
     prefetches of weight, then the wait, and only then any load; the release after the wait."""
-    ptx = (sm90_ptx / f"{'+'.join(map(str, ns))}x{k}-{out}.ptx").read_text()
+    ptx = (sm90_ptx / f"{_case_name(ns, k, x_block_n)}-{out}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, log
     lines = [line.strip() for line in ptx.splitlines()]

@@ -78,7 +78,7 @@ def _skinny_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk,
     K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
-    NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr,
+    NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr, X_BLOCK_N: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
 ):
     """out_g[rows, cols] = x[rows, :] @ w_g[cols, :].T with fp32 accumulation, stored in out's
@@ -92,7 +92,9 @@ def _skinny_kernel(
     row blocks so that the blocks sharing a weight tile run side by side and all but the first
     read it from L2. With PDL, each program first asks L2 for ``PREFETCH_LINES`` cache lines
     (``LINE`` elements each) of every weight row it will read, from the start of its k range:
-    nothing it reads before the wait is written by an earlier kernel."""
+    nothing it reads before the wait is written by an earlier kernel. With ``X_BLOCK_N`` > 0 the
+    (single) weight is the stack of a block-diagonal one's blocks, ``X_BLOCK_N`` rows each, and
+    column tiles of block b read x's columns ``[b*K, (b+1)*K)``; BN divides ``X_BLOCK_N``."""
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -110,6 +112,8 @@ def _skinny_kernel(
                 n = tile_n * 0 + NS[g]
                 first = tile_n * 0 + TILE0[g]
                 col0 = tile_n * 0 + COL0[g]
+    if X_BLOCK_N > 0:
+        x_ptr += ((tile_n - first) * BN // X_BLOCK_N).to(tl.int64) * K * stride_xk
     rows = tile_m * BM + tl.arange(0, BM)
     cols = (tile_n - first) * BN + tl.arange(0, BN)
     offs_k = split * K_SPLIT + tl.arange(0, BK)
@@ -209,18 +213,39 @@ def skinny_linear_group_triton(x: torch.Tensor, ws: Sequence[torch.Tensor], out_
     if x.dim() != 2 or any(w.dim() != 2 or w.shape[1] != x.shape[1] for w in ws):
         shapes = ", ".join(str(tuple(w.shape)) for w in ws)
         raise ValueError(f"skinny_linear: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {shapes}")
+    return _launch(x, ws, out_fp32, tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1]))
+
+
+def skinny_linear_blocks_triton(x: torch.Tensor, w: torch.Tensor, blocks: int, tiles: Tiles | None = None) -> torch.Tensor:
+    """``deepinfer::skinny_linear_blocks``: x ``[M, G*K]`` times the block-diagonal weight whose
+    G blocks are the row blocks of w ``[G*R, K]`` -> ``[M, G*R]`` in x's dtype
+    (``graphs/norm.py::project_blocks``), in one launch: the whole of w streams as one weight,
+    each column tile reading its block's slice of x. The column tile is narrowed to divide R."""
+    if x.dim() != 2 or w.dim() != 2 or blocks < 1 or w.shape[0] % blocks or x.shape[1] != blocks * w.shape[1]:
+        raise ValueError(f"skinny_linear_blocks: x [M, G*K] and w [G*R, K] with G = {blocks} expected, "
+                         f"got {tuple(x.shape)} and {tuple(w.shape)}")
+    r, k = w.shape[0] // blocks, w.shape[1]
+    t = tiles or choose_tiles(w.shape[0], k)
+    bn = min(t.bn, r & -r)  # the largest power of two dividing R: no tile straddles two blocks
+    if bn < 16:
+        raise ValueError(f"skinny_linear_blocks: {r} rows a block; a multiple of 16 is needed (the smallest column tile)")
+    return _launch(x, [w], False, t._replace(bn=bn), x_block_n=r)[0]
+
+
+def _launch(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tiles, x_block_n: int = 0) -> list[torch.Tensor]:
+    """One ``_skinny_kernel`` launch over the weights ``ws`` (shapes checked by the caller), each
+    reading x's first K columns, or with ``x_block_n`` its block's (``skinny_linear_blocks``)."""
     if any(w.dtype != x.dtype for w in ws):
         raise ValueError(f"skinny_linear: x and w must share a dtype, got {x.dtype} and {[w.dtype for w in ws]}")
     if any(w.stride() != ws[0].stride() for w in ws):
         raise ValueError(f"skinny_linear_group: the weights must share a layout, got strides {[w.stride() for w in ws]}")
-    m, k = x.shape
+    m, k = x.shape[0], ws[0].shape[1]
     ns = tuple(w.shape[0] for w in ws)
     outs = [torch.empty(m, n, dtype=torch.float32 if out_fp32 else x.dtype, device=x.device) for n in ns]
     if m == 0 or sum(ns) == 0:
         return outs
     if k == 0:
         return [o.zero_() for o in outs]
-    t = tiles or choose_tiles(sum(ns), k)
     k_split = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
     splits = triton.cdiv(k, k_split)
     tile0 = tuple(itertools.accumulate((triton.cdiv(n, t.bn) for n in ns), initial=0))
@@ -236,7 +261,7 @@ def skinny_linear_group_triton(x: torch.Tensor, ws: Sequence[torch.Tensor], out_
         x.stride(0), x.stride(1), ws[0].stride(0), ws[0].stride(1),
         K=k, K_SPLIT=k_split, SPLITS=splits, BM=BM, BN=t.bn, BK=t.bk,
         EVEN=all(n % t.bn == 0 for n in ns) and k % k_split == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        NS=ns, TILE0=tile0[:-1], COL0=tuple(itertools.accumulate(ns[:-1], initial=0)), N_ALL=sum(ns),
+        NS=ns, TILE0=tile0[:-1], COL0=tuple(itertools.accumulate(ns[:-1], initial=0)), N_ALL=sum(ns), X_BLOCK_N=x_block_n,
         PREFETCH_LINES=lines if ws[0].stride(1) == 1 else 0, LINE=line,
         num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device),
     )
@@ -247,9 +272,14 @@ def _skinny_linear_cuda(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> tor
     return skinny_linear_triton(x, w, out_fp32)
 
 
+def _skinny_linear_blocks_cuda(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+    return skinny_linear_blocks_triton(x, w, blocks)
+
+
 def _skinny_linear_group_cuda(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
     return skinny_linear_group_triton(x, ws, out_fp32)
 
 
 torch.library.register_kernel("deepinfer::skinny_linear", "cuda", _skinny_linear_cuda)
 torch.library.register_kernel("deepinfer::skinny_linear_group", "cuda", _skinny_linear_group_cuda)
+torch.library.register_kernel("deepinfer::skinny_linear_blocks", "cuda", _skinny_linear_blocks_cuda)
