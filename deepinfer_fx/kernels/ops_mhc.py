@@ -10,6 +10,9 @@ The reference is the graphs function itself, followed by ``graphs/norm.py::rms_n
 ``norm_w`` is given: the model writes the norm after the site (``graphs/model.py::block``) and
 the ``mhc_norm_fusion`` pass (``passes/mhc_norm.py``) hands it to the op on the traced graph.
 
+``norm_w`` has no default: Inductor fills an op's defaults into the node it lowers and then
+asserts that the argument count did not change, so every call spells all nine out.
+
 No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
 
@@ -42,7 +45,7 @@ def mhc_site(
     hc_eps: float,
     iters: int,
     pre_in: Optional[torch.Tensor],
-    norm_w: Optional[torch.Tensor] = None,
+    norm_w: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """X ``[..., N, D]`` -> fp32 pre ``[..., N]``, post ``[..., N]``, comb ``[..., N, N]`` and the
     sublayer input ``[..., D]`` in X's dtype: the collapsed ``u``, or ``rms_norm(u, norm_w,
@@ -61,7 +64,7 @@ def _mhc_site_fake(
     hc_eps: float,
     iters: int,
     pre_in: Optional[torch.Tensor],
-    norm_w: Optional[torch.Tensor] = None,
+    norm_w: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     lead, n, d = X.shape[:-2], X.shape[-2], X.shape[-1]
     return (

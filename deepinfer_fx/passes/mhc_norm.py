@@ -37,10 +37,9 @@ def _site_of(x: object) -> torch.fx.Node | None:
         return None
     site = x.args[0]
     if not (isinstance(site, torch.fx.Node) and site.target is torch.ops.deepinfer.mhc_site.default
-            and len(site.args) >= _NORM_W and not site.kwargs):
+            and len(site.args) == _NORM_W + 1 and not site.kwargs):
         return None
-    args = site.args
-    return None if len(args) > _NORM_W and args[_NORM_W] is not None else site
+    return None if site.args[_NORM_W] is not None else site
 
 
 @register_pass
@@ -61,9 +60,7 @@ class MHCNormFusion(GraphPass):
             site = _site_of(x)
             if site is None or w is None or order.get(w, len(order)) >= order[site] or float(eps) != float(site.args[4]):
                 continue
-            args = list(site.args) + [None] * (_NORM_W + 1 - len(site.args))
-            args[_NORM_W] = w
-            site.args = tuple(args)
+            site.args = (*site.args[:_NORM_W], w)
             norm.replace_all_uses_with(x)
             graph.erase_node(norm)
             rewrites += 1

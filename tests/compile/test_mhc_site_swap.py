@@ -60,7 +60,7 @@ def test_op_is_the_graphs_function(lead: tuple[int, ...], with_pre: bool, with_n
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(*lead, N, D, generator=g)
     pre_in = torch.rand(*lead, N, generator=g) if with_pre else None
-    args = (X, *_site_params(g), RMS_EPS, HC_EPS, ITERS, pre_in, *([_norm_weight(g)] if with_norm else []))
+    args = (X, *_site_params(g), RMS_EPS, HC_EPS, ITERS, pre_in, _norm_weight(g) if with_norm else None)
     got, want = torch.ops.deepinfer.mhc_site(*args), mhc_site.reference(*args[:8])  # type: ignore[attr-defined]
     if with_norm:  # the sublayer input: the norm of the graphs function's collapse
         want = (*want[:3], rms_norm(want[3], args[8], RMS_EPS))
@@ -101,3 +101,21 @@ def test_compiled_sites_equal_eager(which: str, passes: str, with_norm: bool, to
     norms_left = sum(n.target is torch.ops.deepinfer.rms_norm.default for n in graph.nodes)
     assert norms_left == 2 * int(with_norm and not norm_fused), f"seed={seed}: {norms_left} RMSNorm nodes left"
     assert mhc_site.place == MHCSiteSwap.place  # type: ignore[attr-defined]
+
+
+def test_inductor_lowers_the_normed_site() -> None:
+    """Inductor (as the GPU pipeline runs it) lowers sites with and without a norm weight: it
+    fills an op's defaulted arguments in and then asserts that the count did not change, which
+    an op with a default for ``norm_w`` failed. Compiled == eager, norms inside the sites."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(3, N, D, generator=g)
+    w = torch.randn(D, D, generator=g) * D**-0.5
+    args = (X, _site_params(g), _site_params(g), w, None, (_norm_weight(g), None))
+    be = make_backend("cpu", environ={}, inductor=True)
+    compiled = compile_graph(_two_sites, be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()):
+        got = compiled(*args)
+    for a, b in zip(got, _two_sites(*args)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed={seed}: {m}")
+    assert be.rewrites().get(MHCNormFusion.name, 0) == 1 and be.rewrites().get(SWAP, 0) == 2, f"seed={seed}"

@@ -77,12 +77,14 @@ _BLOCK_D = 1024  # channels per launch-2 program
 _FINISH_WARPS = 1
 # Launch 2 with the norm holds a token's whole [N, next_power_of_2(D)] fp32 tile in one program.
 # sm_90 ptxas at P8 widths (N = 4, D = 4096, bf16), registers without / with pre_in: 2 warps
-# 168 / 127, 4 warps 78 / 55, 8 warps 48 / 38, none spilling. 8 warps (64 tile elements a
-# thread) leave the most warps resident per SM at prefill and the most loads in flight at
-# decode. The cost: sums over the splits' partials and over the row cross warps (16 barriers
-# in the PTX, one warp's launch 2 has at most one). Not timed yet: ``bench/mhc_kernel.py
-# --norm --sweep``.
-_NORM_ELEMS_PER_WARP = 2048
+# 168 / 127, 4 warps 78 / 55, 8 warps 48 / 38, none spilling. H200, us per site with the norm
+# at 1 / 8 / 64 / 4096 tokens (``bench/mhc_kernel.py --norm --sweep``,
+# ``bench/results/mhc_kernel_norm_s11.json``): 2 warps 11.5 / 12.4 / 13.1 / 150, 4 warps 11.4 /
+# 11.8 / 12.1 / 149, 8 warps 11.9 / 12.3 / 12.6 / 175, 16 warps 14.1 / 14.4 / 14.8 / 228; the
+# unfused site + RMSNorm kernel 10.6 / 11.4 / 11.9 / 174. So 4 warps (128 tile elements a
+# thread): alone the fused site is ~1 us slower at decode (one SM collapses the row, where four
+# did) and 25 us faster at 4096 tokens.
+_NORM_ELEMS_PER_WARP = 4096
 _MAX_NORM_WARPS = 16
 _MAX_N = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
