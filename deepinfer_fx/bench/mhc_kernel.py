@@ -1,6 +1,6 @@
 """One mHC site at P8 widths: the fused Triton op against what a compiled step runs without it.
 
-    python -m deepinfer_fx.bench.mhc_kernel --tokens 1,8,16,64,256,4096,16384 [--sweep] [--norm]
+    python -m deepinfer_fx.bench.mhc_kernel --tokens 1,8,16,64,256,4096,16384 [--sweep]
 
 X bf16 ``[T, 4, 4096]``, ``fn`` fp32 ``[24, 16384]``, 20 Sinkhorn rounds: the site up to the
 sublayer input (mixing GEMV, pre / post, Sinkhorn comb, collapse). Timed per token count, each
@@ -11,11 +11,6 @@ Reported: us per site, X read bandwidth of the Triton op (X bytes over its time)
 difference of ``u`` from the reference relative to its max. ``--sweep`` also times launch 1's
 tilings (``dots=`` of ``mhc_site_triton``) and launch 2's (``finish=``). These rows (the op
 faster at every size) are why the swap serves every site (``passes/swaps.py``).
-
-``--norm`` instead times the site with the sublayer's RMSNorm fused into launch 2 (what
-``model.block`` runs) against the unfused site followed by the RMSNorm kernel
-(``kernels/triton/norm.py``), with the largest difference in bf16 ulps; with ``--sweep``, the
-fused launch 2's warps.
 """
 
 from __future__ import annotations
@@ -26,33 +21,12 @@ import torch
 
 from ..graphs.mhc import mhc_site
 from ..kernels.triton.mhc import mhc_site_triton
-from ..kernels.triton.norm import rms_norm_triton
 from ..passes.compiler import compile_graph, make_backend
 from .p8 import P8, run_info, write_result
 from .timing import graph_ms
 
 _SWEEP = [{"BT": bt, "SPLITS": s, "num_warps": w} for bt in (16, 64) for s in (32, 64, 128) for w in (4, 8)]
 _SWEEP_FINISH = [{"BLOCK_D": b, "num_warps": w} for b in (128, 256, 512, 1024) for w in (1, 2, 4)]
-_SWEEP_NORM_WARPS = (2, 4, 8, 16)
-
-
-def _norm_row(site: tuple, norm_w: torch.Tensor, iters: int, sweep: bool) -> dict:
-    """The site with its sublayer norm fused against the site, then the RMSNorm kernel."""
-    eps = site[4]
-
-    def unfused() -> torch.Tensor:
-        return rms_norm_triton(mhc_site_triton(*site)[3], norm_w, eps)
-
-    fused, plain = mhc_site_triton(*site, norm_w)[3].float(), unfused().float()
-    _, exp = torch.frexp(plain)
-    ulps = ((fused - plain).abs() / torch.ldexp(torch.ones_like(plain), exp - 8)).max().item()
-    us = {"fused": graph_ms(lambda: mhc_site_triton(*site, norm_w), iters) * 1e3, "unfused": graph_ms(unfused, iters) * 1e3}
-    row = {f"{k}_us": round(v, 2) for k, v in us.items()}
-    row.update(fused_vs_unfused=round(us["unfused"] / us["fused"], 3), max_diff_bf16_ulps=ulps)
-    if sweep:
-        row["norm_warps_sweep_us"] = {w: round(graph_ms(lambda w=w: mhc_site_triton(*site, norm_w, finish={"num_warps": w}),
-                                                        iters) * 1e3, 2) for w in _SWEEP_NORM_WARPS}
-    return row
 
 
 @torch.no_grad()
@@ -61,7 +35,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", default="1,8,16,64,256,4096,16384")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time the launches' tilings")
-    ap.add_argument("--norm", action="store_true", help="time the site with the sublayer's RMSNorm fused against site + norm kernel")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     n, d = P8["hc_mult"], P8["hidden_size"]
@@ -70,17 +43,12 @@ def main(argv: list[str] | None = None) -> dict:
     m = 2 * n + n * n
     fn = torch.randn(m, n * d, device="cuda") * (n * d) ** -0.5
     base, scale = torch.randn(m, device="cuda"), 0.5 + torch.rand(3, device="cuda")
-    norm_w = (1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16)
     reference = mhc_site.reference  # type: ignore[attr-defined]
-    engine = None if args.norm else compile_graph(reference, make_backend("nvidia", disabled=("mhc_site_kernel",), inductor=True))
+    engine = compile_graph(reference, make_backend("nvidia", disabled=("mhc_site_kernel",), inductor=True))
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
         X = torch.randn(t, n, d, device="cuda", dtype=torch.bfloat16)
         site = (X, fn, base, scale, *consts, None)
-        if args.norm:
-            rows.append({"tokens": t, **_norm_row(site, norm_w, args.iters, args.sweep)})
-            print(rows[-1], flush=True)
-            continue
         want = reference(*site)[3].float()
         err = ((mhc_site_triton(*site)[3].float() - want).abs().max() / want.abs().max()).item()
         us = {name: graph_ms(lambda f=f: f(*site), args.iters) * 1e3
@@ -95,10 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
                 graph_ms(lambda c=cfg: mhc_site_triton(*site, finish=c), args.iters) * 1e3, 2) for cfg in _SWEEP_FINISH}
         rows.append(row)
         print(row, flush=True)
-    keys = ({"norm_warps_sweep_key": "num_warps"} if args.norm
-            else {"sweep_key": "BT/SPLITS/num_warps", "finish_sweep_key": "BLOCK_D/num_warps"})
-    result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16"}, **keys, "rows": rows}
-    write_result("mhc_kernel_norm_p8" if args.norm else "mhc_kernel_p8", result, args.out)
+    result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16"},
+              "sweep_key": "BT/SPLITS/num_warps", "finish_sweep_key": "BLOCK_D/num_warps", "rows": rows}
+    write_result("mhc_kernel_p8", result, args.out)
     return result
 
 

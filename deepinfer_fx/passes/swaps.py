@@ -318,13 +318,7 @@ class MHCSiteSwap(KernelSwap):
     place, op = "mhc.mhc_site", "mhc_site"
 
     def replacement(self) -> Callable[..., Any]:
-        return _mhc_site
-
-
-def _mhc_site(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float,
-              iters: int, pre_in: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    # no norm here: ``passes/mhc_norm.py`` gives a site its sublayer's norm on the traced graph
-    return torch.ops.deepinfer.mhc_site(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in, None)
+        return torch.ops.deepinfer.mhc_site
 
 
 def _route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,

@@ -27,11 +27,7 @@ partials of ``pre`` over the splits, scales them by ``r`` and collapses one bloc
 ``u[d] = sum_j c_j X[j, d]`` with ``c`` = ``pre_in`` or ``pre``; block 0 also forms and stores
 ``pre``, ``post`` and the Sinkhorn ``comb`` (an ``N x N`` tile in registers, ``sinkhorn.py``'s
 math). Every block recomputing ``pre`` (a few hundred partials read) is cheaper than a third
-launch, and spreads a decode token's collapse over several SMs instead of one. Given the
-sublayer's norm weight (``NORM``, grid ``(T, 1)``), one program takes the token's whole row:
-it rounds ``u`` to X's dtype as the reference does, then applies ``graphs/norm.py::rms_norm``
-(``w * (u * r)``, fp32 inside) before the one store, where the model ran a norm launch of its
-own after the site (16 a decode step).
+launch, and spreads a decode token's collapse over several SMs instead of one.
 
 Splits: ``KSPLIT`` aims at ``_SPLITS`` chunks of the ``N*D`` row, whole multiples of the ``BK``
 tile. A decode token spreads the 1.5 MiB of ``fn`` over that many programs, while a 4096-token
@@ -40,11 +36,10 @@ share each ``fn`` tile a program loads; padding rows compute zeros, which costs 
 issue but no memory. The bench ``python -m deepinfer_fx.bench.mhc_kernel --sweep`` times
 other values through ``dots=``.
 
-Batch invariance: ``BT``, the chunks, ``BLOCK_D`` and the warps depend only on N, D, the dtype
-and whether the norm is fused, a row's dot accumulates over k in the same order in whichever
-tile row it sits, and the split sums run in a fixed tree; so a token's outputs are
-bit-identical alone or in any batch. The launch configuration reads shapes only, so the
-launcher can run inside a CUDA graph.
+Batch invariance: ``BT``, the chunks and ``BLOCK_D`` depend on N, D and the dtype only, a row's dot
+accumulates over k in the same order in whichever tile row it sits, and the split sums run in
+a fixed tree; so a token's outputs are bit-identical alone or in any batch. The launch
+configuration reads shapes only, so the launcher can run inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -56,10 +51,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops_mhc import site_reference  # (importing it declares deepinfer::mhc_site before we register for it)
+from .. import ops_mhc  # noqa: F401  (declares deepinfer::mhc_site before we register for it)
+from ...graphs.mhc import mhc_site
 from .buffers import out_buffer
 from .sinkhorn import sinkhorn_tile
 from .pdl import pdl_args, wait_previous
+
+# The unswapped math, for stream counts the kernel does not tile (not a power of two).
+_reference = getattr(mhc_site, "reference", mhc_site)
 
 # Launch 1's tiling, from the H200 sweep at P8 widths (bf16 streams; us per site, 1 / 64 / 256 /
 # 4096 / 16384 tokens): BT 64, 64 splits, 4 warps: 10.9 / 12.0 / 15.4 / 156 / 601; BT 16, 32
@@ -75,17 +74,6 @@ _BLOCK_D = 1024  # channels per launch-2 program
 # 581; the Sinkhorn tile's row and column sums then stay inside one warp, and at prefill more
 # programs fit an SM. Narrower blocks were no faster at decode and slower at prefill.
 _FINISH_WARPS = 1
-# Launch 2 with the norm holds a token's whole [N, next_power_of_2(D)] fp32 tile in one program.
-# sm_90 ptxas at P8 widths (N = 4, D = 4096, bf16), registers without / with pre_in: 2 warps
-# 168 / 127, 4 warps 78 / 55, 8 warps 48 / 38, none spilling. H200, us per site with the norm
-# at 1 / 8 / 64 / 4096 tokens (``bench/mhc_kernel.py --norm --sweep``,
-# ``bench/results/mhc_kernel_norm_s11.json``): 2 warps 11.5 / 12.4 / 13.1 / 150, 4 warps 11.4 /
-# 11.8 / 12.1 / 149, 8 warps 11.9 / 12.3 / 12.6 / 175, 16 warps 14.1 / 14.4 / 14.8 / 228; the
-# unfused site + RMSNorm kernel 10.6 / 11.4 / 11.9 / 174. So 4 warps (128 tile elements a
-# thread): alone the fused site is ~1 us slower at decode (one SM collapses the row, where four
-# did) and 25 us faster at 4096 tokens.
-_NORM_ELEMS_PER_WARP = 4096
-_MAX_NORM_WARPS = 16
 _MAX_N = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -132,13 +120,11 @@ def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
 
 
 @triton.jit
-def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, norm_w_ptr, pre_ptr, post_ptr, comb_ptr, u_ptr,
+def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr, post_ptr, comb_ptr, u_ptr,
                        stride_xt, rms_eps, hc_eps,
                        N: tl.constexpr, D: tl.constexpr, KSPLIT: tl.constexpr, KS_BLOCK: tl.constexpr,
-                       ITERS: tl.constexpr, HAS_PRE_IN: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Token ``t``: coefficients from the partials, and channels ``d`` of its collapse (with
-    ``NORM``, all of them, RMS-normed with the weights at ``norm_w_ptr``)."""
+                       ITERS: tl.constexpr, HAS_PRE_IN: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Token ``t``: coefficients from the partials, and channels ``d`` of its collapse."""
     wait_previous(PDL)
     M: tl.constexpr = 2 * N + N * N
     t = tl.program_id(0).to(tl.int64)
@@ -169,40 +155,24 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, norm_w_
     d_ok = d < D
     x = tl.load(x_ptr + t * stride_xt + j[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)
     u = tl.sum(c[:, None] * x, axis=0)
-    # graphs/norm.py::rms_norm of u rounded to X's dtype, as the reference's u is; the padded
-    # channels loaded zeros and add nothing to the squares
-    if NORM:
-        uf = u.to(u_ptr.dtype.element_ty).to(tl.float32)
-        r_u = tl.math.rsqrt(tl.sum(uf * uf, axis=0) / D + rms_eps)
-        u = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0).to(tl.float32) * (uf * r_u)
     tl.store(u_ptr + t * D + d, u.to(u_ptr.dtype.element_ty), mask=d_ok)
 
 
 def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, int]] = None,
-                  finish: Optional[dict[str, int]] = None, norm: bool = False) -> dict[str, dict[str, int]]:
-    """Both launches' block constants and warps for N streams of D channels, the streams'
-    dtype and whether launch 2 applies the sublayer's norm (never T). ``dots`` overrides launch
-    1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``, ``finish`` launch 2's ``num_warps`` or,
-    without the norm (which needs a token's whole row in one program), its ``BLOCK_D`` (the
-    bench's sweeps)."""
+                  finish: Optional[dict[str, int]] = None) -> dict[str, dict[str, int]]:
+    """Both launches' block constants and warps for N streams of D channels and the streams'
+    dtype (never T). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``,
+    ``finish`` launch 2's ``BLOCK_D`` or ``num_warps`` (the bench's sweeps)."""
     o = {"BT": _BT if bf16 else _BT_FP32, "BK": _BK, "SPLITS": _SPLITS, "num_warps": 4, **(dots or {})}
     k = n * d
     chunk = o["BK"] * triton.cdiv(triton.cdiv(k, o["SPLITS"]), o["BK"])
     ksplit = triton.cdiv(k, chunk)
-    f = finish or {}
-    if norm:
-        if "BLOCK_D" in f:
-            raise ValueError("mhc_site: with the norm launch 2 takes a whole row; BLOCK_D cannot be set")
-        block_d = triton.next_power_of_2(d)
-        warps = f.get("num_warps", min(_MAX_NORM_WARPS, max(1, n * block_d // _NORM_ELEMS_PER_WARP)))
-    else:
-        block_d = min(f.get("BLOCK_D", _BLOCK_D), triton.next_power_of_2(d))
-        warps = f.get("num_warps", _FINISH_WARPS)
+    block_d = min((finish or {}).get("BLOCK_D", _BLOCK_D), triton.next_power_of_2(d))
+    warps = (finish or {}).get("num_warps", _FINISH_WARPS)
     return {
         "dots": {"CHUNK": chunk, "BT": o["BT"], "BK": o["BK"], "MP": max(16, triton.next_power_of_2(2 * n + n * n)),
                  "SPLIT_BF16": bool(bf16), "DOT_FP32": _INTERPRET, "num_warps": o["num_warps"]},
-        "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d, "NORM": norm,
-                   "num_warps": warps},
+        "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d, "num_warps": warps},
     }
 
 
@@ -215,25 +185,21 @@ def mhc_site_triton(
     hc_eps: float,
     iters: int,
     pre_in: Optional[torch.Tensor],
-    norm_w: Optional[torch.Tensor] = None,
     out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     dots: Optional[dict[str, int]] = None,
     finish: Optional[dict[str, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_site`` in two launches: fp32 pre ``[..., N]``, post ``[..., N]``, comb ``[..., N, N]``
-    and ``u`` ``[..., D]`` in X's dtype, RMS-normed with ``norm_w`` ``[D]`` when given. ``out``
-    (contiguous tensors of those shapes and dtypes) receives them when given; otherwise they are
-    new contiguous tensors, as the op's fake says. ``dots`` and ``finish`` override the
-    launches' tilings (``launch_config``)."""
+    and ``u`` ``[..., D]`` in X's dtype. ``out`` (contiguous tensors of those shapes and dtypes)
+    receives them when given; otherwise they are new contiguous tensors, as the op's fake says.
+    ``dots`` and ``finish`` override the launches' tilings (``launch_config``)."""
     *lead, n, d = X.shape
     if n > _MAX_N or n & (n - 1):  # not tiled here: the reference
-        ref = tuple(r.contiguous() for r in site_reference(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in, norm_w))
+        ref = tuple(r.contiguous() for r in _reference(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in))
         return ref if out is None else tuple(o.copy_(r) for o, r in zip(out, ref))  # type: ignore[return-value]
     m = 2 * n + n * n
-    if (tuple(fn.shape) != (m, n * d) or base.numel() != m or scale.numel() != 3
-            or (norm_w is not None and tuple(norm_w.shape) != (d,))):
-        raise ValueError(f"mhc_site: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)}, norm_w "
-                         f"{None if norm_w is None else tuple(norm_w.shape)} do not fit X {tuple(X.shape)}")
+    if tuple(fn.shape) != (m, n * d) or base.numel() != m or scale.numel() != 3:
+        raise ValueError(f"mhc_site: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit X {tuple(X.shape)}")
     x = X.reshape(-1, n, d)
     if x.stride(2) != 1 or x.stride(1) != d:  # launch 1 reads a token's N*D elements as one row
         x = x.contiguous()
@@ -246,16 +212,15 @@ def mhc_site_triton(
                           for o, s, dt, name in zip(out or (None,) * 4, shapes, dtypes, names))
     if t == 0:
         return pre, post, comb, u
-    cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots, finish, norm_w is not None)
+    cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots, finish)
     launch1, launch2 = cfg["dots"], cfg["finish"]
     part = torch.empty((t, launch2["KSPLIT"], m + 1), dtype=torch.float32, device=dev)
     _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), launch2["KSPLIT"])](
         x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1, **pdl_args(dev),
     )
     pre_in_rows = pre if pre_in is None else pre_in.reshape(t, n).float().contiguous()  # unread without pre_in
-    norm_weight = u if norm_w is None else norm_w.contiguous()  # unread without norm_w
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
-        part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, norm_weight, pre, post, comb, u,
+        part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, pre, post, comb, u,
         x.stride(0), float(rms_eps), float(hc_eps),
         N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, **launch2, **pdl_args(dev),
     )
