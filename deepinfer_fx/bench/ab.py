@@ -12,7 +12,9 @@ across the call (the GPU warming up, the power cap); each variant's figure is th
 rounds, and the spread of the rounds is printed beside every difference.
 
 A variant is a name followed by ``KEY=VALUE`` settings: declared ``DEEPINFER_*`` variables
-(checked with the engine's own parser before anything runs) or ``TORCHINDUCTOR_*``. The bench
+(checked with the engine's own parser before anything runs) or ``TORCHINDUCTOR_*``; and
+``TREE=DIR`` runs that variant's bench from another source tree (an export of another commit:
+``git archive <commit> | tar -x -C DIR``), for a change no setting switches. The bench
 (``--bench``, default ``deepinfer_fx.bench.p8_vs_hf``) is run as ``python -m BENCH ARGS --out
 DIR`` and must write one JSON result with ``decode`` rows (``batch``, ``context``, ``ours_ms``)
 and/or ``prefill`` rows (``tokens``, ``ours_ms``). The result, with every run's full output,
@@ -36,6 +38,7 @@ from .p8 import run_info, write_result
 
 _BENCH = "deepinfer_fx.bench.p8_vs_hf"
 _LOG_TAIL = 4000  # characters of a failed run's output in the error
+_TREE = "TREE"
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -50,7 +53,12 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ValueError(f"variant {name!r}: {pair!r} is not KEY=VALUE")
-        if key.startswith(PREFIX):
+        if key == _TREE:
+            if not Path(value, "deepinfer_fx").is_dir():
+                raise ValueError(f"variant {name!r}: TREE={value} holds no deepinfer_fx package; export one with "
+                                 f"`git archive <commit> | tar -x -C {value}`")
+            value = str(Path(value).resolve())
+        elif key.startswith(PREFIX):
             if key not in VARIABLES:
                 raise ValueError(f"variant {name!r}: {key} is not a deepinfer_fx setting; known: {sorted(VARIABLES)}")
             setting(key, {key: value})  # raises, naming the variable and what it allows
@@ -71,7 +79,11 @@ def metrics(result: dict[str, Any]) -> dict[str, float]:
 
 def _run(bench: str, args: list[str], env: dict[str, str], out_dir: Path) -> dict[str, Any]:
     out_dir.mkdir(parents=True)
-    proc = subprocess.run([sys.executable, "-m", bench, *args, "--out", str(out_dir)], env={**os.environ, **env},
+    env = {**os.environ, **env}
+    tree = env.pop(_TREE, None)
+    if tree is not None:  # that tree's package first on the path, and its directory the working one
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", bench, *args, "--out", str(out_dir.resolve())], env=env, cwd=tree,
                           capture_output=True, text=True, check=False)
     (out_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     files = sorted(out_dir.glob("*.json"))

@@ -75,11 +75,25 @@ def test_a_failed_run_ends_with_its_output(tmp_path, fake_bench: list[float]) ->
                  "--", "--fail"])
 
 
+def test_a_tree_variant_runs_that_trees_bench(tmp_path, fake_bench: list[float]) -> None:
+    """``TREE=DIR`` puts DIR first on the path and runs there: its bench, not this one's."""
+    tree = tmp_path / "other_commit"
+    (tree / "deepinfer_fx").mkdir(parents=True)
+    (tree / "fake_p8_bench.py").write_text(_FAKE_BENCH.replace("2.0 if", "1.5 if").replace(
+        "jitter[n]\n", "jitter[n]\nassert Path.cwd() == Path(__file__).parent\n", 1))
+    result = ab.main(["--variant", "here DEEPINFER_PDL=1", "--variant", f"there DEEPINFER_PDL=1 TREE={tree}", "--rounds", "2",
+                      "--bench", "fake_p8_bench", "--out", str(tmp_path / "results")])
+    decode = result["summary"]["decode b1 ctx512 ms"]
+    assert decode["there"]["vs_here"] == pytest.approx(-0.5, abs=0.02) and decode["there"]["resolved"]
+    assert result["variants"]["there"] == {"DEEPINFER_PDL": "1", "TREE": str(tree.resolve())}
+
+
 @pytest.mark.parametrize("variants, message", [
     (["a DEEPINFER_PDL=maybe", "b"], "DEEPINFER_PDL='maybe' is invalid: expected 0 or 1"),
     (["a DEEPINFER_PLD=1", "b"], "DEEPINFER_PLD is not a deepinfer_fx setting"),
     (["a CUDA_VISIBLE_DEVICES=1", "b"], "neither a DEEPINFER_"),
     (["a DEEPINFER_PDL", "b"], "is not KEY=VALUE"),
+    (["a TREE=/no/such/tree", "b"], "holds no deepinfer_fx package"),
     (["a", "a DEEPINFER_PDL=1"], "distinct names"),
     (["a"], "at least two"),
     (["DEEPINFER_PDL=1", "b"], "the first word is its name"),
