@@ -22,7 +22,7 @@ from ..kernels.triton.attention import sparse_mqa_triton
 from .p8 import run_info, write_result
 from .timing import graph_ms
 
-H, D, WINDOW, TOPK = 64, 512, 128, 512
+H, D, WINDOW, TOPK, ROPE_HALF = 64, 512, 128, 512, 32
 
 # prefill tilings to compare with the rule's: (heads per program, warps, keys per tile)
 _PREFILL_TILINGS = [(64, 8, 64), (64, 8, 32), (32, 4, 64), (32, 8, 64), (16, 4, 64)]
@@ -53,14 +53,16 @@ def _case(bias: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, ...]
     q = torch.randn(*lead, t, H, D, device="cuda", dtype=torch.bfloat16)
     keys = torch.randn(*lead, n, D, device="cuda", dtype=torch.bfloat16)
     sink = torch.randn(H, device="cuda")
-    return q, keys, bias.expand(*lead, t, n).contiguous(), sink
+    angles = torch.rand(*lead, t, ROPE_HALF, device="cuda") * 6.3  # the queries' rope tables
+    return q, keys, bias.expand(*lead, t, n).contiguous(), sink, angles.cos(), angles.sin()
 
 
-def _time(q, keys, bias, sink, iters: int, **kw) -> tuple[float, float]:
+def _time(q, keys, bias, sink, cos, sin, iters: int, **kw) -> tuple[float, float]:
     out = torch.empty_like(q)
-    ms = graph_ms(lambda: sparse_mqa_triton(q, keys, bias, sink, out=out, **kw), iters)
+    ms = graph_ms(lambda: sparse_mqa_triton(q, keys, bias, sink, cos, sin, out=out, **kw), iters)
     rows = slice(-256, None)  # the reference materialises [T, H, N] logits: check the last queries only
-    ref = mqa_with_sink.reference(q[..., rows, :, :], keys, bias[..., rows, :], sink).float()
+    ref = mqa_with_sink.reference(q[..., rows, :, :], keys, bias[..., rows, :], sink, cos[..., rows, :],
+                                  sin[..., rows, :]).float()
     err = ((out[..., rows, :, :].float() - ref).abs().max() / ref.abs().max()).item()
     return ms, err
 
@@ -81,12 +83,12 @@ def main(argv: list[str] | None = None) -> dict:
         for ratio, layer in ((4, "CSA"), (128, "HCA")):
             bias = prefill_bias(t, ratio, "cuda")
             live = int((bias == 0).sum())
-            q, keys, bias, sink = _case(bias, ())
+            q, keys, bias, sink, cos, sin = _case(bias, ())
             flops = 4 * H * D * live
             for tiling in [None, *_PREFILL_TILINGS]:
                 kw = {} if tiling is None else dict(heads=tiling[0], num_warps=tiling[1], block_n=tiling[2])
                 try:
-                    ms, err = _time(q, keys, bias, sink, args.iters, **kw)
+                    ms, err = _time(q, keys, bias, sink, cos, sin, args.iters, **kw)
                 except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal
                     print(f"prefill T={t} {layer} {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
@@ -103,12 +105,12 @@ def main(argv: list[str] | None = None) -> dict:
     for b in [int(x) for x in args.decode.split(",") if x]:
         for n in [int(x) for x in args.decode_keys.split(",") if x]:
             bias = torch.zeros(1, n, device="cuda")
-            q, keys, bias, sink = _case(bias, (b,))
+            q, keys, bias, sink, cos, sin = _case(bias, (b,))
             kv_bytes = keys.numel() * keys.element_size()
             for tiling in [None, *(_DECODE_TILINGS if args.decode_sweep else [])]:
                 kw = {} if tiling is None else dict(zip(("heads", "num_warps", "block_n", "split", "parallel"), tiling))
                 try:
-                    ms, err = _time(q, keys, bias, sink, args.iters * 20, **kw)
+                    ms, err = _time(q, keys, bias, sink, cos, sin, args.iters * 20, **kw)
                 except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal
                     print(f"decode b={b} n={n} {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue

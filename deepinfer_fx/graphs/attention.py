@@ -32,15 +32,21 @@ _LOGITS_BUDGET = 1 << 28
 
 
 @swappable
-def mqa_with_sink(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+def mqa_with_sink(
+    q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """q ``[..., T, H, d]``, keys ``[..., N, d]`` (K = V), bias ``[..., T, N]`` (0 / -inf). The sink
-    adds ``exp(sink_h)`` to each head's softmax denominator and contributes no value. Rows are
-    independent, so long ``T`` runs in blocks of queries within ``_LOGITS_BUDGET``."""
+    adds ``exp(sink_h)`` to each head's softmax denominator and contributes no value. The values'
+    rotary tails come back turned by minus the query's angle (its rope tables cos / sin
+    ``[..., T, rd/2]``), so the result carries relative position only. Rows are independent, so
+    long ``T`` runs in blocks of queries within ``_LOGITS_BUDGET``."""
     t = q.shape[-3]
     rows = max(1, _LOGITS_BUDGET // max(1, math.prod(q.shape[:-3]) * q.shape[-2] * keys.shape[-2]))
     if t <= rows:
-        return _mqa_rows(q, keys, bias, sink)
-    return torch.cat([_mqa_rows(q[..., s : s + rows, :, :], keys, bias[..., s : s + rows, :], sink) for s in range(0, t, rows)], -3)
+        o = _mqa_rows(q, keys, bias, sink)
+    else:
+        o = torch.cat([_mqa_rows(q[..., s : s + rows, :, :], keys, bias[..., s : s + rows, :], sink) for s in range(0, t, rows)], -3)
+    return apply_rope(o, cos, sin, inverse=True)
 
 
 def _mqa_rows(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -71,11 +77,6 @@ def latent_kv(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: 
     """The K = V latent of each token as its window ring stores it: normed, rotated, fake-quantised.
     The DSpark drafter builds its context windows with this same map from projected target states."""
     return fq.window_kv(c, apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin))
-
-
-def attention_output(p: dict, c: ModelConfig, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Un-rotate the value tails of the attention result ``o`` ``[N, H, d]``, then project to ``[N, D]``."""
-    return grouped_output(apply_rope(o, cos, sin, inverse=True), p["wo_a"], p["wo_b"], c.o_groups)
 
 
 def attention(
@@ -113,8 +114,9 @@ def attention(
                 entries, chosen = selected_entries(entries, chosen, c.index_topk)
             keys = torch.cat([keys, entries.to(keys.dtype)], 1)
             bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], -1)
-        outs.append((qs, mqa_with_sink(gather_rows(q, qs), keys, bias, p["attn_sink"])))
-    return attention_output(p, c, rows_to_packed(outs, q.shape[0]), cos, sin)
+        o = mqa_with_sink(gather_rows(q, qs), keys, bias, p["attn_sink"], gather_rows(cos, qs), gather_rows(sin, qs))
+        outs.append((qs, o))
+    return grouped_output(rows_to_packed(outs, q.shape[0]), p["wo_a"], p["wo_b"], c.o_groups)
 
 
 def _v4_entries(p, st, c: ModelConfig, xg, g: Group, xq, q_rq, q_pos, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import ModelConfig
-from .attention import attention_output, latent_kv, mqa_with_sink, query
+from .attention import grouped_output, latent_kv, mqa_with_sink, query
 from .batch import Batch, make_batch
 from .mhc import hc_head, mhc_collapse
 from .model import block, embed
@@ -160,8 +160,8 @@ def _stage_attention(
     o = torch.empty_like(q)
     for ch in batch.chunks:
         keys, bias = _context_keys(states[layer]["window"][ch.slot], kv[ch.rows], ch.start - 1)
-        o[ch.rows] = mqa_with_sink(q[ch.rows], keys, bias, p["attn_sink"])
-    return attention_output(p, c, o, cos, sin)
+        o[ch.rows] = mqa_with_sink(q[ch.rows], keys, bias, p["attn_sink"], cos[ch.rows], sin[ch.rows])
+    return grouped_output(o, p["wo_a"], p["wo_b"], c.o_groups)
 
 
 def _temperature_sampler(temperature: float, generator: torch.Generator | None) -> Sampler:

@@ -80,16 +80,22 @@ def _mhc_sinkhorn_fake(logits: torch.Tensor, eps: float, iters: int) -> torch.Te
 
 
 @torch.library.custom_op(f"{NAMESPACE}::sparse_mqa", mutates_args=())
-def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+def sparse_mqa(
+    q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """q ``[..., T, H, d]`` over shared K = V ``kv`` ``[..., N, d]`` with additive ``bias``
     ``[..., T, N]`` (0 / -inf selects the window and the chosen compressed entries) and a
-    per-head sink ``[H]``; the leading dims are the model's groups of chunks ``[C]``."""
+    per-head sink ``[H]``; the leading dims are the model's groups of chunks ``[C]``. The
+    values' rotary tails are turned back by the queries' rope tables ``cos`` / ``sin``
+    ``[..., T, rd/2]``."""
     # einsum may hand back a permuted view; the fake promises a contiguous tensor.
-    return mqa_with_sink.reference(q, kv, bias, sink).contiguous()
+    return mqa_with_sink.reference(q, kv, bias, sink, cos, sin).contiguous()
 
 
 @sparse_mqa.register_fake
-def _sparse_mqa_fake(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+def _sparse_mqa_fake(
+    q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 

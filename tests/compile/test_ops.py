@@ -49,7 +49,8 @@ def _mqa_args(g: torch.Generator) -> tuple:
     t, h, d, n = 5, 4, 16, 9
     bias = torch.zeros(t, n).masked_fill(torch.rand(t, n, generator=g) < 0.3, float("-inf"))
     bias[:, 0] = 0.0  # every query sees at least one key
-    return _randn(g, t, h, d), _randn(g, n, d), bias, _randn(g, h)
+    angles = torch.rand(t, 2, generator=g) * 6.3  # rope tables of the queries
+    return _randn(g, t, h, d), _randn(g, n, d), bias, _randn(g, h), angles.cos(), angles.sin()
 
 
 def _indexer_args(g: torch.Generator) -> tuple:
@@ -133,8 +134,8 @@ def test_mhc_sinkhorn_matches_graphs(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", [41, 42])
 def test_sparse_mqa_matches_graphs(seed: int) -> None:
-    q, kv, bias, sink = _mqa_args(_gen(seed))
-    torch.testing.assert_close(ops.sparse_mqa(q, kv, bias, sink), mqa_with_sink(q, kv, bias, sink), rtol=0, atol=0)
+    args = _mqa_args(_gen(seed))
+    torch.testing.assert_close(ops.sparse_mqa(*args), mqa_with_sink(*args), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("seed", [51, 52])

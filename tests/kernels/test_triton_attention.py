@@ -8,6 +8,7 @@ at interpreter sizes.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -33,7 +34,8 @@ def _fresh_seed() -> int:
 
 
 def _case(seed: int, lead: tuple[int, ...], t: int, h: int, d: int, n: int, dtype: torch.dtype, device: str):
-    """Random q/keys/sink and a 0/-inf bias with ~half the keys hidden, a whole hidden tile
+    """Random q/keys/sink, rope tables of random angles over the last eighth of d (d 48: 3 pairs,
+    not a power of two) and a 0/-inf bias with ~half the keys hidden, a whole hidden tile
     range, and fully hidden rows (the sink alone: output 0)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(*lead, t, h, d, generator=g)
@@ -45,11 +47,13 @@ def _case(seed: int, lead: tuple[int, ...], t: int, h: int, d: int, n: int, dtyp
         hidden[..., t // 2, :] = True
     bias = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))
     sink = torch.randn(h, generator=g)
-    return q.to(device, dtype), keys.to(device, dtype), bias.to(device), sink.to(device)
+    angles = torch.rand(*lead, t, d // 16, generator=g) * 2 * math.pi
+    tables = angles.cos().to(device), angles.sin().to(device)
+    return q.to(device, dtype), keys.to(device, dtype), bias.to(device), sink.to(device), *tables
 
 
-def _check(out: torch.Tensor, q, keys, bias, sink, seed: int, tol: float = 1e-5) -> None:
-    ref = mqa_with_sink(q, keys, bias, sink)
+def _check(out: torch.Tensor, q, keys, bias, sink, cos, sin, seed: int, tol: float = 1e-5) -> None:
+    ref = mqa_with_sink(q, keys, bias, sink, cos, sin)
     assert out.dtype == q.dtype and out.shape == q.shape, f"seed {seed}"
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
 
@@ -62,37 +66,38 @@ def _check(out: torch.Tensor, q, keys, bias, sink, seed: int, tol: float = 1e-5)
 )
 def test_matches_reference(device: str, path: str, lead, t: int, h: int, d: int, n: int) -> None:
     seed = _fresh_seed()
-    q, keys, bias, sink = _case(seed, lead, t, h, d, n, torch.float32, device)
+    q, keys, bias, sink, cos, sin = _case(seed, lead, t, h, d, n, torch.float32, device)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    assert sparse_mqa_triton(q, keys, bias, sink, out=out, **PATHS[path]) is out
-    _check(out, q, keys, bias, sink, seed)
+    assert sparse_mqa_triton(q, keys, bias, sink, cos, sin, out=out, **PATHS[path]) is out
+    _check(out, q, keys, bias, sink, cos, sin, seed)
     assert torch.all(out[..., 0, :, :] == 0), f"seed {seed}: a fully hidden row must give 0"
 
 
 def test_strided_inputs(device: str) -> None:
     """Keys cut from a larger buffer and a bias that is a column slice keep their strides."""
     seed = _fresh_seed()
-    q, keys, bias, sink = _case(seed, (2,), 3, 4, 32, 90, torch.float32, device)
+    q, keys, bias, sink, cos, sin = _case(seed, (2,), 3, 4, 32, 90, torch.float32, device)
     keys_view, bias_view = keys[:, 5:65], bias[..., 5:65]
-    out = sparse_mqa_triton(q, keys_view, bias_view, sink, **PATHS["parallel"])
-    _check(out, q, keys_view, bias_view, sink, seed)
+    out = sparse_mqa_triton(q, keys_view, bias_view, sink, cos, sin, **PATHS["parallel"])
+    _check(out, q, keys_view, bias_view, sink, cos, sin, seed)
 
 
 def test_modes_bitwise_equal(device: str) -> None:
     """Sequential and parallel runs of one split length share their arithmetic exactly."""
     seed = _fresh_seed()
-    q, keys, bias, sink = _case(seed, (2,), 3, 4, 32, 100, torch.float32, device)
-    a = sparse_mqa_triton(q, keys, bias, sink, **PATHS["sequential"])
-    b = sparse_mqa_triton(q, keys, bias, sink, **PATHS["parallel"])
+    q, keys, bias, sink, cos, sin = _case(seed, (2,), 3, 4, 32, 100, torch.float32, device)
+    a = sparse_mqa_triton(q, keys, bias, sink, cos, sin, **PATHS["sequential"])
+    b = sparse_mqa_triton(q, keys, bias, sink, cos, sin, **PATHS["parallel"])
     assert torch.equal(a, b), f"seed {seed}"
 
 
 def _batch_invariance(seed: int, c: int, t: int, h: int, d: int, n: int, dtype: torch.dtype, device: str, **kw) -> None:
     """A chunk alone (parallel path: few programs) == the same chunk among ``c`` (sequential)."""
-    q, keys, bias, sink = _case(seed, (c,), t, h, d, n, dtype, device)
-    batched = sparse_mqa_triton(q, keys, bias, sink, **kw)
+    q, keys, bias, sink, cos, sin = _case(seed, (c,), t, h, d, n, dtype, device)
+    batched = sparse_mqa_triton(q, keys, bias, sink, cos, sin, **kw)
     for ci in (0, c - 1, c // 2):
-        alone = sparse_mqa_triton(q[ci : ci + 1], keys[ci : ci + 1], bias[ci : ci + 1], sink, **kw)
+        alone = sparse_mqa_triton(q[ci : ci + 1], keys[ci : ci + 1], bias[ci : ci + 1], sink, cos[ci : ci + 1],
+                                  sin[ci : ci + 1], **kw)
         assert torch.equal(alone[0], batched[ci]), f"seed {seed}: chunk {ci} differs alone"
 
 
@@ -106,12 +111,12 @@ def test_batch_invariance(device: str, t: int) -> None:
 def test_skipping_hidden_tiles_is_exact(device: str, t: int) -> None:
     """Reading only the live tiles gives the bits of reading every tile in one split."""
     seed = _fresh_seed()
-    q, keys, bias, sink = _case(seed, (2,), t, 4, 32, 100, torch.float32, device)
+    q, keys, bias, sink, cos, sin = _case(seed, (2,), t, 4, 32, 100, torch.float32, device)
     bias[..., 50:90] = float("-inf")  # more whole hidden tiles, between live ones
-    a = sparse_mqa_triton(q, keys, bias, sink, block_n=16, skip=True)
-    b = sparse_mqa_triton(q, keys, bias, sink, block_n=16, skip=False, split=100, parallel=False)
+    a = sparse_mqa_triton(q, keys, bias, sink, cos, sin, block_n=16, skip=True)
+    b = sparse_mqa_triton(q, keys, bias, sink, cos, sin, block_n=16, skip=False, split=100, parallel=False)
     assert torch.equal(a, b), f"seed {seed}"
-    _check(a, q, keys, bias, sink, seed)
+    _check(a, q, keys, bias, sink, cos, sin, seed)
 
 
 @pytest.mark.parametrize("n, block_n", [(100, 16), (3000, 64), (64, 64)], ids=["partial-tile", "two-chunks", "one-tile"])
@@ -154,17 +159,17 @@ def test_split_rule() -> None:
 @pytest.mark.parametrize("lead, t", [((), 1), ((4,), 1), ((2,), 64)], ids=["T1", "C4xT1", "C2xT64"])
 def test_bf16_model_sizes(lead, t: int, n: int) -> None:
     seed = _fresh_seed()
-    q, keys, bias, sink = _case(seed, lead, t, 64, 512, n, torch.bfloat16, "cuda")
+    q, keys, bias, sink, cos, sin = _case(seed, lead, t, 64, 512, n, torch.bfloat16, "cuda")
     out = torch.full_like(q, float("nan"))
-    sparse_mqa_triton(q, keys, bias, sink, out=out)
-    _check(out, q, keys, bias, sink, seed, tol=2e-2)
+    sparse_mqa_triton(q, keys, bias, sink, cos, sin, out=out)
+    _check(out, q, keys, bias, sink, cos, sin, seed, tol=2e-2)
 
 
 @needs_cuda
 def test_fp32_d512() -> None:
     seed = _fresh_seed()
-    q, keys, bias, sink = _case(seed, (2,), 3, 64, 512, 700, torch.float32, "cuda")
-    _check(sparse_mqa_triton(q, keys, bias, sink), q, keys, bias, sink, seed, tol=1e-4)
+    q, keys, bias, sink, cos, sin = _case(seed, (2,), 3, 64, 512, 700, torch.float32, "cuda")
+    _check(sparse_mqa_triton(q, keys, bias, sink, cos, sin), q, keys, bias, sink, cos, sin, seed, tol=1e-4)
 
 
 @needs_cuda
@@ -191,18 +196,21 @@ def test_bf16_prefill_chunk() -> None:
     q = torch.randn(t, 64, 512, generator=g).to("cuda", torch.bfloat16)
     keys = torch.randn(hidden.shape[1], 512, generator=g).to("cuda", torch.bfloat16)
     sink = torch.randn(64, generator=g).cuda()
-    _check(sparse_mqa_triton(q, keys, bias, sink), q, keys, bias, sink, seed, tol=2e-2)
+    angles = torch.arange(t)[:, None] * torch.rand(32, generator=g)  # the rope of positions 0..t-1
+    cos, sin = angles.cos().cuda(), angles.sin().cuda()
+    _check(sparse_mqa_triton(q, keys, bias, sink, cos, sin), q, keys, bias, sink, cos, sin, seed, tol=2e-2)
 
 
 @needs_cuda
 def test_op_dispatches_to_triton_and_replays_in_a_cuda_graph() -> None:
     seed = _fresh_seed()
-    q, keys, bias, sink = _case(seed, (4,), 1, 64, 512, 1000, torch.bfloat16, "cuda")
-    assert torch.equal(torch.ops.deepinfer.sparse_mqa(q, keys, bias, sink), sparse_mqa_triton(q, keys, bias, sink))
+    q, keys, bias, sink, cos, sin = _case(seed, (4,), 1, 64, 512, 1000, torch.bfloat16, "cuda")
+    op = torch.ops.deepinfer.sparse_mqa
+    assert torch.equal(op(q, keys, bias, sink, cos, sin), sparse_mqa_triton(q, keys, bias, sink, cos, sin))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.deepinfer.sparse_mqa(q, keys, bias, sink)
-    q2, keys2, bias2, _ = _case(seed + 1, (4,), 1, 64, 512, 1000, torch.bfloat16, "cuda")
-    q.copy_(q2), keys.copy_(keys2), bias.copy_(bias2)
+        out = op(q, keys, bias, sink, cos, sin)
+    q2, keys2, bias2, _, cos2, sin2 = _case(seed + 1, (4,), 1, 64, 512, 1000, torch.bfloat16, "cuda")
+    q.copy_(q2), keys.copy_(keys2), bias.copy_(bias2), cos.copy_(cos2), sin.copy_(sin2)
     graph.replay()
-    _check(out, q, keys, bias, sink, seed + 1, tol=2e-2)
+    _check(out, q, keys, bias, sink, cos, sin, seed + 1, tol=2e-2)

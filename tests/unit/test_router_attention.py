@@ -1,7 +1,8 @@
 """The MoE router and sink attention against explicit references: hash-layer routing,
 top-k routing where the bias selects but does not weight (with and without norm_topk_prob),
 and mqa_with_sink vs. an explicit softmax with a sink logit (masking, sink limits, query
-blocks vs. one shot). float32 throughout, fresh seeds (printed in messages)."""
+blocks vs. one shot) and an explicit turn of the values' rotary tails. float32 throughout,
+fresh seeds (printed in messages)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def test_mqa_with_sink(seed):
     mask = torch.rand(T, N, generator=g) < 0.4
     mask[:, 0] = False  # at least one visible key per query
     bias = torch.zeros(T, N).masked_fill(mask, float("-inf"))
-    out = mqa_with_sink(q, keys, bias, sink)
+    still = _tables(torch.zeros(T, 2))  # no turn: the attention itself
+    out = mqa_with_sink(q, keys, bias, sink, *still)
     assert out.shape == (T, H, d) and out.dtype == torch.float32
     close(out, _sink_ref(q, keys, bias, sink), f"seed={seed}: sink attention vs explicit softmax", atol=1e-5)
 
@@ -111,17 +113,17 @@ def test_mqa_with_sink(seed):
     bias2[:, j] = float("-inf")
     keys2 = keys.clone()
     keys2[j] = torch.randn(d, generator=g) * 100
-    close(mqa_with_sink(q, keys2, bias2, sink), mqa_with_sink(q, keys, bias2, sink), f"seed={seed}: masked key", atol=1e-6)
+    close(mqa_with_sink(q, keys2, bias2, sink, *still), mqa_with_sink(q, keys, bias2, sink, *still), f"seed={seed}: masked key", atol=1e-6)
 
     # the sink only takes mass: a -inf sink is a plain softmax, a bigger sink shrinks the output
     plain = torch.softmax(torch.einsum("thd,nd->thn", q, keys) / math.sqrt(d) + bias[:, None], dim=-1)
-    close(mqa_with_sink(q, keys, bias, torch.full((H,), float("-inf"))), torch.einsum("thn,nd->thd", plain, keys),
+    close(mqa_with_sink(q, keys, bias, torch.full((H,), float("-inf")), *still), torch.einsum("thn,nd->thd", plain, keys),
           f"seed={seed}: -inf sink", atol=1e-5)
-    out_big = mqa_with_sink(q, keys, bias, sink + 3.0)
+    out_big = mqa_with_sink(q, keys, bias, sink + 3.0, *still)
     assert (out_big.norm(dim=-1) < out.norm(dim=-1)).all(), f"seed={seed}: a larger sink must shrink the output"
 
     # every key masked: all mass on the sink, zero output
-    none = mqa_with_sink(q, keys, torch.full((T, N), float("-inf")), sink)
+    none = mqa_with_sink(q, keys, torch.full((T, N), float("-inf")), sink, *still)
     assert torch.equal(none, torch.zeros_like(none)), f"seed={seed}"
 
 
@@ -136,9 +138,33 @@ def test_mqa_with_sink_in_query_blocks_equals_one_shot(seed, monkeypatch):
     mask = torch.rand(C, T, N, generator=g) < 0.5
     mask[..., 0] = False
     bias = torch.zeros(C, T, N).masked_fill(mask, float("-inf"))
-    whole = mqa_with_sink(q, keys, bias, sink)
+    tables = _tables(torch.rand(C, T, 3, generator=g) * 6.3)
+    whole = mqa_with_sink(q, keys, bias, sink, *tables)
     monkeypatch.setattr(attention, "_LOGITS_BUDGET", C * H * N * 4)  # 4 queries per block
-    blocks = mqa_with_sink(q, keys, bias, sink)
+    blocks = mqa_with_sink(q, keys, bias, sink, *tables)
     close(blocks, whole, f"seed={seed}: query blocks vs one shot", atol=1e-6)
     # no queries (a context-parallel rank without rows in a group)
-    assert mqa_with_sink(q[:, :0], keys, bias[:, :0], sink).shape == (C, 0, H, d)
+    assert mqa_with_sink(q[:, :0], keys, bias[:, :0], sink, *(t[:, :0] for t in tables)).shape == (C, 0, H, d)
+
+
+def _tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return angles.cos(), angles.sin()
+
+
+def test_mqa_with_sink_turns_the_value_tails_back(seed):
+    """The output's last 2 * rd/2 channels of every head, in pairs (2i, 2i+1), come back turned by
+    minus the query's angle i; the other channels are the attention itself."""
+    g = gen(seed)
+    T, H, N, d, half = 3, 2, 5, 16, 3
+    q, keys, sink = torch.randn(T, H, d, generator=g), torch.randn(N, d, generator=g), torch.randn(H, generator=g)
+    bias = torch.zeros(T, N)
+    angles = torch.rand(T, half, generator=g) * 6.3
+    out = mqa_with_sink(q, keys, bias, sink, *_tables(angles))
+    want = _sink_ref(q, keys, bias, sink)
+    for t in range(T):
+        for i in range(half):
+            a_at, b_at = d - 2 * half + 2 * i, d - 2 * half + 2 * i + 1
+            a, b = want[t, :, a_at].clone(), want[t, :, b_at].clone()
+            c, s = math.cos(float(angles[t, i])), math.sin(float(angles[t, i]))
+            want[t, :, a_at], want[t, :, b_at] = a * c + b * s, b * c - a * s
+    close(out, want, f"seed={seed}: turned tails", atol=1e-5)

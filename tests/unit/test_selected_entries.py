@@ -37,8 +37,10 @@ def test_compacted_entries_attend_like_the_masked_buffer(k: int) -> None:
     # with a window key that every query sees, so that a row with no entry still has a key
     window = torch.randn(c, 1, d, generator=g)
     q, sink = torch.randn(c, 1, h, d, generator=g), torch.randn(h, generator=g)
+    angles = torch.rand(c, 1, 4, generator=g) * 6.3
+    tables = angles.cos(), angles.sin()
     dense_bias = torch.cat([torch.zeros(c, 1, 1), torch.zeros(c, 1, n).masked_fill(~chosen, float("-inf"))], -1)
     sel_bias = torch.cat([torch.zeros(c, 1, 1), torch.zeros(c, 1, k).masked_fill(~real, float("-inf"))], -1)
-    dense = mqa_with_sink.reference(q, torch.cat([window, entries], 1), dense_bias, sink)  # type: ignore[attr-defined]
-    compact = mqa_with_sink.reference(q, torch.cat([window, keys], 1), sel_bias, sink)  # type: ignore[attr-defined]
+    dense = mqa_with_sink.reference(q, torch.cat([window, entries], 1), dense_bias, sink, *tables)  # type: ignore[attr-defined]
+    compact = mqa_with_sink.reference(q, torch.cat([window, keys], 1), sel_bias, sink, *tables)  # type: ignore[attr-defined]
     torch.testing.assert_close(compact, dense, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")

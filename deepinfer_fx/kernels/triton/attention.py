@@ -16,6 +16,10 @@ either inside the program (*sequential*) or by separate programs whose partial s
 kernel merges (*parallel*, to fill the GPU at small batch and long N). Both modes run the same
 arithmetic in the same order, so a query's output is bitwise the same alone, in any batch and in
 either mode; the mode is a static rule on shapes, never a host sync, so it replays in CUDA graphs.
+
+The program that stores a query's heads also turns their rotary tails back by the query's angle
+(the model's inverse rope on the attention output): a separate rotation was one more launch a
+layer, ~9 us each at a batch-1 P8 decode step on an H200 (``bench/results/p8_vs_hf_s11.json``).
 """
 
 from __future__ import annotations
@@ -104,8 +108,10 @@ def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
 
 
 @triton.jit
-def _finish(m, l, acc, sink_ptr, out_base, stride_oh, offs_h, H, BLOCK_D: tl.constexpr, D: tl.constexpr):
-    """Normalise with the sink in the denominator and store; a row with no visible key gives 0."""
+def _finish(m, l, acc, sink_ptr, out_base, cos_base, sin_base, stride_oh, offs_h, H, BH: tl.constexpr,
+            BLOCK_D: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Normalise with the sink in the denominator and store; a row with no visible key gives 0.
+    Then the values' rotary tails are turned back by the query's angle (``_unrotate_tail``)."""
     sink = tl.load(sink_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32) * 1.4426950408889634
     top = tl.maximum(m, sink)
     w = tl.exp2(m - top)
@@ -114,6 +120,28 @@ def _finish(m, l, acc, sink_ptr, out_base, stride_oh, offs_h, H, BLOCK_D: tl.con
     out = acc * scale[:, None]
     mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
     tl.store(out_base + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(out_base.dtype.element_ty), mask=mask)
+    _unrotate_tail(out_base, cos_base, sin_base, stride_oh, offs_h, H, BH, D, HALF, BLOCK_HALF)
+
+
+@triton.jit
+def _unrotate_tail(out_base, cos_base, sin_base, stride_oh, offs_h, H, BH: tl.constexpr,
+                   D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate the last ``2 * HALF`` channels of each stored head by minus the query's angle
+    (``apply_rope(o, cos, sin, inverse=True)``, pairs (2i, 2i+1)). The tail is read back from
+    what this program just stored, after a barrier that makes every thread's stores visible:
+    the same bf16 rounding the reference applies between attention and rotation, without
+    regrouping the accumulator's registers into pairs (and an eighth of a row moves twice)."""
+    tl.debug_barrier()
+    i = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_base + i, mask=i < HALF, other=1.0).to(tl.float32)
+    sin = tl.load(sin_base + i, mask=i < HALF, other=0.0).to(tl.float32)
+    j = tl.arange(0, 2 * BLOCK_HALF)
+    mask = (offs_h[:, None] < H) & (j[None, :] < 2 * HALF)
+    ptrs = out_base + offs_h[:, None] * stride_oh + (D - 2 * HALF) + j[None, :]
+    tail = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    a, b = tl.split(tl.reshape(tail, (BH, BLOCK_HALF, 2)))
+    turned = tl.join(a * cos[None, :] + b * sin[None, :], b * cos[None, :] - a * sin[None, :])
+    tl.store(ptrs, tl.reshape(turned, (BH, 2 * BLOCK_HALF)).to(out_base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -125,10 +153,12 @@ def _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D: tl.constexpr, 
 
 
 @triton.jit
-def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, out_ptr, tiles_ptr, count_ptr, T, H, N, split, n_tiles, qk_scale,
+def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, tiles_ptr, count_ptr, T, H, N, split,
+                    n_tiles, qk_scale,
                     stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_or, stride_oh,
                     BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                    DOT_FP32: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr):
+                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, DOT_FP32: tl.constexpr, SKIP: tl.constexpr,
+                    PDL: tl.constexpr):
     wait_previous(PDL)
     # Head blocks of one query are neighbours in launch order, so the keys they share stay in L2.
     pid = tl.program_id(0)
@@ -148,7 +178,8 @@ def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, out_ptr, tiles_ptr, count_ptr
             m_s, l_s, acc_s = _split_state(q, k_base, b_base, stride_kn, stride_bn, n_lo, tl.minimum(n_lo + split, N),
                                            qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32)
             m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
-    _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, stride_oh, offs_h, H, BLOCK_D, D)
+    _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, cos_ptr + row * HALF, sin_ptr + row * HALF, stride_oh,
+            offs_h, H, BH, BLOCK_D, D, HALF, BLOCK_HALF)
 
 
 @triton.jit
@@ -173,8 +204,9 @@ def _mqa_split(q_ptr, k_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, T, H, N, split, n_spl
 
 
 @triton.jit
-def _mqa_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, n_splits, stride_or, stride_oh,
-                 BH: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+def _mqa_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, H, n_splits, stride_or, stride_oh,
+                 BH: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     wait_previous(PDL)
     pid = tl.program_id(0)
     row = (pid // HB).to(tl.int64)
@@ -189,7 +221,8 @@ def _mqa_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, n_splits, stride_o
         l_s = tl.load(l_ptr + base, mask=offs_h < H, other=0.0)
         acc_s = tl.load(acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], mask=(offs_h < H)[:, None], other=0.0)
         m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
-    _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, stride_oh, offs_h, H, BLOCK_D, D)
+    _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, cos_ptr + row * HALF, sin_ptr + row * HALF, stride_oh,
+            offs_h, H, BH, BLOCK_D, D, HALF, BLOCK_HALF)
 
 
 # Tiling depends on H, d, dtypes and the queries per chunk T (decode or prefill), never on the
@@ -226,6 +259,8 @@ def sparse_mqa_triton(
     keys: torch.Tensor,
     bias: torch.Tensor,
     sink: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     out: Optional[torch.Tensor] = None,
     *,
     block_n: Optional[int] = None,
@@ -236,15 +271,19 @@ def sparse_mqa_triton(
     num_warps: Optional[int] = None,
 ) -> torch.Tensor:
     """``graphs/attention.py::mqa_with_sink`` for q ``[..., T, H, d]``, keys ``[..., N, d]``,
-    bias ``[..., T, N]``, sink ``[H]``, written into ``out`` (q's shape and dtype) if given.
+    bias ``[..., T, N]``, sink ``[H]`` and the queries' rope tables cos / sin ``[..., T, rd/2]``,
+    written into ``out`` (q's shape and dtype) if given.
 
     ``block_n``, ``split`` (keys per split), ``parallel`` (split programs + combine), ``skip``
     (pass over all -inf tiles), ``heads`` (per program) and ``num_warps`` default to the shape
     rule; tests and the kernel bench set them to reach every path or compare tilings."""
     *lead, t, h, d = q.shape
     n = keys.shape[-2]
-    if list(keys.shape) != [*lead, n, d] or list(bias.shape) != [*lead, t, n] or list(sink.shape) != [h]:
-        shapes = f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, bias {tuple(bias.shape)}, sink {tuple(sink.shape)}"
+    half = cos.shape[-1]
+    if (list(keys.shape) != [*lead, n, d] or list(bias.shape) != [*lead, t, n] or list(sink.shape) != [h]
+            or list(cos.shape) != [*lead, t, half] or sin.shape != cos.shape or not 0 < 2 * half <= d):
+        shapes = (f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, bias {tuple(bias.shape)}, sink {tuple(sink.shape)}, "
+                  f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
         raise ValueError(f"sparse_mqa: mismatched shapes {shapes}")
     out = out_buffer(out, q.shape, q.dtype, q.device, "sparse_mqa")
     rows = q.numel() // (h * d)
@@ -254,6 +293,7 @@ def sparse_mqa_triton(
     k2 = _last_dim_contiguous(keys.reshape(-1, n, d))
     b2 = bias.reshape(rows, n)
     o2 = out.view(rows, h, d)
+    cos2, sin2 = cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).contiguous()
 
     if block_n is None:  # double-buffered fp32 tiles of 64 x 512 would overflow shared memory
         block_n = _BLOCK_N if max(q.element_size(), keys.element_size()) <= 2 else _BLOCK_N // 2
@@ -272,14 +312,15 @@ def sparse_mqa_triton(
     if parallel is None:
         parallel = n_splits > 1 and rows * head_blocks <= _PARALLEL_WAVES * _sm_count(q.device)
     block_d = triton.next_power_of_2(d)
-    meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=num_warps, **pdl_args(q.device))
+    meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+                num_warps=num_warps, **pdl_args(q.device))
     dot_fp32 = _INTERPRET or q.dtype != keys.dtype or q.dtype == torch.float32
     qk_scale = d**-0.5 * _LOG2E
     strides = (q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), b2.stride(0), b2.stride(1))
     if not parallel:
         tiles, count, n_tiles = _live_tiles(b2, block_n) if skip else (b2, b2, 0)  # unread without SKIP
         _mqa_sequential[(rows * head_blocks,)](
-            q2, k2, b2, sink, o2, tiles, count, t, h, n, split, n_tiles, qk_scale, *strides, o2.stride(0), o2.stride(1),
+            q2, k2, b2, sink, cos2, sin2, o2, tiles, count, t, h, n, split, n_tiles, qk_scale, *strides, o2.stride(0), o2.stride(1),
             BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=_NUM_STAGES, **meta
         )
         return out
@@ -290,7 +331,7 @@ def sparse_mqa_triton(
         q2, k2, b2, m, l, acc, t, h, n, split, n_splits, qk_scale, *strides,
         BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta,
     )
-    _mqa_combine[(rows * head_blocks,)](m, l, acc, sink, o2, h, n_splits, o2.stride(0), o2.stride(1), **meta)
+    _mqa_combine[(rows * head_blocks,)](m, l, acc, sink, cos2, sin2, o2, h, n_splits, o2.stride(0), o2.stride(1), **meta)
     return out
 
 
@@ -334,8 +375,10 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _sparse_mqa_cuda(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    return sparse_mqa_triton(q, kv, bias, sink)
+def _sparse_mqa_cuda(
+    q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    return sparse_mqa_triton(q, kv, bias, sink, cos, sin)
 
 
 torch.library.register_kernel("deepinfer::sparse_mqa", "cuda", _sparse_mqa_cuda)
