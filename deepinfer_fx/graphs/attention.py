@@ -136,11 +136,11 @@ def selected_entries(entries: torch.Tensor, chosen: torch.Tensor, k: int) -> tup
     a 32k-token state is 8192 per chunk (V4 CSA; V4.1's ratio-1 layers: 32768): at a 256-request
     P8 decode the keys copied for them took ~1 ms and their attention ~2 ms per CSA layer on an
     H200 (19.9 -> 12.0 ms a step at 4k context). Same keys, so the same softmax."""
-    c, _, n = chosen.shape
-    hit = chosen[:, 0]
-    # each chosen entry's rank among the chosen is its place; the rest go to a dropped place k
-    place = torch.where(hit, hit.cumsum(-1) - 1, k)
-    ids = torch.arange(n, device=entries.device).expand(c, n)
-    idx = torch.zeros(c, k + 1, dtype=torch.long, device=entries.device).scatter_(-1, place, ids)[:, :k]
-    real = torch.arange(k, device=entries.device) < hit.sum(-1, keepdim=True)
+    c = chosen.shape[0]
+    # how many entries are chosen up to each one: the j-th chosen entry is the first whose count
+    # reaches j (a search, not a scatter: Inductor fuses it with the gather on a GPU)
+    count = chosen[:, 0].cumsum(-1)
+    rank = torch.arange(1, k + 1, device=entries.device).expand(c, k).contiguous()
+    real = rank <= count[:, -1:]
+    idx = torch.where(real, torch.searchsorted(count, rank), 0)  # places past the last chosen read entry 0
     return entries.gather(1, idx[..., None].expand(-1, -1, entries.shape[-1])), real[:, None, :]
