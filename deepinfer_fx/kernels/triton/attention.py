@@ -312,8 +312,8 @@ def sparse_mqa_triton(
     if parallel is None:
         parallel = n_splits > 1 and rows * head_blocks <= _PARALLEL_WAVES * _sm_count(q.device)
     block_d = triton.next_power_of_2(d)
-    meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-                num_warps=num_warps, **pdl_args(q.device))
+    meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=num_warps, **pdl_args(q.device))
+    rope = dict(HALF=half, BLOCK_HALF=triton.next_power_of_2(half))  # for the kernels that store the output
     dot_fp32 = _INTERPRET or q.dtype != keys.dtype or q.dtype == torch.float32
     qk_scale = d**-0.5 * _LOG2E
     strides = (q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), b2.stride(0), b2.stride(1))
@@ -321,7 +321,7 @@ def sparse_mqa_triton(
         tiles, count, n_tiles = _live_tiles(b2, block_n) if skip else (b2, b2, 0)  # unread without SKIP
         _mqa_sequential[(rows * head_blocks,)](
             q2, k2, b2, sink, cos2, sin2, o2, tiles, count, t, h, n, split, n_tiles, qk_scale, *strides, o2.stride(0), o2.stride(1),
-            BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=_NUM_STAGES, **meta
+            BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=_NUM_STAGES, **meta, **rope
         )
         return out
     m = torch.empty((rows, n_splits, h), dtype=torch.float32, device=q.device)
@@ -331,7 +331,8 @@ def sparse_mqa_triton(
         q2, k2, b2, m, l, acc, t, h, n, split, n_splits, qk_scale, *strides,
         BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta,
     )
-    _mqa_combine[(rows * head_blocks,)](m, l, acc, sink, cos2, sin2, o2, h, n_splits, o2.stride(0), o2.stride(1), **meta)
+    _mqa_combine[(rows * head_blocks,)](m, l, acc, sink, cos2, sin2, o2, h, n_splits, o2.stride(0), o2.stride(1), **meta,
+                                        **rope)
     return out
 
 
