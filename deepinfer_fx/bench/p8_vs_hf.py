@@ -27,7 +27,7 @@ from ..engine.graph_runner import StepGraphs
 from ..graphs.state import init_state
 from . import roofline
 from .p8 import P8, hf_kwargs, p8_config, run_info, write_result
-from .timing import kernel_table, timed
+from .timing import kernel_table, kernel_timeline, timed
 
 
 def build_hf(layers: int, seed: int):
@@ -89,8 +89,12 @@ def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int) -> 
     # the profile comes after the measurement window, never inside it
     kernels, kernel_us, launches = kernel_table(lambda: graphs.decode(sl, starts), 3)
     row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, kernels=kernels)
-    print({k: v for k, v in row.items() if k not in ("kernels", "roofline")}, flush=True)
+    # what each kernel adds to the step's span (durations overlap under PDL)
+    row["timeline"], row["step_kernels"] = kernel_timeline(lambda: graphs.decode(sl, starts), 3)
+    print({k: v for k, v in row.items() if k not in ("kernels", "roofline", "timeline", "step_kernels")}, flush=True)
     _print_kernels(kernels)
+    for r in row["timeline"][:16]:
+        print(f"   advance {r['advance_us']:8.1f} us + gap {r['gap_us']:6.1f} us {r['launches']:4d}x  {r['kernel'][:90]}")
     return row
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -44,6 +45,51 @@ def kernel_table(fn: Callable[[], object], steps: int) -> tuple[list[dict], floa
         key=lambda r: -r["us"],
     )
     return rows, step_us, sum(count.values()) // steps
+
+
+def advances(spans: Sequence[tuple[str, float, float]]) -> list[dict]:
+    """Kernel spans ``(name, start, end)`` of one step -> in start order, each kernel's *advance*
+    (how far its end pushes the timeline past the end of every kernel before it) and the idle
+    *gap* before it starts. Advances and gaps add up to the step's span exactly, where durations
+    do not: with PDL a kernel starts before its predecessor ends and waits on it, so its
+    duration counts its wait too."""
+    rows: list[dict] = []
+    frontier = None
+    for name, start, end in sorted(spans, key=lambda s: s[1]):
+        gap = 0.0 if frontier is None else max(0.0, start - frontier)
+        advance = end - start if frontier is None else max(0.0, end - max(frontier, start))
+        frontier = end if frontier is None else max(frontier, end)
+        rows.append({"kernel": name[:120], "start": start, "us": end - start, "advance": advance, "gap": gap})
+    return rows
+
+
+def kernel_timeline(fn: Callable[[], object], steps: int) -> tuple[list[dict], list[dict]]:
+    """Profile ``steps`` calls of ``fn``, one at a time; per kernel name: advance and gap in us per
+    step (``advances``) and launches, by advance; and the ordered kernels of the last call, start
+    times from its first kernel."""
+    fn()
+    torch.cuda.synchronize()
+    adv: dict[str, float] = defaultdict(float)
+    gap: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    rows: list[dict] = []
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        spans = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                 if ev.device_type == torch.autograd.DeviceType.CUDA]
+        rows = advances(spans)
+        for r in rows:
+            adv[r["kernel"]] += r["advance"]
+            gap[r["kernel"]] += r["gap"]
+            count[r["kernel"]] += 1
+    table = sorted(({"kernel": k, "advance_us": round(adv[k] / steps, 2), "gap_us": round(gap[k] / steps, 2),
+                     "launches": count[k] // steps} for k in adv), key=lambda r: -r["advance_us"] - r["gap_us"])
+    t0 = rows[0]["start"] if rows else 0.0
+    ordered = [{"kernel": r["kernel"][:80], "start": round(r["start"] - t0, 2), "us": round(r["us"], 2),
+                "advance": round(r["advance"], 2), "gap": round(r["gap"], 2)} for r in rows]
+    return table, ordered
 
 
 def graph_ms(fn: Callable[[], object], iters: int) -> float:
