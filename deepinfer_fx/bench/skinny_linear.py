@@ -12,9 +12,10 @@ does), each captured in a CUDA graph whose calls cycle through enough copies of 
 call, weight bandwidth (weight bytes / time: the figure that matters here), the speedup and the
 max difference from cuBLAS relative to its max.
 
-``--sweep`` then searches tilings per weight in two rounds: column tile x k tile x K splits
-(4 warps, 3 stages), then warps x stages around the best; a tiling's score is its time summed
-over the row counts (the rule may not depend on M). It prints each weight's best next to the
+``--sweep`` then searches tilings per weight in three rounds: column tile x k tile x K splits
+(4 warps, 3 stages), then warps x stages around the best, then the tensor-descriptor (TMA)
+variant of the rule's tiles and of the three best; a tiling's score is its time summed over the
+row counts (the rule may not depend on M). It prints each weight's best next to the
 rule's, ready to pin in ``kernels/triton/linear.py::choose_tiles``.
 """
 
@@ -39,6 +40,7 @@ _SWEEP_BK = (128, 256)
 _SWEEP_SPLIT = (1, 2, 4, 8, 16)
 _SWEEP_WARPS = (4, 8)
 _SWEEP_STAGES = (3, 4)
+_TMA_TOP = 3
 
 
 def p8_weights(head: bool) -> dict[str, tuple[int, int]]:
@@ -97,6 +99,9 @@ def _sweep(name: str, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], 
     lead = Tiles(**min(tried, key=lambda r: r["total_us"])["tiles"])
     run([lead._replace(warps=w, stages=s) for w, s in itertools.product(_SWEEP_WARPS, _SWEEP_STAGES)
          if (w, s) != (lead.warps, lead.stages)])
+    # the tensor-descriptor variant of the rule's tiles and of the best few so far
+    top = [Tiles(**r["tiles"]) for r in sorted(tried, key=lambda r: r["total_us"])[:_TMA_TOP]]
+    run(list(dict.fromkeys(t._replace(tma=True) for t in [choose_tiles(n, k), *top])))
     best = min(tried, key=lambda r: r["total_us"])
     rule = score(choose_tiles(n, k))
     return {"rule": choose_tiles(n, k)._asdict(), "rule_us": rule, "best": best, "tried": tried}

@@ -164,22 +164,26 @@ def test_model_sizes_match_reference(n: int, k: int, out_fp32: bool) -> None:
 
 @cuda_only
 @pytest.mark.parametrize("out_fp32", [False, True])
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
 @pytest.mark.parametrize("n,k", [*MODEL_WEIGHTS, (129280, 4096)])
-def test_batch_invariant(n: int, k: int, out_fp32: bool) -> None:
-    """Row r alone == row r inside M = 8, 16, 64 == row r beside other rows, bitwise."""
+def test_batch_invariant(n: int, k: int, out_fp32: bool, tma: bool) -> None:
+    """Row r alone == row r inside M = 8, 16, 64 == row r beside other rows, bitwise; with the
+    rule's tiles, and with their tensor-descriptor variant."""
     seed = fresh_seed()
     x, w = operands(seed, 64, n, k, torch.bfloat16, "cuda")
-    full = skinny_linear_triton(x, w, out_fp32)
+    t = choose_tiles(n, k)._replace(tma=tma)
+    full = skinny_linear_triton(x, w, out_fp32, t)
+    assert_close(full, x, w, out_fp32, f"seed={seed} N={n} K={k} {t}")
     other = x.clone()
     other[1:] = torch.randn_like(other[1:])
     for r in (0, 5, 15):
-        alone = skinny_linear_triton(x[r : r + 1], w, out_fp32)
+        alone = skinny_linear_triton(x[r : r + 1], w, out_fp32, t)
         for m in (8, 16, 64):
             if r < m:
-                inside = skinny_linear_triton(x[:m], w, out_fp32)
+                inside = skinny_linear_triton(x[:m], w, out_fp32, t)
                 assert torch.equal(alone[0], inside[r]), f"seed={seed} N={n} K={k} row {r} of M={m}"
         assert torch.equal(alone[0], full[r]), f"seed={seed} N={n} K={k} row {r}"
-    assert torch.equal(skinny_linear_triton(other, w, out_fp32)[0], full[0]), f"seed={seed}: other rows changed row 0"
+    assert torch.equal(skinny_linear_triton(other, w, out_fp32, t)[0], full[0]), f"seed={seed}: other rows changed row 0"
 
 
 @cuda_only
@@ -234,6 +238,24 @@ def test_one_launch_per_call(n: int, k: int) -> None:
     assert len(kernels) == calls and all("_skinny_kernel" in name for name in kernels), (choose_tiles(n, k), kernels)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,tiles", CASES + SPLIT_CASES)
+def test_tma_tiles_match_reference(m: int, n: int, k: int, tiles: Tiles | None, dtype: torch.dtype,
+                                  device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weight tiles read through a tensor descriptor (zeros past N and K), split K included;
+    weights whose rows are not 16-byte aligned keep pointer loads."""
+    seed = fresh_seed()
+    x, w = operands(seed, m, n, k, dtype, device)
+    t = tiles or choose_tiles(n, k)
+    made = []
+    real = linear.TensorDescriptor.from_tensor
+    monkeypatch.setattr(linear.TensorDescriptor, "from_tensor", staticmethod(lambda *a, **kw: made.append(1) or real(*a, **kw)))
+    got = skinny_linear_triton(x, w, False, t._replace(tma=True))
+    why = f"seed={seed} M={m} N={n} K={k} tiles={t} {dtype}"
+    assert len(made) == int(k * w.element_size() % 16 == 0), why
+    assert_close(got, x, w, False, why)
+
+
 # --- offline compile for the H200 --------------------------------------------------------------
 
 
@@ -268,8 +290,14 @@ def _compile_for_sm90(out_dir: str) -> None:
         for out in ("bf16", "fp32"):
             pointers = {"x_ptr": "*bf16", "w_ptrs": ("*bf16",) * len(ns), "out_ptrs": (f"*{out}",) * len(ns),
                         "ws_ptr": "*fp32", "count_ptr": "*i32"}
-            kernel = compile_sm90(fn, pointers, consts, ["stride_xm", "stride_wn"], num_warps=t.warps, num_stages=t.stages)
+            kernel = compile_sm90(fn, pointers, consts | {"w_desc": None}, ["stride_xm", "stride_wn"],
+                                  num_warps=t.warps, num_stages=t.stages)
             Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}.ptx").write_text(kernel.asm["ptx"])
+            if len(ns) == 1:  # the tensor-descriptor variant (``Tiles.tma``)
+                desc = {"w_desc": f"tensordesc<bf16[{t.bn}, {t.bk}]>"}
+                kernel = compile_sm90(fn, pointers | desc, consts, ["stride_xm", "stride_wn"],
+                                      num_warps=t.warps, num_stages=t.stages)
+                Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").write_text(kernel.asm["ptx"])
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +330,19 @@ def test_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, x_block_n
     last_store = max(i for i in range(atoms[0]) if "st.global" in lines[i])
     assert any(line.startswith("bar.sync") for line in lines[last_store : atoms[0]]), "no barrier between the partial stores and the atomic"
     assert any("ld.global.cg" in line for line in lines[atoms[0] :]), "partials must be read through L2"
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("out", ["bf16", "fp32"])
+@pytest.mark.parametrize("ns,k,x_block_n", [c for c in SM90_CASES if len(c[0]) == 1], ids=str)
+def test_tma_variant_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, x_block_n: int, out: str,
+                                                     sm90_ptx: Path) -> None:
+    """The tensor-descriptor variant: no spills, at most 128 registers, its weight tiles come as
+    bulk tensor copies, and none is issued before the PDL wait."""
+    ptx = (sm90_ptx / f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").read_text()
+    spills, registers, log = ptxas_report(ptx)
+    assert spills == [0, 0] and registers <= 128, log
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
+    copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor" in line]
+    assert copies and min(copies) > wait, "tensor copies, all after the wait"

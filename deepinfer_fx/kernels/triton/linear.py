@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..ops_linear import MAX_GROUP  # (importing it declares deepinfer::skinny_linear before we register for it)
 from .pdl import pdl_args, prefetch_l2, release_next, wait_only
@@ -43,8 +44,11 @@ _LINE_BYTES = 128
 
 
 class Tiles(NamedTuple):
-    """Launch configuration: column tile, k tile, K splits, warps, pipeline stages, and the k
-    tiles of weight prefetched into L2 before the PDL wait (``kernels/triton/pdl.py``)."""
+    """Launch configuration: column tile, k tile, K splits, warps, pipeline stages, the k
+    tiles of weight prefetched into L2 before the PDL wait (``kernels/triton/pdl.py``), and
+    whether the weight tiles stream through the Hopper tensor-memory accelerator (``tma``: a
+    host tensor descriptor, one asynchronous copy per tile instead of per-thread loads) where
+    it applies (one weight, rows 16-byte aligned, sm_90+)."""
 
     bn: int
     bk: int
@@ -52,6 +56,7 @@ class Tiles(NamedTuple):
     warps: int
     stages: int
     prefetch: int = _PREFETCH_TILES
+    tma: bool = False
 
 
 def choose_tiles(n: int, k: int) -> Tiles:
@@ -79,7 +84,7 @@ def _skinny_kernel(
     K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
     NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr, X_BLOCK_N: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
 ):
     """out_g[rows, cols] = x[rows, :] @ w_g[cols, :].T with fp32 accumulation, stored in out's
     dtype, for a group of weights ``w_ptrs`` (one or more) that share x. Column tiles of BN run
@@ -94,7 +99,9 @@ def _skinny_kernel(
     (``LINE`` elements each) of every weight row it will read, from the start of its k range:
     nothing it reads before the wait is written by an earlier kernel. With ``X_BLOCK_N`` > 0 the
     (single) weight is the stack of a block-diagonal one's blocks, ``X_BLOCK_N`` rows each, and
-    column tiles of block b read x's columns ``[b*K, (b+1)*K)``; BN divides ``X_BLOCK_N``."""
+    column tiles of block b read x's columns ``[b*K, (b+1)*K)``; BN divides ``X_BLOCK_N``. With
+    ``w_desc`` (a tensor descriptor of the single weight, blocks ``[BN, BK]``) the weight tiles
+    come through it: out-of-range rows and k read zeros, as the masks give."""
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,7 +136,11 @@ def _skinny_kernel(
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K_SPLIT, BK):
-        if EVEN:
+        if w_desc is not None:
+            kmask = offs_k < K - k0
+            a = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.trans(w_desc.load([(tile_n - first) * BN, split * K_SPLIT + k0]))
+        elif EVEN:
             a = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
             b = tl.load(w_tile)
         else:
@@ -256,6 +267,10 @@ def _launch(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tile
     line = _LINE_BYTES // x.element_size()
     # Lines along k: only where a weight row is contiguous in k; at most the program's k range.
     lines = triton.next_power_of_2(triton.cdiv(min(t.prefetch * t.bk, k_split), line)) if t.prefetch else 0
+    # The descriptor's rows must start 16-byte aligned; a group's weights keep pointer loads.
+    tma = (t.tma and len(ws) == 1 and ws[0].stride(1) == 1 and (ws[0].stride(0) * ws[0].element_size()) % 16 == 0
+           and ws[0].data_ptr() % 16 == 0 and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] >= 9))
+    w_desc = TensorDescriptor.from_tensor(ws[0], [t.bn, t.bk]) if tma else None
     _skinny_kernel[grid](
         x, tuple(ws), tuple(outs), ws_buf, counts, m,
         x.stride(0), x.stride(1), ws[0].stride(0), ws[0].stride(1),
@@ -263,7 +278,7 @@ def _launch(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tile
         EVEN=all(n % t.bn == 0 for n in ns) and k % k_split == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         NS=ns, TILE0=tile0[:-1], COL0=tuple(itertools.accumulate(ns[:-1], initial=0)), N_ALL=sum(ns), X_BLOCK_N=x_block_n,
         PREFETCH_LINES=lines if ws[0].stride(1) == 1 else 0, LINE=line,
-        num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device),
+        num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device), w_desc=w_desc,
     )
     return outs
 
