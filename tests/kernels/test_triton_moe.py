@@ -74,6 +74,27 @@ def test_sort_pairs(device: str, t: int, e: int) -> None:
     assert torch.equal(flat[pairs.long()], flat.sort().values), f"seed {seed}: not grouped by expert"
 
 
+@pytest.mark.parametrize("t,launches", [(1, ["sort_one"]), (42, ["sort_one"]), (43, ["count", "place"])])
+def test_sort_is_one_launch_up_to_one_span(device: str, t: int, launches: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to 256 pairs (42 tokens of 6) one program sorts them; more take the two-launch sort."""
+    seen: list[str] = []
+
+    class Recorded:
+        def __init__(self, name: str, kernel) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            seen.append(self.name)
+            return self.kernel[grid]
+
+    for name, attr in (("sort_one", "sort_pairs_one_kernel"), ("count", "count_pairs_kernel"), ("place", "place_pairs_kernel")):
+        monkeypatch.setattr(moe, attr, Recorded(name, getattr(moe, attr)))
+    idx = torch.randint(8, (t, 6), device=device)
+    pairs, ends = sort_pairs(idx, 8)
+    assert seen == launches
+    assert torch.equal(idx.reshape(-1)[pairs.long()], idx.reshape(-1).sort().values)
+
+
 @pytest.mark.parametrize("t,e,d,i,k", [(1, 8, 48, 40, 4), (5, 8, 64, 32, 2), (40, 4, 48, 40, 4), (72, 4, 32, 64, 4)])
 @pytest.mark.parametrize("limit", [0.0, 0.6])
 def test_matches_reference(device: str, t: int, e: int, d: int, i: int, k: int, limit: float) -> None:

@@ -218,7 +218,8 @@ def _compile_for_sm90(out_dir: str) -> None:
     of the pair sort, with and without the shared expert, into ``out_dir`` (run in a child
     process without the interpreter, see ``sm90_ptxas.compile_in_subprocess``). Pointers,
     strides and widths carry the 16-divisibility a real launch at these sizes specialises on."""
-    from deepinfer_fx.kernels.triton.moe_kernels import count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel
+    from deepinfer_fx.kernels.triton.moe_kernels import (count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel,
+                                                         sort_pairs_one_kernel)
 
     def emit(kernel, name: str, types: dict, consts: dict, warps: int, stages: int) -> None:
         compiled = compile_sm90(kernel, types, consts, lambda a: a.startswith("stride") or a in ("N", "SPAN"),
@@ -242,6 +243,7 @@ def _compile_for_sm90(out_dir: str) -> None:
         sort = {"TOPK": 6, "SHARED": shared, "E_P": 128, "CHUNK": 256, "PDL": True}
         emit(count_pairs_kernel, f"count-{shared}", types, sort, 4, 3)
         emit(place_pairs_kernel, f"place-{shared}", types, {**sort, "G_P": 64}, 4, 3)
+        emit(sort_pairs_one_kernel, f"sort_one-{shared}", types, sort, 4, 3)
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +254,7 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
 @pytest.mark.parametrize("kernel", ["gate_up-decode", "down-decode", "gate_up-narrow4", "down-narrow4", "gate_up-narrow3",
-                                    "down-narrow3", "gate_up-prefill", "down-prefill", "count", "place"])
+                                    "down-narrow3", "gate_up-prefill", "down-prefill", "count", "place", "sort_one"])
 def test_kernels_compile_for_sm90_without_spills(kernel: str, shared: bool, sm90_ptx: Path) -> None:
     """Both variants compile for the H200 with no spills; the GEMMs on tensor cores. The shared
     variant selects a base pointer per block and should cost no more than a few registers."""

@@ -40,7 +40,7 @@ import triton
 
 from .. import ops, ops_fp8  # noqa: F401  (declare the ops before we register for them)
 from .buffers import out_buffer
-from .moe_kernels import combine_kernel, count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel
+from .moe_kernels import combine_kernel, count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel, sort_pairs_one_kernel
 from .pdl import pdl_args
 
 
@@ -133,7 +133,8 @@ def choose_tiles(pairs: int, experts: int, n: int, k: int, gated: bool, qblock: 
 def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (pair ids grouped by expert ``[T*k]``, each expert's end row ``[E]``), both int32;
     with ``shared``, ``[T*(k+1)]`` and ``[E+1]``: each token's pair k is the shared expert E.
-    Up to ``_SORT_PROGRAMS`` programs each count then place a contiguous span of pairs."""
+    Up to ``_SORT_PROGRAMS`` programs each count then place a contiguous span of pairs; one
+    span (decode) is one launch."""
     # contiguous: a [T, 1] column sliced from a wider tensor reshapes to a strided view
     flat = idx.reshape(-1).contiguous()
     t, top = idx.shape
@@ -146,6 +147,10 @@ def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple
     pairs = torch.empty(p, dtype=torch.int32, device=idx.device)
     ends = torch.empty(n_experts + shared, dtype=torch.int32, device=idx.device)
     pdl = pdl_args(idx.device)
+    if g == 1:
+        sort_pairs_one_kernel[(1,)](flat, pairs, ends, cursor, p, n_experts, TOPK=top, SHARED=shared, E_P=e_p,
+                                    CHUNK=_SORT_CHUNK, **pdl)
+        return pairs, ends
     count_pairs_kernel[(g,)](flat, hist, p, n_experts, span, TOPK=top, SHARED=shared, E_P=e_p, CHUNK=_SORT_CHUNK, **pdl)
     place_pairs_kernel[(g,)](flat, hist, pairs, ends, cursor, p, n_experts, g, span, TOPK=top, SHARED=shared,
                              E_P=e_p, G_P=max(2, triton.next_power_of_2(g)), CHUNK=_SORT_CHUNK, **pdl)

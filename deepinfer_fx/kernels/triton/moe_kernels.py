@@ -1,6 +1,7 @@
 """Triton kernels of the routed experts (launchers: ``moe.py``).
 
-The T*k (token, k) pairs are sorted by expert on the device (two small launches); every GEMM
+The T*k (token, k) pairs are sorted by expert on the device (one small launch for up to 256
+pairs, two beyond); every GEMM
 program then finds its row block from the per-expert row ends alone, so the grid can be static
 (sized for the worst case) and programs past the last block exit at once. A row block holds
 rows of one expert only; each row's result depends on nothing but its own inputs (no split-K,
@@ -39,23 +40,59 @@ def _pair_routing(ptr, pair, mask, shared_value, TOPK: tl.constexpr, SHARED: tl.
 
 
 @triton.jit
+def _count_span(idx_ptr, c0, stop, E, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr):
+    """How many of the pairs ``[c0, stop)`` each expert takes ``[E_P]``."""
+    counts = tl.zeros([E_P], dtype=tl.int32)
+    # while, not range: the bounds are runtime values (they follow the token count) and
+    # Triton's interpreter cannot take one as a range bound under NumPy 2.
+    while c0 < stop:
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = _pair_routing(idx_ptr, offs, offs < stop, E, TOPK, SHARED).to(tl.int32)
+        counts += tl.histogram(ids, E_P, mask=offs < stop)
+        c0 += CHUNK
+    return counts
+
+
+@triton.jit
+def _place_span(idx_ptr, pairs_ptr, cursor, c0, stop, E, TOPK: tl.constexpr, SHARED: tl.constexpr, CHUNK: tl.constexpr):
+    """Write the ids of the pairs ``[c0, stop)`` at their expert's ``cursor`` ``[E_P]`` (in
+    memory, advanced atomically). Order inside a group is arbitrary: rows are independent, so
+    results do not depend on it."""
+    while c0 < stop:
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = _pair_routing(idx_ptr, offs, offs < stop, E, TOPK, SHARED).to(tl.int32)
+        # Relaxed: the caller's barrier orders the cursors; the atomics need no fences of their own.
+        pos = tl.atomic_add(cursor + ids, 1, mask=offs < stop, sem="relaxed")
+        tl.store(pairs_ptr + pos, offs, mask=offs < stop)
+        c0 += CHUNK
+
+
+@triton.jit
 def count_pairs_kernel(idx_ptr, hist_ptr, P, E, SPAN, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr,
                        CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program g counts the experts of pairs ``[g * SPAN, (g + 1) * SPAN)`` into ``hist[g]``
     (``E`` routed experts, plus the shared one with ``SHARED``)."""
     wait_previous(PDL)
     g = tl.program_id(0)
-    counts = tl.zeros([E_P], dtype=tl.int32)
-    # while, not range: the bounds are runtime values (they follow the token count) and
-    # Triton's interpreter cannot take one as a range bound under NumPy 2.
-    c0 = g * SPAN
-    stop = tl.minimum(P, c0 + SPAN)
-    while c0 < stop:
-        offs = c0 + tl.arange(0, CHUNK)
-        ids = _pair_routing(idx_ptr, offs, offs < stop, E, TOPK, SHARED).to(tl.int32)
-        counts += tl.histogram(ids, E_P, mask=offs < stop)
-        c0 += CHUNK
+    counts = _count_span(idx_ptr, g * SPAN, tl.minimum(P, g * SPAN + SPAN), E, TOPK, SHARED, E_P, CHUNK)
     tl.store(hist_ptr + g * E_P + tl.arange(0, E_P), counts)
+
+
+@triton.jit
+def sort_pairs_one_kernel(idx_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                          E_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Few pairs (decode): one program counts, writes the expert ends and places every pair,
+    one launch where ``count_pairs_kernel`` + ``place_pairs_kernel`` are two."""
+    wait_previous(PDL)
+    offs_e = tl.arange(0, E_P)
+    start = P * 0  # a runtime value, as the loops' other bounds are (a literal would be a constexpr)
+    counts = _count_span(idx_ptr, start, P, E, TOPK, SHARED, E_P, CHUNK)
+    ends = tl.cumsum(counts, 0)
+    tl.store(ends_ptr + offs_e, ends, mask=offs_e < E + SHARED)
+    tl.store(cursor_ptr + offs_e, ends - counts)
+    # The cursors must be in memory for every thread before the atomics below read them.
+    tl.debug_barrier()
+    _place_span(idx_ptr, pairs_ptr, cursor_ptr, start, P, E, TOPK, SHARED, CHUNK)
 
 
 @triton.jit
@@ -65,8 +102,7 @@ def place_pairs_kernel(idx_ptr, hist_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E,
     """Program g writes the ids of its pairs grouped by expert into ``pairs``, each expert's
     group starting where the groups of lower experts and of earlier programs end; program 0
     also writes each expert's end row (``E`` routed experts, then the shared one with
-    ``SHARED``). Order inside a group is arbitrary (atomic cursors): rows are independent, so
-    results do not depend on it."""
+    ``SHARED``)."""
     wait_previous(PDL)
     g = tl.program_id(0)
     offs_g = tl.arange(0, G_P)
@@ -79,15 +115,7 @@ def place_pairs_kernel(idx_ptr, hist_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E,
     tl.store(cursor_ptr + g * E_P + offs_e, ends - totals + before)
     # The cursors must be in memory for every thread before the atomics below read them.
     tl.debug_barrier()
-    c0 = g * SPAN
-    stop = tl.minimum(P, c0 + SPAN)
-    while c0 < stop:
-        offs = c0 + tl.arange(0, CHUNK)
-        ids = _pair_routing(idx_ptr, offs, offs < stop, E, TOPK, SHARED).to(tl.int32)
-        # Relaxed: the barrier above orders the cursors; the atomics need no fences of their own.
-        pos = tl.atomic_add(cursor_ptr + g * E_P + ids, 1, mask=offs < stop, sem="relaxed")
-        tl.store(pairs_ptr + pos, offs, mask=offs < stop)
-        c0 += CHUNK
+    _place_span(idx_ptr, pairs_ptr, cursor_ptr + g * E_P, g * SPAN, tl.minimum(P, g * SPAN + SPAN), E, TOPK, SHARED, CHUNK)
 
 
 @triton.jit
