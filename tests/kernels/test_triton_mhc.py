@@ -225,7 +225,8 @@ def _compile_for_sm90(out_dir: str) -> None:
         warps = dots.pop("num_warps")
         types["x_ptr"] = "*bf16" if bf16 else "*fp32"
         Path(out_dir, f"dots-{'bf16' if bf16 else 'fp32'}.ptx").write_text(
-            ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, "PDL": True, **dots}, warps))
+            ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, "PDL": True, "FN_LINES": dots["CHUNK"] // 32, "LINE": 32,
+                                   **dots}, warps))
     types["x_ptr"] = "*bf16"
     finish = dict(launch_config(n, d)["finish"])
     warps = finish.pop("num_warps")
@@ -249,6 +250,12 @@ def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
     assert spills == [0, 0] and registers <= 128, log
     assert "tf32" not in ptx
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, "PDL (kernels/triton/pdl.py)"
+    if kernel.startswith("dots"):  # fn is asked of L2 before the wait, and nothing loads before it
+        lines = [line.strip() for line in ptx.splitlines()]
+        wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
+        prefetches = [i for i, line in enumerate(lines) if line.startswith("prefetch.global.L2")]
+        assert prefetches and max(prefetches) < wait, "fn is prefetched before the wait"
+        assert not any(("ld.global" in line or "cp.async" in line) for line in lines[:wait]), "a load before the wait"
     if kernel == "dots-fp32":
         assert "fma.rn.f32" in ptx and "mma" not in ptx
     elif kernel == "dots-bf16":

@@ -55,7 +55,7 @@ from .. import ops_mhc  # noqa: F401  (declares deepinfer::mhc_site before we re
 from ...graphs.mhc import mhc_site
 from .buffers import out_buffer
 from .sinkhorn import sinkhorn_tile
-from .pdl import pdl_args, wait_previous
+from .pdl import pdl_args, prefetch_l2, wait_previous
 
 # The unswapped math, for stream counts the kernel does not tile (not a power of two).
 _reference = getattr(mhc_site, "reference", mhc_site)
@@ -75,20 +75,27 @@ _BLOCK_D = 1024  # channels per launch-2 program
 # programs fit an SM. Narrower blocks were no faster at decode and slower at prefill.
 _FINISH_WARPS = 1
 _MAX_N = 16
+_LINE_BYTES = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
                      K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, CHUNK: tl.constexpr,
-                     BT: tl.constexpr, BK: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
-    """Tokens ``[BT]`` x one K-chunk -> partial dots ``[BT, M]`` and sums of squares ``[BT]``."""
-    wait_previous(PDL)
-    tok = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+                     BT: tl.constexpr, BK: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
+                     FN_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+    """Tokens ``[BT]`` x one K-chunk -> partial dots ``[BT, M]`` and sums of squares ``[BT]``.
+    With PDL, the program first asks L2 for its chunk of ``fn`` (``FN_LINES`` cache lines of
+    ``LINE`` elements a row; a weight, which no earlier kernel writes), then waits."""
     split = tl.program_id(1)
-    tok_ok = tok < n_tokens
     m = tl.arange(0, MP)
     m_ok = m < M
+    if PDL:  # clamped into fn: every address valid
+        lk = tl.minimum(split * CHUNK + tl.arange(0, FN_LINES) * LINE, K - 1)
+        prefetch_l2(fn_ptr + tl.minimum(m, M - 1)[:, None] * K + lk[None, :])
+    wait_previous(PDL)
+    tok = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    tok_ok = tok < n_tokens
     acc = tl.zeros([BT, MP], tl.float32)
     ss = tl.zeros([BT], tl.float32)
     for i in range(0, CHUNK, BK):
@@ -215,8 +222,10 @@ def mhc_site_triton(
     cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots, finish)
     launch1, launch2 = cfg["dots"], cfg["finish"]
     part = torch.empty((t, launch2["KSPLIT"], m + 1), dtype=torch.float32, device=dev)
+    line = _LINE_BYTES // fn.element_size()
     _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), launch2["KSPLIT"])](
-        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1, **pdl_args(dev),
+        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1,
+        FN_LINES=triton.next_power_of_2(triton.cdiv(launch1["CHUNK"], line)), LINE=line, **pdl_args(dev),
     )
     pre_in_rows = pre if pre_in is None else pre_in.reshape(t, n).float().contiguous()  # unread without pre_in
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
