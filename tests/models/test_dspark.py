@@ -18,12 +18,14 @@ from deepinfer_fx.config import load_config
 from deepinfer_fx.graphs import fake_quant as fq
 from deepinfer_fx.graphs.batch import make_batch
 from deepinfer_fx.graphs.dspark import dspark_capture, dspark_context, dspark_draft, dspark_propose
+from deepinfer_fx.graphs.moe import _score, route_weights
 from deepinfer_fx.graphs.model import forward_batch
 from deepinfer_fx.graphs.norm import rms_norm
-from deepinfer_fx.graphs.params import count_params
+from deepinfer_fx.graphs.params import count_params, dspark_stage_config
 from deepinfer_fx.graphs.random_init import random_flat
 from deepinfer_fx.graphs.rope import apply_rope, cos_sin, inv_freq
 from deepinfer_fx.graphs.state import init_state
+from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.io.quant import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4
 
 SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "spec" / "configs"
@@ -169,25 +171,59 @@ def test_context_before_position_zero_is_ignored(family: str) -> None:
     assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.logits, ref.logits), f"seed={seed}"
 
 
+def _propose_routed(params, state, c, *args) -> tuple[object, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``dspark_propose`` recording, for each routed MoE call of the stages, every row's
+    selection scores (``scores + bias``) and chosen experts."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def recorded(logits, bias, ids, k, kind, temp, norm, scale):
+        idx, w = route_weights.reference(logits, bias, ids, k, kind, temp, norm, scale)
+        if ids is None:
+            calls.append((_score(logits / temp, kind) + bias.float(), idx.sort(-1).values))
+        return idx, w
+
+    with swapped({"moe.route_weights": recorded}):
+        return dspark_propose(params, state, c, *args), calls
+
+
+def _routing_flip(alone: list, batched: list, rows: slice, k: int) -> float | None:
+    """None if the request's rows chose the same experts in every routed call; else the gap
+    between the k-th and (k+1)-th selection score, alone, at the first row that chose otherwise."""
+    for (score_a, ids_a), (_, ids_b) in zip(alone, batched):
+        differ = (ids_a != ids_b[rows]).any(-1)
+        if differ.any():
+            top = score_a[differ.nonzero()[0, 0]].topk(k + 1).values
+            return float(top[k - 1] - top[k])
+    return None
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_batched_equals_alone(family: str) -> None:
     """Three requests: context built in mixed batches (slots out of order) and drafted together
-    equals each request built and drafted alone."""
+    equals each request built and drafted alone. The one exception is a router near-tie: rows
+    computed in a batch of another size differ by fp32 rounding (~1e-6), which can flip a
+    selection whose two candidates score within that; the drafts then part legitimately, and
+    the test demands the flip be such a tie (seed 728803632 drew one)."""
     seed = _seed()
     model = _model(family, seed, fake_quant=False)
     c, params = model
+    stage_k = dspark_stage_config(c).num_experts_per_tok
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, c.vocab_size, (n,), generator=gen) for n in (17, 6, 11)]
     slots = [3, 0, 1]
     state = init_state(c, 32, slots=4)
     nxt = _prefill(model, state, seqs, slots, chunks=[[5, 4, 8], [6], [1, 3, 7]])
     pos = torch.tensor([s.numel() for s in seqs])
-    batched = dspark_propose(params, state, c, nxt, pos, slots)
+    batched, batched_routes = _propose_routed(params, state, c, nxt, pos, slots)
     for i, s in enumerate(seqs):
         alone_state = init_state(c, 32, slots=1)
         alone_next = _prefill(model, alone_state, [s], [0])
         assert alone_next[0] == nxt[i], f"seed={seed}: the target disagrees, not the drafter"
-        alone = dspark_propose(params, alone_state, c, nxt[i : i + 1], pos[i : i + 1], [0])
+        alone, alone_routes = _propose_routed(params, alone_state, c, nxt[i : i + 1], pos[i : i + 1], [0])
+        gap = _routing_flip(alone_routes, batched_routes, slice(i * BLOCK, (i + 1) * BLOCK), stage_k)
+        if gap is not None:
+            assert abs(gap) < 1e-5, f"seed={seed} request {i}: a routing choice differs with a score gap of {gap}"
+            continue
         assert torch.equal(alone.tokens[0], batched.tokens[i]), f"seed={seed} request {i}: {alone.tokens} vs {batched.tokens[i]}"
         torch.testing.assert_close(alone.confidences[0], batched.confidences[i], rtol=1e-4, atol=1e-5, msg=f"seed={seed} request {i}")
         torch.testing.assert_close(alone.logits[0], batched.logits[i], rtol=1e-5, atol=1e-4, msg=f"seed={seed} request {i}")
