@@ -65,16 +65,18 @@ def choose_tiles(n: int, k: int) -> Tiles:
     Wide weights (the head, ``wq_b``) fill the GPU with column tiles alone: the widest tile
     that still gives ``_MIN_PROGRAMS`` programs. Narrower ones (``wo_b``, ``wq_a``, ``wkv``)
     take 64- or 32-column tiles and split K until they do, each split keeping at least two k
-    tiles; fewer splits where possible, since the partials cost traffic that grows with M."""
+    tiles; fewer splits where possible, since the partials cost traffic that grows with M.
+    Weight tiles come through TMA where the weight allows (measured on the H200, s13: 0.3-0.9
+    us faster per wo_b / wq_b call at M = 1 and 8, ``skinny_tma_sweep_s13.json``)."""
     bk = min(128, max(16, triton.next_power_of_2(k)))
     for bn, stages in ((128, 3), (64, 4), (32, 4)):
         if triton.cdiv(n, bn) >= _MIN_PROGRAMS:
-            return Tiles(bn, bk, 1, 4, stages)
+            return Tiles(bn, bk, 1, 4, stages, tma=True)
     bn = 64 if triton.cdiv(n, 64) >= 64 else 32
     split = 1
     while triton.cdiv(n, bn) * split < _MIN_PROGRAMS and split < _MAX_SPLIT and k >= 4 * split * bk:
         split *= 2
-    return Tiles(bn, bk, split, 4, 4)
+    return Tiles(bn, bk, split, 4, 4, tma=True)
 
 
 @triton.jit(do_not_specialize=["M"])  # M-dependent: one binary for every M
