@@ -11,6 +11,7 @@ compressed entries come from.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 
@@ -22,7 +23,7 @@ from .swap import swappable
 from .csa2 import csa2_entries
 from .indexer import select_entries
 from .norm import linear, project_blocks, rms_norm
-from .rope import apply_rope, cos_sin, inv_freq
+from .rope import apply_rope, cos_sin, inv_freq, norm_rope
 from .window import window_bias, window_keys
 
 
@@ -68,15 +69,15 @@ def query(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torc
     eps = c.rms_norm_eps
     q_r = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
     q = linear(q_r, p["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
-    if not c.is_v41:  # V4 normalises each query head
-        q = rms_norm(q, None, eps)
-    return q_r, apply_rope(q, cos, sin)
+    if c.is_v41:
+        return q_r, apply_rope(q, cos, sin)
+    return q_r, norm_rope(q, None, eps, cos, sin)  # V4 normalises each query head
 
 
 def latent_kv(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The K = V latent of each token as its window ring stores it: normed, rotated, fake-quantised.
     The DSpark drafter builds its context windows with this same map from projected target states."""
-    return fq.window_kv(c, apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin))
+    return fq.window_kv(c, norm_rope(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps, cos, sin))
 
 
 def attention(
@@ -89,13 +90,14 @@ def attention(
     the cache side (window ring, compressor, index keys) on the whole chunks, the query side on
     this batch's rows of them (all of them, except on a context-parallel rank)."""
     freq = inv_freq(c, ratio != 0, x.device)
-    cos, sin = cos_sin(batch.positions, freq)
+    cos, sin = _per_forward(ctx, ("rope", ratio != 0), batch.positions, lambda: cos_sin(batch.positions, freq))
     q_r, q = query(p, c, x, cos, sin)
     keys_batch = batch.keys
     xk, k_cos, k_sin = x, cos, sin
     if batch.split is not None:  # the cache side needs every token of the chunks
         xk = context_gather(x, batch.split)
-        k_cos, k_sin = cos_sin(keys_batch.positions, freq)
+        k_cos, k_sin = _per_forward(ctx, ("key rope", ratio != 0), keys_batch.positions,
+                                    lambda: cos_sin(keys_batch.positions, freq))
     kv = latent_kv(p, c, xk, k_cos, k_sin)
 
     outs = []
@@ -104,7 +106,8 @@ def attention(
         xg = gather_rows(xk, g)
         xq, q_rq, q_pos = gather_rows(x, qs), gather_rows(q_r, qs), qs.positions
         keys, k_pos = window_keys(st["window"], gather_rows(kv, g), g)
-        bias = window_bias(q_pos, k_pos, c.sliding_window)
+        # every layer's ring holds the same positions, so every layer sees the same window
+        bias = _per_forward(ctx, ("window bias", gi, k_pos.shape[-1]), qs, lambda: window_bias(q_pos, k_pos, c.sliding_window))
         if ratio:
             if c.is_v41:  # every V4.1 compressed layer attends a top-k selection
                 entries, chosen = csa2_entries(p, states, c, xg, g, xq, q_rq, q_pos, layer, freq, ctx.setdefault(gi, {}))
@@ -117,6 +120,18 @@ def attention(
         o = mqa_with_sink(gather_rows(q, qs), keys, bias, p["attn_sink"], gather_rows(cos, qs), gather_rows(sin, qs))
         outs.append((qs, o))
     return grouped_output(rows_to_packed(outs, q.shape[0]), p["wo_a"], p["wo_b"], c.o_groups)
+
+
+def _per_forward(ctx: dict, key: tuple, owner: object, build: Callable[[], Any]) -> Any:
+    """``build()`` once per forward for ``owner`` (the tensor or group it is computed from):
+    tables every layer of a kind shares. Traced once, a compiled step materialises them once;
+    built in each layer, Inductor recomputed them inline in every kernel that read them and
+    materialised them again for each attention call (cos, sin, window bias: three launches a
+    layer at a small decode)."""
+    got = ctx.get(key)
+    if got is None or got[0] is not owner:
+        got = ctx[key] = (owner, build())
+    return got[1]
 
 
 def _v4_entries(p, st, c: ModelConfig, xg, g: Group, xq, q_rq, q_pos, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,7 +78,10 @@ def mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
     return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + mixed.to(dt)
 
 
+@swappable
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float) -> torch.Tensor:
-    """Final learned collapse of the streams before the output norm."""
+    """Final learned collapse of the streams before the output norm: X ``[T, N, D]``, fn
+    ``[N, N*D]``, base ``[N]``, scale ``[1]`` -> ``[T, D]`` in X's dtype. A swap place, so a kernel
+    can run the mixing GEMV, ``pre`` and the collapse as ``mhc_site`` does (``passes/swaps.py``)."""
     pre = torch.sigmoid(_mixes(X, fn, rms_eps) * scale.float() + base.float()) + hc_eps
     return mhc_collapse(X, pre)

@@ -13,6 +13,7 @@ from functools import lru_cache
 import torch
 
 from ..config import ModelConfig, Yarn
+from .norm import rms_norm
 from .swap import swappable
 
 
@@ -66,3 +67,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     a, b = tail[..., 0], tail[..., 1]
     rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
     return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+
+
+@swappable
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, weight, eps), cos, sin)``: the normed query heads and K = V
+    latent, rotated. One place, so a kernel can norm and rotate a row in one pass
+    (``passes/swaps.py``) where the compiled step ran a norm, a rotation of the tail and a
+    concatenation of the two halves as three launches."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)

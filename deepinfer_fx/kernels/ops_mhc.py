@@ -1,4 +1,5 @@
-"""``deepinfer::mhc_site``: one mHC site up to the sublayer input.
+"""``deepinfer::mhc_site``: one mHC site up to the sublayer input; ``deepinfer::mhc_head``: the
+final learned collapse of the streams.
 
 The op is ``graphs/mhc.py::mhc_site``: the fp32 mixing GEMV of the RMS-normed streams, the
 ``pre`` / ``post`` coefficients, the Sinkhorn ``comb`` and the collapse of the streams with
@@ -7,6 +8,10 @@ decode (the GEMV and its split-K reduction, the norm, Sinkhorn, pointwise kernel
 collapse), 16 sites a step; the Triton kernel (``kernels/triton/mhc.py``) does it in two.
 The reference is the graphs function itself.
 
+``mhc_head`` is ``graphs/mhc.py::hc_head``, the same GEMV (``N`` rows of ``fn``), ``pre`` alone
+and the collapse with it, once a step; compiled it is ~5 launches at decode, two of them cuBLAS's
+dot and its reduction. The Triton launcher runs it through the site's two kernels.
+
 No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
 
@@ -14,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from ..graphs.mhc import hc_head as _graphs_hc_head
 from ..graphs.mhc import mhc_site as _graphs_mhc_site
 from .ops import NAMESPACE
 
@@ -53,3 +59,29 @@ def _mhc_site_fake(
         X.new_empty((*lead, n, n), dtype=torch.float32),
         X.new_empty((*lead, d)),
     )
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mhc_head", mutates_args=())
+def mhc_head(
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
+    """X ``[..., N, D]``, fn ``[N, N*D]``, base ``[N]``, scale ``[1]`` -> the collapsed streams
+    ``[..., D]`` in X's dtype (contiguous)."""
+    return _graphs_hc_head.reference(X, fn, base, scale, rms_eps, hc_eps).contiguous()  # type: ignore[attr-defined]
+
+
+@mhc_head.register_fake
+def _mhc_head_fake(
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
+    return X.new_empty((*X.shape[:-2], X.shape[-1]))

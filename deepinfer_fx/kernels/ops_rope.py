@@ -1,4 +1,5 @@
-"""RoPE ops for prefill-sized calls: ``deepinfer::rope_table`` and ``deepinfer::rope_``.
+"""RoPE ops: ``deepinfer::rope_table`` and ``deepinfer::rope_`` for prefill-sized calls, and
+``deepinfer::rms_norm_rope`` for every size.
 
 ``rope_table``: the cos / sin tables of a step as real buffers.
 
@@ -19,12 +20,19 @@ output never do), so the compiled step touches the tail only, and keeps it where
 again, so the swap stays a functional rewrite. Inductor's own code for the interleaved pairs
 (slice, stack, flatten, cat) moved the same tensors at ~1.5 TB/s on an H200.
 
+``rms_norm_rope``: ``graphs/rope.py::norm_rope``, the RMSNorm of each row then the rotation of
+its tail. Compiled as written at a small decode it was three launches a call (the norm kernel,
+Inductor's rotation of the tail, the concatenation of the halves), twice a layer (the query
+heads, the K = V latent).
+
 No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
 
+from typing import Optional
+
 import torch
 
-from ..graphs.rope import apply_rope, cos_sin
+from ..graphs.rope import apply_rope, cos_sin, norm_rope
 from .ops import NAMESPACE
 
 
@@ -48,3 +56,15 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) 
     over the middle ones only)."""
     rd = 2 * cos.shape[-1]
     x[..., -rd:] = apply_rope.reference(x[..., -rd:], cos, sin, inverse)  # type: ignore[attr-defined]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm_rope", mutates_args=())
+def rms_norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, weight, eps), cos, sin)`` with ``torch.empty_like(x)``'s layout;
+    cos / sin ``[*P, rd/2]`` have exactly x's leading dims (broadcast over the middle ones)."""
+    return torch.empty_like(x).copy_(norm_rope.reference(x, weight, eps, cos, sin))  # type: ignore[attr-defined]
+
+
+@rms_norm_rope.register_fake
+def _rms_norm_rope_fake(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)

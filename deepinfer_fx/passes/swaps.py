@@ -26,11 +26,11 @@ import torch.fx
 from ..graphs.attention import mqa_with_sink
 from ..graphs.compressor import pool_windows
 from ..graphs.indexer import index_scores, score_topk
-from ..graphs.mhc import mhc_site, sinkhorn
+from ..graphs.mhc import hc_head, mhc_site, sinkhorn
 from ..graphs.moe import EXPERT_WEIGHTS, expert_parallel, experts_with_shared, fp8_held, route_weights, routed_experts
 from ..graphs.norm import project, project_blocks
 from ..graphs.params import scale_path
-from ..graphs.rope import apply_rope, cos_sin
+from ..graphs.rope import apply_rope, cos_sin, norm_rope
 from ..graphs.swap import active
 from ..io.quant import fp8_block_of
 from ..kernels.ops_linear import ALIGN, decode_sized
@@ -305,6 +305,28 @@ class RopeSwap(KernelSwap):
         return _apply_rope
 
 
+def _norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    lead = cos.shape[:-1]
+    if x.shape[: len(lead)] != lead or sin.shape != cos.shape:  # tables that broadcast otherwise
+        return norm_rope.reference(x, weight, eps, cos, sin)  # type: ignore[attr-defined]
+    return torch.ops.deepinfer.rms_norm_rope(x, weight, eps, cos, sin)
+
+
+@register_pass
+class NormRopeSwap(KernelSwap):
+    """``rope.norm_rope`` (the V4 query heads' norm, the K = V latent's norm, each then rotated)
+    => ``deepinfer.rms_norm_rope`` at every size: one pass over each row, where the compiled
+    step ran the norm kernel, a rotation of the tail and a concatenation (three launches a call
+    at decode; at prefill the norm and the in-place rotation read the rows twice)."""
+
+    name: ClassVar[str] = "norm_rope_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "rope.norm_rope", "rms_norm_rope"
+
+    def replacement(self) -> Callable[..., Any]:
+        return _norm_rope
+
+
 @register_pass
 class MHCSiteSwap(KernelSwap):
     """``mhc.mhc_site`` => ``deepinfer.mhc_site`` at every size (an mHC site's fp32 mixing GEMV,
@@ -319,6 +341,21 @@ class MHCSiteSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return torch.ops.deepinfer.mhc_site
+
+
+@register_pass
+class MHCHeadSwap(KernelSwap):
+    """``mhc.hc_head`` => ``deepinfer.mhc_head`` at every size: the final learned collapse (the
+    fp32 mixing GEMV against the N rows of ``fn``, ``pre``, the collapse of the streams) in the
+    site's two launches (the finish kernel's ``HEAD`` variant), where compiled it was five at a
+    decode step, two of them cuBLAS's dot and reduction, which PDL does not chain."""
+
+    name: ClassVar[str] = "mhc_head_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "mhc.hc_head", "mhc_head"
+
+    def replacement(self) -> Callable[..., Any]:
+        return torch.ops.deepinfer.mhc_head
 
 
 def _route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
@@ -343,8 +380,8 @@ class RouterSwap(KernelSwap):
 # the places exist where the functions are defined; importing them above registered them
 assert {routed_experts.place, experts_with_shared.place, sinkhorn.place, mqa_with_sink.place,  # type: ignore[attr-defined]
         pool_windows.place, score_topk.place, index_scores.place, project.place, cos_sin.place,  # type: ignore[attr-defined]
-        apply_rope.place, mhc_site.place, route_weights.place} == {  # type: ignore[attr-defined]
+        apply_rope.place, mhc_site.place, route_weights.place, norm_rope.place, hc_head.place} == {  # type: ignore[attr-defined]
     MoEExpertsSwap.place, MoESharedSwap.place, SinkhornSwap.place, SparseMQASwap.place, CompressorSwap.place,
     IndexerTopkSwap.place, IndexerScoresSwap.place, SkinnyLinearSwap.place, RopeTableSwap.place, RopeSwap.place,
-    MHCSiteSwap.place, RouterSwap.place,
+    MHCSiteSwap.place, RouterSwap.place, NormRopeSwap.place, MHCHeadSwap.place,
 }

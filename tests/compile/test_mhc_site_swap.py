@@ -2,8 +2,9 @@
 and without ``pre_in``), passes ``opcheck``, and two sites wired as ``model.block`` wires them
 (V4: each site collapses with its own ``pre``; V4.1: with the previous one) compile to one op
 node per site that equals eager. With the swap off the reference is traced and the Sinkhorn
-swap fills its place instead. The full model's steps are ``test_steps.py``; the kernel is
-``tests/kernels/test_triton_mhc.py``."""
+swap fills its place instead. ``deepinfer::mhc_head`` equals ``graphs/mhc.py::hc_head`` (fp32
+and bf16 streams), passes ``opcheck``, and put at the ``mhc.hc_head`` place traces as one op node.
+The full model's steps are ``test_steps.py``; the kernels are ``tests/kernels/test_triton_mhc.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import pytest
 import torch
 
-from deepinfer_fx.graphs.mhc import mhc_expand, mhc_site
+from deepinfer_fx.graphs.mhc import hc_head, mhc_expand, mhc_site
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
 from deepinfer_fx.passes.swaps import MHCSiteSwap, SinkhornSwap
@@ -76,3 +77,39 @@ def test_compiled_sites_equal_eager(which: str, enabled: bool, tokens: int) -> N
     assert len(be.graphs) == 1 and rewrites.get(SWAP, 0) == 2 * int(fused), f"seed={seed}"
     assert rewrites.get(SinkhornSwap.name, 0) == 2 * int(not fused), f"seed={seed}"
     assert mhc_site.place == MHCSiteSwap.place  # type: ignore[attr-defined]
+
+
+def _head_params(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(N, N * D, generator=g) * (N * D) ** -0.5, torch.randn(N, generator=g), 0.5 + torch.rand(1, generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lead", [(7,), (2, 3), (0,)], ids=["tokens", "chunks", "empty"])
+def test_head_op_is_the_graphs_function(lead: tuple[int, ...], dtype: torch.dtype) -> None:
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    args = (torch.randn(*lead, N, D, generator=g).to(dtype), *_head_params(g), RMS_EPS, HC_EPS)
+    got, want = torch.ops.deepinfer.mhc_head(*args), hc_head.reference(*args)  # type: ignore[attr-defined]
+    assert got.is_contiguous() and got.shape == (*lead, D) and got.dtype == dtype and torch.equal(got, want), f"seed={seed}"
+    torch.library.opcheck(torch.ops.deepinfer.mhc_head.default, args)
+
+
+def test_head_place_traces_to_the_op() -> None:
+    """With the op at ``mhc.hc_head`` a compiled head is one op node (and the ``* 2``), equal to eager."""
+    assert hc_head.place == "mhc.hc_head"  # type: ignore[attr-defined]
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    X, params = torch.randn(9, N, D, generator=g), _head_params(g)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example: list) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(lambda x: hc_head(x, *params, RMS_EPS, HC_EPS) * 2, backend=backend, fullgraph=True)
+    with torch.no_grad(), swapped({"mhc.hc_head": torch.ops.deepinfer.mhc_head}):
+        got = compiled(X)
+    assert torch.equal(got, hc_head.reference(X, *params, RMS_EPS, HC_EPS) * 2), f"seed={seed}"  # type: ignore[attr-defined]
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    op = torch.ops.deepinfer.mhc_head
+    assert len(graphs) == 1 and len(targets) == 2 and sum(t in (op, op.default) for t in targets) == 1, targets  # op, * 2

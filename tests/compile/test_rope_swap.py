@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deepinfer_fx.config import Yarn
-from deepinfer_fx.graphs.rope import _inv_freq, apply_rope, cos_sin
+from deepinfer_fx.graphs.rope import _inv_freq, apply_rope, cos_sin, norm_rope
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
 
@@ -96,3 +96,40 @@ def test_inductor_rotates_the_producers_buffer_in_place(reread: bool) -> None:
     assert src.count("torch.ops.deepinfer.rope_.default(") == 2
     # Inductor names its kernels after the ATen ops they came from: a surviving clone is a copy kernel
     assert bool(re.search(r"fused_\w*clone", src)) == reread, src
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["head-norm", "weighted"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_op_is_the_graphs_function(weighted: bool, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(_seed())
+    x = torch.randn(6, 4, 64, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype) if weighted else None
+    positions = torch.randint(0, 100_000, (6,), generator=g)
+    cos, sin = cos_sin.reference(positions, _inv_freq(32, 10000.0, YARN))  # type: ignore[attr-defined]
+    got = torch.ops.deepinfer.rms_norm_rope(x, w, 1e-6, cos, sin)
+    assert torch.equal(got, norm_rope.reference(x, w, 1e-6, cos, sin))  # type: ignore[attr-defined]
+    torch.library.opcheck(torch.ops.deepinfer.rms_norm_rope.default, (x, w, 1e-6, cos, sin))
+
+
+def _norm_and_rotate(q: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The two calls of a V4 attention layer: the unweighted query-head norm and the latent's."""
+    cos, sin = cos_sin(positions, freq)
+    return norm_rope(q, None, 1e-6, cos, sin), norm_rope(kv, w, 1e-6, cos, sin)
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_compiled_norm_rope_equals_eager(tokens: int) -> None:
+    """At every size the swap puts one op node per call, and compiled equals eager."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(tokens, 8, 64, generator=g), torch.randn(tokens, 64, generator=g)
+    w = 1 + 0.1 * torch.randn(64, generator=g)
+    positions = torch.randint(0, 50_000, (tokens,), generator=g)
+    freq = _inv_freq(32, 10000.0, YARN)
+    be = make_backend("cpu", environ={})
+    compiled = compile_graph(_norm_and_rotate, be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()):
+        got = compiled(q, kv, w, positions, freq)
+    for a, b in zip(got, _norm_and_rotate(q, kv, w, positions, freq)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+    assert be.rewrites().get("norm_rope_kernel", 0) == 2, f"seed={seed}"

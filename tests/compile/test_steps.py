@@ -103,9 +103,11 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
     # V4 selects with the whole indexer op; V4.1 takes the scores op and selects in two levels
     indexer = {"v4": "indexer_topk_kernel", "v41": "indexer_scores_kernel"}
     for r in report.values():  # the fusion passes fired in both graphs, and every kernel swap
-        for name in ("rms_norm_fusion", "moe_shared_fused_kernel", "mhc_site_kernel", "sparse_mqa_kernel", "compressor_kernel",
+        for name in ("rms_norm_fusion", "moe_shared_fused_kernel", "mhc_site_kernel", "sparse_mqa_kernel", "compressor_kernel", "norm_rope_kernel",
                      "route_topk_kernel", indexer[which]):
             assert r["rewrites"].get(name, 0) > 0, (name, r["graph"])
+        # V4 ends with a learned hc_head, V4.1 collapses with the last site's pre
+        assert (r["rewrites"].get("mhc_head_kernel", 0) > 0) == (which == "v4"), r["graph"]
         # the routed experts and the shared expert's SwiGLU are inside the fused MoE op
         assert r["rewrites"].get("moe_experts_kernel", 0) == 0 and r["rewrites"].get("swiglu_clamp_fusion", 0) == 0, r["graph"]
         other = indexer["v41" if which == "v4" else "v4"]  # replaced whole (V4) or never called (V4.1)

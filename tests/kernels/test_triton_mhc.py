@@ -6,7 +6,14 @@ the kernel leaves to the reference, and outputs poisoned with NaN so that an ele
 kernel forgets to write fails. A token's outputs are the same bit for bit alone or in a batch.
 On CUDA, also the model's sizes (bf16 streams), the op's dispatch to two launches, opcheck
 and a CUDA-graph replay. Everywhere ptxas is, both launches are compiled for sm_90 at the
-model's sizes offline and must not spill."""
+model's sizes offline and must not spill.
+
+The final learned collapse ``hc_head`` runs through the same two kernels (``mhc_head_triton``:
+``N`` rows of ``fn``, the finish kernel's ``HEAD`` variant) and is tested the same way against
+``graphs/mhc.py::hc_head``: fp32 and bf16 streams, 0 to 70 tokens, part-filled chunks and
+blocks, batch invariance, the reference for stream counts the kernel does not tile, refused
+shapes; on CUDA the model's sizes, two launches, opcheck and a graph replay; offline its
+finish variant for sm_90."""
 
 from __future__ import annotations
 
@@ -18,8 +25,8 @@ import triton
 
 from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
-from deepinfer_fx.graphs.mhc import mhc_site
-from deepinfer_fx.kernels.triton.mhc import _mhc_dots_kernel, _mhc_finish_kernel, launch_config, mhc_site_triton
+from deepinfer_fx.graphs.mhc import hc_head, mhc_site
+from deepinfer_fx.kernels.triton.mhc import _mhc_dots_kernel, _mhc_finish_kernel, launch_config, mhc_head_triton, mhc_site_triton
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="model-sized inputs need a GPU")
@@ -42,6 +49,16 @@ def _inputs(seed: int, lead: tuple[int, ...], n: int, d: int, dtype: torch.dtype
     return X, fn, base, scale, RMS_EPS, HC_EPS, ITERS, pre_in
 
 
+def _head_inputs(seed: int, lead: tuple[int, ...], n: int, d: int, dtype: torch.dtype, device: str) -> tuple:
+    """hc_head arguments: fn ``[N, N*D]`` (mixes of unit scale), base ``[N]``, scale ``[1]``."""
+    g = torch.Generator().manual_seed(seed)
+    X = (torch.randn(*lead, n, d, generator=g) * 2).to(device=device, dtype=dtype)
+    fn = (torch.randn(n, n * d, generator=g) * (n * d) ** -0.5).to(device)
+    base = torch.randn(n, generator=g).to(device)
+    scale = (0.5 + 1.5 * torch.rand(1, generator=g)).to(device)
+    return X, fn, base, scale, RMS_EPS, HC_EPS
+
+
 def _poisoned(X: torch.Tensor) -> tuple[torch.Tensor, ...]:
     *lead, n, d = X.shape
     f32 = {"dtype": torch.float32, "device": X.device}
@@ -52,7 +69,12 @@ def _poisoned(X: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _assert_matches(got: tuple, want: tuple, X: torch.Tensor, why: str, own_pre: bool = True) -> None:
     for name, a, b in zip(("pre", "post", "comb"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{why}: {name}\n{m}")
-    u, ref = got[3], want[3]
+    dpre = (got[0] - want[0]).abs().amax(-1)[..., None] if own_pre else 0.0
+    _assert_collapse_matches(got[3], want[3], X, why, dpre)
+
+
+def _assert_collapse_matches(u: torch.Tensor, ref: torch.Tensor, X: torch.Tensor, why: str, dpre: torch.Tensor | float) -> None:
+    """The collapse ``u`` against the reference's, ``dpre`` the difference of the ``pre`` it used."""
     assert u.dtype == ref.dtype == X.dtype, why
     if ref.dtype == torch.bfloat16:
         # One bf16 ulp: the fp32 sums agree to ~1e-7 but a rounding may not; where the weighted
@@ -60,7 +82,6 @@ def _assert_matches(got: tuple, want: tuple, X: torch.Tensor, why: str, own_pre:
         # and a collapse with the site's own pre carries pre's difference times the streams.
         _, exp = torch.frexp(ref.float())
         ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), exp - 8)
-        dpre = (got[0] - want[0]).abs().amax(-1)[..., None] if own_pre else 0.0
         cancel = X.float().abs().sum(-2) * (dpre + 2.0**-20)
         bad = ~((u.float() - ref.float()).abs() <= ulp + cancel)
         assert not bad.any(), f"{why}: {int(bad.sum())} elements of u off by more than one bf16 ulp"
@@ -68,14 +89,19 @@ def _assert_matches(got: tuple, want: tuple, X: torch.Tensor, why: str, own_pre:
         torch.testing.assert_close(u, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{why}: u\n{m}")
 
 
+def _layout(X: torch.Tensor, layout: str) -> torch.Tensor:
+    n = X.shape[-2]
+    if layout == "slice":  # tokens further apart than N*D: read in place with their stride
+        return torch.cat([X, torch.zeros_like(X[..., :1, :])], -2)[..., :n, :]
+    if layout == "transpose":  # channels not contiguous: the launcher copies
+        return X.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return X
+
+
 def _run(lead: tuple[int, ...], n: int, d: int, with_pre: bool, device: str, dtype: torch.dtype = torch.float32, layout: str = "contiguous") -> None:
     seed = _seed()
     args = _inputs(seed, lead, n, d, dtype, device, with_pre)
-    X = args[0]
-    if layout == "slice":  # tokens further apart than N*D: read in place with their stride
-        X = torch.cat([X, torch.zeros_like(X[..., :1, :])], -2)[..., :n, :]
-    elif layout == "transpose":  # channels not contiguous: the launcher copies
-        X = X.transpose(-1, -2).contiguous().transpose(-1, -2)
+    X = _layout(args[0], layout)
     args = (X, *args[1:])
     why = f"seed={seed} lead={lead} n={n} d={d} pre_in={with_pre} dtype={dtype} layout={layout}"
     out = _poisoned(X)
@@ -84,6 +110,28 @@ def _run(lead: tuple[int, ...], n: int, d: int, with_pre: bool, device: str, dty
     _assert_matches(got, mhc_site.reference(*args), X, why, not with_pre)  # type: ignore[attr-defined]
     fresh = mhc_site_triton(*args)
     assert all(f.is_contiguous() and torch.equal(f, o) for f, o in zip(fresh, out)), why
+
+
+# The head's own pre is not returned: its difference is bounded by the site tests' tolerance on
+# pre (atol 1e-6 + rtol 1e-5 at pre <= 1 + hc_eps).
+_HEAD_DPRE = 1.1e-5
+
+
+def _run_head(lead: tuple[int, ...], n: int, d: int, device: str, dtype: torch.dtype = torch.float32, layout: str = "contiguous") -> None:
+    seed = _seed()
+    X, *rest = _head_inputs(seed, lead, n, d, dtype, device)
+    args = (_layout(X, layout), *rest)
+    why = f"seed={seed} head lead={lead} n={n} d={d} dtype={dtype} layout={layout}"
+    out = torch.full((*lead, d), float("nan"), dtype=dtype, device=device)
+    got = mhc_head_triton(*args, out=out)
+    want = hc_head.reference(*args)  # type: ignore[attr-defined]
+    assert got is out, why
+    if n & (n - 1) or n > 16:  # the launcher's fallback is the reference itself
+        assert torch.equal(got, want), why
+    else:
+        _assert_collapse_matches(got, want, args[0], why, _HEAD_DPRE)
+    fresh = mhc_head_triton(*args)
+    assert fresh.is_contiguous() and torch.equal(fresh, out), why
 
 
 # d = 64: the tiny configs' hidden width (4 row chunks of 64); d = 100: the last row chunk and
@@ -117,6 +165,7 @@ def test_other_shapes(lead: tuple[int, ...], n: int, device: str) -> None:
 @pytest.mark.parametrize("layout", ["slice", "transpose"])
 def test_strided_streams(layout: str, device: str) -> None:
     _run((9,), 4, 48, False, device, layout=layout)
+    _run_head((9,), 4, 48, device, layout=layout)
 
 
 def test_shapes_that_do_not_fit_are_refused(device: str) -> None:
@@ -133,6 +182,60 @@ def test_splits_depend_on_the_width_only() -> None:
     for d in (64, 100):
         c = launch_config(4, d)
         assert c["finish"]["KSPLIT"] > 1 and (4 * d) % c["dots"]["CHUNK"] == (16 if d == 100 else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 100])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 70])
+def test_head_matches_reference(tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
+    """hc_head through the two kernels: one and several launch-1 blocks, none at T = 0; at
+    d = 100 the last row chunk and the channel block part-filled."""
+    _run_head((tokens,), 4, d, device, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_two_channel_blocks(dtype: torch.dtype, device: str) -> None:
+    _run_head((5,), 4, 1100, device, dtype)
+
+
+@pytest.mark.parametrize("lead,n", [((2, 3), 4), ((6,), 2), ((4,), 3), ((3,), 32)],
+                         ids=["chunks", "n2", "n3-reference", "n32-reference"])
+def test_head_other_shapes(lead: tuple[int, ...], n: int, device: str) -> None:
+    """Leading dims of chunks, two streams, and stream counts the kernel leaves to the
+    reference (not a power of two; more than 16), which are then its result bit for bit."""
+    _run_head(lead, n, 40, device)
+
+
+@pytest.mark.parametrize("what", ["fn", "base", "scale"])
+def test_head_shapes_that_do_not_fit_are_refused(what: str, device: str) -> None:
+    """A site's parameters (2N + N^2 rows of fn, 3 scales) are not the head's."""
+    X, fn, base, scale, *eps = _head_inputs(_seed(), (3,), 4, 32, torch.float32, device)
+    site = _inputs(_seed(), (3,), 4, 32, torch.float32, device, False)
+    args = {"fn": fn, "base": base, "scale": scale}
+    args[what] = site[("fn", "base", "scale").index(what) + 1]
+    with pytest.raises(ValueError, match=r"mhc_head: fn \(.*\), base \(.*\), scale \(.*\) do not fit X \(3, 4, 32\)"):
+        mhc_head_triton(X, args["fn"], args["base"], args["scale"], *eps)
+
+
+def test_head_tiling_is_the_sites_but_for_its_rows() -> None:
+    """The head's launch 1 pads its N rows of fn to 16, a site's 2N + N^2 = 24 to 32; the rest
+    of both launches' tiling is the site's, from N, D and the dtype only."""
+    for bf16 in (False, True):
+        for d in (100, 4096):
+            site, head = launch_config(4, d, bf16), launch_config(4, d, bf16, head=True)
+            assert site["dots"]["MP"] == 32 and head["dots"]["MP"] == 16
+            assert head["finish"] == site["finish"] and dict(head["dots"], MP=32) == site["dots"]
+    assert launch_config(8, 64, head=True)["dots"]["MP"] == 16 and launch_config(16, 64, head=True)["dots"]["MP"] == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_token_does_not_depend_on_the_batch(dtype: torch.dtype, device: str) -> None:
+    """Rows of a 150-token batch (several launch-1 blocks, the last part-filled) == each row alone."""
+    seed = _seed()
+    X, *rest = _head_inputs(seed, (150,), 4, 100, dtype, device)
+    batch = mhc_head_triton(X, *rest)
+    for t in (0, 70, 149):
+        assert torch.equal(mhc_head_triton(X[t : t + 1].clone(), *rest)[0], batch[t]), f"seed={seed} token {t}"
 
 
 @pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
@@ -159,13 +262,22 @@ def test_model_sizes(tokens: int, with_pre: bool) -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_head_model_sizes(tokens: int) -> None:
+    _run_head((tokens,), 4, 4096, "cuda", torch.bfloat16)
+
+
+@needs_cuda
 def test_model_size_batch_invariance() -> None:
     seed = _seed()
     X, fn, base, scale, rms_eps, hc_eps, iters, _ = _inputs(seed, (64,), 4, 4096, torch.bfloat16, "cuda", False)
     batch = mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, None)
+    head = mhc_head_triton(X, fn[:4], base[:4], scale[:1], rms_eps, hc_eps)
     for t in (0, 33, 63):
         alone = mhc_site_triton(X[t : t + 1].clone(), fn, base, scale, rms_eps, hc_eps, iters, None)
         assert all(torch.equal(a[0], b[t]) for a, b in zip(alone, batch)), f"seed={seed} token {t}"
+        alone_head = mhc_head_triton(X[t : t + 1].clone(), fn[:4], base[:4], scale[:1], rms_eps, hc_eps)
+        assert torch.equal(alone_head[0], head[t]), f"seed={seed} head token {t}"
 
 
 @needs_cuda
@@ -188,6 +300,23 @@ def test_op_dispatches_to_two_launches() -> None:
 
 
 @needs_cuda
+def test_head_op_dispatches_to_two_launches() -> None:
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::mhc_head", "CUDA")
+    seed = _seed()
+    args = _head_inputs(seed, (1,), 4, 4096, torch.bfloat16, "cuda")
+    torch.ops.deepinfer.mhc_head(*args)  # compile outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = torch.ops.deepinfer.mhc_head(*args)
+        torch.cuda.synchronize()
+    launches = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(launches) == 2, f"seed={seed}: {launches}"
+    assert "_mhc_dots_kernel" in launches[0] and "_mhc_finish_kernel" in launches[1], f"seed={seed}: {launches}"
+    _assert_collapse_matches(got, hc_head.reference(*args), args[0], f"seed={seed}", _HEAD_DPRE)  # type: ignore[attr-defined]
+    torch.library.opcheck(torch.ops.deepinfer.mhc_head.default, _head_inputs(seed, (5,), 4, 4096, torch.bfloat16, "cuda"))
+
+
+@needs_cuda
 def test_cuda_graph_replay() -> None:
     """Captured once, replayed on new streams and pre_in written into the same buffers."""
     seed = _seed()
@@ -205,12 +334,29 @@ def test_cuda_graph_replay() -> None:
         _assert_matches(got, mhc_site.reference(*args), args[0], f"seed={seed} replay {step}", False)  # type: ignore[attr-defined]
 
 
+@needs_cuda
+def test_head_cuda_graph_replay() -> None:
+    """The head captured once at decode batch 1, replayed on new streams written into X."""
+    seed = _seed()
+    args = _head_inputs(seed, (1,), 4, 4096, torch.bfloat16, "cuda")
+    mhc_head_triton(*args)  # compile before capturing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = mhc_head_triton(*args)
+    for step in range(2):
+        args[0].copy_(_head_inputs(seed + 1 + step, (1,), 4, 4096, torch.bfloat16, "cuda")[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_collapse_matches(got, hc_head.reference(*args), args[0], f"seed={seed} replay {step}", _HEAD_DPRE)  # type: ignore[attr-defined]
+
+
 # --- offline compile for the H200 --------------------------------------------------------------
 
 
 def _compile_for_sm90(out_dir: str) -> None:
     """PTX of both launches for sm_90 at the model's width (N = 4, D = 4096, bf16 streams, fp32
-    weights; with and without pre_in), into ``out_dir``. Runs in a child process without the
+    weights; with and without pre_in, and the finish kernel's head variant, whose unread
+    coefficient pointers are None as the launcher passes them), into ``out_dir``. Runs in a child process without the
     interpreter: under it Triton's library functions (tl.sum, tl.sigmoid) and the shared
     Sinkhorn helper are interpreted ones, which its compiler cannot inline. Pointers and row
     strides are 16-byte aligned, as at a real launch."""
@@ -231,8 +377,13 @@ def _compile_for_sm90(out_dir: str) -> None:
     finish = dict(launch_config(n, d)["finish"])
     warps = finish.pop("num_warps")
     for has_pre in (False, True):
-        consts = {"N": n, "D": d, "ITERS": ITERS, "HAS_PRE_IN": has_pre, "PDL": True, **finish}
+        consts = {"N": n, "D": d, "ITERS": ITERS, "HAS_PRE_IN": has_pre, "HEAD": False, "PDL": True, **finish}
         Path(out_dir, f"finish-{has_pre}.ptx").write_text(ptx(_mhc_finish_kernel, consts, warps))
+    head = dict(launch_config(n, d, True, head=True)["finish"])
+    assert head.pop("num_warps") == warps
+    unread = dict.fromkeys(("pre_in_ptr", "pre_ptr", "post_ptr", "comb_ptr"))
+    consts = {"N": n, "D": d, "ITERS": 1, "HAS_PRE_IN": False, "HEAD": True, "PDL": True, **unread, **head}
+    Path(out_dir, "finish-head.ptx").write_text(ptx(_mhc_finish_kernel, consts, warps))
 
 
 @pytest.fixture(scope="module")
@@ -241,24 +392,29 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "finish-False", "finish-True"])
+@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "finish-False", "finish-True", "finish-head"])
 def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
-    """No spills, PDL's wait and trigger, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16 streams' dots are
-    bf16 tensor-core MMAs; the collapse loads the streams in 16-byte vectors."""
+    """No spills, PDL's wait and trigger before any load, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16
+    streams' dots are bf16 tensor-core MMAs; the collapse loads the streams in 16-byte vectors. The head's finish
+    stores only its collapse: no Sinkhorn, none of the site's coefficient stores."""
     ptx = (sm90_ptx / f"{kernel}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, log
     assert "tf32" not in ptx
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, "PDL (kernels/triton/pdl.py)"
-    if kernel.startswith("dots"):  # fn is asked of L2 before the wait, and nothing loads before it
-        lines = [line.strip() for line in ptx.splitlines()]
-        wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
+    assert not any(("ld.global" in line or "cp.async" in line) for line in lines[:wait]), "a load before the wait"
+    if kernel.startswith("dots"):  # fn is asked of L2 before the wait
         prefetches = [i for i, line in enumerate(lines) if line.startswith("prefetch.global.L2")]
         assert prefetches and max(prefetches) < wait, "fn is prefetched before the wait"
-        assert not any(("ld.global" in line or "cp.async" in line) for line in lines[:wait]), "a load before the wait"
     if kernel == "dots-fp32":
         assert "fma.rn.f32" in ptx and "mma" not in ptx
     elif kernel == "dots-bf16":
         assert "mma" in ptx and "bf16" in ptx
     else:
         assert "ld.global.v4" in ptx
+    stores = [line for line in lines if "st.global" in line]
+    if kernel.startswith("finish"):  # the collapse in 16-byte vectors; only a site's finish stores its coefficients
+        assert any("st.global.v4" in line for line in stores), stores
+        assert all("st.global.v4" in line for line in stores) == (kernel == "finish-head"), stores

@@ -1,7 +1,8 @@
 """The Triton RMSNorm against ``graphs/norm.py::rms_norm``: fresh random inputs every run (the
 seed is in the failure message), odd row counts, leading dims, strided inputs, every weight
 kind, both the in-register and the chunked path, and an output poisoned with NaN so that an
-element the kernel forgets to write fails. On CUDA, also bf16 and the op's dispatch."""
+element the kernel forgets to write fails. On CUDA, also bf16 and the op's dispatch.
+The same kernel with rope tables against ``graphs/rope.py::norm_rope``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer_fx.graphs.norm import rms_norm
+from deepinfer_fx.graphs.rope import norm_rope
 from deepinfer_fx.kernels.triton.norm import _MAX_FUSED, rms_norm_triton
 
 CUDA = torch.cuda.is_available()
@@ -125,3 +127,93 @@ def test_rms_norm_op_dispatches_to_triton(dtype: torch.dtype) -> None:
     assert any("_rms_norm_kernel" in e.name for e in prof.events()), f"seed={seed}: the op did not launch the kernel"
     assert torch.equal(got, rms_norm_triton(x, w, 1e-6)), f"seed={seed}"
     torch.library.opcheck(torch.ops.deepinfer.rms_norm.default, (x, w, 1e-6))
+
+
+# (x shape, rotated pairs, layout): cos / sin have x's first dim (a position per row of the
+# query heads [T, H, d] or the latent [T, d]); d not a power of two pads the row's block.
+ROPE_CASES = [
+    ((1, 4, 64), 8, "contiguous"),
+    ((5, 3, 96), 16, "contiguous"),  # 48 pairs, a 64-pair block: padding pairs past the row
+    ((3, 512), 32, "contiguous"),  # the latent: one row a position
+    ((7, 2, 40), 20, "contiguous"),  # the whole row rotates
+    ((9, 5, 64), 4, "slice"),  # rows a wider stride apart, several positions a program
+    ((4, 6, 32), 8, "transpose"),
+    ((0, 4, 64), 8, "contiguous"),
+]
+ROPE_CUDA_CASES = [((1, 64, 512), 32, "contiguous"), ((64, 64, 512), 32, "contiguous"), ((4096, 512), 32, "contiguous")]
+
+
+def _run_rope(shape: tuple[int, ...], half: int, layout: str, dtype: torch.dtype, weight: str, device: str) -> None:
+    seed = torch.seed() % 2**31
+    x = _inputs(shape, layout, dtype, device, seed)
+    w = _weight(weight, shape[-1], device, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    angles = torch.rand(shape[0], half, generator=g) * 100
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    why = f"seed={seed} shape={shape} half={half} layout={layout} dtype={dtype} weight={weight}"
+    out = torch.full_like(x, float("nan"))
+    got = rms_norm_triton(x, w, 1e-6, out, cos, sin)
+    assert got is out, why
+    _assert_matches(out, norm_rope(x, w, 1e-6, cos, sin), why)
+    fresh = torch.ops.deepinfer.rms_norm_rope(x, w, 1e-6, cos, sin) if device == "cuda" else rms_norm_triton(x, w, 1e-6, None, cos, sin)
+    assert fresh.stride() == torch.empty_like(x).stride(), why
+    assert torch.equal(fresh, out), why
+
+
+@pytest.mark.parametrize("weight", ["none", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,half,layout", ROPE_CASES)
+def test_rms_norm_rope_matches_reference(shape: tuple[int, ...], half: int, layout: str, dtype: torch.dtype, weight: str,
+                                         device: str) -> None:
+    _run_rope(shape, half, layout, dtype, weight, device)
+
+
+@pytest.mark.skipif(not CUDA, reason="model-sized rows need a GPU")
+@pytest.mark.parametrize("weight", ["none", "bf16"])
+@pytest.mark.parametrize("shape,half,layout", ROPE_CUDA_CASES)
+def test_rms_norm_rope_model_sizes(shape: tuple[int, ...], half: int, layout: str, weight: str) -> None:
+    _run_rope(shape, half, layout, torch.bfloat16, weight, "cuda")
+
+
+def test_rms_norm_rope_rows_alone_equal_rows_in_a_batch(device: str) -> None:
+    """A position's rows come out bit-identical whichever batch they are normed in."""
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(11, 4, 64, generator=g).to(device)
+    angles = torch.rand(11, 8, generator=g) * 50
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    whole = rms_norm_triton(x, None, 1e-6, None, cos, sin)
+    for t in (0, 5, 10):
+        alone = rms_norm_triton(x[t : t + 1], None, 1e-6, None, cos[t : t + 1], sin[t : t + 1])
+        assert torch.equal(alone[0], whole[t]), f"seed={seed} t={t}"
+
+
+def test_rms_norm_rope_bad_tables_and_odd_rows(device: str) -> None:
+    """Tables without x's leading dims are refused by name; an odd row goes to the reference."""
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 2, 64, generator=g).to(device)
+    with pytest.raises(ValueError, match="rms_norm_rope: x \\(3, 2, 64\\) with cos \\(2, 8\\)"):
+        rms_norm_triton(x, None, 1e-6, None, torch.ones(2, 8, device=device), torch.zeros(2, 8, device=device))
+    with pytest.raises(ValueError, match="rd/2 <= d/2"):
+        rms_norm_triton(x, None, 1e-6, None, torch.ones(3, 40, device=device), torch.zeros(3, 40, device=device))
+    odd = torch.randn(3, 2, 63, generator=g).to(device)
+    angles = torch.rand(3, 8, generator=g)
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    torch.testing.assert_close(rms_norm_triton(odd, None, 1e-6, None, cos, sin), norm_rope(odd, None, 1e-6, cos, sin),
+                               rtol=0, atol=0, msg=lambda m: f"seed={seed}\n{m}")
+
+
+@pytest.mark.skipif(not CUDA, reason="the CUDA registration only dispatches for CUDA tensors")
+def test_rms_norm_rope_op_dispatches_to_triton() -> None:
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::rms_norm_rope", "CUDA")
+    seed = torch.seed() % 2**31
+    x = _inputs((9, 64, 512), "contiguous", torch.bfloat16, "cuda", seed)
+    angles = torch.rand(9, 32, generator=torch.Generator().manual_seed(seed)) * 100
+    cos, sin = angles.cos().cuda(), angles.sin().cuda()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
+        got = torch.ops.deepinfer.rms_norm_rope(x, None, 1e-6, cos, sin)
+        torch.cuda.synchronize()
+    assert any("_rms_norm_kernel" in e.name for e in prof.events()), f"seed={seed}: the op did not launch the kernel"
+    assert torch.equal(got, rms_norm_triton(x, None, 1e-6, None, cos, sin)), f"seed={seed}"
+    torch.library.opcheck(torch.ops.deepinfer.rms_norm_rope.default, (x, None, 1e-6, cos, sin))

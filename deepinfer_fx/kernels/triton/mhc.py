@@ -1,5 +1,6 @@
 """One mHC site in two Triton launches: the CUDA implementation of ``deepinfer::mhc_site``
-(``graphs/mhc.py::mhc_site``).
+(``graphs/mhc.py::mhc_site``), and through the same two kernels of ``deepinfer::mhc_head``
+(``graphs/mhc.py::hc_head``, the final learned collapse).
 
 Compiled as written a site is ~6 launches (the fp32 mixing GEMV as a cuBLAS dot kernel plus
 its split-K reduction, the RMS statistic, Sinkhorn, pointwise kernels, the collapse), 16 sites
@@ -29,6 +30,12 @@ partials of ``pre`` over the splits, scales them by ``r`` and collapses one bloc
 math). Every block recomputing ``pre`` (a few hundred partials read) is cheaper than a third
 launch, and spreads a decode token's collapse over several SMs instead of one.
 
+The head (``mhc_head_triton``) is the same pair with ``M = N`` rows of ``fn``: launch 1 as it
+is, launch 2 with ``HEAD`` set, where ``scale`` has one element, only ``pre`` is formed (nothing
+stored but the collapse, which uses it) and the other coefficients' pointers are None. Compiled
+as written the head was ~5 launches at decode, two of them cuBLAS's dot and reduction without
+PDL.
+
 Splits: ``KSPLIT`` aims at ``_SPLITS`` chunks of the ``N*D`` row, whole multiples of the ``BK``
 tile. A decode token spreads the 1.5 MiB of ``fn`` over that many programs, while a 4096-token
 prefill writes ~26 MB of partials (64 splits) against the 128 MiB of X it reads. ``BT`` tokens
@@ -51,14 +58,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops_mhc  # noqa: F401  (declares deepinfer::mhc_site before we register for it)
-from ...graphs.mhc import mhc_site
+from .. import ops_mhc  # noqa: F401  (declares deepinfer::mhc_site and mhc_head before we register for them)
+from ...graphs.mhc import hc_head, mhc_site
 from .buffers import out_buffer
 from .sinkhorn import sinkhorn_tile
 from .pdl import pdl_args, prefetch_l2, wait_previous
 
 # The unswapped math, for stream counts the kernel does not tile (not a power of two).
 _reference = getattr(mhc_site, "reference", mhc_site)
+_head_reference = getattr(hc_head, "reference", hc_head)
 
 # Launch 1's tiling, from the H200 sweep at P8 widths (bf16 streams; us per site, 1 / 64 / 256 /
 # 4096 / 16384 tokens): BT 64, 64 splits, 4 warps: 10.9 / 12.0 / 15.4 / 156 / 601; BT 16, 32
@@ -130,10 +138,13 @@ def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
 def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr, post_ptr, comb_ptr, u_ptr,
                        stride_xt, rms_eps, hc_eps,
                        N: tl.constexpr, D: tl.constexpr, KSPLIT: tl.constexpr, KS_BLOCK: tl.constexpr,
-                       ITERS: tl.constexpr, HAS_PRE_IN: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """Token ``t``: coefficients from the partials, and channels ``d`` of its collapse."""
+                       ITERS: tl.constexpr, HAS_PRE_IN: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Token ``t``: coefficients from the partials, and channels ``d`` of its collapse. With
+    ``HEAD`` (``hc_head``) the partials hold ``N`` mixes, ``pre`` alone is formed and collapses
+    the streams, and nothing else is read or stored (pre_in, pre, post and comb unused)."""
     wait_previous(PDL)
-    M: tl.constexpr = 2 * N + N * N
+    M: tl.constexpr = N if HEAD else 2 * N + N * N
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     s = tl.arange(0, KS_BLOCK)
@@ -142,18 +153,19 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
     ss = tl.sum(tl.load(rows + M, mask=s_ok, other=0.0), axis=0)
     r = tl.math.rsqrt(ss / (N * D) + rms_eps)
     j = tl.arange(0, N)
-    jj = j[:, None] * N + j[None, :]
+    jj = j[:, None] * N + j[None, :]  # (unused by the head)
     # Each group of mixes is loaded in its own shape (splits first) and summed over the splits.
     m_pre = tl.sum(tl.load(rows[:, None] + j[None, :], mask=s_ok[:, None], other=0.0), axis=0)
     pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
-    if blk == 0:  # the coefficients are stored once; the other blocks only need pre
-        m_post = tl.sum(tl.load(rows[:, None] + N + j[None, :], mask=s_ok[:, None], other=0.0), axis=0)
-        m_comb = tl.sum(tl.load(rows[:, None, None] + 2 * N + jj[None, :, :], mask=s_ok[:, None, None], other=0.0), axis=0)
-        post = 2 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + j))
-        comb_logit = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + jj)
-        tl.store(pre_ptr + t * N + j, pre)
-        tl.store(post_ptr + t * N + j, post)
-        tl.store(comb_ptr + t * (N * N) + jj, sinkhorn_tile(comb_logit, hc_eps, ITERS))
+    if not HEAD:  # a site's other coefficients
+        if blk == 0:  # the coefficients are stored once; the other blocks only need pre
+            m_post = tl.sum(tl.load(rows[:, None] + N + j[None, :], mask=s_ok[:, None], other=0.0), axis=0)
+            m_comb = tl.sum(tl.load(rows[:, None, None] + 2 * N + jj[None, :, :], mask=s_ok[:, None, None], other=0.0), axis=0)
+            post = 2 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + j))
+            comb_logit = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + jj)
+            tl.store(pre_ptr + t * N + j, pre)
+            tl.store(post_ptr + t * N + j, post)
+            tl.store(comb_ptr + t * (N * N) + jj, sinkhorn_tile(comb_logit, hc_eps, ITERS))
     if HAS_PRE_IN:
         c = tl.load(pre_in_ptr + t * N + j)
     else:
@@ -166,9 +178,10 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
 
 
 def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, int]] = None,
-                  finish: Optional[dict[str, int]] = None) -> dict[str, dict[str, int]]:
+                  finish: Optional[dict[str, int]] = None, head: bool = False) -> dict[str, dict[str, int]]:
     """Both launches' block constants and warps for N streams of D channels and the streams'
-    dtype (never T). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``,
+    dtype (never T); ``head``: the head's ``N`` rows of ``fn`` instead of a site's ``2N + N^2``
+    (launch 1's ``MP``). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``,
     ``finish`` launch 2's ``BLOCK_D`` or ``num_warps`` (the bench's sweeps)."""
     o = {"BT": _BT if bf16 else _BT_FP32, "BK": _BK, "SPLITS": _SPLITS, "num_warps": 4, **(dots or {})}
     k = n * d
@@ -177,10 +190,31 @@ def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, i
     block_d = min((finish or {}).get("BLOCK_D", _BLOCK_D), triton.next_power_of_2(d))
     warps = (finish or {}).get("num_warps", _FINISH_WARPS)
     return {
-        "dots": {"CHUNK": chunk, "BT": o["BT"], "BK": o["BK"], "MP": max(16, triton.next_power_of_2(2 * n + n * n)),
+        "dots": {"CHUNK": chunk, "BT": o["BT"], "BK": o["BK"], "MP": max(16, triton.next_power_of_2(n if head else 2 * n + n * n)),
                  "SPLIT_BF16": bool(bf16), "DOT_FP32": _INTERPRET, "num_warps": o["num_warps"]},
         "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d, "num_warps": warps},
     }
+
+
+def _token_rows(X: torch.Tensor) -> torch.Tensor:
+    """X ``[..., N, D]`` as ``[T, N, D]`` whose tokens are rows of N*D contiguous elements (launch 1
+    reads them so), viewed where the strides allow."""
+    n, d = X.shape[-2:]
+    x = X.reshape(-1, n, d)
+    return x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous()
+
+
+def _launch_dots(x: torch.Tensor, fn: torch.Tensor, m: int, cfg: dict[str, dict[str, int]]) -> torch.Tensor:
+    """Launch 1 over the token rows ``x`` and the ``m`` rows of ``fn``: the partials ``[T, KSPLIT, m + 1]``."""
+    t, n, d = x.shape
+    launch1, ksplit = cfg["dots"], cfg["finish"]["KSPLIT"]
+    part = torch.empty((t, ksplit, m + 1), dtype=torch.float32, device=x.device)
+    line = _LINE_BYTES // fn.element_size()
+    _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), ksplit)](
+        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1,
+        FN_LINES=triton.next_power_of_2(triton.cdiv(launch1["CHUNK"], line)), LINE=line, **pdl_args(x.device),
+    )
+    return part
 
 
 def mhc_site_triton(
@@ -207,9 +241,7 @@ def mhc_site_triton(
     m = 2 * n + n * n
     if tuple(fn.shape) != (m, n * d) or base.numel() != m or scale.numel() != 3:
         raise ValueError(f"mhc_site: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit X {tuple(X.shape)}")
-    x = X.reshape(-1, n, d)
-    if x.stride(2) != 1 or x.stride(1) != d:  # launch 1 reads a token's N*D elements as one row
-        x = x.contiguous()
+    x = _token_rows(X)
     t = x.shape[0]
     dev = X.device
     shapes = ((*lead, n), (*lead, n), (*lead, n, n), (*lead, d))
@@ -220,20 +252,54 @@ def mhc_site_triton(
     if t == 0:
         return pre, post, comb, u
     cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots, finish)
-    launch1, launch2 = cfg["dots"], cfg["finish"]
-    part = torch.empty((t, launch2["KSPLIT"], m + 1), dtype=torch.float32, device=dev)
-    line = _LINE_BYTES // fn.element_size()
-    _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), launch2["KSPLIT"])](
-        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1,
-        FN_LINES=triton.next_power_of_2(triton.cdiv(launch1["CHUNK"], line)), LINE=line, **pdl_args(dev),
-    )
+    launch2 = cfg["finish"]
+    part = _launch_dots(x, fn, m, cfg)
     pre_in_rows = pre if pre_in is None else pre_in.reshape(t, n).float().contiguous()  # unread without pre_in
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
         part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, pre, post, comb, u,
         x.stride(0), float(rms_eps), float(hc_eps),
-        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, **launch2, **pdl_args(dev),
+        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, HEAD=False, **launch2, **pdl_args(dev),
     )
     return pre, post, comb, u
 
 
+def mhc_head_triton(
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    out: Optional[torch.Tensor] = None,
+    dots: Optional[dict[str, int]] = None,
+    finish: Optional[dict[str, int]] = None,
+) -> torch.Tensor:
+    """``hc_head`` in the site's two launches (``M = N`` rows of ``fn``, launch 2 with ``HEAD``):
+    X ``[..., N, D]`` -> ``[..., D]`` in X's dtype, into ``out`` (contiguous, of that shape and
+    dtype) when given, else a new contiguous tensor. ``dots`` and ``finish`` as for the site."""
+    *lead, n, d = X.shape
+    if tuple(fn.shape) != (n, n * d) or tuple(base.shape) != (n,) or scale.numel() != 1:
+        raise ValueError(f"mhc_head: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit "
+                         f"X {tuple(X.shape)} (need fn {(n, n * d)}, base {(n,)}, scale (1,))")
+    if n > _MAX_N or n & (n - 1):  # not tiled here: the reference
+        ref = _head_reference(X, fn, base, scale, rms_eps, hc_eps).contiguous()
+        return ref if out is None else out.copy_(ref)
+    x = _token_rows(X)
+    t = x.shape[0]
+    dev = X.device
+    u = out_buffer(out, (*lead, d), X.dtype, dev, "mhc_head")
+    if t == 0:
+        return u
+    cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots, finish, head=True)
+    launch2 = cfg["finish"]
+    part = _launch_dots(x, fn, n, cfg)
+    _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
+        part, base.float().contiguous(), scale.float().contiguous(), x, None, None, None, None, u,
+        x.stride(0), float(rms_eps), float(hc_eps),
+        N=n, D=d, ITERS=1, HAS_PRE_IN=False, HEAD=True, **launch2, **pdl_args(dev),
+    )
+    return u
+
+
 torch.library.register_kernel("deepinfer::mhc_site", "cuda", mhc_site_triton)
+torch.library.register_kernel("deepinfer::mhc_head", "cuda", mhc_head_triton)

@@ -1,4 +1,5 @@
-"""RMSNorm as one Triton kernel: the CUDA implementation of ``deepinfer::rms_norm``.
+"""RMSNorm as one Triton kernel: the CUDA implementation of ``deepinfer::rms_norm`` and, with
+the rotation of each row's tail fused in, of ``deepinfer::rms_norm_rope``.
 
 Rows of ``x`` (all leading dims flattened) are normalised independently. A program owns
 ``ROWS`` rows: one row for wide norms (the hidden size, the 4 x hidden mHC input), several for
@@ -6,6 +7,12 @@ narrow ones (per-head q norms of 512 or less), so every program moves a few thou
 Rows up to ``_MAX_FUSED`` elements stay in registers between the statistics and the scaling;
 wider rows are read twice in chunks. The launch configuration depends on shapes only, so the
 launcher can run inside a CUDA graph.
+
+With rope tables (``HALF`` > 0 pairs) a row kept in registers is rounded to the output dtype as
+the norm alone stores it, then its last ``2 * HALF`` channels turn in adjacent pairs (2i, 2i+1)
+by the angle of the row's position (row r reads table row ``r // heads``), as
+``graphs/rope.py::apply_rope`` turns the stored norm: the same roundings, in one pass over the
+row. Pairs before the tail take cos 1, sin 0, which leaves them as they are.
 """
 
 from __future__ import annotations
@@ -14,12 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops  # noqa: F401  (declares deepinfer::rms_norm before we register for it)
+from .. import ops, ops_rope  # noqa: F401  (declare deepinfer::rms_norm{,_rope} before we register for them)
 from ...graphs.norm import rms_norm
+from ...graphs.rope import norm_rope
 from .pdl import pdl_args, wait_previous
 
-# The unswapped math: a swap (graphs/swap.py) may route the graphs function to this op.
+# The unswapped math: a swap (graphs/swap.py) may route the graphs functions to these ops.
 _reference = getattr(rms_norm, "reference", rms_norm)
+_rope_reference = getattr(norm_rope, "reference", norm_rope)
 
 # Widest row kept whole in registers: 16384 fp32 over 16 warps is 32 values per thread.
 _MAX_FUSED = 16384
@@ -32,7 +41,10 @@ def _rms_norm_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    cos_ptr,
+    sin_ptr,
     n_rows,
+    heads,
     stride_x,
     stride_out,
     eps,
@@ -43,6 +55,7 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     FUSED: tl.constexpr,
+    HALF: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
@@ -59,6 +72,14 @@ def _rms_norm_kernel(
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
             y = w[None, :] * y
+        if HALF > 0:
+            a, b = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (ROWS, BLOCK // 2, 2)))
+            pair = tl.arange(0, BLOCK // 2) - (D // 2 - HALF)  # index into the tables; < 0 before the tail
+            tab_ok = row_ok[:, None] & (pair[None, :] >= 0) & (pair[None, :] < HALF)
+            table = (rows // heads)[:, None] * HALF + pair[None, :]
+            cos = tl.load(cos_ptr + table, mask=tab_ok, other=1.0).to(tl.float32)
+            sin = tl.load(sin_ptr + table, mask=tab_ok, other=0.0).to(tl.float32)
+            y = tl.reshape(tl.join(a * cos - b * sin, a * sin + b * cos), (ROWS, BLOCK))
         tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         # Wide rows: one pass for the sum of squares, a second that re-reads and scales.
@@ -96,17 +117,26 @@ def _as_rows(t: torch.Tensor, d: int) -> torch.Tensor:
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``weight * x * rsqrt(mean(x^2) + eps)`` over the last dim, fp32 inside, x's dtype out.
+    """``weight * x * rsqrt(mean(x^2) + eps)`` over the last dim, fp32 inside, x's dtype out;
+    with ``cos`` / ``sin`` (``[*P, rd/2]``, exactly x's leading dims) the result's tails then
+    rotate (``graphs/rope.py::norm_rope``).
 
     ``out`` (x's shape and dtype) receives the result when given. Without it the result has
-    ``torch.empty_like(x)``'s layout, which is what the op's fake promises to the compiler.
+    ``torch.empty_like(x)``'s layout, which is what the ops' fakes promise to the compiler.
     """
     d = x.shape[-1]
-    if weight is not None and tuple(weight.shape) != (d,):
-        # A weight that broadcasts some other way: rare enough for the reference.
-        y = _reference(x, weight, eps)
+    half = 0 if cos is None else cos.shape[-1]
+    if cos is not None and (sin is None or sin.shape != cos.shape or x.shape[: cos.dim() - 1] != cos.shape[:-1]
+                            or not 0 < 2 * half <= d):
+        raise ValueError(f"rms_norm_rope: x {tuple(x.shape)} with cos {tuple(cos.shape)}, "
+                         f"sin {None if sin is None else tuple(sin.shape)}: the tables need x's leading dims and rd/2 <= d/2")
+    if (weight is not None and tuple(weight.shape) != (d,)) or (half and (d % 2 or d > _MAX_FUSED)):
+        # A weight that broadcasts some other way, an odd or a very wide rotated row: rare enough
+        # for the reference.
+        y = _reference(x, weight, eps) if cos is None else _rope_reference(x, weight, eps, cos, sin)
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty_like(x)
@@ -119,9 +149,11 @@ def rms_norm_triton(
     w = weight.contiguous() if weight is not None else x2
     n_rows = x2.shape[0]
     rows, block, fused, num_warps = _launch_config(n_rows, d)
+    # Without tables the table pointers are never read: x stands in for them.
+    tables = (x2, x2, 1) if cos is None else (cos.contiguous(), sin.contiguous(), n_rows // cos[..., 0].numel())
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        x2, w, dst, n_rows, x2.stride(0), dst.stride(0), eps,
-        D=d, HAS_WEIGHT=weight is not None, ROWS=rows, BLOCK=block, FUSED=fused, num_warps=num_warps,
+        x2, w, dst, tables[0], tables[1], n_rows, tables[2], x2.stride(0), dst.stride(0), eps,
+        D=d, HAS_WEIGHT=weight is not None, ROWS=rows, BLOCK=block, FUSED=fused, HALF=half, num_warps=num_warps,
         **pdl_args(x.device),
     )
     if not direct:
@@ -129,4 +161,9 @@ def rms_norm_triton(
     return out
 
 
+def _rms_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return rms_norm_triton(x, weight, eps, None, cos, sin)
+
+
 torch.library.register_kernel("deepinfer::rms_norm", "cuda", rms_norm_triton)
+torch.library.register_kernel("deepinfer::rms_norm_rope", "cuda", _rms_norm_rope_cuda)
