@@ -90,14 +90,14 @@ def attention(
     the cache side (window ring, compressor, index keys) on the whole chunks, the query side on
     this batch's rows of them (all of them, except on a context-parallel rank)."""
     freq = inv_freq(c, ratio != 0, x.device)
-    cos, sin = _per_forward(ctx, ("rope", ratio != 0), batch.positions, lambda: cos_sin(batch.positions, freq))
+    cos, sin = _per_forward(ctx, ("rope", ratio != 0), batch.positions, lambda: cos_sin(batch.positions, freq, shared=True))
     q_r, q = query(p, c, x, cos, sin)
     keys_batch = batch.keys
     xk, k_cos, k_sin = x, cos, sin
     if batch.split is not None:  # the cache side needs every token of the chunks
         xk = context_gather(x, batch.split)
         k_cos, k_sin = _per_forward(ctx, ("key rope", ratio != 0), keys_batch.positions,
-                                    lambda: cos_sin(keys_batch.positions, freq))
+                                    lambda: cos_sin(keys_batch.positions, freq, shared=True))
     kv = latent_kv(p, c, xk, k_cos, k_sin)
 
     outs = []
@@ -124,10 +124,9 @@ def attention(
 
 def _per_forward(ctx: dict, key: tuple, owner: object, build: Callable[[], Any]) -> Any:
     """``build()`` once per forward for ``owner`` (the tensor or group it is computed from):
-    tables every layer of a kind shares. Traced once, a compiled step materialises them once;
-    built in each layer, Inductor recomputed them inline in every kernel that read them and
-    materialised them again for each attention call (cos, sin, window bias: three launches a
-    layer at a small decode)."""
+    what every layer of a kind shares (rope tables, the window bias) is traced once. Where it is
+    a real buffer (the rope tables: ``cos_sin(shared=True)``) a compiled step computes it once;
+    Inductor still copies an unrealised pointwise result (the bias) for each custom op reading it."""
     got = ctx.get(key)
     if got is None or got[0] is not owner:
         got = ctx[key] = (owner, build())

@@ -46,8 +46,10 @@ def inv_freq(c: ModelConfig, compressed: bool, device: torch.device | str | None
 
 
 @swappable
-def cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 tables ``[*positions.shape, rope_dim // 2]``."""
+def cos_sin(positions: torch.Tensor, freq: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 tables ``[*positions.shape, rope_dim // 2]``. ``shared``: the tables serve a whole
+    forward (every attention layer of a kind rotates by them), so a compiled step should hold
+    them in one buffer whatever their size (the ``rope_table_op`` swap)."""
     angles = positions.float()[..., None] * freq.to(positions.device)
     return angles.cos(), angles.sin()
 

@@ -247,8 +247,8 @@ class SkinnyBlocksSwap(KernelSwap):
 _TABLE_MIN_POSITIONS = 1024
 
 
-def _cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if positions.numel() < _TABLE_MIN_POSITIONS:
+def _cos_sin(positions: torch.Tensor, freq: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if not shared and positions.numel() < _TABLE_MIN_POSITIONS:
         return cos_sin.reference(positions, freq)  # type: ignore[attr-defined]
     return torch.ops.deepinfer.rope_table(positions, freq.to(positions.device))
 
@@ -257,7 +257,10 @@ def _cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor,
 class RopeTableSwap(KernelSwap):
     """``rope.cos_sin`` => ``deepinfer.rope_table`` for prefill-sized position sets, so the
     tables are computed once per call instead of once per element of every tensor they rotate
-    (``kernels/ops_rope.py`` says why Inductor would recompute them)."""
+    (``kernels/ops_rope.py`` says why Inductor would recompute them), and for the tables a whole
+    forward shares at any size (``shared``): Inductor copies an unrealised input for each custom
+    op that reads it, so at decode every ``rms_norm_rope`` and ``sparse_mqa`` call had its own
+    table kernels; one op call a forward builds them once."""
 
     name: ClassVar[str] = "rope_table_op"
     accelerators: ClassVar[frozenset[str]] = _SERVED

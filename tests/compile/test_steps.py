@@ -106,6 +106,8 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
         for name in ("rms_norm_fusion", "moe_shared_fused_kernel", "mhc_site_kernel", "sparse_mqa_kernel", "compressor_kernel", "norm_rope_kernel",
                      "route_topk_kernel", indexer[which]):
             assert r["rewrites"].get(name, 0) > 0, (name, r["graph"])
+        # one pair of rope tables a forward for each kind of attention layer (window-only, compressed)
+        assert r["rewrites"].get("rope_table_op", 0) == len({ratio != 0 for ratio in cfg["compress_ratios"]}), r["graph"]
         # V4 ends with a learned hc_head, V4.1 collapses with the last site's pre
         assert (r["rewrites"].get("mhc_head_kernel", 0) > 0) == (which == "v4"), r["graph"]
         # the routed experts and the shared expert's SwiGLU are inside the fused MoE op

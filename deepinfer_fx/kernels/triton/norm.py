@@ -101,11 +101,13 @@ def _rms_norm_kernel(
             tl.store(o_rows + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_config(n_rows: int, d: int) -> tuple[int, int, bool, int]:
-    """(ROWS, BLOCK, FUSED, num_warps) from the shape alone."""
+def _launch_config(d: int) -> tuple[int, int, bool, int]:
+    """(ROWS, BLOCK, FUSED, num_warps) from the row width alone, never the row count: the tile's
+    layout, and with it the order in which a row's squares are summed, is then the same in every
+    batch (batch invariance), at the cost of masked rows in a program at tiny row counts."""
     fused = d <= _MAX_FUSED
     block = triton.next_power_of_2(d) if fused else _MAX_FUSED
-    rows = max(1, min(_TILE // block, triton.next_power_of_2(n_rows)))
+    rows = max(1, _TILE // block)
     num_warps = max(1, min(16, rows * block // 512))
     return rows, block, fused, num_warps
 
@@ -148,7 +150,7 @@ def rms_norm_triton(
     dst = out.view(-1, d) if direct else torch.empty(x2.shape, dtype=out.dtype, device=out.device)
     w = weight.contiguous() if weight is not None else x2
     n_rows = x2.shape[0]
-    rows, block, fused, num_warps = _launch_config(n_rows, d)
+    rows, block, fused, num_warps = _launch_config(d)
     # Without tables the table pointers are never read: x stands in for them.
     tables = (x2, x2, 1) if cos is None else (cos.contiguous(), sin.contiguous(), n_rows // cos[..., 0].numel())
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
