@@ -22,7 +22,7 @@ from .attention import attention
 from .batch import Batch, gather_rows, make_batch, scatter_rows
 from .engram import engram_apply
 from .engram_hash import EngramLayout, engram_hash, engram_layout
-from .mhc import hc_head, mhc_collapse, mhc_expand, mhc_site
+from .mhc import expand_site, hc_head, mhc_collapse, mhc_expand, mhc_site
 from .moe import moe
 from .norm import linear_fp32, rms_norm
 from .state import check_room
@@ -34,11 +34,9 @@ def embed(params: dict, c: ModelConfig, token_ids: torch.Tensor, dtype: torch.dt
     return e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
 
 
-def _site(lp: dict, name: str, c: ModelConfig, X: torch.Tensor, pre_in: torch.Tensor | None):
-    return mhc_site(
-        X, lp[f"hc_{name}_fn"], lp[f"hc_{name}_base"], lp[f"hc_{name}_scale"], c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-        pre_in,
-    )
+def _site_params(lp: dict, name: str, c: ModelConfig) -> tuple:
+    """A site's arguments after the streams: fn, base, scale, the two epsilons, Sinkhorn rounds."""
+    return lp[f"hc_{name}_fn"], lp[f"hc_{name}_base"], lp[f"hc_{name}_scale"], c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
 
 
 def block(
@@ -52,10 +50,9 @@ def block(
     drafter's stages attend their context windows without writing them.
     Returns the new streams and the FFN site's ``pre`` (the next block's ``pre_prev``)."""
     eps = c.rms_norm_eps
-    pre_a, post, comb, u = _site(lp, "attn", c, X, pre_prev)
+    pre_a, post, comb, u = mhc_site(X, *_site_params(lp, "attn", c), pre_prev)
     a = attn(lp["attn"], states, c, rms_norm(u, lp["attn_norm"], eps), batch, layer, ratio, ctx if ctx is not None else {})
-    X = mhc_expand(X, a, post, comb)
-    pre_f, post, comb, u = _site(lp, "ffn", c, X, None if pre_prev is None else pre_a)
+    X, pre_f, post, comb, u = expand_site(X, a, post, comb, *_site_params(lp, "ffn", c), None if pre_prev is None else pre_a)
     f = moe(lp["ffn"], c, rms_norm(u, lp["ffn_norm"], eps), batch.token_ids, batch.real_rows)
     return mhc_expand(X, f, post, comb), pre_f
 

@@ -104,7 +104,7 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
     indexer = {"v4": "indexer_topk_kernel", "v41": "indexer_scores_kernel"}
     for r in report.values():  # the fusion passes fired in both graphs, and every kernel swap
         for name in ("rms_norm_fusion", "moe_shared_fused_kernel", "mhc_site_kernel", "sparse_mqa_kernel", "compressor_kernel", "norm_rope_kernel",
-                     "route_topk_kernel", indexer[which]):
+                     "mhc_expand_site_kernel", "route_topk_kernel", indexer[which]):
             assert r["rewrites"].get(name, 0) > 0, (name, r["graph"])
         # one pair of rope tables a forward for each kind of attention layer (window-only, compressed)
         assert r["rewrites"].get("rope_table_op", 0) == len({ratio != 0 for ratio in cfg["compress_ratios"]}), r["graph"]
