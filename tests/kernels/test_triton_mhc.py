@@ -356,18 +356,27 @@ def test_expand_site_model_sizes(tokens: int) -> None:
     _run_expand((tokens,), 4, 4096, True, "cuda", torch.bfloat16)
 
 
-@needs_cuda
-def test_expand_site_op_dispatches_to_two_launches() -> None:
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::mhc_expand_site", "CUDA")
-    seed = _seed()
-    args = _expand_inputs(seed, (8,), 4, 4096, torch.bfloat16, "cuda", True)
-    torch.ops.deepinfer.mhc_expand_site(*args)  # compile outside the profile
+def _two_launches(name: str, args: tuple, seed: int) -> object:
+    """Run ``deepinfer::<name>`` on CUDA under the profiler (compiled beforehand): its result,
+    after checking that the call was the dots launch then the finish launch, nothing else."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"deepinfer::{name}", "CUDA")
+    op = getattr(torch.ops.deepinfer, name)
+    op(*args)  # compile outside the profile
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got = torch.ops.deepinfer.mhc_expand_site(*args)
+        got = op(*args)
         torch.cuda.synchronize()
     launches = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(launches) == 2 and "_mhc_dots_kernel" in launches[0], f"seed={seed}: {launches}"
+    assert len(launches) == 2, f"seed={seed}: {launches}"
+    assert "_mhc_dots_kernel" in launches[0] and "_mhc_finish_kernel" in launches[1], f"seed={seed}: {launches}"
+    return got
+
+
+@needs_cuda
+def test_expand_site_op_dispatches_to_two_launches() -> None:
+    seed = _seed()
+    args = _expand_inputs(seed, (8,), 4, 4096, torch.bfloat16, "cuda", True)
+    got = _two_launches("mhc_expand_site", args, seed)
     X, y, post, comb, *site = args
     assert torch.equal(got[0], mhc_site_triton(X, *site, expand=(y, post, comb))[0]), f"seed={seed}"
     torch.library.opcheck(torch.ops.deepinfer.mhc_expand_site.default, _expand_inputs(seed, (3,), 4, 4096, torch.bfloat16, "cuda", False))
@@ -388,17 +397,9 @@ def test_model_size_batch_invariance() -> None:
 
 @needs_cuda
 def test_op_dispatches_to_two_launches() -> None:
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::mhc_site", "CUDA")
     seed = _seed()
     args = _inputs(seed, (64,), 4, 4096, torch.bfloat16, "cuda", True)
-    torch.ops.deepinfer.mhc_site(*args)  # compile outside the profile
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got = torch.ops.deepinfer.mhc_site(*args)
-        torch.cuda.synchronize()
-    launches = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(launches) == 2, f"seed={seed}: {launches}"
-    assert "_mhc_dots_kernel" in launches[0] and "_mhc_finish_kernel" in launches[1], f"seed={seed}: {launches}"
+    got = _two_launches("mhc_site", args, seed)
     _assert_matches(got, mhc_site.reference(*args), args[0], f"seed={seed}", False)  # type: ignore[attr-defined]
     small = _inputs(seed, (5,), 4, 4096, torch.bfloat16, "cuda", True)
     torch.library.opcheck(torch.ops.deepinfer.mhc_site.default, small)
@@ -407,17 +408,9 @@ def test_op_dispatches_to_two_launches() -> None:
 
 @needs_cuda
 def test_head_op_dispatches_to_two_launches() -> None:
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("deepinfer::mhc_head", "CUDA")
     seed = _seed()
     args = _head_inputs(seed, (1,), 4, 4096, torch.bfloat16, "cuda")
-    torch.ops.deepinfer.mhc_head(*args)  # compile outside the profile
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got = torch.ops.deepinfer.mhc_head(*args)
-        torch.cuda.synchronize()
-    launches = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(launches) == 2, f"seed={seed}: {launches}"
-    assert "_mhc_dots_kernel" in launches[0] and "_mhc_finish_kernel" in launches[1], f"seed={seed}: {launches}"
+    got = _two_launches("mhc_head", args, seed)
     _assert_collapse_matches(got, hc_head.reference(*args), args[0], f"seed={seed}", _HEAD_DPRE)  # type: ignore[attr-defined]
     torch.library.opcheck(torch.ops.deepinfer.mhc_head.default, _head_inputs(seed, (5,), 4, 4096, torch.bfloat16, "cuda"))
 
