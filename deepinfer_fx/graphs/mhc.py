@@ -85,16 +85,3 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     can run the mixing GEMV, ``pre`` and the collapse as ``mhc_site`` does (``passes/swaps.py``)."""
     pre = torch.sigmoid(_mixes(X, fn, rms_eps) * scale.float() + base.float()) + hc_eps
     return mhc_collapse(X, pre)
-
-
-@swappable
-def expand_site(
-    X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
-    scale: torch.Tensor, rms_eps: float, hc_eps: float, iters: int, pre_in: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``mhc_expand(X, y, post, comb)`` (a sublayer's output into the streams), then the next
-    site on the new streams: returns them and the site's pre, post, comb and u. One place, so
-    a kernel can form the new streams as the site's GEMV reads them, where the compiled step
-    wrote them in a launch of its own before each site (``passes/swaps.py``)."""
-    Xn = mhc_expand(X, y, post, comb)
-    return (Xn, *mhc_site(Xn, fn, base, scale, rms_eps, hc_eps, iters, pre_in))

@@ -22,7 +22,7 @@ from .attention import attention
 from .batch import Batch, gather_rows, make_batch, scatter_rows
 from .engram import engram_apply
 from .engram_hash import EngramLayout, engram_hash, engram_layout
-from .mhc import expand_site, hc_head, mhc_collapse, mhc_expand, mhc_site
+from .mhc import hc_head, mhc_collapse, mhc_expand, mhc_site
 from .moe import moe
 from .norm import linear_fp32, rms_norm
 from .state import check_room
@@ -34,32 +34,11 @@ def embed(params: dict, c: ModelConfig, token_ids: torch.Tensor, dtype: torch.dt
     return e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
 
 
-def _site_params(lp: dict, name: str, c: ModelConfig) -> tuple:
-    """A site's arguments after the streams: fn, base, scale, the two epsilons, Sinkhorn rounds."""
-    return lp[f"hc_{name}_fn"], lp[f"hc_{name}_base"], lp[f"hc_{name}_scale"], c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
-
-
-Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a sublayer output and its site's post, comb
-
-
-def block_pending(
-    lp: dict, states: list, c: ModelConfig, X: torch.Tensor, batch: Batch, layer: int, ratio: int,
-    ctx: dict | None = None, pre_prev: torch.Tensor | None = None, attn: Callable = attention,
-    pending: Pending | None = None,
-) -> tuple[torch.Tensor, Pending, torch.Tensor]:
-    """``block`` with its last expand left to the caller: returns the streams before it, the
-    expand's ``(f, post, comb)`` and the FFN site's ``pre``. ``pending`` (the previous block's)
-    makes X the streams before that expand, which the attention site then forms as it reads
-    them (``mhc.expand_site``): a layer chain expands inside its sites, never in a launch of its own."""
-    eps = c.rms_norm_eps
-    if pending is None:
-        pre_a, post, comb, u = mhc_site(X, *_site_params(lp, "attn", c), pre_prev)
-    else:
-        X, pre_a, post, comb, u = expand_site(X, *pending, *_site_params(lp, "attn", c), pre_prev)
-    a = attn(lp["attn"], states, c, rms_norm(u, lp["attn_norm"], eps), batch, layer, ratio, ctx if ctx is not None else {})
-    X, pre_f, post, comb, u = expand_site(X, a, post, comb, *_site_params(lp, "ffn", c), None if pre_prev is None else pre_a)
-    f = moe(lp["ffn"], c, rms_norm(u, lp["ffn_norm"], eps), batch.token_ids, batch.real_rows)
-    return X, (f, post, comb), pre_f
+def _site(lp: dict, name: str, c: ModelConfig, X: torch.Tensor, pre_in: torch.Tensor | None):
+    return mhc_site(
+        X, lp[f"hc_{name}_fn"], lp[f"hc_{name}_base"], lp[f"hc_{name}_scale"], c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+        pre_in,
+    )
 
 
 def block(
@@ -72,8 +51,13 @@ def block(
     ``attn`` replaces the attention sublayer (same signature as ``attention``): the DSpark
     drafter's stages attend their context windows without writing them.
     Returns the new streams and the FFN site's ``pre`` (the next block's ``pre_prev``)."""
-    X, pending, pre_f = block_pending(lp, states, c, X, batch, layer, ratio, ctx, pre_prev, attn)
-    return mhc_expand(X, *pending), pre_f
+    eps = c.rms_norm_eps
+    pre_a, post, comb, u = _site(lp, "attn", c, X, pre_prev)
+    a = attn(lp["attn"], states, c, rms_norm(u, lp["attn_norm"], eps), batch, layer, ratio, ctx if ctx is not None else {})
+    X = mhc_expand(X, a, post, comb)
+    pre_f, post, comb, u = _site(lp, "ffn", c, X, None if pre_prev is None else pre_a)
+    f = moe(lp["ffn"], c, rms_norm(u, lp["ffn_norm"], eps), batch.token_ids, batch.real_rows)
+    return mhc_expand(X, f, post, comb), pre_f
 
 
 _LAYOUTS: dict[ModelConfig, EngramLayout] = {}
@@ -116,20 +100,16 @@ def run_layers(
     the last KV source on) can run on a subset of rows by passing that sub-batch. Layers listed
     in ``captured`` (a dict of layer -> None) get their input streams (after Engram) stored
     there: the DSpark drafter reads them."""
-    pending = None  # the last block's expand, formed by the next block's first site
     for layer in layers:
         lp = params["layers"][layer]
-        if "engram" in lp or (captured is not None and layer in captured):  # they read the streams themselves
-            X, pending = X if pending is None else mhc_expand(X, *pending), None
         if "engram" in lp:
             X = engram_apply(lp["engram"], X, hashes[c.engram_layer_ids.index(layer)], c.rms_norm_eps)
         if captured is not None and layer in captured:
             captured[layer] = X
-        X, pending, pre_f = block_pending(lp, state["layers"], c, X, batch, layer, c.compress_ratios[layer], ctx, pre,
-                                          pending=pending)
+        X, pre_f = block(lp, state["layers"], c, X, batch, layer, c.compress_ratios[layer], ctx, pre)
         if c.is_v41:
             pre = pre_f
-    return (X if pending is None else mhc_expand(X, *pending)), pre
+    return X, pre
 
 
 def hidden_streams(

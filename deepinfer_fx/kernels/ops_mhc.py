@@ -1,6 +1,5 @@
 """``deepinfer::mhc_site``: one mHC site up to the sublayer input; ``deepinfer::mhc_head``: the
-final learned collapse of the streams; ``deepinfer::mhc_expand_site``: a sublayer's output
-expanded into the streams, then the next site.
+final learned collapse of the streams.
 
 The op is ``graphs/mhc.py::mhc_site``: the fp32 mixing GEMV of the RMS-normed streams, the
 ``pre`` / ``post`` coefficients, the Sinkhorn ``comb`` and the collapse of the streams with
@@ -13,10 +12,6 @@ The reference is the graphs function itself.
 and the collapse with it, once a step; compiled it is ~5 launches at decode, two of them cuBLAS's
 dot and its reduction. The Triton launcher runs it through the site's two kernels.
 
-``mhc_expand_site`` is ``graphs/mhc.py::expand_site``: the expand was an Inductor launch of its
-own before the FFN site of every layer; the Triton launcher forms the new streams in the site's
-first launch, as it reads them.
-
 No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
 
@@ -24,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from ..graphs.mhc import expand_site as _graphs_expand_site
 from ..graphs.mhc import hc_head as _graphs_hc_head
 from ..graphs.mhc import mhc_site as _graphs_mhc_site
 from .ops import NAMESPACE
@@ -91,41 +85,3 @@ def _mhc_head_fake(
     hc_eps: float,
 ) -> torch.Tensor:
     return X.new_empty((*X.shape[:-2], X.shape[-1]))
-
-
-@torch.library.custom_op(f"{NAMESPACE}::mhc_expand_site", mutates_args=())
-def mhc_expand_site(
-    X: torch.Tensor,
-    y: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-    iters: int,
-    pre_in: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """X ``[..., N, D]`` (the streams), y ``[..., D]`` (a sublayer's output), the previous site's
-    post ``[..., N]`` and comb ``[..., N, N]`` -> the new streams ``[..., N, D]`` and the next
-    site's fp32 pre, post, comb and its ``u`` ``[..., D]`` (all contiguous)."""
-    outs = _graphs_expand_site.reference(X, y, post, comb, fn, base, scale, rms_eps, hc_eps, iters, pre_in)  # type: ignore[attr-defined]
-    return tuple(t.contiguous() for t in outs)  # type: ignore[return-value]
-
-
-@mhc_expand_site.register_fake
-def _mhc_expand_site_fake(
-    X: torch.Tensor,
-    y: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-    iters: int,
-    pre_in: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (X.new_empty(X.shape), *_mhc_site_fake(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in))

@@ -26,7 +26,7 @@ import torch.fx
 from ..graphs.attention import mqa_with_sink
 from ..graphs.compressor import pool_windows
 from ..graphs.indexer import index_scores, score_topk
-from ..graphs.mhc import expand_site, hc_head, mhc_site, sinkhorn
+from ..graphs.mhc import hc_head, mhc_site, sinkhorn
 from ..graphs.moe import EXPERT_WEIGHTS, expert_parallel, experts_with_shared, fp8_held, route_weights, routed_experts
 from ..graphs.norm import project, project_blocks
 from ..graphs.params import scale_path
@@ -346,36 +346,6 @@ class MHCSiteSwap(KernelSwap):
         return torch.ops.deepinfer.mhc_site
 
 
-# Decode-sized calls only: a program forms its chunk of the new streams from all N streams at
-# those channels, so launch 1 reads X N times; a 4096-token P8 prefill's X (128 MiB) does not
-# stay in L2 between them. The choice reads static shapes only (once per traced bucket).
-_EXPAND_SITE_MAX_TOKENS = 64
-
-
-def _expand_site(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                 base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float, iters: int,
-                 pre_in: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    if X[..., 0, 0].numel() > _EXPAND_SITE_MAX_TOKENS:
-        return expand_site.reference(X, y, post, comb, fn, base, scale, rms_eps, hc_eps, iters, pre_in)  # type: ignore[attr-defined]
-    return torch.ops.deepinfer.mhc_expand_site(X, y, post, comb, fn, base, scale, rms_eps, hc_eps, iters, pre_in)
-
-
-@register_pass
-class MHCExpandSiteSwap(KernelSwap):
-    """``mhc.expand_site`` (the attention output expanded into the streams, then the FFN site)
-    => ``deepinfer.mhc_expand_site`` for decode-sized calls: the site's first launch forms the new
-    streams as it reads them and stores them for the collapse and the next expand, where the
-    compiled step wrote them in an Inductor launch of its own before each FFN site (8 launches a
-    P8 decode step, ~0.7 us of the step each on the H200, s13 timeline). Not measured yet."""
-
-    name: ClassVar[str] = "mhc_expand_site_kernel"
-    accelerators: ClassVar[frozenset[str]] = _SERVED
-    place, op = "mhc.expand_site", "mhc_expand_site"
-
-    def replacement(self) -> Callable[..., Any]:
-        return _expand_site
-
-
 @register_pass
 class MHCHeadSwap(KernelSwap):
     """``mhc.hc_head`` => ``deepinfer.mhc_head`` at every size: the final learned collapse (the
@@ -413,8 +383,8 @@ class RouterSwap(KernelSwap):
 # the places exist where the functions are defined; importing them above registered them
 assert {routed_experts.place, experts_with_shared.place, sinkhorn.place, mqa_with_sink.place,  # type: ignore[attr-defined]
         pool_windows.place, score_topk.place, index_scores.place, project.place, cos_sin.place,  # type: ignore[attr-defined]
-        apply_rope.place, mhc_site.place, route_weights.place, norm_rope.place, hc_head.place, expand_site.place} == {  # type: ignore[attr-defined]
+        apply_rope.place, mhc_site.place, route_weights.place, norm_rope.place, hc_head.place} == {  # type: ignore[attr-defined]
     MoEExpertsSwap.place, MoESharedSwap.place, SinkhornSwap.place, SparseMQASwap.place, CompressorSwap.place,
     IndexerTopkSwap.place, IndexerScoresSwap.place, SkinnyLinearSwap.place, RopeTableSwap.place, RopeSwap.place,
-    MHCSiteSwap.place, RouterSwap.place, NormRopeSwap.place, MHCHeadSwap.place, MHCExpandSiteSwap.place,
+    MHCSiteSwap.place, RouterSwap.place, NormRopeSwap.place, MHCHeadSwap.place,
 }

@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
-from deepinfer_fx.graphs.mhc import expand_site, hc_head, mhc_expand, mhc_site, sinkhorn
+from deepinfer_fx.graphs.mhc import hc_head, mhc_expand, mhc_site
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
-from deepinfer_fx.passes.swaps import _EXPAND_SITE_MAX_TOKENS, MHCExpandSiteSwap, MHCSiteSwap, SinkhornSwap
+from deepinfer_fx.passes.swaps import MHCSiteSwap, SinkhornSwap
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
@@ -113,50 +113,3 @@ def test_head_place_traces_to_the_op() -> None:
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     op = torch.ops.deepinfer.mhc_head
     assert len(graphs) == 1 and len(targets) == 2 and sum(t in (op, op.default) for t in targets) == 1, targets  # op, * 2
-
-
-def _expand_args(g: torch.Generator, lead: tuple[int, ...], with_pre: bool) -> tuple:
-    X, y = torch.randn(*lead, N, D, generator=g), torch.randn(*lead, D, generator=g)
-    post = 2 * torch.rand(*lead, N, generator=g)
-    comb = sinkhorn.reference(torch.randn(*lead, N, N, generator=g), HC_EPS, ITERS)  # type: ignore[attr-defined]
-    pre_in = torch.rand(*lead, N, generator=g) if with_pre else None
-    return (X, y, post, comb, *_site_params(g), RMS_EPS, HC_EPS, ITERS, pre_in)
-
-
-@pytest.mark.parametrize("lead", [(7,), (2, 3), (0,)], ids=["tokens", "chunks", "empty"])
-@pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
-def test_expand_site_op_is_the_graphs_function(lead: tuple[int, ...], with_pre: bool) -> None:
-    seed = _seed()
-    args = _expand_args(torch.Generator().manual_seed(seed), lead, with_pre)
-    got, want = torch.ops.deepinfer.mhc_expand_site(*args), expand_site.reference(*args)  # type: ignore[attr-defined]
-    assert len(got) == 5
-    for a, b in zip(got, want):
-        assert a.is_contiguous() and torch.equal(a, b), f"seed={seed}"
-    torch.library.opcheck(torch.ops.deepinfer.mhc_expand_site.default, args)
-
-
-def _block_tail(X: torch.Tensor, a: tuple, f: tuple, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``model.block``'s middle: the attention site, a tanh sublayer, its expand and the FFN site."""
-    _, post, comb, u = mhc_site(X, *a, RMS_EPS, HC_EPS, ITERS, None)
-    return expand_site(X, torch.tanh(u @ w), post, comb, *f, RMS_EPS, HC_EPS, ITERS, None)
-
-
-@pytest.mark.parametrize("tokens", [9, _EXPAND_SITE_MAX_TOKENS + 1], ids=["decode-sized", "larger"])
-def test_compiled_expand_site_equals_eager(tokens: int) -> None:
-    """Decode-sized calls are the op (one node); larger ones trace the reference, whose site is the
-    site op; compiled equals eager either way."""
-    seed = _seed()
-    g = torch.Generator().manual_seed(seed)
-    X = torch.randn(tokens, N, D, generator=g)
-    w = torch.randn(D, D, generator=g) * D**-0.5
-    args = (X, _site_params(g), _site_params(g), w)
-    be = make_backend("cpu", environ={})
-    compiled = compile_graph(_block_tail, be)
-    with torch.no_grad(), swapped(be.pipeline.swaps()):
-        got = compiled(*args)
-    for a, b in zip(got, _block_tail(*args)):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
-    fused = tokens <= _EXPAND_SITE_MAX_TOKENS
-    rewrites = be.rewrites()
-    assert rewrites.get(MHCExpandSiteSwap.name, 0) == int(fused), f"seed={seed}"
-    assert rewrites.get(SWAP, 0) == 1 + int(not fused), f"seed={seed}"

@@ -104,14 +104,10 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path) -> None:
     indexer = {"v4": "indexer_topk_kernel", "v41": "indexer_scores_kernel"}
     for r in report.values():  # the fusion passes fired in both graphs, and every kernel swap
         for name in ("rms_norm_fusion", "moe_shared_fused_kernel", "mhc_site_kernel", "sparse_mqa_kernel", "compressor_kernel", "norm_rope_kernel",
-                     "mhc_expand_site_kernel", "route_topk_kernel", indexer[which]):
+                     "route_topk_kernel", indexer[which]):
             assert r["rewrites"].get(name, 0) > 0, (name, r["graph"])
         # one pair of rope tables a forward for each kind of attention layer (window-only, compressed)
-        kinds = {ratio != 0 for ratio in cfg["compress_ratios"][: cfg["num_hidden_layers"]]}
-        assert r["rewrites"].get("rope_table_op", 0) == len(kinds), r["graph"]
-        # every site but the first forms the new streams (V4 tiny has no Engram layer to stop the chain)
-        if which == "v4":
-            assert r["rewrites"]["mhc_expand_site_kernel"] == 2 * cfg["num_hidden_layers"] - 1, r["graph"]
+        assert r["rewrites"].get("rope_table_op", 0) == len({ratio != 0 for ratio in cfg["compress_ratios"]}), r["graph"]
         # V4 ends with a learned hc_head, V4.1 collapses with the last site's pre
         assert (r["rewrites"].get("mhc_head_kernel", 0) > 0) == (which == "v4"), r["graph"]
         # the routed experts and the shared expert's SwiGLU are inside the fused MoE op

@@ -25,7 +25,7 @@ import triton
 
 from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
-from deepinfer_fx.graphs.mhc import hc_head, mhc_expand, mhc_site, sinkhorn
+from deepinfer_fx.graphs.mhc import hc_head, mhc_site
 from deepinfer_fx.kernels.triton.mhc import _mhc_dots_kernel, _mhc_finish_kernel, launch_config, mhc_head_triton, mhc_site_triton
 
 CUDA = torch.cuda.is_available()
@@ -251,89 +251,6 @@ def test_token_does_not_depend_on_the_batch(with_pre: bool, device: str) -> None
             assert torch.equal(a[0], b[t]), f"seed={seed} token {t}: {name}"
 
 
-def _expand_inputs(seed: int, lead: tuple[int, ...], n: int, d: int, dtype: torch.dtype, device: str, with_pre: bool) -> tuple:
-    """expand_site arguments: the streams, a sublayer output y, the previous site's post (0-2)
-    and a doubly stochastic comb (from a Sinkhorn of random logits), then the next site's."""
-    X, fn, base, scale, rms_eps, hc_eps, iters, pre_in = _inputs(seed, lead, n, d, dtype, device, with_pre)
-    g = torch.Generator().manual_seed(seed + 1)
-    y = torch.randn(*lead, d, generator=g).to(device=device, dtype=dtype)
-    post = (2 * torch.rand(*lead, n, generator=g)).to(device)
-    comb = sinkhorn.reference(torch.randn(*lead, n, n, generator=g) * 2, HC_EPS, ITERS).to(device)  # type: ignore[attr-defined]
-    return X, y, post, comb, fn, base, scale, rms_eps, hc_eps, iters, pre_in
-
-
-def _run_expand(lead: tuple[int, ...], n: int, d: int, with_pre: bool, device: str, dtype: torch.dtype = torch.float32,
-                layout: str = "contiguous") -> None:
-    seed = _seed()
-    args = _expand_inputs(seed, lead, n, d, dtype, device, with_pre)
-    args = (_layout(args[0], layout), *args[1:])
-    why = f"seed={seed} lead={lead} n={n} d={d} pre_in={with_pre} dtype={dtype} layout={layout}"
-    X, y, post, comb, *site = args
-    xn, *got = mhc_site_triton(X, *site, expand=(y, post, comb))
-    want_x = mhc_expand(X, y, post, comb)
-    assert xn.shape == want_x.shape and xn.dtype == X.dtype and xn.is_contiguous(), why
-    # The streams as the reference rounds them. bf16: on a GPU at most one ulp apart where a
-    # sum's fp32 rounding differs (a fused multiply-add); Triton's interpreter truncates fp32 to
-    # bf16 where a GPU rounds to nearest, three times on the way (a few ulps).
-    if dtype == torch.bfloat16 and device == "cuda":
-        # At most two ulps of the terms' size (not the result's: where the product and the mix
-        # cancel, their roundings are all that is left), where a sum's fp32 rounding differs
-        terms = post.abs()[..., None] * y.float().abs()[..., None, :] + comb.abs().transpose(-1, -2) @ X.float().abs()
-        bad = ~((xn.float() - want_x.float()).abs() <= 2 * 2**-8 * terms + 1e-6)
-        assert not bad.any(), f"{why}: {int(bad.sum())} stream elements off by more than 2 bf16 ulps of their terms"
-    elif dtype == torch.bfloat16:
-        # Triton's interpreter truncates fp32 to bf16 where a GPU rounds to nearest: the kernel
-        # must be the reference's arithmetic with such casts, bit for bit
-        assert torch.equal(xn, _expand_truncating(X, y, post, comb)), why
-    else:
-        assert torch.equal(xn, want_x), why
-    _assert_matches(got, mhc_site.reference(xn, *site), xn, why, not with_pre)  # type: ignore[attr-defined]
-
-
-def _expand_truncating(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """``mhc_expand`` of bf16 streams with every fp32 -> bf16 cast truncating, as the interpreter's."""
-    def cast(v: torch.Tensor) -> torch.Tensor:
-        return (v.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
-
-    c = cast(comb)
-    mixed = sum(c[..., j, :, None] * X.float()[..., j, None, :] for j in range(X.shape[-2]))
-    return cast(cast(cast(post)[..., None] * y.float()[..., None, :]) + cast(mixed)).to(X.dtype)
-
-
-@pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("d", [64, 100])
-@pytest.mark.parametrize("tokens", [0, 1, 5, 70])
-def test_expand_site_matches_reference(tokens: int, d: int, dtype: torch.dtype, with_pre: bool, device: str) -> None:
-    """The new streams formed in launch 1 (``mhc_expand``'s roundings) and the site on them."""
-    _run_expand((tokens,), 4, d, with_pre, device, dtype)
-
-
-@pytest.mark.parametrize("lead,n,layout", [((2, 3), 4, "contiguous"), ((5,), 4, "slice"), ((4,), 2, "transpose"),
-                                          ((4,), 3, "contiguous")], ids=["chunks", "slice", "n2-transpose", "n3-reference"])
-def test_expand_site_other_shapes(lead: tuple[int, ...], n: int, layout: str, device: str) -> None:
-    _run_expand(lead, n, 100, True, device, torch.float32, layout)
-
-
-def test_expand_site_shapes_that_do_not_fit_are_refused(device: str) -> None:
-    X, y, post, comb, *site = _expand_inputs(_seed(), (3,), 4, 64, torch.float32, device, False)
-    with pytest.raises(ValueError, match="mhc_expand_site: y \\(3, 32\\)"):
-        mhc_site_triton(X, *site, expand=(y[:, :32], post, comb))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_expand_site_token_does_not_depend_on_the_batch(dtype: torch.dtype, device: str) -> None:
-    """Rows of a 150-token batch == each row alone, bit for bit: the new streams and the site."""
-    seed = _seed()
-    X, y, post, comb, *site = _expand_inputs(seed, (150,), 4, 100, dtype, device, True)
-    batch = mhc_site_triton(X, *site, expand=(y, post, comb))
-    for t in (0, 70, 149):
-        one = slice(t, t + 1)
-        alone = mhc_site_triton(X[one].clone(), *site[:-1], site[-1][one].clone(), expand=(y[one], post[one], comb[one]))
-        for name, a, b in zip(("streams", "pre", "post", "comb", "u"), alone, batch):
-            assert torch.equal(a[0], b[t]), f"seed={seed} token {t}: {name}"
-
-
 # --- CUDA only ------------------------------------------------------------------------------
 
 
@@ -350,12 +267,6 @@ def test_head_model_sizes(tokens: int) -> None:
     _run_head((tokens,), 4, 4096, "cuda", torch.bfloat16)
 
 
-@needs_cuda
-@pytest.mark.parametrize("tokens", [1, 64, 4096])
-def test_expand_site_model_sizes(tokens: int) -> None:
-    _run_expand((tokens,), 4, 4096, True, "cuda", torch.bfloat16)
-
-
 def _two_launches(name: str, args: tuple, seed: int) -> object:
     """Run ``deepinfer::<name>`` on CUDA under the profiler (compiled beforehand): its result,
     after checking that the call was the dots launch then the finish launch, nothing else."""
@@ -370,16 +281,6 @@ def _two_launches(name: str, args: tuple, seed: int) -> object:
     assert len(launches) == 2, f"seed={seed}: {launches}"
     assert "_mhc_dots_kernel" in launches[0] and "_mhc_finish_kernel" in launches[1], f"seed={seed}: {launches}"
     return got
-
-
-@needs_cuda
-def test_expand_site_op_dispatches_to_two_launches() -> None:
-    seed = _seed()
-    args = _expand_inputs(seed, (8,), 4, 4096, torch.bfloat16, "cuda", True)
-    got = _two_launches("mhc_expand_site", args, seed)
-    X, y, post, comb, *site = args
-    assert torch.equal(got[0], mhc_site_triton(X, *site, expand=(y, post, comb))[0]), f"seed={seed}"
-    torch.library.opcheck(torch.ops.deepinfer.mhc_expand_site.default, _expand_inputs(seed, (3,), 4, 4096, torch.bfloat16, "cuda", False))
 
 
 @needs_cuda
@@ -469,14 +370,9 @@ def _compile_for_sm90(out_dir: str) -> None:
         dots = dict(launch_config(n, d, bf16)["dots"], DOT_FP32=False)
         warps = dots.pop("num_warps")
         types["x_ptr"] = "*bf16" if bf16 else "*fp32"
-        unread = dict.fromkeys(("y_ptr", "post_ptr", "comb_ptr", "xo_ptr"))
-        consts = {"K": n * d, "M": 2 * n + n * n, "PDL": True, "FN_LINES": dots["CHUNK"] // 32, "LINE": 32, "N": n, **dots}
         Path(out_dir, f"dots-{'bf16' if bf16 else 'fp32'}.ptx").write_text(
-            ptx(_mhc_dots_kernel, {**consts, "EXPAND": False, **unread}, warps))
-        if bf16:  # the new streams formed in the launch (``mhc_expand_site``)
-            types |= {"y_ptr": "*bf16", "xo_ptr": "*bf16"}
-            warps_x = launch_config(n, d, bf16, expand=True)["dots"]["num_warps"]
-            Path(out_dir, "dots-bf16-expand.ptx").write_text(ptx(_mhc_dots_kernel, {**consts, "EXPAND": True}, warps_x))
+            ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, "PDL": True, "FN_LINES": dots["CHUNK"] // 32, "LINE": 32,
+                                   **dots}, warps))
     types["x_ptr"] = "*bf16"
     finish = dict(launch_config(n, d)["finish"])
     warps = finish.pop("num_warps")
@@ -496,7 +392,7 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "dots-bf16-expand", "finish-False", "finish-True", "finish-head"])
+@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "finish-False", "finish-True", "finish-head"])
 def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
     """No spills, PDL's wait and trigger before any load, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16
     streams' dots are bf16 tensor-core MMAs; the collapse loads the streams in 16-byte vectors. The head's finish
@@ -514,10 +410,8 @@ def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
         assert prefetches and max(prefetches) < wait, "fn is prefetched before the wait"
     if kernel == "dots-fp32":
         assert "fma.rn.f32" in ptx and "mma" not in ptx
-    elif kernel.startswith("dots-bf16"):
+    elif kernel == "dots-bf16":
         assert "mma" in ptx and "bf16" in ptx
-        # only the expanding variant stores its chunk of the new streams (16-byte vectors), besides the partials
-        assert any("st.global.v4" in line for line in lines) == kernel.endswith("expand")
     else:
         assert "ld.global.v4" in ptx
     stores = [line for line in lines if "st.global" in line]

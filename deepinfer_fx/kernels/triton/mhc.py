@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from .. import ops_mhc  # noqa: F401  (declares deepinfer::mhc_site and mhc_head before we register for them)
-from ...graphs.mhc import expand_site, hc_head, mhc_site
+from ...graphs.mhc import hc_head, mhc_site
 from .buffers import out_buffer
 from .sinkhorn import sinkhorn_tile
 from .pdl import pdl_args, prefetch_l2, wait_previous
@@ -67,7 +67,6 @@ from .pdl import pdl_args, prefetch_l2, wait_previous
 # The unswapped math, for stream counts the kernel does not tile (not a power of two).
 _reference = getattr(mhc_site, "reference", mhc_site)
 _head_reference = getattr(hc_head, "reference", hc_head)
-_expand_reference = getattr(expand_site, "reference", expand_site)
 
 # Launch 1's tiling, from the H200 sweep at P8 widths (bf16 streams; us per site, 1 / 64 / 256 /
 # 4096 / 16384 tokens): BT 64, 64 splits, 4 warps: 10.9 / 12.0 / 15.4 / 156 / 601; BT 16, 32
@@ -89,50 +88,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _expanded_tile(x_ptr, y_ptr, post_ptr, comb_ptr, tok, tok_ok, k0, stride_xt,
-                   N: tl.constexpr, D: tl.constexpr, BK: tl.constexpr):
-    """Elements ``k0 + [0, BK)`` (of the flattened ``N*D`` row) of the tokens' new streams,
-    ``X'[j, d] = post_j y[d] + sum_i comb[i, j] X[i, d]`` with ``j = k // D``, ``d = k % D``,
-    rounded as ``graphs/mhc.py::mhc_expand`` rounds: comb and post to X's dtype, the mix summed
-    over i in order in fp32 and rounded, the product rounded, their sum rounded."""
-    dt = x_ptr.dtype.element_ty
-    k = k0 + tl.arange(0, BK)
-    mask = tok_ok[:, None] & (k < N * D)[None, :]
-    d = k % D
-    rows = tok[:, None]
-    if D % BK == 0:  # the tile lies in one stream: one comb column and post value a token
-        j = k0 // D
-        coef = tok * (N * N) + j
-        post = tl.load(post_ptr + tok * N + j, mask=tok_ok, other=0.0)[:, None]
-    else:
-        j = k // D
-        coef = rows * (N * N) + j[None, :]
-        post = tl.load(post_ptr + rows * N + j[None, :], mask=mask, other=0.0)
-    mixed = tl.zeros((tok.shape[0], BK), tl.float32)
-    for i in tl.static_range(N):
-        xi = tl.load(x_ptr + rows * stride_xt + i * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        if D % BK == 0:
-            ci = tl.load(comb_ptr + coef + i * N, mask=tok_ok, other=0.0)[:, None]
-        else:
-            ci = tl.load(comb_ptr + coef + i * N, mask=mask, other=0.0)
-        mixed += ci.to(dt).to(tl.float32) * xi
-    y = tl.load(y_ptr + rows * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    return ((post.to(dt).to(tl.float32) * y).to(dt).to(tl.float32) + mixed.to(dt).to(tl.float32)).to(dt)
-
-
-@triton.jit
-def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, y_ptr, post_ptr, comb_ptr, xo_ptr, n_tokens, stride_xt,
+def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
                      K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, CHUNK: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
-                     FN_LINES: tl.constexpr, LINE: tl.constexpr, N: tl.constexpr, EXPAND: tl.constexpr,
-                     PDL: tl.constexpr):
+                     FN_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """Tokens ``[BT]`` x one K-chunk -> partial dots ``[BT, M]`` and sums of squares ``[BT]``.
     With PDL, the program first asks L2 for its chunk of ``fn`` (``FN_LINES`` cache lines of
-    ``LINE`` elements a row; a weight, which no earlier kernel writes), then waits. With
-    ``EXPAND`` x holds the streams before the previous sublayer's expand: the program forms its
-    chunk of the new streams (``_expanded_tile``, from ``y`` ``[T, D]`` and the previous site's
-    ``post`` ``[T, N]`` and ``comb`` ``[T, N, N]``), stores it to ``xo`` (contiguous rows of K) and
-    multiplies that; the chunks of all programs cover every element once."""
+    ``LINE`` elements a row; a weight, which no earlier kernel writes), then waits."""
     split = tl.program_id(1)
     m = tl.arange(0, MP)
     m_ok = m < M
@@ -148,12 +110,7 @@ def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, y_ptr, post_ptr, comb_ptr, xo_ptr,
         k = split * CHUNK + i + tl.arange(0, BK)
         k_ok = k < K
         # Padding tokens and columns load zeros: they add nothing and are never stored.
-        mask = tok_ok[:, None] & k_ok[None, :]
-        if EXPAND:
-            x = _expanded_tile(x_ptr, y_ptr, post_ptr, comb_ptr, tok, tok_ok, split * CHUNK + i, stride_xt, N, K // N, BK)
-            tl.store(xo_ptr + tok[:, None] * K + k[None, :], x, mask=mask)
-        else:
-            x = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=mask, other=0.0)
+        x = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(fn_ptr + k[:, None] + m[None, :] * K, mask=k_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
         xf = x.to(tl.float32)
         if SPLIT_BF16:  # x is bf16: w = hi + mid + lo exactly, each product exact; smallest first
@@ -221,14 +178,12 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
 
 
 def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, int]] = None,
-                  finish: Optional[dict[str, int]] = None, head: bool = False, expand: bool = False) -> dict[str, dict[str, int]]:
+                  finish: Optional[dict[str, int]] = None, head: bool = False) -> dict[str, dict[str, int]]:
     """Both launches' block constants and warps for N streams of D channels and the streams'
     dtype (never T); ``head``: the head's ``N`` rows of ``fn`` instead of a site's ``2N + N^2``
-    (launch 1's ``MP``); ``expand``: launch 1 forms the new streams (``mhc_expand_site``), in 8
-    warps (with 4 its N stream tiles took 184-194 registers a thread in the sm_90 compile, 128
-    with 8). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``, ``finish``
-    launch 2's ``BLOCK_D`` or ``num_warps`` (the bench's sweeps)."""
-    o = {"BT": _BT if bf16 else _BT_FP32, "BK": _BK, "SPLITS": _SPLITS, "num_warps": 8 if expand else 4, **(dots or {})}
+    (launch 1's ``MP``). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``,
+    ``finish`` launch 2's ``BLOCK_D`` or ``num_warps`` (the bench's sweeps)."""
+    o = {"BT": _BT if bf16 else _BT_FP32, "BK": _BK, "SPLITS": _SPLITS, "num_warps": 4, **(dots or {})}
     k = n * d
     chunk = o["BK"] * triton.cdiv(triton.cdiv(k, o["SPLITS"]), o["BK"])
     ksplit = triton.cdiv(k, chunk)
@@ -249,19 +204,15 @@ def _token_rows(X: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous()
 
 
-def _launch_dots(x: torch.Tensor, fn: torch.Tensor, m: int, cfg: dict[str, dict[str, int]],
-                 expand: Optional[tuple[torch.Tensor, ...]] = None) -> torch.Tensor:
-    """Launch 1 over the token rows ``x`` and the ``m`` rows of ``fn``: the partials ``[T, KSPLIT, m + 1]``.
-    ``expand``: (y ``[T, D]``, post ``[T, N]``, comb ``[T, N, N]``, the new streams ``[T, N, D]``), all
-    contiguous: x then holds the streams before the expand, which the launch forms and stores."""
+def _launch_dots(x: torch.Tensor, fn: torch.Tensor, m: int, cfg: dict[str, dict[str, int]]) -> torch.Tensor:
+    """Launch 1 over the token rows ``x`` and the ``m`` rows of ``fn``: the partials ``[T, KSPLIT, m + 1]``."""
     t, n, d = x.shape
     launch1, ksplit = cfg["dots"], cfg["finish"]["KSPLIT"]
     part = torch.empty((t, ksplit, m + 1), dtype=torch.float32, device=x.device)
     line = _LINE_BYTES // fn.element_size()
     _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), ksplit)](
-        x, fn.contiguous(), part, *(expand or (None,) * 4), t, x.stride(0), K=n * d, M=m, **launch1,
-        FN_LINES=triton.next_power_of_2(triton.cdiv(launch1["CHUNK"], line)), LINE=line, N=n, EXPAND=expand is not None,
-        **pdl_args(x.device),
+        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1,
+        FN_LINES=triton.next_power_of_2(triton.cdiv(launch1["CHUNK"], line)), LINE=line, **pdl_args(x.device),
     )
     return part
 
@@ -278,28 +229,18 @@ def mhc_site_triton(
     out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     dots: Optional[dict[str, int]] = None,
     finish: Optional[dict[str, int]] = None,
-    expand: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_site`` in two launches: fp32 pre ``[..., N]``, post ``[..., N]``, comb ``[..., N, N]``
     and ``u`` ``[..., D]`` in X's dtype. ``out`` (contiguous tensors of those shapes and dtypes)
     receives them when given; otherwise they are new contiguous tensors, as the op's fake says.
-    ``dots`` and ``finish`` override the launches' tilings (``launch_config``).
-    ``expand`` (the sublayer output ``y`` ``[..., D]`` and the previous site's ``post``, ``comb``):
-    X holds the streams before ``mhc_expand(X, *expand)``, which launch 1 forms as it reads them
-    (``graphs/mhc.py::expand_site``); the new streams (contiguous) then lead the result."""
+    ``dots`` and ``finish`` override the launches' tilings (``launch_config``)."""
     *lead, n, d = X.shape
     if n > _MAX_N or n & (n - 1):  # not tiled here: the reference
-        if expand is not None:
-            return tuple(r.contiguous() for r in _expand_reference(X, *expand, fn, base, scale, rms_eps, hc_eps, iters, pre_in))
         ref = tuple(r.contiguous() for r in _reference(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in))
         return ref if out is None else tuple(o.copy_(r) for o, r in zip(out, ref))  # type: ignore[return-value]
     m = 2 * n + n * n
     if tuple(fn.shape) != (m, n * d) or base.numel() != m or scale.numel() != 3:
         raise ValueError(f"mhc_site: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit X {tuple(X.shape)}")
-    if expand is not None and (tuple(expand[0].shape) != (*lead, d) or tuple(expand[1].shape) != (*lead, n)
-                               or tuple(expand[2].shape) != (*lead, n, n)):
-        raise ValueError(f"mhc_expand_site: y {tuple(expand[0].shape)}, post {tuple(expand[1].shape)}, comb "
-                         f"{tuple(expand[2].shape)} do not fit X {tuple(X.shape)}")
     x = _token_rows(X)
     t = x.shape[0]
     dev = X.device
@@ -308,32 +249,18 @@ def mhc_site_triton(
     names = ("pre", "post", "comb", "u")
     pre, post, comb, u = (out_buffer(o, s, dt, dev, f"mhc_site {name}")
                           for o, s, dt, name in zip(out or (None,) * 4, shapes, dtypes, names))
-    xn = None if expand is None else torch.empty((t, n, d), dtype=X.dtype, device=dev)
-    outs = (pre, post, comb, u) if xn is None else (xn.view(*lead, n, d), pre, post, comb, u)
     if t == 0:
-        return outs
-    cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots, finish, expand=xn is not None)
+        return pre, post, comb, u
+    cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots, finish)
     launch2 = cfg["finish"]
-    if xn is None:
-        part = _launch_dots(x, fn, m, cfg)
-    else:
-        y, post_in, comb_in = expand
-        part = _launch_dots(x, fn, m, cfg, (y.reshape(t, d).contiguous(), post_in.reshape(t, n).float().contiguous(),
-                                            comb_in.reshape(t, n, n).float().contiguous(), xn))
-        x = xn  # the collapse reads the new streams
+    part = _launch_dots(x, fn, m, cfg)
     pre_in_rows = pre if pre_in is None else pre_in.reshape(t, n).float().contiguous()  # unread without pre_in
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
         part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, pre, post, comb, u,
         x.stride(0), float(rms_eps), float(hc_eps),
         N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, HEAD=False, **launch2, **pdl_args(dev),
     )
-    return outs
-
-
-def _mhc_expand_site_cuda(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                          base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float, iters: int,
-                          pre_in: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in, expand=(y, post, comb))
+    return pre, post, comb, u
 
 
 def mhc_head_triton(
@@ -376,4 +303,3 @@ def mhc_head_triton(
 
 torch.library.register_kernel("deepinfer::mhc_site", "cuda", mhc_site_triton)
 torch.library.register_kernel("deepinfer::mhc_head", "cuda", mhc_head_triton)
-torch.library.register_kernel("deepinfer::mhc_expand_site", "cuda", _mhc_expand_site_cuda)
