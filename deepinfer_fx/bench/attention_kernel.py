@@ -27,9 +27,9 @@ H, D, WINDOW, TOPK, ROPE_HALF = 64, 512, 128, 512, 32
 # prefill tilings to compare with the rule's: (heads per program, warps, keys per tile)
 _PREFILL_TILINGS = [(64, 8, 64), (64, 8, 32), (32, 4, 64), (32, 8, 64), (16, 4, 64)]
 # decode tilings (``--decode-sweep``): (heads per program, warps, keys per tile, keys per split,
-# split programs + combine)
-_DECODE_TILINGS = [(bh, w, bn, split, par) for bh in (16, 32) for w in (4, 8) for bn in (32, 64)
-                   for split, par in ((256, False), (256, True), (128, True))]
+# split programs + combine, heads per combine program)
+_DECODE_TILINGS = [(16, w, 64, split, par, ch) for w in (4, 8) for split in (64, 128, 256)
+                   for par, ch in ((False, 16), (True, 16), (True, 4), (True, 2))]
 
 
 def prefill_bias(t: int, ratio: int, device: str) -> torch.Tensor:
@@ -100,15 +100,15 @@ def main(argv: list[str] | None = None) -> dict:
             del q, keys, bias
             write_result("attention_kernel", result, args.out)
 
-    # 256 keys: the window ring and every entry of a 512-token CSA context; 640: a CSA layer past
-    # 2k tokens (window + top-512)
+    # 128 keys: an SWA layer's window ring; 256: the ring and every entry of a 512-token CSA
+    # context; 640: a CSA layer past 2k tokens (window + top-512)
     for b in [int(x) for x in args.decode.split(",") if x]:
         for n in [int(x) for x in args.decode_keys.split(",") if x]:
             bias = torch.zeros(1, n, device="cuda")
             q, keys, bias, sink, cos, sin = _case(bias, (b,))
             kv_bytes = keys.numel() * keys.element_size()
             for tiling in [None, *(_DECODE_TILINGS if args.decode_sweep else [])]:
-                kw = {} if tiling is None else dict(zip(("heads", "num_warps", "block_n", "split", "parallel"), tiling))
+                kw = {} if tiling is None else dict(zip(("heads", "num_warps", "block_n", "split", "parallel", "combine_heads"), tiling))
                 try:
                     ms, err = _time(q, keys, bias, sink, cos, sin, args.iters * 20, **kw)
                 except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal

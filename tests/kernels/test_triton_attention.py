@@ -82,12 +82,14 @@ def test_strided_inputs(device: str) -> None:
     _check(out, q, keys_view, bias_view, sink, cos, sin, seed)
 
 
-def test_modes_bitwise_equal(device: str) -> None:
-    """Sequential and parallel runs of one split length share their arithmetic exactly."""
+@pytest.mark.parametrize("combine_heads", [None, 1, 2])
+def test_modes_bitwise_equal(device: str, combine_heads: int | None) -> None:
+    """Sequential and parallel runs of one split length share their arithmetic exactly, however
+    many heads a combine program takes."""
     seed = _fresh_seed()
     q, keys, bias, sink, cos, sin = _case(seed, (2,), 3, 4, 32, 100, torch.float32, device)
     a = sparse_mqa_triton(q, keys, bias, sink, cos, sin, **PATHS["sequential"])
-    b = sparse_mqa_triton(q, keys, bias, sink, cos, sin, **PATHS["parallel"])
+    b = sparse_mqa_triton(q, keys, bias, sink, cos, sin, **PATHS["parallel"], combine_heads=combine_heads)
     assert torch.equal(a, b), f"seed {seed}"
 
 

@@ -269,14 +269,16 @@ def sparse_mqa_triton(
     skip: Optional[bool] = None,
     heads: Optional[int] = None,
     num_warps: Optional[int] = None,
+    combine_heads: Optional[int] = None,
 ) -> torch.Tensor:
     """``graphs/attention.py::mqa_with_sink`` for q ``[..., T, H, d]``, keys ``[..., N, d]``,
     bias ``[..., T, N]``, sink ``[H]`` and the queries' rope tables cos / sin ``[..., T, rd/2]``,
     written into ``out`` (q's shape and dtype) if given.
 
     ``block_n``, ``split`` (keys per split), ``parallel`` (split programs + combine), ``skip``
-    (pass over all -inf tiles), ``heads`` (per program) and ``num_warps`` default to the shape
-    rule; tests and the kernel bench set them to reach every path or compare tilings."""
+    (pass over all -inf tiles), ``heads`` (per program), ``num_warps`` and ``combine_heads``
+    (heads per combine program; per-head arithmetic, so it never moves a bit) default to the
+    shape rule; tests and the kernel bench set them to reach every path or compare tilings."""
     *lead, t, h, d = q.shape
     n = keys.shape[-2]
     half = cos.shape[-1]
@@ -331,8 +333,11 @@ def sparse_mqa_triton(
         q2, k2, b2, m, l, acc, t, h, n, split, n_splits, qk_scale, *strides,
         BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta,
     )
-    _mqa_combine[(rows * head_blocks,)](m, l, acc, sink, cos2, sin2, o2, h, n_splits, o2.stride(0), o2.stride(1), **meta,
-                                        **rope)
+    combine_heads = heads if combine_heads is None else combine_heads
+    combine_blocks = triton.cdiv(h, combine_heads)
+    meta.update(BH=combine_heads, HB=combine_blocks)
+    _mqa_combine[(rows * combine_blocks,)](m, l, acc, sink, cos2, sin2, o2, h, n_splits, o2.stride(0), o2.stride(1),
+                                           **meta, **rope)
     return out
 
 
