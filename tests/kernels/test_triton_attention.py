@@ -147,10 +147,10 @@ def test_live_tile_lists(device: str, n: int, block_n: int) -> None:
 
 
 def test_split_rule() -> None:
-    """Whole tiles, at least 256 keys, at most 32 splits (partials stay small)."""
+    """Whole tiles, at least 128 keys, at most 32 splits (partials stay small)."""
     for n in (1, 100, 640, 4224, 40_000):
         split = default_split(n, 64)
-        assert split % 64 == 0 and split >= 256 and -(-n // split) <= 32, n
+        assert split % 64 == 0 and split >= 128 and -(-n // split) <= 32, n
 
 
 # --- CUDA: bf16 at the model's sizes ------------------------------------------------------------

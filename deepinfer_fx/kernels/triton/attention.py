@@ -230,10 +230,11 @@ def _mqa_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, H, 
 # split length depends on N alone for the same reason. Decode tiling chosen on an H200 (bf16,
 # H 64, d 512); prefill takes all heads of a query per program so each live tile is read once.
 _BH = 16
+_COMBINE_BH = 4  # a combine program reads S partial rows per head; 16 heads made it 4 long programs at b1
 _PREFILL_BH = 64
 _PREFILL_WARPS = 8
 _BLOCK_N = 64
-_MIN_SPLIT = 256
+_MIN_SPLIT = 128
 _MAX_SPLITS = 32
 _NUM_WARPS = 4
 _NUM_STAGES = 2
@@ -333,7 +334,7 @@ def sparse_mqa_triton(
         q2, k2, b2, m, l, acc, t, h, n, split, n_splits, qk_scale, *strides,
         BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta,
     )
-    combine_heads = heads if combine_heads is None else combine_heads
+    combine_heads = _COMBINE_BH if combine_heads is None else combine_heads
     combine_blocks = triton.cdiv(h, combine_heads)
     meta.update(BH=combine_heads, HB=combine_blocks)
     _mqa_combine[(rows * combine_blocks,)](m, l, acc, sink, cos2, sin2, o2, h, n_splits, o2.stride(0), o2.stride(1),
