@@ -11,7 +11,7 @@ compressed entries come from.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from .csa2 import csa2_entries
 from .indexer import select_entries
 from .norm import linear, project_blocks, rms_norm
 from .rope import apply_rope, cos_sin, inv_freq, norm_rope
-from .window import window_bias, window_keys
+from .window import reads_after_write, ring_positions, window_bias, window_keys, write_window
 
 
 # fp32 logits the reference materialises at once (1 GiB): an eager 16k-token chunk would
@@ -48,6 +48,37 @@ def mqa_with_sink(
     else:
         o = torch.cat([_mqa_rows(q[..., s : s + rows, :, :], keys, bias[..., s : s + rows, :], sink) for s in range(0, t, rows)], -3)
     return apply_rope(o, cos, sin, inverse=True)
+
+
+@swappable
+def mqa_ring(
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    entries: Optional[torch.Tensor],
+    entry_rows: Optional[torch.Tensor],
+    entry_bias: Optional[torch.Tensor],
+    sink: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention read in place: chunk c's one query ``q[c]`` (``[C, 1, H, d]``, at
+    position ``pos[c]``) over its window ring ``ring[slots[c]]`` (``[S, W, d]``, this step's row
+    written), then, where given, its entries ``entries[slots[c]]`` (``[S, E, d]``), the rows
+    ``entry_rows[c]`` of them (``[C, K]``) if given, with their bias ``entry_bias`` ``[C, 1, K]``.
+    ``mqa_with_sink`` over those keys; the kernel reads the pools where they lie, where this
+    reference gathers (a copy of every key a step: 64 MiB at a 64-request P8 decode)."""
+    w = ring.shape[1]
+    keys = ring[slots]
+    bias = window_bias(pos[:, None], ring_positions(pos, w), w)
+    if entries is not None:
+        chosen = entries[slots]
+        if entry_rows is not None:
+            chosen = chosen.gather(1, entry_rows[..., None].expand(-1, -1, chosen.shape[-1]))
+        keys = torch.cat([keys, chosen.to(keys.dtype)], 1)
+        bias = torch.cat([bias, entry_bias], -1)
+    return mqa_with_sink(q, keys, bias, sink, cos, sin)
 
 
 def _mqa_rows(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -103,9 +134,13 @@ def attention(
     outs = []
     st = states[layer]
     for gi, (g, qs) in enumerate(zip(keys_batch.groups, batch.queries)):
-        xg = gather_rows(xk, g)
+        xg, kv_g = gather_rows(xk, g), gather_rows(kv, g)
         xq, q_rq, q_pos = gather_rows(x, qs), gather_rows(q_r, qs), qs.positions
-        keys, k_pos = window_keys(st["window"], gather_rows(kv, g), g)
+        if reads_after_write(st["window"], kv_g) and q_pos.shape[-1] == 1:
+            outs.append((qs, _decode(p, states, c, st, kv_g, xg, g, xq, q_rq, q_pos, gather_rows(q, qs), gather_rows(cos, qs),
+                                     gather_rows(sin, qs), layer, ratio, freq, ctx.setdefault(gi, {}))))
+            continue
+        keys, k_pos = window_keys(st["window"], kv_g, g)
         # every layer's ring holds the same positions, so every layer sees the same window
         bias = _per_forward(ctx, ("window bias", gi, k_pos.shape[-1]), qs, lambda: window_bias(q_pos, k_pos, c.sliding_window))
         if ratio:
@@ -122,6 +157,23 @@ def attention(
     return grouped_output(rows_to_packed(outs, q.shape[0]), p["wo_a"], p["wo_b"], c.o_groups)
 
 
+def _decode(p, states, c: ModelConfig, st, kv_g, xg, g: Group, xq, q_rq, q_pos, q, cos, sin, layer: int, ratio: int, freq,
+            group_ctx: dict) -> torch.Tensor:
+    """One-token chunks: the window and the compressed entries are read from their pools by
+    ``mqa_ring`` (no gathered copy of the keys, no window bias tensor)."""
+    write_window(st["window"], kv_g, g)
+    entries = rows = bias = None
+    if ratio:
+        if c.is_v41:
+            entries, chosen = csa2_entries(p, states, c, xg, g, xq, q_rq, q_pos, layer, freq, group_ctx, gather=False)
+        else:
+            entries, chosen = _v4_entries(p, st, c, xg, g, xq, q_rq, q_pos, ratio, freq, gather=False)
+        if (c.is_v41 or ratio == c.csa_ratio) and entries.shape[1] > c.index_topk:
+            rows, chosen = selected_rows(chosen, c.index_topk)
+        bias = torch.zeros(chosen.shape, device=q.device).masked_fill(~chosen, float("-inf"))
+    return mqa_ring(q, st["window"], g.slots, q_pos[:, 0], entries, rows, bias, p["attn_sink"], cos, sin)
+
+
 def _per_forward(ctx: dict, key: tuple, owner: object, build: Callable[[], Any]) -> Any:
     """``build()`` once per forward for ``owner`` (the tensor or group it is computed from):
     what every layer of a kind shares (rope tables, the window bias) is traced once. Where it is
@@ -133,11 +185,14 @@ def _per_forward(ctx: dict, key: tuple, owner: object, build: Callable[[], Any])
     return got[1]
 
 
-def _v4_entries(p, st, c: ModelConfig, xg, g: Group, xq, q_rq, q_pos, ratio: int, freq) -> tuple[torch.Tensor, torch.Tensor]:
-    """V4: the layer's own compressed entries (pooled from the group's chunks ``xg``); all
-    visible ones (HCA) or the indexer's top-k for the queries ``xq`` / ``q_rq`` at ``q_pos`` (CSA)."""
+def _v4_entries(p, st, c: ModelConfig, xg, g: Group, xq, q_rq, q_pos, ratio: int, freq,
+                gather: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4: the layer's own compressed entries (pooled from the group's chunks ``xg``; the whole
+    pool without ``gather``); all visible ones (HCA) or the indexer's top-k for the queries
+    ``xq`` / ``q_rq`` at ``q_pos`` (CSA)."""
     overlap = ratio == c.csa_ratio
-    entries = compress(p["compressor"], st["comp"], xg, g, ratio, overlap, freq, c.rms_norm_eps, lambda e: fq.compressed_entry(c, e))
+    entries = compress(p["compressor"], st["comp"], xg, g, ratio, overlap, freq, c.rms_norm_eps, lambda e: fq.compressed_entry(c, e),
+                       gather=gather)
     if overlap:
         return entries, select_entries(p["indexer"], st["index"], c, xg, g, xq, q_rq, q_pos, freq)
     return entries, visible_entries(q_pos, entries.shape[1], ratio)
@@ -150,11 +205,17 @@ def selected_entries(entries: torch.Tensor, chosen: torch.Tensor, k: int) -> tup
     a 32k-token state is 8192 per chunk (V4 CSA; V4.1's ratio-1 layers: 32768): at a 256-request
     P8 decode the keys copied for them took ~1 ms and their attention ~2 ms per CSA layer on an
     H200 (19.9 -> 12.0 ms a step at 4k context). Same keys, so the same softmax."""
+    idx, real = selected_rows(chosen, k)
+    return entries.gather(1, idx[..., None].expand(-1, -1, entries.shape[-1])), real
+
+
+def selected_rows(chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``selected_entries``' row numbers ``[C, k]`` (ascending; past the last chosen, row 0) and
+    which of them are real ``[C, 1, k]``."""
     c = chosen.shape[0]
     # how many entries are chosen up to each one: the j-th chosen entry is the first whose count
     # reaches j (a search, not a scatter: Inductor fuses it with the gather on a GPU)
     count = chosen[:, 0].cumsum(-1)
-    rank = torch.arange(1, k + 1, device=entries.device).expand(c, k).contiguous()
+    rank = torch.arange(1, k + 1, device=chosen.device).expand(c, k).contiguous()
     real = rank <= count[:, -1:]
-    idx = torch.where(real, torch.searchsorted(count, rank), 0)  # places past the last chosen read entry 0
-    return entries.gather(1, idx[..., None].expand(-1, -1, entries.shape[-1])), real[:, None, :]
+    return torch.where(real, torch.searchsorted(count, rank), 0), real[:, None, :]

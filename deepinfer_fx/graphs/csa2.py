@@ -69,16 +69,17 @@ def _select(p: dict, c: ModelConfig, keys: torch.Tensor, key_slots: torch.Tensor
 
 
 def csa2_entries(
-    p: dict, states: list, c: ModelConfig, xg, g: Group, xq, q_r, q_pos, layer: int, freq, group_ctx: dict
+    p: dict, states: list, c: ModelConfig, xg, g: Group, xq, q_r, q_pos, layer: int, freq, group_ctx: dict,
+    gather: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed entries ``[C, n, d]`` a V4.1 layer attends to (its KV source's, which a
-    source pools from the group's chunks ``xg``) and the selection ``[C, Lq, n]`` of the
-    queries ``xq`` / ``q_r`` at ``q_pos``."""
+    source pools from the group's chunks ``xg``; without ``gather`` the whole pool, read by
+    ``g.slots``) and the selection ``[C, Lq, n]`` of the queries ``xq`` / ``q_r`` at ``q_pos``."""
     src = c.kv_source(layer)
     ratio = c.compress_ratios[src]
     st = states[src]["comp"]
     closed = _publish(p, st, c, xg, g, ratio, freq) if layer == src else None
-    entries = st["entries"][g.slots]
+    entries = st["entries"][g.slots] if gather else st["entries"]
     if c.is_index_source(layer):
         keys, key_slots = st["index_keys"], g.slots  # the pool, read by slot
         if c.index_key_quirk and layer == src and ratio > 1:

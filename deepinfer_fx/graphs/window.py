@@ -19,22 +19,31 @@ def window_keys(ring: torch.Tensor, kv: torch.Tensor, g: Group) -> tuple[torch.T
     """Keys for a group's chunks: each chunk's ring (positions before the chunk) then its own kv
     ``[C, L, d]``, ``[C, W + L, d]``, with each key's absolute position ``[C, W + L]`` (negative
     = empty slot). Writes each chunk's last ``W`` rows into its ring, ready for the next chunk.
-    One-token chunks (decode) get ``[C, W, d]``: the ring read after the write (see below)."""
+    One-token chunks (decode) get ``[C, W, d]``: the ring read after the write (``reads_after_write``)."""
     w = ring.shape[1]
-    pos = g.positions
-    write = g.valid & (pos >= g.ends[:, None] - w)
-    if kv.shape[1] == 1 and kv.dtype == ring.dtype:
-        # The row a one-token chunk overwrites holds position p - W, outside its query's window,
-        # so it may write first and read its whole window from the ring. Read-after-write lets
-        # Inductor scatter into the ring in place; a read before the write made it copy the whole
-        # ring twice per layer (out-of-place index_put, then copy_ back): ~15 us a layer on an
-        # H200 at a 64-request P8 decode (tests/compile/test_window_in_place.py).
-        write_rows(ring, g.slots, torch.remainder(pos, w), kv, write)
+    if reads_after_write(ring, kv):
+        write_window(ring, kv, g)
         return ring[g.slots], ring_positions(g.starts, w)
     held = ring_positions(g.starts - 1, w)
     before = ring[g.slots]  # read before the write below
-    write_rows(ring, g.slots, torch.remainder(pos, w), kv, write)
-    return torch.cat([before.to(kv.dtype), kv], 1), torch.cat([held, pos], 1)
+    write_window(ring, kv, g)
+    return torch.cat([before.to(kv.dtype), kv], 1), torch.cat([held, g.positions], 1)
+
+
+def reads_after_write(ring: torch.Tensor, kv: torch.Tensor) -> bool:
+    """One-token chunks (decode) write their row first and read their whole window from the
+    ring: the row a one-token chunk overwrites holds position p - W, outside its query's window.
+    Read-after-write lets Inductor scatter into the ring in place; a read before the write made
+    it copy the whole ring twice per layer (out-of-place index_put, then copy_ back): ~15 us a
+    layer on an H200 at a 64-request P8 decode (tests/compile/test_window_in_place.py)."""
+    return kv.shape[1] == 1 and kv.dtype == ring.dtype
+
+
+def write_window(ring: torch.Tensor, kv: torch.Tensor, g: Group) -> None:
+    """Each chunk's last ``W`` rows of ``kv`` ``[C, L, d]`` into its ring slots."""
+    w = ring.shape[1]
+    pos = g.positions
+    write_rows(ring, g.slots, torch.remainder(pos, w), kv, g.valid & (pos >= g.ends[:, None] - w))
 
 
 def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:

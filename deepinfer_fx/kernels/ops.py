@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..graphs.attention import mqa_with_sink
+from ..graphs.attention import mqa_ring, mqa_with_sink
 from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import sinkhorn
 from ..graphs.moe import route_weights, routed_experts, shared_expert, swiglu_act
@@ -96,6 +96,31 @@ def sparse_mqa(
 def _sparse_mqa_fake(
     q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::ring_mqa", mutates_args=())
+def ring_mqa(
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    entries: Optional[torch.Tensor],
+    entry_rows: Optional[torch.Tensor],
+    entry_bias: Optional[torch.Tensor],
+    sink: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention over the window ring and the entry pool where they lie
+    (``graphs/attention.py::mqa_ring``)."""
+    return mqa_ring.reference(q, ring, slots, pos, entries, entry_rows, entry_bias, sink, cos, sin).contiguous()
+
+
+@ring_mqa.register_fake
+def _ring_mqa_fake(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, entries: Optional[torch.Tensor],
+                   entry_rows: Optional[torch.Tensor], entry_bias: Optional[torch.Tensor], sink: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -249,6 +274,6 @@ def _route_topk_fake(
 # The OpOverloads, for passes that insert calls and for tests that run opcheck on each.
 OPS: dict[str, torch._ops.OpOverload] = {
     name: getattr(torch.ops.deepinfer, name).default
-    for name in ("rms_norm", "swiglu_clamp", "mhc_sinkhorn", "sparse_mqa", "indexer_topk", "indexer_scores", "moe_experts",
+    for name in ("rms_norm", "swiglu_clamp", "mhc_sinkhorn", "sparse_mqa", "ring_mqa", "indexer_topk", "indexer_scores", "moe_experts",
                  "moe_experts_shared", "route_topk")
 }

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx
 
-from ..graphs.attention import mqa_with_sink
+from ..graphs.attention import mqa_ring, mqa_with_sink
 from ..graphs.compressor import pool_windows
 from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import hc_head, mhc_site, sinkhorn
@@ -157,6 +157,20 @@ class SparseMQASwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return torch.ops.deepinfer.sparse_mqa
+
+
+@register_pass
+class RingMQASwap(KernelSwap):
+    """``attention.mqa_ring`` => ``deepinfer.ring_mqa`` (decode attention reading the window ring
+    and the chosen compressed entries from their pools, with the window mask made in the kernel:
+    no gathered keys, no bias tensor for the window)."""
+
+    name: ClassVar[str] = "ring_mqa_kernel"
+    accelerators: ClassVar[frozenset[str]] = _SERVED
+    place, op = "attention.mqa_ring", "ring_mqa"
+
+    def replacement(self) -> Callable[..., Any]:
+        return torch.ops.deepinfer.ring_mqa
 
 
 @register_pass
@@ -381,10 +395,10 @@ class RouterSwap(KernelSwap):
 
 
 # the places exist where the functions are defined; importing them above registered them
-assert {routed_experts.place, experts_with_shared.place, sinkhorn.place, mqa_with_sink.place,  # type: ignore[attr-defined]
+assert {routed_experts.place, experts_with_shared.place, sinkhorn.place, mqa_with_sink.place, mqa_ring.place,  # type: ignore[attr-defined]
         pool_windows.place, score_topk.place, index_scores.place, project.place, cos_sin.place,  # type: ignore[attr-defined]
         apply_rope.place, mhc_site.place, route_weights.place, norm_rope.place, hc_head.place} == {  # type: ignore[attr-defined]
-    MoEExpertsSwap.place, MoESharedSwap.place, SinkhornSwap.place, SparseMQASwap.place, CompressorSwap.place,
+    MoEExpertsSwap.place, MoESharedSwap.place, SinkhornSwap.place, SparseMQASwap.place, RingMQASwap.place, CompressorSwap.place,
     IndexerTopkSwap.place, IndexerScoresSwap.place, SkinnyLinearSwap.place, RopeTableSwap.place, RopeSwap.place,
     MHCSiteSwap.place, RouterSwap.place, NormRopeSwap.place, MHCHeadSwap.place,
 }

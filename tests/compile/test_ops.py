@@ -10,7 +10,7 @@ from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.graphs import indexer as indexer_mod
 from deepinfer_fx.graphs import mhc, moe
 from deepinfer_fx.graphs.batch import Group
-from deepinfer_fx.graphs.attention import mqa_with_sink
+from deepinfer_fx.graphs.attention import mqa_ring, mqa_with_sink
 from deepinfer_fx.graphs.compressor import visible_entries
 from deepinfer_fx.graphs.norm import rms_norm
 from deepinfer_fx.kernels.ops import OPS
@@ -53,6 +53,16 @@ def _mqa_args(g: torch.Generator) -> tuple:
     return _randn(g, t, h, d), _randn(g, n, d), bias, _randn(g, h), angles.cos(), angles.sin()
 
 
+def _ring_args(g: torch.Generator) -> tuple:
+    """Two chunks of a 4-slot pool, an 8-row ring (one chunk before it fills), 10 entries a slot
+    read through 6 rows, a third of them hidden."""
+    c, h, d, w, e, k = 2, 4, 16, 8, 10, 6
+    bias = torch.zeros(c, 1, k).masked_fill(torch.rand(c, 1, k, generator=g) < 0.3, float("-inf"))
+    angles = torch.rand(c, 1, 2, generator=g) * 6.3
+    return (_randn(g, c, 1, h, d), _randn(g, 4, w, d), torch.tensor([2, 0]), torch.tensor([5, 30]), _randn(g, 4, e, d),
+            torch.randint(0, e, (c, k), generator=g), bias, _randn(g, h), angles.cos(), angles.sin())
+
+
 def _indexer_args(g: torch.Generator) -> tuple:
     t, hi, di, n = 6, 16, 8, 12
     visible = visible_entries(torch.arange(20, 20 + t), n, 2)
@@ -86,6 +96,7 @@ ARGS = {
     "swiglu_clamp": _swiglu_args,
     "mhc_sinkhorn": _sinkhorn_args,
     "sparse_mqa": _mqa_args,
+    "ring_mqa": _ring_args,
     "indexer_topk": _indexer_args,
     "indexer_scores": _indexer_scores_args,
     "moe_experts": _moe_args,
@@ -136,6 +147,15 @@ def test_mhc_sinkhorn_matches_graphs(seed: int) -> None:
 def test_sparse_mqa_matches_graphs(seed: int) -> None:
     args = _mqa_args(_gen(seed))
     torch.testing.assert_close(ops.sparse_mqa(*args), mqa_with_sink(*args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", [43, 44])
+def test_ring_mqa_matches_graphs(seed: int) -> None:
+    args = _ring_args(_gen(seed))
+    torch.testing.assert_close(ops.ring_mqa(*args), mqa_ring(*args), rtol=0, atol=0)
+    q, ring, slots, pos, *_, sink, cos, sin = args  # the window alone
+    window_only = (q, ring, slots, pos, None, None, None, sink, cos, sin)
+    torch.testing.assert_close(ops.ring_mqa(*window_only), mqa_ring(*window_only), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("seed", [51, 52])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import triton
@@ -42,18 +42,45 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _split_state(q, k_base, b_base, stride_kn, stride_bn, n_lo, n_hi, qk_scale,
-                 BH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr):
+def _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, offs_n, n_hi, W, window,
+              RING: tl.constexpr, ROWS: tl.constexpr):
+    """One tile's key row pointers, which rows exist, and their bias in base 2. Plain keys: row n
+    of ``k_base``, its bias at ``b_base``. RING (decode): rows below ``W`` are the window ring,
+    whose slot i holds the newest position <= ``pos`` that is i mod W (visible once written and
+    within ``window`` of the query); the rest are entries at ``e_base`` (their row numbers listed
+    at ``r_base`` with ROWS), with their bias at ``b_base``."""
+    in_n = offs_n < n_hi
+    if RING:
+        in_w = offs_n < W
+        j = tl.where(in_w, 0, offs_n - W)
+        in_e = in_n & (offs_n >= W)
+        if ROWS:
+            e_row = tl.load(r_base + j * stride_rn, mask=in_e, other=0)
+        else:
+            e_row = j
+        rows = tl.where(in_w, k_base + offs_n * stride_kn, e_base + e_row * stride_en)
+        held = pos - ((pos - offs_n) % W + W) % W  # a double mod: C and Python remainders agree
+        seen = in_w & (held >= 0) & (pos - held < window)
+        b = tl.where(seen, 0.0, tl.load(b_base + j * stride_bn, mask=in_e, other=float("-inf")).to(tl.float32))
+    else:
+        rows = k_base + offs_n * stride_kn
+        b = tl.load(b_base + offs_n * stride_bn, mask=in_n, other=float("-inf")).to(tl.float32)
+    return rows, in_n, b * 1.4426950408889634
+
+
+@triton.jit
+def _split_state(q, k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, W, window, n_lo, n_hi,
+                 qk_scale, BH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                 DOT_FP32: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr):
     """Online softmax of ``q`` ``[BH, BLOCK_D]`` over key rows ``[n_lo, n_hi)`` -> (max, sum, acc), base 2."""
     offs_d = tl.arange(0, BLOCK_D)
     m = tl.full([BH], float("-inf"), tl.float32)
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BLOCK_D], tl.float32)
     for start in range(n_lo, n_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        in_n = offs_n < n_hi
-        b = tl.load(b_base + offs_n * stride_bn, mask=in_n, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        m, l, acc = _tile(q, k_base, stride_kn, offs_n, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
+        rows, in_n, b = _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
+                                  start + tl.arange(0, BLOCK_N), n_hi, W, window, RING, ROWS)
+        m, l, acc = _tile(q, rows, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
     return m, l, acc
 
 
@@ -69,15 +96,15 @@ def _live_state(q, k_base, b_base, tiles, count, stride_kn, stride_bn, N, qk_sca
         offs_n = tl.load(tiles + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = offs_n < N
         b = tl.load(b_base + offs_n * stride_bn, mask=in_n, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        m, l, acc = _tile(q, k_base, stride_kn, offs_n, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
+        m, l, acc = _tile(q, k_base + offs_n * stride_kn, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
     return m, l, acc
 
 
 @triton.jit
-def _tile(q, k_base, stride_kn, offs_n, offs_d, in_n, b, m, l, acc, qk_scale, D: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One key tile into the online-softmax state (m, l, acc)."""
+def _tile(q, rows, offs_d, in_n, b, m, l, acc, qk_scale, D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One key tile (row pointers ``rows``) into the online-softmax state (m, l, acc)."""
     k_mask = in_n[:, None] & (offs_d[None, :] < D)
-    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=k_mask, other=0.0)
+    k = tl.load(rows[:, None] + offs_d[None, :], mask=k_mask, other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -153,19 +180,34 @@ def _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D: tl.constexpr, 
 
 
 @triton.jit
-def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, tiles_ptr, count_ptr, T, H, N, split,
-                    n_tiles, qk_scale,
-                    stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_or, stride_oh,
+def _bases(k_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, row, T, stride_kb, stride_es, stride_rr, RING: tl.constexpr):
+    """Where query ``row``'s keys start: its chunk's keys (plain), or (RING) its chunk's slot in
+    the ring and entry pools, its entry row list and its position."""
+    chunk = row // T
+    if RING:
+        slot = tl.load(slots_ptr + chunk).to(tl.int64)
+        bases = (k_ptr + slot * stride_kb, e_ptr + slot * stride_es, r_ptr + chunk * stride_rr,
+                 tl.load(pos_ptr + row).to(tl.int64))
+    else:
+        bases = (k_ptr + chunk * stride_kb, e_ptr, r_ptr, row)
+    return bases
+
+
+@triton.jit
+def _mqa_sequential(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, tiles_ptr,
+                    count_ptr, T, H, N, W, window, split, n_tiles, qk_scale,
+                    stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_es, stride_en, stride_rr,
+                    stride_rn, stride_or, stride_oh,
                     BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, DOT_FP32: tl.constexpr, SKIP: tl.constexpr,
-                    PDL: tl.constexpr):
+                    RING: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     wait_previous(PDL)
     # Head blocks of one query are neighbours in launch order, so the keys they share stay in L2.
     pid = tl.program_id(0)
     row = (pid // HB).to(tl.int64)  # flattened (leading index, query t); int64: long offsets
     offs_h = (pid % HB) * BH + tl.arange(0, BH)
     q = _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D, D, DOT_FP32)
-    k_base = k_ptr + (row // T) * stride_kb
+    k_base, e_base, r_base, pos = _bases(k_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, row, T, stride_kb, stride_es, stride_rr, RING)
     b_base = b_ptr + row * stride_br
     if SKIP:  # one split; only the row's live tiles
         m, l, acc = _live_state(q, k_base, b_base, tiles_ptr + row * n_tiles, tl.load(count_ptr + row), stride_kn, stride_bn,
@@ -175,18 +217,20 @@ def _mqa_sequential(q_ptr, k_ptr, b_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, ti
         l = tl.zeros([BH], tl.float32)
         acc = tl.zeros([BH, BLOCK_D], tl.float32)
         for n_lo in range(0, N, split):
-            m_s, l_s, acc_s = _split_state(q, k_base, b_base, stride_kn, stride_bn, n_lo, tl.minimum(n_lo + split, N),
-                                           qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32)
+            m_s, l_s, acc_s = _split_state(q, k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
+                                           W, window, n_lo, tl.minimum(n_lo + split, N), qk_scale, BH, BLOCK_N, BLOCK_D, D,
+                                           DOT_FP32, RING, ROWS)
             m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
     _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, cos_ptr + row * HALF, sin_ptr + row * HALF, stride_oh,
             offs_h, H, BH, BLOCK_D, D, HALF, BLOCK_HALF)
 
 
 @triton.jit
-def _mqa_split(q_ptr, k_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, T, H, N, split, n_splits, qk_scale,
-               stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn,
+def _mqa_split(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, H, N, W, window, split,
+               n_splits, qk_scale, stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_es, stride_en,
+               stride_rr, stride_rn,
                BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-               DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+               DOT_FP32: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """One split's state into the fp32 partials ``m``/``l`` ``[R, S, H]`` and ``acc`` ``[R, S, H, BLOCK_D]``."""
     wait_previous(PDL)
     pid = tl.program_id(0)
@@ -195,8 +239,10 @@ def _mqa_split(q_ptr, k_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, T, H, N, split, n_spl
     offs_h = (pid % HB) * BH + tl.arange(0, BH)
     q = _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D, D, DOT_FP32)
     n_lo = s_idx * split
-    m, l, acc = _split_state(q, k_ptr + (row // T) * stride_kb, b_ptr + row * stride_br, stride_kn, stride_bn,
-                             n_lo, tl.minimum(n_lo + split, N), qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32)
+    k_base, e_base, r_base, pos = _bases(k_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, row, T, stride_kb, stride_es, stride_rr, RING)
+    m, l, acc = _split_state(q, k_base, b_ptr + row * stride_br, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
+                             W, window, n_lo, tl.minimum(n_lo + split, N), qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32,
+                             RING, ROWS)
     base = (row * n_splits + s_idx) * H + offs_h
     tl.store(m_ptr + base, m, mask=offs_h < H)
     tl.store(l_ptr + base, l, mask=offs_h < H)
@@ -255,6 +301,31 @@ def default_split(n: int, block_n: int = _BLOCK_N) -> int:
     return max(_MIN_SPLIT, triton.cdiv(per_split, block_n) * block_n)
 
 
+class KeySource(NamedTuple):
+    """Where the kernels find the keys: plain (``k`` ``[C, N, d]``, the bias covering all N) or
+    RING (``k`` the window ring pool ``[S, W, d]`` read at ``slots``, then the entry pool ``e``
+    ``[S, E, d]`` at the same slots, through the row lists ``r`` ``[C, K]`` with ``rows``; the
+    bias covers the entries only). Unused pointers repeat ``k``."""
+
+    k: torch.Tensor
+    e: torch.Tensor
+    r: torch.Tensor
+    slots: torch.Tensor
+    pos: torch.Tensor
+    strides: tuple[int, int, int, int, int, int]  # k: chunk/slot, row; e: slot, row; r: chunk, row
+    w: int = 0
+    window: int = 0
+    ring: bool = False
+    rows: bool = False
+
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.e, self.r, self.slots, self.pos
+
+
+def _plain(keys: torch.Tensor) -> KeySource:
+    return KeySource(keys, keys, keys, keys, keys, (keys.stride(0), keys.stride(1), 0, 0, 0, 0))
+
+
 def sparse_mqa_triton(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -263,23 +334,11 @@ def sparse_mqa_triton(
     cos: torch.Tensor,
     sin: torch.Tensor,
     out: Optional[torch.Tensor] = None,
-    *,
-    block_n: Optional[int] = None,
-    split: Optional[int] = None,
-    parallel: Optional[bool] = None,
-    skip: Optional[bool] = None,
-    heads: Optional[int] = None,
-    num_warps: Optional[int] = None,
-    combine_heads: Optional[int] = None,
+    **tiling: Any,
 ) -> torch.Tensor:
     """``graphs/attention.py::mqa_with_sink`` for q ``[..., T, H, d]``, keys ``[..., N, d]``,
     bias ``[..., T, N]``, sink ``[H]`` and the queries' rope tables cos / sin ``[..., T, rd/2]``,
-    written into ``out`` (q's shape and dtype) if given.
-
-    ``block_n``, ``split`` (keys per split), ``parallel`` (split programs + combine), ``skip``
-    (pass over all -inf tiles), ``heads`` (per program), ``num_warps`` and ``combine_heads``
-    (heads per combine program; per-head arithmetic, so it never moves a bit) default to the
-    shape rule; tests and the kernel bench set them to reach every path or compare tilings."""
+    written into ``out`` (q's shape and dtype) if given. ``tiling``: see ``launch_mqa``."""
     *lead, t, h, d = q.shape
     n = keys.shape[-2]
     half = cos.shape[-1]
@@ -290,56 +349,87 @@ def sparse_mqa_triton(
         raise ValueError(f"sparse_mqa: mismatched shapes {shapes}")
     out = out_buffer(out, q.shape, q.dtype, q.device, "sparse_mqa")
     rows = q.numel() // (h * d)
-    if rows == 0:
-        return out
-    q2 = _last_dim_contiguous(q.reshape(rows, h, d))
-    k2 = _last_dim_contiguous(keys.reshape(-1, n, d))
-    b2 = bias.reshape(rows, n)
-    o2 = out.view(rows, h, d)
-    cos2, sin2 = cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).contiguous()
+    if rows:
+        src = _plain(_last_dim_contiguous(keys.reshape(-1, n, d)))
+        launch_mqa(q.reshape(rows, h, d), t, n, src, bias.reshape(rows, n), sink, cos.reshape(rows, half),
+                sin.reshape(rows, half), out.view(rows, h, d), **tiling)
+    return out
 
+
+def launch_mqa(
+    q2: torch.Tensor,
+    t: int,
+    n: int,
+    src: KeySource,
+    b2: torch.Tensor,
+    sink: torch.Tensor,
+    cos2: torch.Tensor,
+    sin2: torch.Tensor,
+    o2: torch.Tensor,
+    *,
+    block_n: Optional[int] = None,
+    split: Optional[int] = None,
+    parallel: Optional[bool] = None,
+    skip: Optional[bool] = None,
+    heads: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    combine_heads: Optional[int] = None,
+) -> None:
+    """Queries ``q2`` ``[R, H, d]`` (``t`` per chunk) over ``n`` keys a query, into ``o2``.
+    ``block_n``, ``split`` (keys per split), ``parallel`` (split programs + combine), ``skip``
+    (pass over all -inf tiles; plain keys only), ``heads`` (per program), ``num_warps`` and
+    ``combine_heads`` (heads per combine program; per-head arithmetic, so it never moves a bit)
+    default to the shape rule; tests and the kernel bench set them to reach every path or
+    compare tilings."""
+    rows, h, d = q2.shape
+    half = cos2.shape[-1]
+    q2 = _last_dim_contiguous(q2)
+    cos2, sin2 = cos2.contiguous(), sin2.contiguous()
+    key_size = src.k.element_size()
     if block_n is None:  # double-buffered fp32 tiles of 64 x 512 would overflow shared memory
-        block_n = _BLOCK_N if max(q.element_size(), keys.element_size()) <= 2 else _BLOCK_N // 2
+        block_n = _BLOCK_N if max(q2.element_size(), key_size) <= 2 else _BLOCK_N // 2
     prefill = t > 1
-    skip = prefill if skip is None else skip
+    skip = prefill and not src.ring if skip is None else skip
     if skip:  # one split over the live tiles only; the partials of a parallel run would need the tile lists per split
         split, parallel = n, False
     split = default_split(n, block_n) if split is None else split
     n_splits = max(1, triton.cdiv(n, split))
-    wide = prefill and max(q.element_size(), keys.element_size()) <= 2  # fp32 tiles of 64 heads would spill
+    wide = prefill and max(q2.element_size(), key_size) <= 2  # fp32 tiles of 64 heads would spill
     if heads is None:
         heads = min(_PREFILL_BH, max(_BH, triton.next_power_of_2(h))) if wide else _BH
     if num_warps is None:
         num_warps = _PREFILL_WARPS if wide else _NUM_WARPS
     head_blocks = triton.cdiv(h, heads)
     if parallel is None:
-        parallel = n_splits > 1 and rows * head_blocks <= _PARALLEL_WAVES * _sm_count(q.device)
+        parallel = n_splits > 1 and rows * head_blocks <= _PARALLEL_WAVES * _sm_count(q2.device)
     block_d = triton.next_power_of_2(d)
-    meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=num_warps, **pdl_args(q.device))
+    meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=num_warps, **pdl_args(q2.device))
     rope = dict(HALF=half, BLOCK_HALF=triton.next_power_of_2(half))  # for the kernels that store the output
-    dot_fp32 = _INTERPRET or q.dtype != keys.dtype or q.dtype == torch.float32
+    keys = dict(RING=src.ring, ROWS=src.rows)
+    dot_fp32 = _INTERPRET or q2.dtype != src.k.dtype or q2.dtype == torch.float32
     qk_scale = d**-0.5 * _LOG2E
-    strides = (q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), b2.stride(0), b2.stride(1))
+    kb, kn, es, en, rr, rn = src.strides
+    strides = (q2.stride(0), q2.stride(1), kb, kn, b2.stride(0), b2.stride(1), es, en, rr, rn)
     if not parallel:
         tiles, count, n_tiles = _live_tiles(b2, block_n) if skip else (b2, b2, 0)  # unread without SKIP
         _mqa_sequential[(rows * head_blocks,)](
-            q2, k2, b2, sink, cos2, sin2, o2, tiles, count, t, h, n, split, n_tiles, qk_scale, *strides, o2.stride(0), o2.stride(1),
-            BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=_NUM_STAGES, **meta, **rope
+            q2, src.k, b2, *src.pointers()[1:], sink, cos2, sin2, o2, tiles, count, t, h, n, src.w, src.window, split,
+            n_tiles, qk_scale, *strides, o2.stride(0), o2.stride(1),
+            BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=_NUM_STAGES, **meta, **rope, **keys
         )
-        return out
-    m = torch.empty((rows, n_splits, h), dtype=torch.float32, device=q.device)
+        return
+    m = torch.empty((rows, n_splits, h), dtype=torch.float32, device=q2.device)
     l = torch.empty_like(m)
-    acc = torch.empty((rows, n_splits, h, block_d), dtype=torch.float32, device=q.device)
+    acc = torch.empty((rows, n_splits, h, block_d), dtype=torch.float32, device=q2.device)
     _mqa_split[(rows * n_splits * head_blocks,)](
-        q2, k2, b2, m, l, acc, t, h, n, split, n_splits, qk_scale, *strides,
-        BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta,
+        q2, src.k, b2, *src.pointers()[1:], m, l, acc, t, h, n, src.w, src.window, split, n_splits, qk_scale, *strides,
+        BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta, **keys,
     )
     combine_heads = _COMBINE_BH if combine_heads is None else combine_heads
     combine_blocks = triton.cdiv(h, combine_heads)
     meta.update(BH=combine_heads, HB=combine_blocks)
     _mqa_combine[(rows * combine_blocks,)](m, l, acc, sink, cos2, sin2, o2, h, n_splits, o2.stride(0), o2.stride(1),
                                            **meta, **rope)
-    return out
 
 
 @triton.jit
