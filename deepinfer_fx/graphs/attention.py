@@ -27,6 +27,14 @@ from .rope import apply_rope, cos_sin, inv_freq, norm_rope
 from .window import reads_after_write, ring_positions, window_bias, window_keys, write_window
 
 
+# Decode groups of at least this many chunks read their keys in place (``mqa_ring``); smaller
+# ones gather them. Both run one arithmetic (bit for bit, tests/kernels/test_triton_ring_attention.py),
+# so the rule cannot move a request's result. On the H200 (P8, 512-token context) in place was
+# 0.089 ms a step faster at 64 requests (no 64 MiB of copied keys) and 0.036 ms slower at one,
+# where its kernels' dependent loads (slot, then row, then key) cost more than the copies
+# (bench/results/ring_mqa_ab_s14.json); 8-32 requests are not measured yet.
+RING_MIN_CHUNKS = 64
+
 # fp32 logits the reference materialises at once (1 GiB): an eager 16k-token chunk would
 # otherwise need [T, H, N] = 34 GiB (found on a cp2 mesh, which steps eagerly).
 _LOGITS_BUDGET = 1 << 28
@@ -136,7 +144,7 @@ def attention(
     for gi, (g, qs) in enumerate(zip(keys_batch.groups, batch.queries)):
         xg, kv_g = gather_rows(xk, g), gather_rows(kv, g)
         xq, q_rq, q_pos = gather_rows(x, qs), gather_rows(q_r, qs), qs.positions
-        if reads_after_write(st["window"], kv_g) and q_pos.shape[-1] == 1:
+        if reads_after_write(st["window"], kv_g) and q_pos.shape[-1] == 1 and g.slots.shape[0] >= RING_MIN_CHUNKS:
             outs.append((qs, _decode(p, states, c, st, kv_g, xg, g, xq, q_rq, q_pos, gather_rows(q, qs), gather_rows(cos, qs),
                                      gather_rows(sin, qs), layer, ratio, freq, ctx.setdefault(gi, {}))))
             continue
@@ -159,8 +167,8 @@ def attention(
 
 def _decode(p, states, c: ModelConfig, st, kv_g, xg, g: Group, xq, q_rq, q_pos, q, cos, sin, layer: int, ratio: int, freq,
             group_ctx: dict) -> torch.Tensor:
-    """One-token chunks: the window and the compressed entries are read from their pools by
-    ``mqa_ring`` (no gathered copy of the keys, no window bias tensor)."""
+    """One-token chunks of a large group: the window and the compressed entries are read from
+    their pools by ``mqa_ring`` (no gathered copy of the keys, no window bias tensor)."""
     write_window(st["window"], kv_g, g)
     entries = rows = bias = None
     if ratio:
@@ -171,7 +179,8 @@ def _decode(p, states, c: ModelConfig, st, kv_g, xg, g: Group, xq, q_rq, q_pos, 
         if (c.is_v41 or ratio == c.csa_ratio) and entries.shape[1] > c.index_topk:
             rows, chosen = selected_rows(chosen, c.index_topk)
         bias = torch.zeros(chosen.shape, device=q.device).masked_fill(~chosen, float("-inf"))
-    return mqa_ring(q, st["window"], g.slots, q_pos[:, 0], entries, rows, bias, p["attn_sink"], cos, sin)
+    # a one-token chunk's position is its start, a step input (q_pos[:, 0] was a copy a layer)
+    return mqa_ring(q, st["window"], g.slots, g.starts, entries, rows, bias, p["attn_sink"], cos, sin)
 
 
 def _per_forward(ctx: dict, key: tuple, owner: object, build: Callable[[], Any]) -> Any:
