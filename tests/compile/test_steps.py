@@ -179,11 +179,14 @@ def test_decode_step_is_one_graph_without_host_syncs() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("ring", [False, True], ids=["gathered", "ring"])
 @pytest.mark.parametrize("which", ["v4", "v41"])
-def test_captured_prefill_and_decode_replay_equal_eager_on_cuda(which: str, tmp_path) -> None:
+def test_captured_prefill_and_decode_replay_equal_eager_on_cuda(which: str, ring: bool, tmp_path, monkeypatch) -> None:
     """Both kinds of step are captured after their compiling run and replayed from then on;
-    a replay (new slots, positions and tokens in the static buffers) equals the eager twin."""
+    a replay (new slots, positions and tokens in the static buffers) equals the eager twin.
+    ``ring``: the decode bucket of 4 reads its keys in place (the Triton ``ring_mqa``)."""
     seed = random.SystemRandom().randrange(2**31)
+    monkeypatch.setattr(attention, "RING_MIN_CHUNKS", 1 if ring else 10**9)
     steps, pos, _ = _run(tiny_v4() if which == "v4" else tiny_v41(), seed, tmp_path, inductor=True, device="cuda", graphs=True)
     report = {r["graph"]: r for r in steps.report()}
     assert set(report) == {"prefill-t64-r4", "decode-t4-r4"}, f"seed={seed}"
