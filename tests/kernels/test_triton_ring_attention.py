@@ -11,27 +11,15 @@ sizes runs too.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from test_triton_attention import PATHS, _fresh_seed, needs_cuda
 
 from deepinfer_fx.graphs.attention import mqa_ring
 from deepinfer_fx.graphs.window import ring_positions, window_bias
 from deepinfer_fx.kernels.triton.attention import sparse_mqa_triton
 from deepinfer_fx.kernels.triton.ring_attention import ring_mqa_triton
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 at model sizes needs a GPU")
-
-PATHS = {
-    "default": {},
-    "sequential": dict(block_n=16, split=32, parallel=False),
-    "parallel": dict(block_n=16, split=32, parallel=True),
-}
-
-
-def _fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def _case(seed: int, c: int, h: int, d: int, w: int, e: int, k: int | None, dtype: torch.dtype, device: str):
