@@ -1,6 +1,6 @@
 """Sparse MQA at P8 widths: the Triton kernel's tilings against each other and the reference.
 
-    python -m deepinfer_fx.bench.attention_kernel --prefill 4096,16384 --decode 1,64,256 [--decode-sweep]
+    python -m deepinfer_fx.bench.attention_kernel --prefill 4096,16384 --decode 1,64,256 [--decode-sweep] [--decode-ring]
 
 64 heads x 512, one shared K = V head, bf16. The masks are the model's: a prefill chunk of T
 queries from position 0 sees its 128-key window and, in a CSA layer, top-512 of its T/4
@@ -18,7 +18,9 @@ import argparse
 import torch
 
 from ..graphs.attention import mqa_with_sink
+from ..graphs.window import ring_positions, window_bias
 from ..kernels.triton.attention import sparse_mqa_triton
+from ..kernels.triton.ring_attention import ring_mqa_triton
 from .p8 import run_info, write_result
 from .timing import graph_ms
 
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode", default="1,64", help="decode batch sizes, comma-separated")
     ap.add_argument("--decode-keys", default="256", help="keys per decode query, comma-separated")
     ap.add_argument("--decode-sweep", action="store_true", help="also time the decode tilings")
+    ap.add_argument("--decode-ring", action="store_true",
+                    help="also time ring_mqa (keys read in place) against gathered keys, per kind of layer")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -119,8 +123,54 @@ def main(argv: list[str] | None = None) -> dict:
                 result["decode"].append(row)
                 print(row, flush=True)
             del q, keys, bias
+    if args.decode_ring:
+        result["decode_ring"] = [_ring_case(b, layer, args.iters * 20) for b in [int(x) for x in args.decode.split(",") if x]
+                                 for layer in _RING_LAYERS]
     write_result("attention_kernel", result, args.out)
     return result
+
+
+# decode layers for ``--decode-ring``: (name, entries a slot, rows read of them or None: all)
+_RING_LAYERS = [("SWA", 0, None), ("HCA", 32, None), ("CSA", 1040, TOPK)]
+
+
+def _ring_case(b: int, layer: str, iters: int) -> dict:
+    """One decode layer at batch ``b``: ``ring_mqa`` reading the ring and entry pools in place
+    against ``sparse_mqa`` over keys gathered beforehand (the kernel alone) and with the gather
+    in the timed graph (what the model's gathered path runs)."""
+    _, e, k = next(x for x in _RING_LAYERS if x[0] == layer)
+    g = torch.Generator(device="cuda").manual_seed(b)
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b, 1, H, D, generator=g, **dev)
+    ring = torch.randn(b + 1, WINDOW, D, generator=g, **dev)
+    pool = torch.randn(b + 1, e, D, generator=g, **dev) if e else None
+    slots = torch.randperm(b + 1, device="cuda")[:b]
+    pos = torch.randint(4 * WINDOW, 8 * WINDOW, (b,), device="cuda")
+    rows = torch.sort(torch.randperm(e, device="cuda")[:k].expand(b, k)).values if k else None
+    n_e = 0 if not e else (k or e)
+    bias = torch.zeros(b, 1, n_e, device="cuda") if e else None
+    sink = torch.randn(H, device="cuda")
+    angles = torch.rand(b, 1, ROPE_HALF, device="cuda") * 6.3
+    cos, sin = angles.cos(), angles.sin()
+
+    def gathered() -> tuple[torch.Tensor, torch.Tensor]:
+        keys, full = ring[slots], window_bias(pos[:, None], ring_positions(pos, WINDOW), WINDOW)
+        if e:
+            chosen = pool[slots] if rows is None else pool[slots].gather(1, rows[..., None].expand(-1, -1, D))
+            keys, full = torch.cat([keys, chosen], 1), torch.cat([full, bias], -1)
+        return keys, full
+
+    out = torch.empty_like(q)
+    keys, full = gathered()
+    ring_ms = graph_ms(lambda: ring_mqa_triton(q, ring, slots, pos, pool, rows, bias, sink, cos, sin, out=out), iters)
+    kernel_ms = graph_ms(lambda: sparse_mqa_triton(q, keys, full, sink, cos, sin, out=out), iters)
+    with_gather_ms = graph_ms(lambda: sparse_mqa_triton(q, *gathered(), sink, cos, sin, out=out), iters)
+    same = torch.equal(ring_mqa_triton(q, ring, slots, pos, pool, rows, bias, sink, cos, sin),
+                       sparse_mqa_triton(q, keys, full, sink, cos, sin))
+    row = {"batch": b, "layer": layer, "keys": WINDOW + n_e, "ring_ms": round(ring_ms, 4), "gathered_kernel_ms": round(kernel_ms, 4),
+           "gather_and_kernel_ms": round(with_gather_ms, 4), "bitwise_equal": same}
+    print(row, flush=True)
+    return row
 
 
 if __name__ == "__main__":
