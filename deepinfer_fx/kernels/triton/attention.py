@@ -17,6 +17,10 @@ kernel merges (*parallel*, to fill the GPU at small batch and long N). Both mode
 arithmetic in the same order, so a query's output is bitwise the same alone, in any batch and in
 either mode; the mode is a static rule on shapes, never a host sync, so it replays in CUDA graphs.
 
+The keys are plain (``[C, N, d]`` with a bias over all N) or, for ``ring_mqa``
+(``ring_attention.py``), read in place from a window ring pool and an entry pool (``KeySource``);
+``launch_mqa`` runs either through the same kernels and the same shape rule.
+
 The program that stores a query's heads also turns their rotary tails back by the query's angle
 (the model's inverse rope on the attention output): a separate rotation was one more launch a
 layer, ~9 us each at a batch-1 P8 decode step on an H200 (``bench/results/p8_vs_hf_s11.json``).
