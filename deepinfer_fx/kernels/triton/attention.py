@@ -63,8 +63,9 @@ def _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_
         else:
             e_row = j
         rows = tl.where(in_w, k_base + offs_n * stride_kn, e_base + e_row * stride_en)
-        # slot n holds pos - ((pos - n) mod W); with r = pos mod W (one scalar division: an
-        # element-wise int64 remainder cost ~5 us a call on an H200) that distance is r - n, or
+        # slot n holds pos - ((pos - n) mod W); with r = pos mod W (one scalar division a tile:
+        # element-wise int64 remainders, which a GPU emulates, made a split launch 2.4x slower on
+        # an H200, bench/results/ring_mqa_int64_rem_ab_s14.json) that distance is r - n, or
         # r - n + W below 0
         back = (pos % W).to(tl.int32) - offs_n
         back = tl.where(back < 0, back + W, back)
@@ -326,8 +327,9 @@ class KeySource(NamedTuple):
     ring: bool = False
     rows: bool = False
 
-    def pointers(self) -> tuple[torch.Tensor, ...]:
-        return self.k, self.e, self.r, self.slots, self.pos
+    def after_k(self) -> tuple[torch.Tensor, ...]:
+        """The kernels' pointer arguments after the bias: e, r, slots, pos."""
+        return self.e, self.r, self.slots, self.pos
 
 
 def _plain(keys: torch.Tensor) -> KeySource:
@@ -421,7 +423,7 @@ def launch_mqa(
     if not parallel:
         tiles, count, n_tiles = _live_tiles(b2, block_n) if skip else (b2, b2, 0)  # unread without SKIP
         _mqa_sequential[(rows * head_blocks,)](
-            q2, src.k, b2, *src.pointers()[1:], sink, cos2, sin2, o2, tiles, count, t, h, n, src.w, src.window, split,
+            q2, src.k, b2, *src.after_k(), sink, cos2, sin2, o2, tiles, count, t, h, n, src.w, src.window, split,
             n_tiles, qk_scale, *strides, o2.stride(0), o2.stride(1),
             BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=_NUM_STAGES, **meta, **rope, **keys
         )
@@ -430,7 +432,7 @@ def launch_mqa(
     l = torch.empty_like(m)
     acc = torch.empty((rows, n_splits, h, block_d), dtype=torch.float32, device=q2.device)
     _mqa_split[(rows * n_splits * head_blocks,)](
-        q2, src.k, b2, *src.pointers()[1:], m, l, acc, t, h, n, src.w, src.window, split, n_splits, qk_scale, *strides,
+        q2, src.k, b2, *src.after_k(), m, l, acc, t, h, n, src.w, src.window, split, n_splits, qk_scale, *strides,
         BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta, **keys,
     )
     combine_heads = _COMBINE_BH if combine_heads is None else combine_heads
