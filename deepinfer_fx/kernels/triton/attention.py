@@ -384,12 +384,13 @@ def launch_mqa(
     heads: Optional[int] = None,
     num_warps: Optional[int] = None,
     combine_heads: Optional[int] = None,
+    num_stages: int = _NUM_STAGES,
 ) -> None:
     """Queries ``q2`` ``[R, H, d]`` (``t`` per chunk) over ``n`` keys a query, into ``o2``.
     ``block_n``, ``split`` (keys per split), ``parallel`` (split programs + combine), ``skip``
     (pass over all -inf tiles; plain keys only), ``heads`` (per program), ``num_warps`` and
     ``combine_heads`` (heads per combine program; per-head arithmetic, so it never moves a bit)
-    default to the shape rule; tests and the kernel bench set them to reach every path or
+    default to the shape rule, ``num_stages`` (software pipelining depth) to 2; tests and the kernel bench set them to reach every path or
     compare tilings."""
     rows, h, d = q2.shape
     half = cos2.shape[-1]
@@ -425,7 +426,7 @@ def launch_mqa(
         _mqa_sequential[(rows * head_blocks,)](
             q2, src.k, b2, *src.after_k(), sink, cos2, sin2, o2, tiles, count, t, h, n, src.w, src.window, split,
             n_tiles, qk_scale, *strides, o2.stride(0), o2.stride(1),
-            BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=_NUM_STAGES, **meta, **rope, **keys
+            BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=num_stages, **meta, **rope, **keys
         )
         return
     m = torch.empty((rows, n_splits, h), dtype=torch.float32, device=q2.device)
@@ -433,7 +434,7 @@ def launch_mqa(
     acc = torch.empty((rows, n_splits, h, block_d), dtype=torch.float32, device=q2.device)
     _mqa_split[(rows * n_splits * head_blocks,)](
         q2, src.k, b2, *src.after_k(), m, l, acc, t, h, n, src.w, src.window, split, n_splits, qk_scale, *strides,
-        BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=_NUM_STAGES, **meta, **keys,
+        BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=num_stages, **meta, **keys,
     )
     combine_heads = _COMBINE_BH if combine_heads is None else combine_heads
     combine_blocks = triton.cdiv(h, combine_heads)
