@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
             del q, keys, bias
     if args.decode_ring:
         result["decode_ring"] = [_ring_case(b, layer, args.iters * 20) for b in [int(x) for x in args.decode.split(",") if x]
-                                 for layer in _RING_LAYERS]
+                                 for layer, _, _ in _RING_LAYERS]
     write_result("attention_kernel", result, args.out)
     return result
 

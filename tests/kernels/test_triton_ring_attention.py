@@ -62,17 +62,24 @@ def test_matches_reference(device: str, path: str, c: int, h: int, d: int, w: in
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
 
 
-@pytest.mark.parametrize("path", ["sequential", "parallel"])
-def test_bitwise_equals_gathered(device: str, path: str) -> None:
+# (ring rows, tiling): tiles wholly in the ring or among the entries (two loops), one split
+# holding both kinds; and tiles that straddle the ring's end (each row picks its source)
+BITWISE = {"whole": (32, dict(block_n=16, split=32)), "whole-split-across": (32, dict(block_n=16, split=48)),
+           "straddling": (24, dict(block_n=16, split=32))}
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
+@pytest.mark.parametrize("layout", list(BITWISE))
+def test_bitwise_equals_gathered(device: str, layout: str, parallel: bool) -> None:
     """The same keys gathered for ``sparse_mqa`` give the same bits: one arithmetic, two ways in."""
     seed = _fresh_seed()
-    q, ring, slots, pos, entries, rows, bias, sink, cos, sin = _case(seed, 4, 8, 64, 32, 50, 20, torch.float32, device)
-    w = ring.shape[1]
+    w, tiling = BITWISE[layout]
+    q, ring, slots, pos, entries, rows, bias, sink, cos, sin = _case(seed, 4, 8, 64, w, 50, 20, torch.float32, device)
     chosen = entries[slots].gather(1, rows[..., None].expand(-1, -1, entries.shape[-1]))
     keys = torch.cat([ring[slots], chosen], 1)
     full_bias = torch.cat([window_bias(pos[:, None], ring_positions(pos, w), w), bias], -1)
-    a = ring_mqa_triton(q, ring, slots, pos, entries, rows, bias, sink, cos, sin, **PATHS[path])
-    b = sparse_mqa_triton(q, keys, full_bias, sink, cos, sin, **PATHS[path])
+    a = ring_mqa_triton(q, ring, slots, pos, entries, rows, bias, sink, cos, sin, parallel=parallel, **tiling)
+    b = sparse_mqa_triton(q, keys, full_bias, sink, cos, sin, parallel=parallel, **tiling)
     assert torch.equal(a, b), f"seed {seed}"
 
 

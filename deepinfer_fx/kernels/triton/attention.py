@@ -164,7 +164,7 @@ def launch_mqa(
     block_d = triton.next_power_of_2(d)
     meta = dict(BH=heads, HB=head_blocks, BLOCK_D=block_d, D=d, num_warps=num_warps, **pdl_args(q2.device))
     rope = dict(HALF=half, BLOCK_HALF=triton.next_power_of_2(half))  # for the kernels that store the output
-    keys = dict(RING=src.ring, ROWS=src.rows)
+    keys = dict(RING=src.ring, ROWS=src.rows, WHOLE=src.w % block_n == 0)
     dot_fp32 = _INTERPRET or q2.dtype != src.k.dtype or q2.dtype == torch.float32
     qk_scale = d**-0.5 * _LOG2E
     kb, kn, es, en, rr, rn = src.strides

@@ -36,51 +36,97 @@ import triton.language as tl
 from .pdl import wait_previous
 
 
+# Where a tile's keys lie (``_key_rows``): plain rows, the window ring, the entries, or a mix.
+_PLAIN = tl.constexpr(0)
+_WINDOW = tl.constexpr(1)
+_ENTRIES = tl.constexpr(2)
+_MIXED = tl.constexpr(3)
+
+
 @triton.jit
-def _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, offs_n, n_hi, W, window,
-              RING: tl.constexpr, ROWS: tl.constexpr):
-    """One tile's key row pointers, which rows exist, and their bias in base 2. Plain keys: row n
-    of ``k_base``, its bias at ``b_base``. RING (decode): rows below ``W`` are the window ring,
-    whose slot i holds the newest position <= ``pos`` that is i mod W (visible once written and
-    within ``window`` of the query); the rest are entries at ``e_base`` (their row numbers listed
-    at ``r_base`` with ROWS), with their bias at ``b_base``."""
-    in_n = offs_n < n_hi
-    if RING:
-        in_w = offs_n < W
-        j = tl.where(in_w, 0, offs_n - W)
-        in_e = in_n & (offs_n >= W)
-        if ROWS:
-            e_row = tl.load(r_base + j * stride_rn, mask=in_e, other=0)
-        else:
-            e_row = j
-        rows = tl.where(in_w, k_base + offs_n * stride_kn, e_base + e_row * stride_en)
-        # slot n holds pos - ((pos - n) mod W); with r = pos mod W (one scalar division a tile:
-        # element-wise int64 remainders, which a GPU emulates, made a split launch 2.4x slower on
-        # an H200, bench/results/ring_mqa_int64_rem_ab_s14.json) that distance is r - n, or
-        # r - n + W below 0
-        back = (pos % W).to(tl.int32) - offs_n
-        back = tl.where(back < 0, back + W, back)
-        seen = in_w & (pos - back >= 0) & (back < window)
-        b = tl.where(seen, 0.0, tl.load(b_base + j * stride_bn, mask=in_e, other=float("-inf")).to(tl.float32))
+def _window_rows(k_base, pos, stride_kn, offs_n, W, window):
+    """Ring rows ``offs_n``: pointers and bias (0 / -inf). Slot i holds the newest position <=
+    ``pos`` that is i mod W, visible once written and within ``window`` of the query."""
+    # slot n holds pos - ((pos - n) mod W); with r = pos mod W (one scalar division a tile:
+    # element-wise int64 remainders, which a GPU emulates, made a split launch 2.4x slower on
+    # an H200, bench/results/ring_mqa_int64_rem_ab_s14.json) that distance is r - n, or
+    # r - n + W below 0
+    back = (pos % W).to(tl.int32) - offs_n
+    back = tl.where(back < 0, back + W, back)
+    seen = (offs_n < W) & (pos - back >= 0) & (back < window)
+    return k_base + offs_n * stride_kn, tl.where(seen, 0.0, float("-inf"))
+
+
+@triton.jit
+def _entry_rows(e_base, r_base, b_base, stride_en, stride_rn, stride_bn, offs_n, in_n, W, ROWS: tl.constexpr):
+    """Entry rows ``offs_n - W`` (through the row list at ``r_base`` with ROWS): pointers and bias."""
+    in_e = in_n & (offs_n >= W)
+    j = tl.maximum(offs_n - W, 0)
+    if ROWS:
+        e_row = tl.load(r_base + j * stride_rn, mask=in_e, other=0).to(tl.int32)
     else:
+        e_row = j
+    return e_base + e_row * stride_en, tl.load(b_base + j * stride_bn, mask=in_e, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, start, n_hi, W, window,
+              BLOCK_N: tl.constexpr, SOURCE: tl.constexpr, ROWS: tl.constexpr):
+    """The key row pointers of the tile at ``start``, which rows exist, and their bias in base 2:
+    row n of ``k_base`` with its bias at ``b_base`` (_PLAIN); or (decode) rows below ``W`` from
+    the window ring at ``k_base`` and the rest entries at ``e_base``, their bias at ``b_base``:
+    a tile wholly in the ring (_WINDOW), wholly among the entries (_ENTRIES), or either (_MIXED,
+    each row picks: per-row 64-bit pointer selects, which spill registers on sm_90)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    in_n = offs_n < n_hi
+    if SOURCE == _PLAIN:
         rows = k_base + offs_n * stride_kn
         b = tl.load(b_base + offs_n * stride_bn, mask=in_n, other=float("-inf")).to(tl.float32)
+    elif SOURCE == _WINDOW:
+        rows, b = _window_rows(k_base, pos, stride_kn, offs_n, W, window)
+    elif SOURCE == _ENTRIES:
+        rows, b = _entry_rows(e_base, r_base, b_base, stride_en, stride_rn, stride_bn, offs_n, in_n, W, ROWS)
+    else:
+        rows_w, b_w = _window_rows(k_base, pos, stride_kn, offs_n, W, window)
+        rows_e, b_e = _entry_rows(e_base, r_base, b_base, stride_en, stride_rn, stride_bn, offs_n, in_n, W, ROWS)
+        in_w = offs_n < W
+        rows, b = tl.where(in_w, rows_w, rows_e), tl.where(in_w, b_w, b_e)
     return rows, in_n, b * 1.4426950408889634
+
+
+@triton.jit
+def _tiles(q, m, l, acc, k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, W, window, lo, hi,
+           qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr,
+           SOURCE: tl.constexpr, ROWS: tl.constexpr):
+    """The key tiles of rows ``[lo, hi)`` into the online-softmax state (m, l, acc)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for start in range(lo, hi, BLOCK_N):
+        rows, in_n, b = _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
+                                  start, hi, W, window, BLOCK_N, SOURCE, ROWS)
+        m, l, acc = _tile(q, rows, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
+    return m, l, acc
 
 
 @triton.jit
 def _split_state(q, k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, W, window, n_lo, n_hi,
                  qk_scale, BH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                 DOT_FP32: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr):
-    """Online softmax of ``q`` ``[BH, BLOCK_D]`` over key rows ``[n_lo, n_hi)`` -> (max, sum, acc), base 2."""
-    offs_d = tl.arange(0, BLOCK_D)
+                 DOT_FP32: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr, WHOLE: tl.constexpr):
+    """Online softmax of ``q`` ``[BH, BLOCK_D]`` over key rows ``[n_lo, n_hi)`` -> (max, sum, acc),
+    base 2. RING with WHOLE (``W`` a multiple of ``BLOCK_N``): the ring's tiles, then the
+    entries' tiles, in two loops whose pointers each step evenly; the same tiles in the same
+    order as one loop, so the same bits."""
     m = tl.full([BH], float("-inf"), tl.float32)
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BLOCK_D], tl.float32)
-    for start in range(n_lo, n_hi, BLOCK_N):
-        rows, in_n, b = _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
-                                  start + tl.arange(0, BLOCK_N), n_hi, W, window, RING, ROWS)
-        m, l, acc = _tile(q, rows, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
+    args = (k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, W, window)
+    if RING and WHOLE:
+        m, l, acc = _tiles(q, m, l, acc, *args, n_lo, tl.minimum(n_hi, W), qk_scale, BLOCK_N, BLOCK_D, D, DOT_FP32,
+                           _WINDOW, ROWS)
+        m, l, acc = _tiles(q, m, l, acc, *args, tl.maximum(n_lo, W), n_hi, qk_scale, BLOCK_N, BLOCK_D, D, DOT_FP32,
+                           _ENTRIES, ROWS)
+    else:
+        m, l, acc = _tiles(q, m, l, acc, *args, n_lo, n_hi, qk_scale, BLOCK_N, BLOCK_D, D, DOT_FP32,
+                           _MIXED if RING else _PLAIN, ROWS)
     return m, l, acc
 
 
@@ -200,7 +246,7 @@ def mqa_sequential(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, sink_p
                     stride_rn, stride_or, stride_oh,
                     BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, DOT_FP32: tl.constexpr, SKIP: tl.constexpr,
-                    RING: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+                    RING: tl.constexpr, ROWS: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
     wait_previous(PDL)
     # Head blocks of one query are neighbours in launch order, so the keys they share stay in L2.
     pid = tl.program_id(0)
@@ -219,7 +265,7 @@ def mqa_sequential(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, sink_p
         for n_lo in range(0, N, split):
             m_s, l_s, acc_s = _split_state(q, k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
                                            W, window, n_lo, tl.minimum(n_lo + split, N), qk_scale, BH, BLOCK_N, BLOCK_D, D,
-                                           DOT_FP32, RING, ROWS)
+                                           DOT_FP32, RING, ROWS, WHOLE)
             m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
     _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, cos_ptr + row * HALF, sin_ptr + row * HALF, stride_oh,
             offs_h, H, BH, BLOCK_D, D, HALF, BLOCK_HALF)
@@ -230,7 +276,7 @@ def mqa_split(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, m_ptr, l_pt
                n_splits, qk_scale, stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_es, stride_en,
                stride_rr, stride_rn,
                BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-               DOT_FP32: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+               DOT_FP32: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
     """One split's state into the fp32 partials ``m``/``l`` ``[R, S, H]`` and ``acc`` ``[R, S, H, BLOCK_D]``."""
     wait_previous(PDL)
     pid = tl.program_id(0)
@@ -242,7 +288,7 @@ def mqa_split(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, m_ptr, l_pt
     k_base, e_base, r_base, pos = _bases(k_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, row, T, stride_kb, stride_es, stride_rr, RING)
     m, l, acc = _split_state(q, k_base, b_ptr + row * stride_br, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
                              W, window, n_lo, tl.minimum(n_lo + split, N), qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32,
-                             RING, ROWS)
+                             RING, ROWS, WHOLE)
     base = (row * n_splits + s_idx) * H + offs_h
     tl.store(m_ptr + base, m, mask=offs_h < H)
     tl.store(l_ptr + base, l, mask=offs_h < H)
