@@ -82,6 +82,9 @@ _BLOCK_D = 1024  # channels per launch-2 program
 # 581; the Sinkhorn tile's row and column sums then stay inside one warp, and at prefill more
 # programs fit an SM. Narrower blocks were no faster at decode and slower at prefill.
 _FINISH_WARPS = 1
+# Launch 2 issues the streams' loads first up to this many tokens (``LOADS_FIRST``): its 1024
+# one-warp programs of ~128 registers then all fit on an H200's 132 SMs at once.
+_LOADS_FIRST_TOKENS = 256
 _MAX_N = 16
 _LINE_BYTES = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -139,16 +142,19 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
                        stride_xt, rms_eps, hc_eps,
                        N: tl.constexpr, D: tl.constexpr, KSPLIT: tl.constexpr, KS_BLOCK: tl.constexpr,
                        ITERS: tl.constexpr, HAS_PRE_IN: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PDL: tl.constexpr):
+                       LOADS_FIRST: tl.constexpr, PDL: tl.constexpr):
     """Token ``t``: coefficients from the partials, and channels ``d`` of its collapse. With
     ``HEAD`` (``hc_head``) the partials hold ``N`` mixes, ``pre`` alone is formed and collapses
-    the streams, and nothing else is read or stored (pre_in, pre, post and comb unused). Every
-    load is issued before any result is formed, so their latencies overlap, and block 0's
-    Sinkhorn runs while the streams it collapses after are in flight: on an H200 9.55 -> 9.19 us
-    a site at one token (``bench/results/mhc_kernel_finish_loads_first_s15.json``), and a b1 P8
-    step 1.987 -> 1.973 ms (``mhc_finish_ab_s15.json``).
-    The Sinkhorn's N^2 values as scalars in every thread (no warp shuffles) gained nothing more
-    (9.49 us): one warp then issues every thread's copy of the work."""
+    the streams, and nothing else is read or stored (pre_in, pre, post and comb unused).
+
+    LOADS_FIRST (few tokens): every load is issued before any result is formed, so their
+    latencies overlap and block 0's Sinkhorn runs while the streams it collapses are in flight:
+    on an H200 9.55 -> 9.19 us a site at one token (``bench/results/mhc_kernel_finish_loads_first_s15.json``),
+    a b1 P8 step 1.987 -> 1.973 ms (``mhc_finish_ab_s15.json``). It holds the streams' registers
+    through the Sinkhorn (127 a thread against 80 on sm_90), which would halve the programs an
+    SM holds at prefill, where thousands queue; there the streams are loaded last. The order of
+    loads moves no bit. The Sinkhorn's N^2 values as scalars in every thread (no warp shuffles)
+    gained nothing more (9.49 us): one warp then issues every thread's copy of the work."""
     wait_previous(PDL)
     M: tl.constexpr = N if HEAD else 2 * N + N * N
     t = tl.program_id(0).to(tl.int64)
@@ -171,7 +177,9 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
         comb_scale, comb_base = tl.load(scale_ptr + 2), tl.load(base_ptr + 2 * N + jj)
     d = blk * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
-    x = tl.load(x_ptr + t * stride_xt + j[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
+    streams = x_ptr + t * stride_xt + j[:, None] * D + d[None, :]
+    if LOADS_FIRST:
+        x = tl.load(streams, mask=d_ok[None, :], other=0.0)
     if HAS_PRE_IN:
         c = tl.load(pre_in_ptr + t * N + j)
     r = tl.math.rsqrt(tl.sum(ss_s, axis=0) / (N * D) + rms_eps)
@@ -185,6 +193,8 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
             tl.store(comb_ptr + t * (N * N) + jj, sinkhorn_tile(comb_logit, hc_eps, ITERS))
     if not HAS_PRE_IN:
         c = pre
+    if not LOADS_FIRST:
+        x = tl.load(streams, mask=d_ok[None, :], other=0.0)
     u = tl.sum(c[:, None] * x.to(tl.float32), axis=0)
     tl.store(u_ptr + t * D + d, u.to(u_ptr.dtype.element_ty), mask=d_ok)
 
@@ -270,7 +280,7 @@ def mhc_site_triton(
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
         part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, pre, post, comb, u,
         x.stride(0), float(rms_eps), float(hc_eps),
-        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, HEAD=False, **launch2, **pdl_args(dev),
+        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, HEAD=False, LOADS_FIRST=t <= _LOADS_FIRST_TOKENS, **launch2, **pdl_args(dev),
     )
     return pre, post, comb, u
 
@@ -308,7 +318,7 @@ def mhc_head_triton(
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
         part, base.float().contiguous(), scale.float().contiguous(), x, None, None, None, None, u,
         x.stride(0), float(rms_eps), float(hc_eps),
-        N=n, D=d, ITERS=1, HAS_PRE_IN=False, HEAD=True, **launch2, **pdl_args(dev),
+        N=n, D=d, ITERS=1, HAS_PRE_IN=False, HEAD=True, LOADS_FIRST=t <= _LOADS_FIRST_TOKENS, **launch2, **pdl_args(dev),
     )
     return u
 
