@@ -280,7 +280,8 @@ def mhc_site_triton(
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
         part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, pre, post, comb, u,
         x.stride(0), float(rms_eps), float(hc_eps),
-        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, HEAD=False, LOADS_FIRST=t <= _LOADS_FIRST_TOKENS, **launch2, **pdl_args(dev),
+        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, HEAD=False, LOADS_FIRST=t <= _LOADS_FIRST_TOKENS,
+        **launch2, **pdl_args(dev),
     )
     return pre, post, comb, u
 
@@ -318,7 +319,8 @@ def mhc_head_triton(
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
         part, base.float().contiguous(), scale.float().contiguous(), x, None, None, None, None, u,
         x.stride(0), float(rms_eps), float(hc_eps),
-        N=n, D=d, ITERS=1, HAS_PRE_IN=False, HEAD=True, LOADS_FIRST=t <= _LOADS_FIRST_TOKENS, **launch2, **pdl_args(dev),
+        N=n, D=d, ITERS=1, HAS_PRE_IN=False, HEAD=True, LOADS_FIRST=t <= _LOADS_FIRST_TOKENS, **launch2,
+        **pdl_args(dev),
     )
     return u
 
