@@ -5,29 +5,23 @@ configs' width, strided rows (read in place) and layouts the launcher copies, a 
 the kernel leaves to the reference, and outputs poisoned with NaN so that an element the
 kernel forgets to write fails. A token's outputs are the same bit for bit alone or in a batch.
 On CUDA, also the model's sizes (bf16 streams), the op's dispatch to two launches, opcheck
-and a CUDA-graph replay. Everywhere ptxas is, both launches are compiled for sm_90 at the
-model's sizes offline and must not spill.
+and a CUDA-graph replay. The offline sm_90 compile checks are in ``test_triton_mhc_sm90.py``.
 
 The final learned collapse ``hc_head`` runs through the same two kernels (``mhc_head_triton``:
 ``N`` rows of ``fn``, the finish kernel's ``HEAD`` variant) and is tested the same way against
 ``graphs/mhc.py::hc_head``: fp32 and bf16 streams, 0 to 70 tokens, part-filled chunks and
 blocks, batch invariance, the reference for stream counts the kernel does not tile, refused
-shapes; on CUDA the model's sizes, two launches, opcheck and a graph replay; offline its
-finish variant for sm_90."""
+shapes; on CUDA the model's sizes, two launches, opcheck and a graph replay."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 
-from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
-
 from deepinfer_fx.graphs.mhc import hc_head, mhc_site
 from deepinfer_fx.kernels.triton import mhc as mhc_kernels
-from deepinfer_fx.kernels.triton.mhc import _mhc_dots_kernel, _mhc_finish_kernel, launch_config, mhc_head_triton, mhc_site_triton
+from deepinfer_fx.kernels.triton.mhc import launch_config, mhc_head_triton, mhc_site_triton
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="model-sized inputs need a GPU")
@@ -353,78 +347,3 @@ def test_head_cuda_graph_replay() -> None:
         graph.replay()
         torch.cuda.synchronize()
         _assert_collapse_matches(got, hc_head.reference(*args), args[0], f"seed={seed} replay {step}", _HEAD_DPRE)  # type: ignore[attr-defined]
-
-
-# --- offline compile for the H200 --------------------------------------------------------------
-
-
-def _compile_for_sm90(out_dir: str) -> None:
-    """PTX of both launches for sm_90 at the model's width (N = 4, D = 4096, bf16 streams, fp32
-    weights; with and without pre_in, and the finish kernel's head variant, whose unread
-    coefficient pointers are None as the launcher passes them), into ``out_dir``. Runs in a child process without the
-    interpreter: under it Triton's library functions (tl.sum, tl.sigmoid) and the shared
-    Sinkhorn helper are interpreted ones, which its compiler cannot inline. Pointers and row
-    strides are 16-byte aligned, as at a real launch."""
-    types = {"x_ptr": "*bf16", "u_ptr": "*bf16", "rms_eps": "fp32", "hc_eps": "fp32"}
-
-    def ptx(fn: triton.runtime.jit.JITFunction, constants: dict, num_warps: int) -> str:
-        return compile_sm90(fn, types, constants, ["stride_xt"], num_warps=num_warps).asm["ptx"]
-
-    n, d = 4, 4096
-    for bf16 in (False, True):
-        dots = dict(launch_config(n, d, bf16)["dots"], DOT_FP32=False)
-        warps = dots.pop("num_warps")
-        types["x_ptr"] = "*bf16" if bf16 else "*fp32"
-        Path(out_dir, f"dots-{'bf16' if bf16 else 'fp32'}.ptx").write_text(
-            ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, "PDL": True, "FN_LINES": dots["CHUNK"] // 32, "LINE": 32,
-                                   **dots}, warps))
-    types["x_ptr"] = "*bf16"
-    finish = dict(launch_config(n, d)["finish"])
-    warps = finish.pop("num_warps")
-    for has_pre in (False, True):
-        for first in (True, False):
-            consts = {"N": n, "D": d, "ITERS": ITERS, "HAS_PRE_IN": has_pre, "HEAD": False, "PDL": True,
-                      "LOADS_FIRST": first, **finish}
-            Path(out_dir, f"finish-{has_pre}{'' if first else '-prefill'}.ptx").write_text(ptx(_mhc_finish_kernel, consts, warps))
-    head = dict(launch_config(n, d, True, head=True)["finish"])
-    assert head.pop("num_warps") == warps
-    unread = dict.fromkeys(("pre_in_ptr", "pre_ptr", "post_ptr", "comb_ptr"))
-    consts = {"N": n, "D": d, "ITERS": 1, "HAS_PRE_IN": False, "HEAD": True, "PDL": True, "LOADS_FIRST": True, **unread, **head}
-    Path(out_dir, "finish-head.ptx").write_text(ptx(_mhc_finish_kernel, consts, warps))
-
-
-@pytest.fixture(scope="module")
-def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compile_in_subprocess("test_triton_mhc", tmp_path_factory.mktemp("sm90"))
-
-
-@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "finish-False", "finish-True", "finish-False-prefill",
-                                    "finish-True-prefill", "finish-head"])
-def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
-    """No spills, PDL's wait and trigger before any load, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16
-    streams' dots are bf16 tensor-core MMAs; the collapse loads the streams in 16-byte vectors. The head's finish
-    stores only its collapse: no Sinkhorn, none of the site's coefficient stores."""
-    ptx = (sm90_ptx / f"{kernel}.ptx").read_text()
-    spills, registers, log = ptxas_report(ptx)
-    assert spills == [0, 0] and registers <= 128, log
-    if kernel.endswith("prefill"):  # thousands of one-warp programs queue at prefill: keep an SM's share of them
-        assert registers <= 80, log
-    assert "tf32" not in ptx
-    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, "PDL (kernels/triton/pdl.py)"
-    lines = [line.strip() for line in ptx.splitlines()]
-    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
-    assert not any(("ld.global" in line or "cp.async" in line) for line in lines[:wait]), "a load before the wait"
-    if kernel.startswith("dots"):  # fn is asked of L2 before the wait
-        prefetches = [i for i, line in enumerate(lines) if line.startswith("prefetch.global.L2")]
-        assert prefetches and max(prefetches) < wait, "fn is prefetched before the wait"
-    if kernel == "dots-fp32":
-        assert "fma.rn.f32" in ptx and "mma" not in ptx
-    elif kernel == "dots-bf16":
-        assert "mma" in ptx and "bf16" in ptx
-    else:
-        assert "ld.global.v4" in ptx
-    stores = [line for line in lines if "st.global" in line]
-    if kernel.startswith("finish"):  # the collapse in 16-byte vectors; only a site's finish stores its coefficients
-        assert any("st.global.v4" in line for line in stores), stores
-        assert all("st.global.v4" in line for line in stores) == (kernel == "finish-head"), stores

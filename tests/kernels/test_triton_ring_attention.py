@@ -173,7 +173,7 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory):
     return compile_in_subprocess("test_triton_ring_attention", tmp_path_factory.mktemp("sm90"))
 
 
-@pytest.mark.skipif(not PTXAS, reason="ptxas is not installed")
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("case", [c for c in SM90 if not c.endswith("plain")])
 def test_ring_kernels_spill_no_more_than_gathered(case: str, sm90_ptx) -> None:
     """Reading in place must cost no more registers than reading gathered keys: with each row
