@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(row, flush=True)
             del q, keys, bias
     if args.decode_ring:
-        result["decode_ring"] = [_ring_case(b, layer, args.iters * 20) for b in [int(x) for x in args.decode.split(",") if x]
-                                 for layer, _, _ in _RING_LAYERS]
+        result["decode_ring"] = [_ring_case(b, *layer, args.iters * 20) for b in [int(x) for x in args.decode.split(",") if x]
+                                 for layer in _RING_LAYERS]
     write_result("attention_kernel", result, args.out)
     return result
 
@@ -134,11 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
 _RING_LAYERS = [("SWA", 0, None), ("HCA", 32, None), ("CSA", 1040, TOPK)]
 
 
-def _ring_case(b: int, layer: str, iters: int) -> dict:
-    """One decode layer at batch ``b``: ``ring_mqa`` reading the ring and entry pools in place
-    against ``sparse_mqa`` over keys gathered beforehand (the kernel alone) and with the gather
-    in the timed graph (what the model's gathered path runs)."""
-    _, e, k = next(x for x in _RING_LAYERS if x[0] == layer)
+def _ring_case(b: int, layer: str, e: int, k: int | None, iters: int) -> dict:
+    """One decode layer (``_RING_LAYERS``) at batch ``b``: ``ring_mqa`` reading the ring and entry
+    pools in place against ``sparse_mqa`` over keys gathered beforehand (the kernel alone) and
+    with the gather in the timed graph (what the model's gathered path runs)."""
     g = torch.Generator(device="cuda").manual_seed(b)
     dev = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(b, 1, H, D, generator=g, **dev)

@@ -30,9 +30,12 @@ from .window import reads_after_write, ring_positions, window_bias, window_keys,
 # Decode groups of at least this many chunks read their keys in place (``mqa_ring``); smaller
 # ones gather them. Both run one arithmetic (bit for bit, tests/kernels/test_triton_ring_attention.py),
 # so the rule cannot move a request's result. On the H200 (P8, 512-token context) in place was
-# 0.089 ms a step faster at 64 requests (no 64 MiB of copied keys) and 0.036 ms slower at one,
-# where its kernels' dependent loads (slot, then row, then key) cost more than the copies
-# (bench/results/ring_mqa_ab_s14.json); 8-32 requests are not measured yet.
+# 0.089 ms a step faster at 64 requests (no 64 MiB of copied keys) and 0.036 ms slower at one
+# (bench/results/ring_mqa_ab_s14.json); with the kernels' spills gone (s15), in place at every
+# size against the s14 tree with this rule (at b64 both in place): b1 +0.013, b8 -0.023, b64
+# -0.081 ms, none resolved
+# (ring_whole_tiles_ab_s15.json). At b1 a ring program waits on its slot and position before
+# its first key load, where the gathered path's copies hide under PDL.
 RING_MIN_CHUNKS = 64
 
 # fp32 logits the reference materialises at once (1 GiB): an eager 16k-token chunk would
