@@ -25,7 +25,8 @@ from ..passes.compiler import compile_graph, make_backend
 from .p8 import P8, run_info, write_result
 from .timing import graph_ms
 
-_SWEEP = [{"BT": bt, "SPLITS": s, "num_warps": w} for bt in (16, 64) for s in (32, 64, 128) for w in (4, 8)]
+_SWEEP = [{"BT": bt, "BK": bk, "SPLITS": s, "UNROLL": u} for bt in (16, 64) for bk in (64, 128)
+          for s in (32, 64, 128) for u in (False, True)]
 _SWEEP_FINISH = [{"BLOCK_D": b, "num_warps": w} for b in (128, 256, 512, 1024) for w in (1, 2, 4)]
 
 
@@ -57,14 +58,14 @@ def main(argv: list[str] | None = None) -> dict:
                "triton_vs_without": round(us["engine_without"] / us["triton"], 2),
                "triton_X_TBps": round(X.numel() * X.element_size() / us["triton"] / 1e6, 3), "u_max_rel_diff": err}
         if args.sweep:
-            row["sweep_us"] = {"{BT}/{SPLITS}/{num_warps}".format(**cfg): round(
+            row["sweep_us"] = {"{BT}/{BK}/{SPLITS}/{UNROLL}".format(**cfg): round(
                 graph_ms(lambda c=cfg: mhc_site_triton(*site, dots=c), args.iters) * 1e3, 2) for cfg in _SWEEP}
             row["finish_sweep_us"] = {"{BLOCK_D}/{num_warps}".format(**cfg): round(
                 graph_ms(lambda c=cfg: mhc_site_triton(*site, finish=c), args.iters) * 1e3, 2) for cfg in _SWEEP_FINISH}
         rows.append(row)
         print(row, flush=True)
     result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16"},
-              "sweep_key": "BT/SPLITS/num_warps", "finish_sweep_key": "BLOCK_D/num_warps", "rows": rows}
+              "sweep_key": "BT/BK/SPLITS/UNROLL", "finish_sweep_key": "BLOCK_D/num_warps", "rows": rows}
     write_result("mhc_kernel_p8", result, args.out)
     return result
 

@@ -226,8 +226,10 @@ def test_head_tiling_is_the_sites_but_for_its_rows() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_head_token_does_not_depend_on_the_batch(dtype: torch.dtype, device: str, monkeypatch) -> None:
     """Rows of a 150-token batch (several launch-1 blocks, the last part-filled) == each row alone,
-    the batch loading the streams last and a row alone first (``LOADS_FIRST``)."""
+    the batch loading the streams last and looping and a row alone first and unrolled (``LOADS_FIRST``,
+    ``UNROLL``; on the GPU: the interpreter unrolls no dot)."""
     monkeypatch.setattr(mhc_kernels, "_LOADS_FIRST_TOKENS", 100)
+    monkeypatch.setattr(mhc_kernels, "_UNROLL_TOKENS", 100)
     seed = _seed()
     X, *rest = _head_inputs(seed, (150,), 4, 100, dtype, device)
     batch = mhc_head_triton(X, *rest)
@@ -238,8 +240,10 @@ def test_head_token_does_not_depend_on_the_batch(dtype: torch.dtype, device: str
 @pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
 def test_token_does_not_depend_on_the_batch(with_pre: bool, device: str, monkeypatch) -> None:
     """Rows of a 150-token batch (several launch-1 blocks, the last part-filled) == each row alone,
-    the batch loading the streams last and a row alone first (``LOADS_FIRST``)."""
+    the batch loading the streams last and looping and a row alone first and unrolled (``LOADS_FIRST``,
+    ``UNROLL``; on the GPU: the interpreter unrolls no dot)."""
     monkeypatch.setattr(mhc_kernels, "_LOADS_FIRST_TOKENS", 100)
+    monkeypatch.setattr(mhc_kernels, "_UNROLL_TOKENS", 100)
     seed = _seed()
     X, fn, base, scale, rms_eps, hc_eps, iters, pre_in = _inputs(seed, (150,), 4, 100, torch.float32, device, with_pre)
     batch = mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in)
@@ -284,15 +288,23 @@ def _two_launches(name: str, args: tuple, seed: int) -> object:
 
 @needs_cuda
 def test_model_size_batch_invariance() -> None:
+    """Rows of a 300-token batch (launch 1 looping over tiles, launch 2 loading the streams last)
+    == each row alone (the chunk as one tile, the streams loaded first), bit for bit; and each
+    schedule of launch 1 forced on a batch of either size gives the same bits."""
     seed = _seed()
-    X, fn, base, scale, rms_eps, hc_eps, iters, _ = _inputs(seed, (64,), 4, 4096, torch.bfloat16, "cuda", False)
+    X, fn, base, scale, rms_eps, hc_eps, iters, _ = _inputs(seed, (300,), 4, 4096, torch.bfloat16, "cuda", False)
+    assert 300 > max(mhc_kernels._UNROLL_TOKENS, mhc_kernels._LOADS_FIRST_TOKENS)
     batch = mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, None)
     head = mhc_head_triton(X, fn[:4], base[:4], scale[:1], rms_eps, hc_eps)
-    for t in (0, 33, 63):
+    for t in (0, 33, 63, 299):
         alone = mhc_site_triton(X[t : t + 1].clone(), fn, base, scale, rms_eps, hc_eps, iters, None)
         assert all(torch.equal(a[0], b[t]) for a, b in zip(alone, batch)), f"seed={seed} token {t}"
         alone_head = mhc_head_triton(X[t : t + 1].clone(), fn[:4], base[:4], scale[:1], rms_eps, hc_eps)
         assert torch.equal(alone_head[0], head[t]), f"seed={seed} head token {t}"
+    for tokens in (1, 64, 300):
+        site = (X[:tokens], fn, base, scale, rms_eps, hc_eps, iters, None)
+        looped, unrolled = (mhc_site_triton(*site, dots={"UNROLL": u}) for u in (False, True))
+        assert all(torch.equal(a, b) for a, b in zip(looped, unrolled)), f"seed={seed} tokens {tokens}"
 
 
 @needs_cuda

@@ -30,11 +30,11 @@ def _compile_for_sm90(out_dir: str) -> None:
         return compile_sm90(fn, types, constants, ["stride_xt"], num_warps=num_warps).asm["ptx"]
 
     n, d = 4, 4096
-    for bf16 in (False, True):
-        dots = dict(launch_config(n, d, bf16)["dots"], DOT_FP32=False)
+    for bf16, unroll in ((False, False), (True, False), (True, True)):
+        dots = dict(launch_config(n, d, bf16)["dots"], DOT_FP32=False, UNROLL=unroll)
         warps = dots.pop("num_warps")
         types["x_ptr"] = "*bf16" if bf16 else "*fp32"
-        Path(out_dir, f"dots-{'bf16' if bf16 else 'fp32'}.ptx").write_text(
+        Path(out_dir, f"dots-{'bf16' if bf16 else 'fp32'}{'-unrolled' if unroll else ''}.ptx").write_text(
             ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, "PDL": True, "FN_LINES": dots["CHUNK"] // 32, "LINE": 32,
                                    **dots}, warps))
     types["x_ptr"] = "*bf16"
@@ -58,7 +58,7 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "finish-False", "finish-True", "finish-False-prefill",
+@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "dots-bf16-unrolled", "finish-False", "finish-True", "finish-False-prefill",
                                     "finish-True-prefill", "finish-head"])
 def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
     """No spills, PDL's wait and trigger before any load, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16
@@ -66,7 +66,9 @@ def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
     stores only its collapse: no Sinkhorn, none of the site's coefficient stores."""
     ptx = (sm90_ptx / f"{kernel}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
-    assert spills == [0, 0] and registers <= 128, log
+    # The unrolled dots hold a whole chunk of x and fn; they run at decode (<= 256 tokens: at most
+    # 4 x 64 programs, one wave), where no SM holds more than a few programs.
+    assert spills == [0, 0] and registers <= (168 if kernel.endswith("unrolled") else 128), log
     if kernel.endswith("prefill"):  # thousands of one-warp programs queue at prefill: keep an SM's share of them
         assert registers <= 80, log
     assert "tf32" not in ptx
@@ -79,7 +81,7 @@ def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
         assert prefetches and max(prefetches) < wait, "fn is prefetched before the wait"
     if kernel == "dots-fp32":
         assert "fma.rn.f32" in ptx and "mma" not in ptx
-    elif kernel == "dots-bf16":
+    elif kernel.startswith("dots-bf16"):
         assert "mma" in ptx and "bf16" in ptx
     else:
         assert "ld.global.v4" in ptx

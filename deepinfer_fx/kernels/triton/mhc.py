@@ -17,8 +17,10 @@ mantissa bits), which is met two ways:
 
 - bf16 streams (the model): each fp32 tile of ``fn`` is split exactly into three bf16 tiles
   ``hi + mid + lo`` (8 significand bits each covers fp32's 24), and a bf16 x bf16 product is
-  exact in fp32, so three bf16 tensor-core dots with fp32 accumulation give the fp32 GEMV's
-  result to within its accumulation rounding. The first version ran one fp32 "ieee" dot (plain
+  exact in fp32, so three bf16 tensor-core dots, each into its own fp32 accumulator (summed
+  smallest first at the end), give the fp32 GEMV's result to within its accumulation rounding.
+  Three accumulators rather than one chain let the pipelined loop overlap the parts' MMAs:
+  158 -> 142 us a site at 4096 tokens, 601 -> 535 at 16384 (``mhc_kernel_dots_unroll_s16.json``). The first version ran one fp32 "ieee" dot (plain
   FMAs): 21 us a site at one token and ~1.2 ms at 4096 on an H200, where the reference cuBLAS
   GEMM + Inductor took 47 us and 0.34 ms (``bench/results/mhc_kernel_p8.json``).
 - fp32 streams (CPU tests, fp32 runs): one fp32 "ieee" dot.
@@ -85,55 +87,104 @@ _FINISH_WARPS = 1
 # Launch 2 issues the streams' loads first up to this many tokens (``LOADS_FIRST``): its 1024
 # one-warp programs of ~128 registers then all fit on an H200's 132 SMs at once.
 _LOADS_FIRST_TOKENS = 256
+# Launch 1 takes its chunk as one tile up to this many tokens (``UNROLL``; the same bits as the
+# loop): an mHC site 9.14 -> 8.17 us at one token, 10.2 -> 9.8 at 64, 15.0 -> 14.7 at 256 on an H200
+# (``bench/results/mhc_kernel_dots_unroll_s16.json`` against ``..._before_s16.json``); at 4096 tokens
+# the unrolled schedule lost (~190 against ~140 us: ``mhc_kernel_dots_sweep_s16.json``, taken
+# while the one-tile dots still chained their parts through one accumulator).
+_UNROLL_TOKENS = 256
 _MAX_N = 16
 _LINE_BYTES = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _dots_tile(x, fn_ptr, k, acc_hi, acc_mid, acc_lo, K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+               SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The tokens' elements ``x`` at columns ``k`` against ``fn[:, k]``: bf16 streams add their
+    products with ``fn``'s hi, mid and lo parts to one accumulator each, fp32 streams theirs to
+    ``acc_hi``."""
+    m = tl.arange(0, MP)
+    w = tl.load(fn_ptr + k[:, None] + m[None, :] * K, mask=(k < K)[:, None] & (m < M)[None, :], other=0.0).to(tl.float32)
+    if SPLIT_BF16:  # x is bf16: w = hi + mid + lo exactly, each product exact
+        hi = w.to(tl.bfloat16)
+        rest = w - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        if DOT_FP32:  # the same exact products as fp32 FMAs (the interpreter's bf16 dot is wrong)
+            xf = x.to(tl.float32)
+            acc_lo = tl.dot(xf, lo.to(tl.float32), acc_lo, input_precision="ieee")
+            acc_mid = tl.dot(xf, mid.to(tl.float32), acc_mid, input_precision="ieee")
+            acc_hi = tl.dot(xf, hi.to(tl.float32), acc_hi, input_precision="ieee")
+        else:
+            acc_lo = tl.dot(x, lo, acc_lo)
+            acc_mid = tl.dot(x, mid, acc_mid)
+            acc_hi = tl.dot(x, hi, acc_hi)
+    else:
+        acc_hi = tl.dot(x.to(tl.float32), w, acc_hi, input_precision="ieee")
+    return acc_hi, acc_mid, acc_lo
+
+
+@triton.jit
+def _load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K: tl.constexpr):
+    # Padding tokens and columns load zeros: they add nothing and are never stored.
+    return tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=tok_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
                      K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, CHUNK: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
-                     FN_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+                     UNROLL: tl.constexpr, FN_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """Tokens ``[BT]`` x one K-chunk -> partial dots ``[BT, M]`` and sums of squares ``[BT]``.
     With PDL, the program first asks L2 for its chunk of ``fn`` (``FN_LINES`` cache lines of
-    ``LINE`` elements a row; a weight, which no earlier kernel writes), then waits."""
+    ``LINE`` elements a row; a weight, which no earlier kernel writes), then waits.
+
+    Two schedules of the same sums. The loop (many tokens) runs the chunk as ``BK`` tiles
+    through the compiler's software pipeline. UNROLL (few tokens: a latency chain) takes the
+    chunk's dots as one tile, so every load is in flight at once and the tensor cores wait
+    three times instead of three times a tile. Both add each part's products over k in
+    ascending order into its own accumulator (an MMA's k steps run in order), and both sum the
+    squares tile by tile: the same bits. Only bf16 streams unroll: not fp32 ones (CPU tests and
+    fp32 runs; a chunk's FMA dot would hold 256 columns of fp32 x), nor under the interpreter,
+    whose dot of a chunk rounds unlike its tiles' chained dots."""
     split = tl.program_id(1)
     m = tl.arange(0, MP)
-    m_ok = m < M
     if PDL:  # clamped into fn: every address valid
         lk = tl.minimum(split * CHUNK + tl.arange(0, FN_LINES) * LINE, K - 1)
         prefetch_l2(fn_ptr + tl.minimum(m, M - 1)[:, None] * K + lk[None, :])
     wait_previous(PDL)
     tok = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     tok_ok = tok < n_tokens
-    acc = tl.zeros([BT, MP], tl.float32)
+    # The accumulators start from a zero the compiler cannot see as one: Triton rewrites
+    # add(dot(a, b, 0), c) as dot(a, b, c), which in the one-tile schedule would chain the three
+    # parts through one accumulator, other bits than the loop's three.
+    zero = tl.zeros([BT, MP], tl.float32) + split.to(tl.float32) * 0.0
+    acc_hi = zero
+    acc_mid = zero
+    acc_lo = zero
     ss = tl.zeros([BT], tl.float32)
-    for i in range(0, CHUNK, BK):
-        k = split * CHUNK + i + tl.arange(0, BK)
-        k_ok = k < K
-        # Padding tokens and columns load zeros: they add nothing and are never stored.
-        x = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(fn_ptr + k[:, None] + m[None, :] * K, mask=k_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
-        xf = x.to(tl.float32)
-        if SPLIT_BF16:  # x is bf16: w = hi + mid + lo exactly, each product exact; smallest first
-            hi = w.to(tl.bfloat16)
-            rest = w - hi.to(tl.float32)
-            mid = rest.to(tl.bfloat16)
-            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-            if DOT_FP32:  # the same exact products as fp32 FMAs (the interpreter's bf16 dot is wrong)
-                acc = tl.dot(xf, lo.to(tl.float32), acc, input_precision="ieee")
-                acc = tl.dot(xf, mid.to(tl.float32), acc, input_precision="ieee")
-                acc = tl.dot(xf, hi.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, lo, acc)
-                acc = tl.dot(x, mid, acc)
-                acc = tl.dot(x, hi, acc)
-        else:
-            acc = tl.dot(xf, w, acc, input_precision="ieee")
-        ss += tl.sum(xf * xf, axis=1)
+    k0 = split * CHUNK
+    if UNROLL and SPLIT_BF16 and not DOT_FP32:
+        k = k0 + tl.arange(0, CHUNK)
+        acc_hi, acc_mid, acc_lo = _dots_tile(_load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K), fn_ptr, k,
+                                             acc_hi, acc_mid, acc_lo, K, M, MP, SPLIT_BF16, DOT_FP32)
+        for i in tl.static_range(0, CHUNK, BK):
+            xf = _load_tokens(x_ptr, tok, tok_ok, stride_xt, k0 + i + tl.arange(0, BK), K).to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+    else:
+        for i in range(0, CHUNK, BK):
+            k = k0 + i + tl.arange(0, BK)
+            acc_hi, acc_mid, acc_lo = _dots_tile(_load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K), fn_ptr, k,
+                                                 acc_hi, acc_mid, acc_lo, K, M, MP, SPLIT_BF16, DOT_FP32)
+            # Squared from a load of its own, as the unrolled schedule does: a reduction's order
+            # follows its operand's register layout, and a tile feeding the dot may get another.
+            xf = _load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K).to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+    # Smallest parts first (all zero but acc_hi for fp32 streams: adding them moves no bit).
+    acc = (acc_lo + acc_mid) + acc_hi
     row = part_ptr + (tok * tl.num_programs(1) + split) * (M + 1)
-    tl.store(row[:, None] + m[None, :], acc, mask=tok_ok[:, None] & m_ok[None, :])
+    tl.store(row[:, None] + m[None, :], acc, mask=tok_ok[:, None] & (m < M)[None, :])
     tl.store(row + M, ss, mask=tok_ok)
 
 
@@ -203,7 +254,8 @@ def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, i
                   finish: Optional[dict[str, int]] = None, head: bool = False) -> dict[str, dict[str, int]]:
     """Both launches' block constants and warps for N streams of D channels and the streams'
     dtype (never T); ``head``: the head's ``N`` rows of ``fn`` instead of a site's ``2N + N^2``
-    (launch 1's ``MP``). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS`` or ``num_warps``,
+    (launch 1's ``MP``). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS``, ``num_warps`` or
+    ``UNROLL`` (None: by the token count, ``_UNROLL_TOKENS``),
     ``finish`` launch 2's ``BLOCK_D`` or ``num_warps`` (the bench's sweeps)."""
     o = {"BT": _BT if bf16 else _BT_FP32, "BK": _BK, "SPLITS": _SPLITS, "num_warps": 4, **(dots or {})}
     k = n * d
@@ -213,7 +265,7 @@ def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, i
     warps = (finish or {}).get("num_warps", _FINISH_WARPS)
     return {
         "dots": {"CHUNK": chunk, "BT": o["BT"], "BK": o["BK"], "MP": max(16, triton.next_power_of_2(n if head else 2 * n + n * n)),
-                 "SPLIT_BF16": bool(bf16), "DOT_FP32": _INTERPRET, "num_warps": o["num_warps"]},
+                 "SPLIT_BF16": bool(bf16), "DOT_FP32": _INTERPRET, "UNROLL": o.get("UNROLL"), "num_warps": o["num_warps"]},
         "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d, "num_warps": warps},
     }
 
@@ -233,7 +285,8 @@ def _launch_dots(x: torch.Tensor, fn: torch.Tensor, m: int, cfg: dict[str, dict[
     part = torch.empty((t, ksplit, m + 1), dtype=torch.float32, device=x.device)
     line = _LINE_BYTES // fn.element_size()
     _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), ksplit)](
-        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m, **launch1,
+        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m,
+        **{**launch1, "UNROLL": t <= _UNROLL_TOKENS if launch1["UNROLL"] is None else launch1["UNROLL"]},
         FN_LINES=triton.next_power_of_2(triton.cdiv(launch1["CHUNK"], line)), LINE=line, **pdl_args(x.device),
     )
     return part
