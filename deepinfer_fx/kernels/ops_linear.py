@@ -13,10 +13,6 @@ weight stored as its stacked blocks: the grouped output projection ``wo_a``) on 
 kernel, each column tile reading its block's slice of x: at decode the batched matmul it
 replaces is a cuBLAS launch that PDL cannot chain to.
 
-``deepinfer::skinny_linear_norm`` is an RMSNorm and the projections that alone read it
-(``q_norm`` then ``wq_b``, the final norm then the head), for a kernel that norms the rows
-inside the GEMV.
-
 ``decode_sized`` is the domain the kernels are built for; the ``skinny_linear_kernel`` swap
 (``passes/swaps.py``) routes only such calls through the op and leaves the rest to the
 reference's GEMM.
@@ -28,7 +24,7 @@ import math
 
 import torch
 
-from ..graphs.norm import project, project_blocks, rms_norm
+from ..graphs.norm import project, project_blocks
 from .ops import NAMESPACE
 
 # Rows up to which a call counts as decode-sized. Measured on the H200 at P8 widths
@@ -76,22 +72,6 @@ def _skinny_linear_group_fake(x: torch.Tensor, ws: list[torch.Tensor], out_fp32:
 @skinny_linear.register_fake
 def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::skinny_linear_norm", mutates_args=())
-def skinny_linear_norm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, ws: list[torch.Tensor],
-                       out_fp32: bool) -> list[torch.Tensor]:
-    """``skinny_linear_group(rms_norm(x, norm_weight, eps), ws, out_fp32)``: a norm whose only
-    reader is a decode projection (``passes/grouping.py`` fuses them), which a kernel may take
-    in one launch."""
-    normed = rms_norm(x, norm_weight, eps)
-    return [project.reference(normed, w, out_fp32) for w in ws]  # type: ignore[attr-defined]
-
-
-@skinny_linear_norm.register_fake
-def _skinny_linear_norm_fake(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, ws: list[torch.Tensor],
-                             out_fp32: bool) -> list[torch.Tensor]:
-    return _skinny_linear_group_fake(x, ws, out_fp32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::skinny_linear_blocks", mutates_args=())

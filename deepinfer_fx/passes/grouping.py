@@ -16,12 +16,6 @@ a member whose weight is computed after that point (not a parameter) stays alone
 at most ``MAX_GROUP`` weights. A group's tiling depends on its weights' shapes only, so results
 stay batch-invariant; they can differ from the ungrouped call's in the last bits (another
 split of K), as any change of tiling does.
-
-Then ``skinny_linear_norm``: an RMSNorm whose only reader (through views) is one such
-projection or group, as ``q_norm`` before ``wq_b`` (and the indexer's ``wq_b``) and the final
-norm before the head, becomes one ``deepinfer::skinny_linear_norm`` node over the norm's input,
-which the CUDA kernel takes in one launch (``kernels/triton/linear.py``). A norm with other
-readers (a layer's ``attn_norm`` in compressed layers, read by two groups) stays.
 """
 
 from __future__ import annotations
@@ -90,70 +84,3 @@ class SkinnyLinearGroup(GraphPass):
                 node.replace_all_uses_with(item)
         for node in members:
             graph.erase_node(node)
-
-
-_NORM = torch.ops.deepinfer.rms_norm.default
-_SINGLE = torch.ops.deepinfer.skinny_linear.default
-_GROUP = torch.ops.deepinfer.skinny_linear_group.default
-
-
-def _readers(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """The nodes that read ``node``'s values, looking through views."""
-    found: set[torch.fx.Node] = set()
-    for user in node.users:
-        found |= _readers(user) if user.op == "call_function" and user.target in _VIEWS else {user}
-    return found
-
-
-@register_pass
-class SkinnyLinearNorm(GraphPass):
-    """``deepinfer.rms_norm`` read only by a ``skinny_linear`` (group) => ``deepinfer.skinny_linear_norm``."""
-
-    name: ClassVar[str] = "skinny_linear_norm"
-    accelerators: ClassVar[frozenset[str]] = frozenset({"cpu", "nvidia"})
-
-    def __call__(self, gm: torch.fx.GraphModule) -> int:
-        graph = gm.graph
-        rewrites = 0
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in (_SINGLE, _GROUP):
-                continue
-            norm, shape = _rows_key(node.args[0])
-            if not (isinstance(norm, torch.fx.Node) and norm.target is _NORM and not norm.kwargs
-                    and len(norm.args) == 3 and norm.args[1] is not None and _readers(norm) == {node}):
-                continue
-            x, weight, eps = norm.args
-            ws = node.args[1] if node.target is _GROUP else [node.args[1]]
-            with graph.inserting_before(node):
-                rows = graph.call_function(torch.ops.aten.reshape.default, (x, list(shape)))
-                rows.meta["val"] = x.meta["val"].reshape(shape)
-                fused = graph.call_function(torch.ops.deepinfer.skinny_linear_norm.default, (rows, weight, eps, ws, node.args[2]))
-                fused.meta["val"] = node.meta["val"] if node.target is _GROUP else [node.meta["val"]]
-            if node.target is _GROUP:
-                node.replace_all_uses_with(fused)
-            else:
-                with graph.inserting_after(fused):
-                    item = graph.call_function(operator.getitem, (fused, 0))
-                item.meta["val"] = node.meta["val"]
-                node.replace_all_uses_with(item)
-            _erase_unread(graph, node)
-            rewrites += 1
-        return rewrites
-
-
-def _erase_unread(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
-    """Erase ``node`` and then whatever only it read, up through views to the norm (whose other
-    views, left unread when their projections were grouped, go too)."""
-    erased: set[torch.fx.Node] = set()
-
-    def erase(n: torch.fx.Node) -> None:
-        inputs = [a for a in n.all_input_nodes if a.op == "call_function" and (a.target in _VIEWS or a.target is _NORM)]
-        graph.erase_node(n)
-        erased.add(n)
-        for a in inputs:
-            for view in [u for u in a.users if u.target in _VIEWS and not u.users]:
-                erase(view)
-            if a not in erased and not a.users:
-                erase(a)
-
-    erase(node)

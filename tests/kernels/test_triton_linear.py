@@ -26,7 +26,7 @@ from linear_helpers import DTYPES, GROUP_WEIGHTS, MODEL_WEIGHTS, assert_close, c
 from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.kernels.triton import linear
-from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, norm_tiles, skinny_linear_triton
+from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
 
 # (M, N, K, tiles): None is the shape rule; explicit tiles reach the split-K and masked paths
 # on shapes the interpreter can afford.
@@ -261,8 +261,6 @@ def test_tma_tiles_match_reference(m: int, n: int, k: int, tiles: Tiles | None, 
 
 # (weights' N, K, X_BLOCK_N): each P8 weight, each group, and wo_a as stacked diagonal blocks.
 SM90_CASES = [((n,), k, 0) for n, k in MODEL_WEIGHTS] + [(ns, k, 0) for ns, k in GROUP_WEIGHTS] + [((8192,), 4096, 1024)]
-# Also compiled with the rows normed in the GEMV: wq_b after q_norm, alone and with the indexer's.
-NORM_CASES = [((32768,), 1024), ((32768, 8192), 1024)]
 
 
 def _case_name(ns: tuple[int, ...], k: int, x_block_n: int) -> str:
@@ -286,7 +284,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                   "BM": BM, "BN": t.bn, "BK": t.bk, "EVEN": all(n % t.bn == 0 for n in ns), "PREC": "tf32",
                   "NS": ns, "TILE0": tuple(tile0[:-1]), "COL0": tuple(sum(ns[:g]) for g in range(len(ns))), "N_ALL": sum(ns),
                   "X_BLOCK_N": x_block_n, "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // 64)), "LINE": 64,
-                  "PDL": True, "NORM": False, "nw_ptr": None}
+                  "PDL": True}
         if len(bounds) == 2:
             consts |= {"ws_ptr": None, "count_ptr": None}
         for out in ("bf16", "fp32"):
@@ -300,15 +298,6 @@ def _compile_for_sm90(out_dir: str) -> None:
                 kernel = compile_sm90(fn, pointers | desc, consts, ["stride_xm", "stride_wn"],
                                       num_warps=t.warps, num_stages=t.stages)
                 Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").write_text(kernel.asm["ptx"])
-            if (ns, k) in NORM_CASES:  # the rows normed in the GEMV (``skinny_linear_norm``), in its tiles
-                tn = norm_tiles(sum(ns), k)
-                norm = {"nw_ptr": "*bf16", "eps": "fp32"}
-                desc = {"w_desc": f"tensordesc<bf16[{tn.bn}, {tn.bk}]>"} if len(ns) == 1 else {}
-                norm_consts = {k: v for k, v in consts.items() if k != "nw_ptr"} | {
-                    "NORM": True, "BK": tn.bk, "PREFETCH_LINES": triton.next_power_of_2(-(-tn.prefetch * tn.bk // 64))}
-                kernel = compile_sm90(fn, pointers | norm | desc, norm_consts | ({} if desc else {"w_desc": None}),
-                                      ["stride_xm", "stride_wn"], num_warps=tn.warps, num_stages=tn.stages)
-                Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-norm.ptx").write_text(kernel.asm["ptx"])
 
 
 @pytest.fixture(scope="module")
@@ -357,19 +346,3 @@ def test_tma_variant_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: in
     wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
     copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor" in line]
     assert copies and min(copies) > wait, "tensor copies, all after the wait"
-
-
-@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("out", ["bf16", "fp32"])
-@pytest.mark.parametrize("ns,k", NORM_CASES, ids=str)
-def test_norm_variant_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, out: str, sm90_ptx: Path) -> None:
-    """The variant that norms its rows (``NORM``, one split) in its tiles (``norm_tiles``): no
-    spills, at most 128 registers (163-189 with 128-wide k tiles), and no load (of x, the
-    weights or the norm weight) before the PDL wait."""
-    ptx = (sm90_ptx / f"{_case_name(ns, k, 0)}-{out}-norm.ptx").read_text()
-    spills, registers, log = ptxas_report(ptx)
-    assert spills == [0, 0] and registers <= 128, log
-    lines = [line.strip() for line in ptx.splitlines()]
-    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
-    assert not any(("ld.global" in line or "cp.async" in line) for line in lines[:wait]), "a load before the wait"
-    assert "rsqrt" in ptx, "the rows' scale"

@@ -30,7 +30,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..ops_linear import MAX_GROUP  # (importing it declares deepinfer::skinny_linear before we register for it)
-from .norm import rms_norm_triton
 from .pdl import pdl_args, prefetch_l2, release_next, wait_only
 
 BM = 16  # rows per block: fixed, never chosen from M (batch invariance)
@@ -88,7 +87,6 @@ def _skinny_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
     NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr, X_BLOCK_N: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
-    nw_ptr=None, eps=0.0, NORM: tl.constexpr = False,
 ):
     """out_g[rows, cols] = x[rows, :] @ w_g[cols, :].T with fp32 accumulation, stored in out's
     dtype, for a group of weights ``w_ptrs`` (one or more) that share x. Column tiles of BN run
@@ -105,10 +103,7 @@ def _skinny_kernel(
     (single) weight is the stack of a block-diagonal one's blocks, ``X_BLOCK_N`` rows each, and
     column tiles of block b read x's columns ``[b*K, (b+1)*K)``; BN divides ``X_BLOCK_N``. With
     ``w_desc`` (a tensor descriptor of the single weight, blocks ``[BN, BK]``) the weight tiles
-    come through it: out-of-range rows and k read zeros, as the masks give. With ``NORM`` (one
-    split, one block) the rows are RMS-normed on the way in: the dots take ``x * nw`` rounded to
-    x's dtype, and each row's sum is scaled by ``rsqrt(mean(x^2) + eps)`` at the end, from the
-    squares of the x tiles the loop loads anyway (``skinny_linear_norm``)."""
+    come through it: out-of-range rows and k read zeros, as the masks give."""
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -142,7 +137,6 @@ def _skinny_kernel(
     wait_only(PDL)
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    ss = tl.zeros([BM], dtype=tl.float32)  # the rows' sums of squares (NORM)
     for k0 in range(0, K_SPLIT, BK):
         if w_desc is not None:
             kmask = offs_k < K - k0
@@ -156,18 +150,10 @@ def _skinny_kernel(
             kmask = offs_k < K - k0
             a = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(w_tile, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if NORM:
-            af = a.to(tl.float32)
-            ss += tl.sum(af * af, axis=1)
-            kk = k0 + tl.arange(0, BK)
-            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            a = (af * nw[None, :]).to(dtype)
         acc = tl.dot(a, b.to(dtype), acc, input_precision=PREC)
         x_ptrs += BK * stride_xk
         w_tile += BK * stride_wk
     release_next(PDL)
-    if NORM:
-        acc = acc * tl.math.rsqrt(ss / K + eps)[:, None]
     offs = rows.to(tl.int64)[:, None] * n + cols[None, :]
     mask = rmask[:, None] & nmask[None, :]
     if SPLITS == 1:
@@ -235,49 +221,12 @@ def skinny_linear_group_triton(x: torch.Tensor, ws: Sequence[torch.Tensor], out_
     tiles of one tiling, ``choose_tiles(sum N_g, K)``. At decode the small projections of one
     input (``wq_a`` and ``wkv``; the compressors' and indexer's) are each too small to fill the
     GPU alone and cost a launch each; as a group they stream as one weight."""
-    _check_group(x, ws)
-    return _launch(x, ws, out_fp32, tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1]))
-
-
-def skinny_linear_norm_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, ws: Sequence[torch.Tensor],
-                              out_fp32: bool, tiles: Tiles | None = None) -> list[torch.Tensor]:
-    """``deepinfer::skinny_linear_norm``: ``[rms_norm(x, norm_weight, eps) @ w.T for w in ws]``
-    in one launch where the tiling takes K in one split (``wq_b`` after ``q_norm``, the head
-    after the final norm): the rows are normed inside the GEMV (``_skinny_kernel``'s NORM),
-    which saves the norm's launch and its round trip through memory. The result differs from
-    the norm then the projection by the rounding of the normed rows (here ``x * nw``, scaled
-    after the sum). Where K is split (``wq_a`` + ``wkv``) the norm runs first, as its own
-    launch: a split sees part of each row's squares."""
-    _check_group(x, ws)
-    if tuple(norm_weight.shape) != (x.shape[1],):
-        raise ValueError(f"skinny_linear_norm: a norm weight of x's width {x.shape[1]} expected, got {tuple(norm_weight.shape)}")
-    t = tiles or norm_tiles(sum(w.shape[0] for w in ws), x.shape[1])
-    if _splits(x.shape[1], t)[1] > 1:
-        return _launch(rms_norm_triton(x, norm_weight, eps), ws, out_fp32, t)
-    return _launch(x, ws, out_fp32, t, norm=(norm_weight.contiguous(), float(eps)))
-
-
-def norm_tiles(n: int, k: int) -> Tiles:
-    """``choose_tiles`` for a GEMV that norms its rows, where K is in one split: 64-wide k tiles
-    in four stages. With 128-wide ones the x tiles' scaling took the kernel from 72-98 to 163-189
-    registers on sm_90 (three programs an SM at most, two for the grouped ``wq_b``'s 320); with
-    64, 80. Split tilings are kept: there the norm runs first and the plain kernel after."""
-    t = choose_tiles(n, k)
-    return t._replace(bk=min(t.bk, 64), stages=4) if t.split == 1 else t
-
-
-def _check_group(x: torch.Tensor, ws: Sequence[torch.Tensor]) -> None:
     if not ws or len(ws) > MAX_GROUP:
         raise ValueError(f"skinny_linear_group: 1 to {MAX_GROUP} weights, got {len(ws)}")
     if x.dim() != 2 or any(w.dim() != 2 or w.shape[1] != x.shape[1] for w in ws):
         shapes = ", ".join(str(tuple(w.shape)) for w in ws)
         raise ValueError(f"skinny_linear: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {shapes}")
-
-
-def _splits(k: int, t: Tiles) -> tuple[int, int]:
-    """(the k range of one split, the number of splits) of a K-long row under tiling t."""
-    k_split = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
-    return k_split, triton.cdiv(k, k_split)
+    return _launch(x, ws, out_fp32, tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1]))
 
 
 def skinny_linear_blocks_triton(x: torch.Tensor, w: torch.Tensor, blocks: int, tiles: Tiles | None = None) -> torch.Tensor:
@@ -296,11 +245,9 @@ def skinny_linear_blocks_triton(x: torch.Tensor, w: torch.Tensor, blocks: int, t
     return _launch(x, [w], False, t._replace(bn=bn), x_block_n=r)[0]
 
 
-def _launch(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tiles, x_block_n: int = 0,
-            norm: tuple[torch.Tensor, float] | None = None) -> list[torch.Tensor]:
+def _launch(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tiles, x_block_n: int = 0) -> list[torch.Tensor]:
     """One ``_skinny_kernel`` launch over the weights ``ws`` (shapes checked by the caller), each
-    reading x's first K columns, or with ``x_block_n`` its block's (``skinny_linear_blocks``);
-    with ``norm`` (weight, eps; one split only) the rows RMS-normed first (``skinny_linear_norm``)."""
+    reading x's first K columns, or with ``x_block_n`` its block's (``skinny_linear_blocks``)."""
     if any(w.dtype != x.dtype for w in ws):
         raise ValueError(f"skinny_linear: x and w must share a dtype, got {x.dtype} and {[w.dtype for w in ws]}")
     if any(w.stride() != ws[0].stride() for w in ws):
@@ -312,9 +259,8 @@ def _launch(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tile
         return outs
     if k == 0:
         return [o.zero_() for o in outs]
-    k_split, splits = _splits(k, t)
-    if norm is not None and (splits > 1 or x_block_n):
-        raise ValueError("skinny_linear_norm: the rows are normed in the GEMV only with K in one split and one block")
+    k_split = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
+    splits = triton.cdiv(k, k_split)
     tile0 = tuple(itertools.accumulate((triton.cdiv(n, t.bn) for n in ns), initial=0))
     grid = (triton.cdiv(m, BM), tile0[-1], splits)
     # One split needs neither workspace nor counters: None makes them constexpr, never read.
@@ -335,7 +281,6 @@ def _launch(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tile
         NS=ns, TILE0=tile0[:-1], COL0=tuple(itertools.accumulate(ns[:-1], initial=0)), N_ALL=sum(ns), X_BLOCK_N=x_block_n,
         PREFETCH_LINES=lines if ws[0].stride(1) == 1 else 0, LINE=line,
         num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device), w_desc=w_desc,
-        **({} if norm is None else {"nw_ptr": norm[0], "eps": norm[1], "NORM": True}),
     )
     return outs
 
@@ -355,4 +300,3 @@ def _skinny_linear_group_cuda(x: torch.Tensor, ws: list[torch.Tensor], out_fp32:
 torch.library.register_kernel("deepinfer::skinny_linear", "cuda", _skinny_linear_cuda)
 torch.library.register_kernel("deepinfer::skinny_linear_group", "cuda", _skinny_linear_group_cuda)
 torch.library.register_kernel("deepinfer::skinny_linear_blocks", "cuda", _skinny_linear_blocks_cuda)
-torch.library.register_kernel("deepinfer::skinny_linear_norm", "cuda", skinny_linear_norm_triton)
