@@ -29,7 +29,8 @@ ENV_DISABLE = "DEEPINFER_DISABLE_PASSES"
 
 # Modules whose import registers the built-in passes, in pipeline order. Imported lazily so that
 # pass modules can import this one without a cycle.
-_BUILTIN_PASS_MODULES: tuple[str, ...] = ("deepinfer_fx.passes.fusion", "deepinfer_fx.passes.swaps", "deepinfer_fx.passes.grouping")
+_BUILTIN_PASS_MODULES: tuple[str, ...] = ("deepinfer_fx.passes.fusion", "deepinfer_fx.passes.swaps", "deepinfer_fx.passes.swaps_attention",
+                                          "deepinfer_fx.passes.grouping")
 
 
 class GraphPass(ABC):

@@ -19,9 +19,9 @@ from deepinfer_fx.passes.dump import graph_name
 RMS, SWIGLU = "rms_norm_fusion", "swiglu_clamp_fusion"
 RMS_OP, SWIGLU_OP = torch.ops.deepinfer.rms_norm.default, torch.ops.deepinfer.swiglu_clamp.default
 # kernel swaps (not installed around these blocks) and the grouping of their projections
-SWAPS = ("moe_experts_kernel", "moe_shared_fused_kernel", "mhc_sinkhorn_kernel", "sparse_mqa_kernel", "ring_mqa_kernel", "compressor_kernel",
-         "indexer_topk_kernel", "indexer_scores_kernel", "skinny_linear_kernel", "skinny_linear_blocks_kernel", "rope_table_op", "rope_kernel", "norm_rope_kernel",
-         "mhc_site_kernel", "mhc_head_kernel", "route_topk_kernel", "skinny_linear_group")
+SWAPS = ("moe_experts_kernel", "moe_shared_fused_kernel", "mhc_sinkhorn_kernel", "skinny_linear_kernel", "skinny_linear_blocks_kernel",
+         "mhc_site_kernel", "mhc_head_kernel", "route_topk_kernel", "sparse_mqa_kernel", "ring_mqa_kernel", "compressor_kernel",
+         "indexer_topk_kernel", "indexer_scores_kernel", "rope_table_op", "rope_kernel", "norm_rope_kernel", "skinny_linear_group")
 NO_SWAPS = dict.fromkeys(SWAPS, 0)
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")

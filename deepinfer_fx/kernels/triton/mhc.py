@@ -20,9 +20,10 @@ mantissa bits), which is met two ways:
   exact in fp32, so three bf16 tensor-core dots, each into its own fp32 accumulator (summed
   smallest first at the end), give the fp32 GEMV's result to within its accumulation rounding.
   Three accumulators rather than one chain let the pipelined loop overlap the parts' MMAs:
-  158 -> 142 us a site at 4096 tokens, 601 -> 535 at 16384 (``mhc_kernel_dots_unroll_s16.json``). The first version ran one fp32 "ieee" dot (plain
-  FMAs): 21 us a site at one token and ~1.2 ms at 4096 on an H200, where the reference cuBLAS
-  GEMM + Inductor took 47 us and 0.34 ms (``bench/results/mhc_kernel_p8.json``).
+  158 -> 142 us a site at 4096 tokens, 601 -> 535 at 16384 (``mhc_kernel_dots_unroll_s16.json``).
+  The first version ran one fp32 "ieee" dot (plain FMAs): 21 us a site at one token and ~1.2
+  ms at 4096 on an H200, where the reference cuBLAS GEMM + Inductor took 47 us and 0.34 ms
+  (``bench/results/mhc_kernel_p8.json``).
 - fp32 streams (CPU tests, fp32 runs): one fp32 "ieee" dot.
 
 Launch 2 (``_mhc_finish_kernel``, grid ``(T, cdiv(D, BLOCK_D))``): a program sums the token's
