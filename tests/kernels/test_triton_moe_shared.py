@@ -215,14 +215,14 @@ _P8_TILES = {"decode": ((16, 128, 128, 1, 4, 3, False), (16, 128, 128, 1, 4, 3, 
 
 def _compile_for_sm90(out_dir: str) -> None:
     """PTX for sm_90 of the gate/up and down kernels (bf16, D 4096, I 2048, 64 experts, k 6) and
-    of the pair sort, with and without the shared expert, into ``out_dir`` (run in a child
+    of the pair sort and the combine, with and without the shared expert, into ``out_dir`` (run in a child
     process without the interpreter, see ``sm90_ptxas.compile_in_subprocess``). Pointers,
     strides and widths carry the 16-divisibility a real launch at these sizes specialises on."""
-    from deepinfer_fx.kernels.triton.moe_kernels import (count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel,
-                                                         sort_pairs_one_kernel)
+    from deepinfer_fx.kernels.triton.moe_kernels import (combine_kernel, count_pairs_kernel, down_kernel, gate_up_kernel,
+                                                         place_pairs_kernel, sort_pairs_one_kernel)
 
     def emit(kernel, name: str, types: dict, consts: dict, warps: int, stages: int) -> None:
-        compiled = compile_sm90(kernel, types, consts, lambda a: a.startswith("stride") or a in ("N", "SPAN"),
+        compiled = compile_sm90(kernel, types, consts, lambda a: a.startswith("stride") or a in ("N", "SPAN", "D"),
                                 num_warps=warps, num_stages=stages)
         Path(out_dir, f"{name}.ptx").write_text(compiled.asm["ptx"])
         Path(out_dir, f"{name}.smem").write_text(str(compiled.metadata.shared))
@@ -244,6 +244,8 @@ def _compile_for_sm90(out_dir: str) -> None:
         emit(count_pairs_kernel, f"count-{shared}", types, sort, 4, 3)
         emit(place_pairs_kernel, f"place-{shared}", types, {**sort, "G_P": 64}, 4, 3)
         emit(sort_pairs_one_kernel, f"sort_one-{shared}", types, sort, 4, 3)
+        # each token's k (+ the shared) bf16 expert rows summed into fp32, as moe.py launches it at D 4096
+        emit(combine_kernel, f"combine-{shared}", {**types, "out_ptr": "*fp32"}, {"TOPK": 6 + shared, "BD": 1024, "PDL": True}, 4, 3)
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +256,7 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
 @pytest.mark.parametrize("kernel", ["gate_up-decode", "down-decode", "gate_up-narrow4", "down-narrow4", "gate_up-narrow3",
-                                    "down-narrow3", "gate_up-prefill", "down-prefill", "count", "place", "sort_one"])
+                                    "down-narrow3", "gate_up-prefill", "down-prefill", "count", "place", "sort_one", "combine"])
 def test_kernels_compile_for_sm90_without_spills(kernel: str, shared: bool, sm90_ptx: Path) -> None:
     """Both variants compile for the H200 with no spills; the GEMMs on tensor cores. The shared
     variant selects a base pointer per block and should cost no more than a few registers."""
@@ -266,6 +268,11 @@ def test_kernels_compile_for_sm90_without_spills(kernel: str, shared: bool, sm90
         _, routed_registers, _ = ptxas_report((sm90_ptx / f"{kernel}-False.ptx").read_text())
         assert registers <= routed_registers + 16, f"{kernel}: {registers} registers, {routed_registers} without the shared expert"
     assert "griddepcontrol.wait" in ptx, "PDL (kernels/triton/pdl.py)"
+    if kernel == "combine":  # reads only what the down GEMM wrote: nothing before the wait; rows in 16-byte vectors
+        lines = [line.strip() for line in ptx.splitlines()]
+        wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
+        assert not any("ld.global" in line for line in lines[:wait]), "a load before the wait"
+        assert "ld.global.v4" in ptx and "st.global.v4" in ptx
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")

@@ -2,16 +2,20 @@
 seed is in the failure message), odd row counts, leading dims, strided inputs, every weight
 kind, both the in-register and the chunked path, and an output poisoned with NaN so that an
 element the kernel forgets to write fails. On CUDA, also bf16 and the op's dispatch.
-The same kernel with rope tables against ``graphs/rope.py::norm_rope``."""
+The same kernel with rope tables against ``graphs/rope.py::norm_rope``; and, offline, the kernel
+compiled for the H200 (sm_90) at the model's widths."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.norm import rms_norm
 from deepinfer_fx.graphs.rope import norm_rope
-from deepinfer_fx.kernels.triton.norm import _MAX_FUSED, rms_norm_triton
+from deepinfer_fx.kernels.triton.norm import _MAX_FUSED, _launch_config, _rms_norm_kernel, rms_norm_triton
 
 CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
@@ -217,3 +221,44 @@ def test_rms_norm_rope_op_dispatches_to_triton() -> None:
     assert any("_rms_norm_kernel" in e.name for e in prof.events()), f"seed={seed}: the op did not launch the kernel"
     assert torch.equal(got, rms_norm_triton(x, None, 1e-6, None, cos, sin)), f"seed={seed}"
     torch.library.opcheck(torch.ops.deepinfer.rms_norm_rope.default, (x, None, 1e-6, cos, sin))
+
+
+# (D, weighted, rope pairs): V4's norms at P8 widths: the hidden size (attn_norm, ffn_norm, the
+# final norm), q_norm, the K = V latent and the query heads (normed and rotated), and the chunked
+# path of rows wider than _MAX_FUSED.
+SM90_CASES = [(4096, True, 0), (1024, True, 0), (512, True, 32), (512, False, 32), (2 * _MAX_FUSED, True, 0)]
+
+
+def _sm90_name(d: int, weighted: bool, half: int) -> str:
+    return f"{d}-{'w' if weighted else 'n'}-{half}"
+
+
+def _compile_for_sm90(out_dir: str) -> None:
+    """PTX of each case for sm_90, with the launcher's configuration and the pointer and stride
+    alignment a launch specialises on (bf16 rows and weight, fp32 tables)."""
+    for d, weighted, half in SM90_CASES:
+        rows, block, fused, num_warps = _launch_config(d)
+        constants = {"D": d, "HAS_WEIGHT": weighted, "ROWS": rows, "BLOCK": block, "FUSED": fused, "HALF": half, "PDL": True}
+        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
+        kernel = compile_sm90(_rms_norm_kernel, types, constants, ["stride_x", "stride_out"], num_warps=num_warps)
+        Path(out_dir, f"{_sm90_name(d, weighted, half)}.ptx").write_text(kernel.asm["ptx"])
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_in_subprocess("test_triton_norm", tmp_path_factory.mktemp("sm90"))
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("d,weighted,half", SM90_CASES)
+def test_rms_norm_compiles_for_sm90_without_spills(d: int, weighted: bool, half: int, sm90_ptx: Path) -> None:
+    """No spills; PDL's wait before any load (every launch of the step chains on the one before);
+    rows read and written in 16-byte vectors."""
+    ptx = (sm90_ptx / f"{_sm90_name(d, weighted, half)}.ptx").read_text()
+    spills, registers, log = ptxas_report(ptx)
+    assert spills == [0, 0] and registers <= 128, log
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
+    assert not any(("ld.global" in line or "cp.async" in line) for line in lines[:wait]), "a load before the wait"
+    assert "griddepcontrol.launch_dependents" in ptx, "PDL (kernels/triton/pdl.py)"
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "rows move in 16-byte vectors"
