@@ -226,8 +226,8 @@ def test_head_tiling_is_the_sites_but_for_its_rows() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_head_token_does_not_depend_on_the_batch(dtype: torch.dtype, device: str, monkeypatch) -> None:
     """Rows of a 150-token batch (several launch-1 blocks, the last part-filled) == each row alone,
-    the batch loading the streams last and looping and a row alone first and unrolled (``LOADS_FIRST``,
-    ``UNROLL``; on the GPU: the interpreter unrolls no dot)."""
+    the batch loading the streams last and a row alone first (``LOADS_FIRST``). Launch 1's
+    schedules (``UNROLL``) differ here too, but only on a GPU: under the interpreter both loop."""
     monkeypatch.setattr(mhc_kernels, "_LOADS_FIRST_TOKENS", 100)
     monkeypatch.setattr(mhc_kernels, "_UNROLL_TOKENS", 100)
     seed = _seed()
@@ -240,8 +240,8 @@ def test_head_token_does_not_depend_on_the_batch(dtype: torch.dtype, device: str
 @pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
 def test_token_does_not_depend_on_the_batch(with_pre: bool, device: str, monkeypatch) -> None:
     """Rows of a 150-token batch (several launch-1 blocks, the last part-filled) == each row alone,
-    the batch loading the streams last and looping and a row alone first and unrolled (``LOADS_FIRST``,
-    ``UNROLL``; on the GPU: the interpreter unrolls no dot)."""
+    the batch loading the streams last and a row alone first (``LOADS_FIRST``). Launch 1's
+    schedules (``UNROLL``) differ here too, but only on a GPU: under the interpreter both loop."""
     monkeypatch.setattr(mhc_kernels, "_LOADS_FIRST_TOKENS", 100)
     monkeypatch.setattr(mhc_kernels, "_UNROLL_TOKENS", 100)
     seed = _seed()

@@ -58,8 +58,8 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "dots-bf16-unrolled", "finish-False", "finish-True", "finish-False-prefill",
-                                    "finish-True-prefill", "finish-head"])
+@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "dots-bf16-unrolled", "finish-False", "finish-True",
+                                    "finish-False-prefill", "finish-True-prefill", "finish-head"])
 def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
     """No spills, PDL's wait and trigger before any load, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16
     streams' dots are bf16 tensor-core MMAs; the collapse loads the streams in 16-byte vectors. The head's finish
