@@ -27,7 +27,7 @@ from ..engine.graph_runner import StepGraphs
 from ..graphs.state import init_state
 from . import roofline
 from .p8 import P8, hf_kwargs, p8_config, run_info, write_result
-from .timing import kernel_table, kernel_timeline, timed
+from .timing import between_steps, kernel_table, kernel_timeline, timed
 
 
 def build_hf(layers: int, seed: int):
@@ -91,6 +91,8 @@ def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int) -> 
     row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, kernels=kernels)
     # what each kernel adds to the step's span (durations overlap under PDL)
     row["timeline"], row["step_kernels"] = kernel_timeline(lambda: graphs.decode(sl, starts), 3)
+    # the cost between steps: the inputs' copy and the graph launch (the timeline sees one step)
+    row["between_steps"] = between_steps(lambda: graphs.decode(sl, starts), 8)
     print({k: v for k, v in row.items() if k not in ("kernels", "roofline", "timeline", "step_kernels")}, flush=True)
     _print_kernels(kernels)
     for r in row["timeline"][:16]:

@@ -92,6 +92,41 @@ def kernel_timeline(fn: Callable[[], object], steps: int) -> tuple[list[dict], l
     return table, ordered
 
 
+def step_spans(spans: Sequence[tuple[str, float, float]]) -> dict:
+    """Kernel and copy spans ``(name, start, end)`` of back-to-back steps, each begun by one
+    host-to-device copy -> the steps' mean span (first kernel's start to last kernel's end) and
+    the mean and largest time from one step's last kernel to the next step's first (the copy and
+    the graph launch, which a one-step timeline cannot see)."""
+    groups: list[list[tuple[float, float]]] = []
+    for name, start, end in sorted(spans, key=lambda s: s[1]):
+        if name.startswith("Memcpy HtoD") or not groups:
+            groups.append([])
+        if not name.startswith("Memcpy"):
+            groups[-1].append((start, end))
+    groups = [g for g in groups if g]
+    span = [max(e for _, e in g) - g[0][0] for g in groups]
+    between = [b[0][0] - max(e for _, e in a) for a, b in zip(groups, groups[1:])]
+    return {"steps": len(groups), "span_us": round(sum(span) / max(len(span), 1), 2),
+            "between_us": round(sum(between) / max(len(between), 1), 2), "between_max_us": round(max(between, default=0.0), 2)}
+
+
+def between_steps(fn: Callable[[], object], steps: int) -> dict:
+    """``step_spans`` of ``steps`` calls of ``fn`` run back to back (no sync between them) under
+    the profiler, and the host's time per call while the device is busy (the profiler's own
+    cost included)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        host_s = (time.perf_counter() - t0) / steps
+        torch.cuda.synchronize()
+    spans = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
+             if ev.device_type == torch.autograd.DeviceType.CUDA]
+    return {**step_spans(spans), "host_us_per_call": round(host_s * 1e6, 1)}
+
+
 def graph_ms(fn: Callable[[], object], iters: int) -> float:
     """Mean ms per replay of ``fn`` captured in a CUDA graph (after an eager warm-up call that
     compiles the kernels)."""
