@@ -2,7 +2,7 @@
 
     python -m deepinfer_fx.bench.mhc_kernel --tokens 1,8,16,64,256,4096,16384 [--sweep]
 
-X bf16 ``[T, 4, 4096]``, ``fn`` fp32 ``[24, 16384]``, 20 Sinkhorn rounds: the site up to the
+X bf16 ``[T, 4, 4096]``, ``fn`` fp32 ``[24, 16384]``, 20 Sinkhorn rounds (``--rounds``): the site up to the
 sublayer input (mixing GEMV, pre / post, Sinkhorn comb, collapse). Timed per token count, each
 captured in a CUDA graph: ``mhc_site_triton`` (2 launches); the reference compiled through the
 engine's CUDA pipeline with the ``mhc_site_kernel`` swap off (cuBLAS GEMM, the Sinkhorn kernel,
@@ -36,10 +36,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", default="1,8,16,64,256,4096,16384")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time the launches' tilings")
+    ap.add_argument("--rounds", type=int, default=P8["hc_sinkhorn_iters"],
+                    help="Sinkhorn rounds (the config's by default; fewer times what the rounds cost)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     n, d = P8["hc_mult"], P8["hidden_size"]
-    consts = (P8["rms_norm_eps"], P8["hc_eps"], P8["hc_sinkhorn_iters"])
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    consts = (P8["rms_norm_eps"], P8["hc_eps"], args.rounds)
     torch.manual_seed(0)
     m = 2 * n + n * n
     fn = torch.randn(m, n * d, device="cuda") * (n * d) ** -0.5
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
                 graph_ms(lambda c=cfg: mhc_site_triton(*site, finish=c), args.iters) * 1e3, 2) for cfg in _SWEEP_FINISH}
         rows.append(row)
         print(row, flush=True)
-    result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16"},
+    result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16", "rounds": args.rounds},
               "sweep_key": "BT/BK/SPLITS/UNROLL", "finish_sweep_key": "BLOCK_D/num_warps", "rows": rows}
     write_result("mhc_kernel_p8", result, args.out)
     return result
