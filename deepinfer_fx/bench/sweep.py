@@ -2,9 +2,11 @@
 contexts, prefill over chunk sizes, each point against HF and the roofline, then the plots.
 
     python -m deepinfer_fx.bench.sweep --out bench/results/sweep
+    python -m deepinfer_fx.bench.sweep --random-weights --contexts 4096 --batches 1,4,16,64,256
 
 Each segment runs as its own process (a fresh CUDA context and its own JSON), so a point that
-runs out of memory or time loses only its segment. ``--dry`` prints the commands only.
+runs out of memory or time loses only its segment. ``--random-weights`` skips building HF's
+model (minutes of set-up; no peer then); ``--dry`` prints the commands only.
 """
 
 from __future__ import annotations
@@ -16,16 +18,24 @@ from pathlib import Path
 
 DECODE_BATCHES = "1,2,4,8,16,32,64,128,256"
 PREFILL_CHUNKS = "1024,2048,4096,8192,16384"
+LONG_CONTEXT = 4096  # above it, decode stops at LONG_BATCHES: big per-request caches
 
 
-def commands(out: str, contexts: list[str], hf: bool) -> list[list[str]]:
+def commands(out: str, contexts: list[str], hf: bool, random_weights: bool = False, batches: str = DECODE_BATCHES,
+             chunks: str = PREFILL_CHUNKS, steps: int | None = None) -> list[list[str]]:
+    """One ``p8_vs_hf`` command per segment: the prefill chunks, then decode per context."""
     base = [sys.executable, "-m", "deepinfer_fx.bench.p8_vs_hf", "--out", out]
-    peer = [] if hf else ["--no-hf"]
-    runs = [[*base, *peer, "--segments", "prefill", "--prefill-tokens", PREFILL_CHUNKS]]
+    if random_weights:  # no HF model at all, hence no peer
+        base.append("--random-weights")
+    elif not hf:
+        base.append("--no-hf")
+    if steps is not None:
+        base += ["--steps", str(steps)]
+    runs = [[*base, "--segments", "prefill", "--prefill-tokens", chunks]] if chunks else []
+    long_batches = ",".join(b for b in batches.split(",") if int(b) <= 64) or batches.split(",")[0]
     for ctx in contexts:
-        # long contexts hold big per-request caches: stop the batch where the state still fits
-        batches = DECODE_BATCHES if int(ctx) <= 4096 else "1,8,64"
-        runs.append([*base, *peer, "--segments", "decode", "--context", ctx, "--batches", batches])
+        runs.append([*base, "--segments", "decode", "--context", ctx,
+                     "--batches", batches if int(ctx) <= LONG_CONTEXT else long_batches])
     return runs
 
 
@@ -33,11 +43,21 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/sweep")
     ap.add_argument("--contexts", default="512,4096,32768")
+    ap.add_argument("--batches", default=DECODE_BATCHES, help=f"decode batch sizes (above {LONG_CONTEXT} context only those <= 64)")
+    ap.add_argument("--chunks", default=PREFILL_CHUNKS, help="prefill chunk sizes; empty: no prefill segment")
+    ap.add_argument("--steps", type=int, default=None, help="decode steps per point (p8_vs_hf's default otherwise)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--random-weights", action="store_true", help="our own random init, no HF model (fast; no peer)")
     ap.add_argument("--dry", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        for v in (args.batches, args.chunks, args.contexts):
+            [int(x) for x in v.split(",") if v]
+    except ValueError as e:
+        ap.error(f"--batches, --chunks and --contexts take comma-separated integers ({e})")
     failed = []
-    for i, cmd in enumerate(commands(args.out, args.contexts.split(","), not args.no_hf)):
+    runs = commands(args.out, args.contexts.split(","), not args.no_hf, args.random_weights, args.batches, args.chunks, args.steps)
+    for i, cmd in enumerate(runs):
         print(" ".join(cmd[1:]), flush=True)
         if args.dry:
             continue
@@ -48,7 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.dry:
         from .plots import main as plot
 
-        plot([str(p) for p in sorted(Path(args.out).glob("run*/*.json"))] + ["--out", args.out])
+        files = [str(p) for p in sorted(Path(args.out).glob("run*/*.json"))]
+        try:
+            plot(files + ["--out", args.out])
+        except ImportError:
+            print(f"matplotlib is not installed (pip install -e '.[bench]'): plot later with "
+                  f"python -m deepinfer_fx.bench.plots {args.out}/run*/*.json --out {args.out}")
     for f in failed:
         print(f"FAILED: {f}")
 

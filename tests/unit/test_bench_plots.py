@@ -41,3 +41,19 @@ def test_run_info_records_the_settings_a_run_ran_with(monkeypatch) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "1")
     env = run_info(["--x"])["env"]
     assert env["DEEPINFER_PDL"] == "0" and env["TORCHINDUCTOR_ENABLE_PDL"] == "1" and "DEEPINFER_COMMIT" not in env
+
+
+def test_sweep_runs_one_command_per_segment() -> None:
+    """The sweep (``bench/sweep.py``): prefill first, then decode per context; long contexts stop at 64
+    requests; random weights have no peer to time."""
+    from deepinfer_fx.bench.sweep import commands
+
+    runs = commands("o", ["512", "32768"], hf=True, random_weights=True, batches="1,16,128", chunks="1024,4096", steps=5)
+    args = [r[3:] for r in runs]  # after: python -m deepinfer_fx.bench.p8_vs_hf
+    assert all(a[:5] == ["--out", "o", "--random-weights", "--steps", "5"] for a in args)
+    assert [a[5:] for a in args] == [["--segments", "prefill", "--prefill-tokens", "1024,4096"],
+                                     ["--segments", "decode", "--context", "512", "--batches", "1,16,128"],
+                                     ["--segments", "decode", "--context", "32768", "--batches", "1,16"]]
+    peerless = commands("o", ["512"], hf=False, chunks="")
+    assert len(peerless) == 1 and "--no-hf" in peerless[0] and "--random-weights" not in peerless[0]
+    assert "--no-hf" not in commands("o", ["512"], hf=True)[0]
