@@ -18,7 +18,9 @@ from pathlib import Path
 
 DECODE_BATCHES = "1,2,4,8,16,32,64,128,256"
 PREFILL_CHUNKS = "1024,2048,4096,8192,16384"
-LONG_CONTEXT = 4096  # above it, decode stops at LONG_BATCHES: big per-request caches
+# Above this context, decode runs only the batches up to LONG_MAX_BATCH: big per-request caches.
+LONG_CONTEXT = 4096
+LONG_MAX_BATCH = 64
 
 
 def commands(out: str, contexts: list[str], hf: bool, random_weights: bool = False, batches: str = DECODE_BATCHES,
@@ -32,7 +34,7 @@ def commands(out: str, contexts: list[str], hf: bool, random_weights: bool = Fal
     if steps is not None:
         base += ["--steps", str(steps)]
     runs = [[*base, "--segments", "prefill", "--prefill-tokens", chunks]] if chunks else []
-    long_batches = ",".join(b for b in batches.split(",") if int(b) <= 64) or batches.split(",")[0]
+    long_batches = ",".join(b for b in batches.split(",") if int(b) <= LONG_MAX_BATCH) or batches.split(",")[0]
     for ctx in contexts:
         runs.append([*base, "--segments", "decode", "--context", ctx,
                      "--batches", batches if int(ctx) <= LONG_CONTEXT else long_batches])
@@ -43,18 +45,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/sweep")
     ap.add_argument("--contexts", default="512,4096,32768")
-    ap.add_argument("--batches", default=DECODE_BATCHES, help=f"decode batch sizes (above {LONG_CONTEXT} context only those <= 64)")
+    ap.add_argument("--batches", default=DECODE_BATCHES, help=f"decode batch sizes (above {LONG_CONTEXT} context only those <= {LONG_MAX_BATCH})")
     ap.add_argument("--chunks", default=PREFILL_CHUNKS, help="prefill chunk sizes; empty: no prefill segment")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per point (p8_vs_hf's default otherwise)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--random-weights", action="store_true", help="our own random init, no HF model (fast; no peer)")
     ap.add_argument("--dry", action="store_true")
     args = ap.parse_args(argv)
-    try:
-        for v in (args.batches, args.chunks, args.contexts):
-            [int(x) for x in v.split(",") if v]
-    except ValueError as e:
-        ap.error(f"--batches, --chunks and --contexts take comma-separated integers ({e})")
+    for name, text in (("--batches", args.batches), ("--chunks", args.chunks), ("--contexts", args.contexts)):
+        if text and not all(x.strip().isdigit() and int(x) > 0 for x in text.split(",")):
+            ap.error(f"{name} takes comma-separated positive integers, got {text!r}")
     failed = []
     runs = commands(args.out, args.contexts.split(","), not args.no_hf, args.random_weights, args.batches, args.chunks, args.steps)
     for i, cmd in enumerate(runs):
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
 
         files = [str(p) for p in sorted(Path(args.out).glob("run*/*.json"))]
         try:
-            plot(files + ["--out", args.out])
+            if files:  # else every run failed: nothing to plot
+                plot(files + ["--out", args.out])
         except ImportError:
             print(f"matplotlib is not installed (pip install -e '.[bench]'): plot later with "
                   f"python -m deepinfer_fx.bench.plots {args.out}/run*/*.json --out {args.out}")
