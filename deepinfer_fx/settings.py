@@ -83,6 +83,10 @@ VARIABLES: dict[str, Var] = {
         "sm_90+ GPUs: each may start while the one before it finishes, and waits on the device for its results",
     ),
     f"{PREFIX}TOPOLOGY_FILE": Var("topology_file", _text, None, "a JSON file", "hardware description for expert placement"),
+    f"{PREFIX}CACHE_DIR": Var(
+        "cache_dir", _text, None, "a directory",
+        "compile caches (Inductor, FX graph, AOT autograd, Triton); default ~/.cache/deepinfer_fx/compile",
+    ),
     f"{PREFIX}DEMO_DIR": Var("demo_dir", _text, None, "a directory", "where the built-in demo model is written"),
     f"{PREFIX}EXPERT_FORMAT": Var(
         "expert_format", _choice("auto", "fp8", "dequant"), "auto", "auto, fp8 or dequant",
@@ -132,6 +136,7 @@ class EngineConfig:
     batch_invariant: bool = False
     disable_passes: str = ""
     topology_file: str | None = None
+    cache_dir: str | None = None
     demo_dir: str | None = None
     expert_format: str = "auto"
     pdl: bool = True

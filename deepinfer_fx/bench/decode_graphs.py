@@ -18,7 +18,7 @@ import torch
 
 from ..api import random_model
 from ..engine.graph_runner import StepGraphs
-from ..engine.steps import decode_step
+from ..engine.steps import decode_logits
 from ..graphs.state import init_state
 from .p8 import p8_config, run_info, write_result
 from .timing import timed
@@ -46,16 +46,16 @@ def main(argv: list[str] | None = None) -> dict:
         sl = list(range(b))
         starts = [args.context] * b
         meta = [torch.tensor(v, device="cuda") for v in (sl, starts, [1] * b)]
-        eager_logits = decode_step(model.params, state, c, next_token, *meta)
+        eager_logits = decode_logits(model.params, state, c, next_token, *meta)
         t0 = time.perf_counter()
-        graph_logits = graphs.decode(sl, starts)
+        graph_logits = graphs.decode(sl, starts).logits
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
-        replay_logits = graphs.decode(sl, starts).clone()
+        replay_logits = graphs.decode(sl, starts).logits.clone()
         err = ((replay_logits - eager_logits).abs().max() / eager_logits.abs().max()).item()
         err_first = ((graph_logits - eager_logits).abs().max() / eager_logits.abs().max()).item()
         same_top = (replay_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
-        t_eager = timed(lambda: decode_step(model.params, state, c, next_token, *meta), args.iters)
+        t_eager = timed(lambda: decode_logits(model.params, state, c, next_token, *meta), args.iters)
         t_graph = timed(lambda: graphs.decode(sl, starts), args.iters)
         rows.append({
             "batch": b, "context": args.context, "eager_ms": round(t_eager * 1e3, 3), "graph_ms": round(t_graph * 1e3, 3),

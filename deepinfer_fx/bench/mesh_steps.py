@@ -3,7 +3,7 @@ step over the ranks of a mesh (or alone on one device), and the time spent in th
 
 What a step is. With compiled steps (GPUs by default) the engine's own decode / prefill graphs
 (``StepGraphs``; traced again per row, with the row's EP group); eagerly as follows.
-Decode: ``engine.steps.decode_step`` of ``B`` requests at position ``context``
+Decode: ``engine.steps.decode_logits`` of ``B`` requests at position ``context``
 (slots ``0..B-1``); a decode at a fixed position rewrites the same cache rows, so it repeats
 (as in ``bench/decode_graphs.py``), and the cache's contents do not change the work. Prefill:
 one chunk of ``T`` tokens at position 0 of slot 0, cut by the engine's own CP split
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from ..engine.llm import LLM
-from ..engine.steps import decode_step
+from ..engine.steps import decode_logits
 from ..graphs.batch import make_batch
 from ..graphs.model import forward_batch
 from ..graphs.swap import swapped
@@ -66,7 +66,7 @@ def decode_fn(llm: LLM, batch: int, context: int) -> Callable[[], torch.Tensor]:
     slots = torch.arange(batch, device=dev)
     starts = torch.full((batch,), context, dtype=torch.long, device=dev)
     lens = torch.ones(batch, dtype=torch.long, device=dev)
-    return lambda: decode_step(params, llm.pool.state, c, llm.runner.next_token, slots, starts, lens)
+    return lambda: decode_logits(params, llm.pool.state, c, llm.runner.next_token, slots, starts, lens)
 
 
 def prefill_fn(llm: LLM, tokens: int, seed: int) -> Callable[[], torch.Tensor]:

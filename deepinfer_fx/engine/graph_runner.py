@@ -1,15 +1,21 @@
-"""Compiled steps with static buffers per bucket, and graph capture/replay of every step.
+"""Steps over static buffers per bucket: compiled, captured as graphs and replayed.
 
-A graph key is (kind, token bucket, request bucket). Each key owns static input buffers, one
-compiled function (``passes.compiler``: the accelerator's pass pipeline, dumps, cache key) and,
-on a device with graphs, one captured graph whose memory comes from a pool shared by the
-graphs of its kind (decode, prefill). Decode and prefill alike are captured, except prefill
-keys that return every row's logits (prompt logprobs), whose ``[tokens, vocab]`` fp32 output a
-graph would hold for good (2 GiB at 4096 tokens of a 129k vocabulary). Prefill gains from graphs as decode does: uncaptured, a
-4096-token P8 prefill (~650 launches) ran 3.9 ms longer than its kernels on an H200 (55.2 vs
-51.3 ms). A step pads its inputs up to the nearest bucket, copies them into the key's buffers
-in one host->device copy and replays; the first step of a key runs the compiled function (which
-compiles it: that run is the warm-up) and captures the graph right after.
+A graph key is (kind, token bucket, request bucket, sampler mode, logprobs). A step is the
+model part (compiled once per bucket: ``passes.compiler``, the accelerator's pass pipeline,
+dumps, cache key) followed by the sampler (``steps.sample_rows``, compiled once per mode for
+every bucket); on a device with graphs both are captured as one graph, so a replay turns the
+step's input buffer into sampled tokens written to ``next_token`` with no host work between.
+Graph memory comes from a pool shared by the graphs of a kind (decode, prefill). Decode and
+prefill alike are captured, except prefill keys that return every row's logits (prompt
+logprobs), whose ``[tokens, vocab]`` fp32 output a graph would hold for good (2 GiB at 4096
+tokens of a 129k vocabulary). Prefill gains from graphs as decode does: uncaptured, a 4096-token
+P8 prefill (~650 launches) ran 3.9 ms longer than its kernels on an H200 (55.2 vs 51.3 ms).
+
+Every input of a step sits in one device arena (``step_inputs``): the host lays a step out
+once, pads it to its buckets and copies it in one host->device copy. The first step of a key
+runs the compiled functions (which compiles them: ``warm_up`` does it ahead of time on
+padding) and captures the graph right after. ``compile=False`` runs the same step functions
+eagerly at the exact sizes (the CPU engine and the tests' eager twin).
 
 ``GraphWrapper`` is what a device's graph API must provide; ``DeviceGraph`` serves CUDA graphs
 on NVIDIA and ACL graphs on Ascend (torch_npu is imported only there).
@@ -30,7 +36,8 @@ from ..graphs.swap import swapped
 from ..kernels.triton import register_nvidia_kernels
 from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
-from .steps import decode_step, prefill_step
+from .step_inputs import Layout, SampledRow, fill, float_bits
+from .steps import StepOut, decode_logits, decode_step, prefill_logits, prefill_step, sample_rows
 
 # Engram tables are memory-mapped on the host in eager runs; a compiled step needs them resident.
 MAX_RESIDENT_ENGRAM_BYTES = 2 << 30
@@ -57,10 +64,17 @@ class GraphKey:
     tokens: int  # packed tokens of the step
     requests: int  # chunks (requests) of the step
     all_rows: bool = False  # prefill: logits for every row (prompt logprobs), not just the last
+    mode: str = "greedy"  # the sampler's mode (sampler.MODES)
+    k: int | None = None  # top logprobs returned
+
+    @property
+    def model_name(self) -> str:
+        """The model part's name, shared by every sampler mode of the bucket."""
+        return graph_name(self.kind, t=self.tokens, r=self.requests) + ("-all" if self.all_rows else "")
 
     @property
     def name(self) -> str:
-        return graph_name(self.kind, t=self.tokens, r=self.requests) + ("-all" if self.all_rows else "")
+        return f"{self.model_name}-{self.mode}" + (f"-k{self.k}" if self.k is not None else "")
 
 
 class GraphWrapper(Protocol):
@@ -100,109 +114,217 @@ def graph_api(device_type: str):
     return getattr(torch, device_type)
 
 
+@dataclass(frozen=True)
+class DecodeRow:
+    """One decode request: its slot and position, the sampling controls of its row."""
+
+    slot: int
+    start: int
+    controls: tuple[int, int, int, int, int]  # step_inputs.SampledRow.controls
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One prompt chunk; ``controls`` None when the chunk samples nothing (not the prompt's end)."""
+
+    slot: int
+    start: int
+    ids: Sequence[int]
+    controls: tuple[int, int, int, int, int] | None = None
+
+
+GREEDY = (0, 0, float_bits(1.0), 0, 0)  # controls of a greedy row: temperature 0
+
+
 @dataclass
 class _Entry:
     key: GraphKey
-    dev: torch.Tensor  # the static int64 device buffer the graph reads (all of a step's inputs)
-    fn: Callable[[], torch.Tensor]
-    backend: DeepinferBackend
+    layout: Layout
+    dev: torch.Tensor  # the key's region of the device arena: every input of its steps
+    fn: Callable[[], StepOut]
+    backend: DeepinferBackend | None
     graph: GraphWrapper | None = None
-    out: torch.Tensor | None = None
+    out: StepOut | None = None
     compile_s: float = 0.0
     capture_s: float = 0.0
     calls: int = field(default=0)
 
 
 class StepGraphs:
-    """Compiled decode / prefill steps over a model and a state pool."""
+    """Decode / prefill steps over a model and a state pool: compiled per bucket and replayed as
+    graphs (``compile=True``), or the same step functions run eagerly at the exact sizes."""
 
     def __init__(
         self, model: Model, state: dict, next_token: torch.Tensor, *, max_requests: int, max_tokens: int,
         accelerator: str | None = None, graphs: bool | None = None, inductor: bool = False,
-        dump_dir: str | None = None, disabled: Sequence[str] = (),
+        dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True,
     ) -> None:
         self.config, self.params = model
         self.state = state
         self.next_token = next_token
         self.device = model.device
+        self.compile = compile
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
         has_graphs = self.device.type in GRAPH_DEVICES
-        if graphs and not has_graphs:
-            raise ValueError(f"graph capture needs a CUDA or Ascend device; this model is on {self.device}")
-        self.graphs = has_graphs and graphs is not False
+        if graphs and not (has_graphs and compile):
+            raise ValueError(f"graph capture needs compiled steps on a CUDA or Ascend device; this model is on {self.device}")
+        self.graphs = compile and has_graphs and graphs is not False
         self.inductor, self.dump_dir, self.disabled = inductor, dump_dir, tuple(disabled)
         self.decode_buckets = buckets(max_requests)
         self.request_buckets = buckets(max_requests)
         self.length_buckets = buckets(max_tokens, smallest=min(16, max_tokens))
         self.scratch = state["slots"]
         self._entries: dict[GraphKey, _Entry] = {}
+        self._forwards: dict[tuple, Callable] = {}  # one compiled model part per bucket, shared by its modes
+        self._samplers: dict[tuple, Callable] = {}  # one compiled sampler per (mode, k), every bucket
+        # Every step's inputs live in one device arena: decode at offset 0, prefill after the
+        # largest decode region, so a mixed step's inputs reach the device in one copy.
+        self._decode_span = Layout("decode", self.decode_buckets[-1]).size
+        biggest = Layout("prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True).size
+        self.arena = torch.zeros(self._decode_span + biggest, dtype=torch.long, device=self.device)
+        self.vocab_ids = torch.arange(self.config.vocab_size, device=self.device)  # the sampler's race keys (sampler.sample_mode)
         # The graphs of one kind share a memory pool, owned here: decode graphs one, prefill
         # graphs another. A graph captured later may place its output in memory an earlier one
         # of its pool uses as scratch, which is safe only while one graph of the pool runs per
         # step: a mixed step replays the decode graph and then the prefill graph before it reads
-        # the decode logits. Once every graph of a pool is gone (reset, or an engine dropped) the
+        # the decode results. Once every graph of a pool is gone (reset, or an engine dropped) the
         # allocator retires the pool, and capturing into its id again fails an internal assert:
         # so fresh pools after each reset.
         self._pools: dict[str, object] = {}
-        if self.accelerator == "nvidia" and not register_nvidia_kernels():
+        if compile and self.accelerator == "nvidia" and not register_nvidia_kernels():
             raise RuntimeError("compiled steps on NVIDIA GPUs need Triton (pip install triton), or run with eager=True")
-        _make_engram_resident(self.params, self.device)
+        if compile:
+            _make_engram_resident(self.params, self.device)
         if self.config.engram_layer_ids:
             cached_engram_layout(self.config)  # built eagerly (numpy); the traced steps read it as a constant
         # one code object serves every bucket; each bucket is a separate compile
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)
 
+    # -- sizes --------------------------------------------------------------------------------
+    def _bucket(self, n: int, choices: Sequence[int]) -> int:
+        return bucket_for(n, choices) if self.compile else max(n, 1)
+
+    def decode_layout(self, n: int) -> Layout:
+        return Layout("decode", self._bucket(n, self.decode_buckets))
+
+    def prefill_layout(self, n_chunks: int, length: int, all_rows: bool = False) -> Layout:
+        return Layout("prefill", self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.length_buckets), all_rows)
+
     # -- steps ------------------------------------------------------------------------------
-    def decode(self, slots: Sequence[int], starts: Sequence[int], min_requests: int = 0) -> torch.Tensor:
-        """Logits ``[len(slots), vocab]``: one token per request, read from ``next_token[slot]``.
-        ``min_requests``: run a bucket for at least that many (padded), as multi-rank turns agree."""
-        n = len(slots)
-        b = bucket_for(max(n, min_requests), self.decode_buckets)
-        e = self._entry(GraphKey("decode", b, b))
-        pad = b - n
-        host = torch.tensor([*slots, *[self.scratch] * pad, *starts, *[0] * pad, *[1] * n, *[0] * pad])
-        return self._run(e, host)[:n]
+    def step(
+        self, decode: Sequence[DecodeRow], prefill: Sequence[PrefillChunk], mode: str, k: int | None = None,
+        all_rows: bool = False, min_requests: int = 0, min_chunks: int = 0, min_length: int = 0,
+    ) -> tuple[StepOut | None, StepOut | None]:
+        """Launch one step: the decode rows through the decode graph, then the prompt chunks
+        through the prefill graph, every input in one host-to-device copy. Sampling ``mode``
+        (``sampler.MODES``) must serve every row; ``k``: top logprobs to return. Token i of the
+        decode result is row i's; the prefill result has one token per chunk (a chunk that
+        samples nothing writes its token to the scratch slot). With ``all_rows`` the prefill
+        logits cover every row, chunk c's from ``c * layout.length``. ``min_*``: run buckets for
+        at least that many (padded), as the ranks of a mesh agree."""
+        parts: list[tuple[_Entry, list[int]]] = []
+        if decode or min_requests:
+            layout = self.decode_layout(max(len(decode), min_requests))
+            parts.append((self._entry(layout, mode, k), self._fill_decode(layout, decode)))
+        if prefill or min_chunks:
+            length = max([len(ch.ids) for ch in prefill] + [min_length, 1])
+            layout = self.prefill_layout(max(len(prefill), min_chunks), length, all_rows)
+            parts.append((self._entry(layout, mode, k), self._fill_prefill(layout, prefill)))
+        self._copy_inputs(parts)
+        outs = [self._run(e) for e, _ in parts]
+        dec = outs.pop(0) if decode or min_requests else None
+        return dec, (outs[0] if outs else None)
+
+    def decode(self, slots: Sequence[int], starts: Sequence[int], min_requests: int = 0, mode: str = "greedy") -> StepOut:
+        """Greedy decode of one token per request, read from ``next_token[slot]`` (benches, tests)."""
+        rows = [DecodeRow(s, p, GREEDY) for s, p in zip(slots, starts)]
+        return self.step(rows, (), mode, min_requests=min_requests)[0]
 
     def prefill(
-        self, chunks: Sequence[tuple[int, int, Sequence[int]]], all_rows: bool = False, min_chunks: int = 0, min_length: int = 0
-    ) -> tuple[torch.Tensor, list[int]]:
-        """``chunks``: (slot, start, token ids). Returns logits and, per chunk, the row of its
-        first logit: with ``all_rows`` a chunk of n tokens owns rows ``r .. r+n-1``, otherwise
-        only its last token's row ``r``. ``min_chunks`` / ``min_length``: run a bucket for at
-        least that many chunks of that length (padded), as multi-rank turns agree."""
-        c_bucket = bucket_for(max(len(chunks), min_chunks), self.request_buckets)
-        length = bucket_for(max([len(ids) for _, _, ids in chunks] + [min_length]), self.length_buckets)
-        key = GraphKey("prefill", c_bucket * length, c_bucket, all_rows)
-        e = self._entry(key)
-        tokens = torch.zeros(c_bucket, length, dtype=torch.long)
-        meta = torch.tensor([[self.scratch, 0, 0]] * c_bucket, dtype=torch.long)
-        for i, (slot, start, ids) in enumerate(chunks):
-            tokens[i, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
-            meta[i] = torch.tensor([slot, start, len(ids)])
-        lens = meta[:, 2]
-        if all_rows:
-            rows = torch.arange(c_bucket * length)
-            first = [i * length for i in range(len(chunks))]
-        else:
-            rows = torch.arange(c_bucket) * length + (lens - 1).clamp(min=0)
-            first = list(range(len(chunks)))
-        return self._run(e, torch.cat([tokens.reshape(-1), meta.T.reshape(-1), rows])), first
+        self, chunks: Sequence[tuple[int, int, Sequence[int]]], all_rows: bool = False, min_chunks: int = 0, min_length: int = 0,
+    ) -> tuple[StepOut, list[int]]:
+        """``chunks``: (slot, start, token ids), each sampled greedily. Returns the step's results
+        and, per chunk, the row of its first logit (``all_rows``: chunk c owns rows ``r ..
+        r + n - 1``; otherwise only its last token's row ``r``)."""
+        pre = [PrefillChunk(slot, start, ids, GREEDY) for slot, start, ids in chunks]
+        out = self.step((), pre, "greedy", all_rows=all_rows, min_chunks=min_chunks, min_length=min_length)[1]
+        stride = out.logits.shape[0] // self.prefill_layout(max(len(chunks), min_chunks), 1).requests if all_rows else 1
+        return out, [i * stride for i in range(len(chunks))]
+
+    def warm_up(self, keys: Sequence[tuple[Layout, str]], progress: Callable[[str], None] | None = None) -> float:
+        """Compile and capture the steps of ``keys`` (layout, sampler mode) on padding alone (the
+        scratch slot: nothing real is read or written). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        for layout, mode in keys:
+            e = self._entry(layout, mode, None)
+            if e.graph is None or not self.graphs:
+                fill = self._fill_decode(layout, ()) if layout.kind == "decode" else self._fill_prefill(layout, ())
+                self._copy_inputs([(e, fill)])
+                self._run(e)
+            if progress is not None:
+                progress(e.key.name)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def reset(self) -> None:
         """Forget every compiled and captured graph: a captured graph replays the tensors it was
         captured with, so after an EPLB shuffle (new placement tables, moved expert slots) the
         steps are traced again on their next call."""
         self._entries.clear()
+        self._forwards.clear()
+        self._samplers.clear()
         self._pools.clear()
 
-    # -- machinery --------------------------------------------------------------------------
-    def _run(self, e: _Entry, host: torch.Tensor) -> torch.Tensor:
-        # a fresh pinned buffer per step: the caching host allocator keeps it alive until the
-        # asynchronous copy has run, so the host can fill the next step while this one waits
+    # -- inputs -----------------------------------------------------------------------------
+    def _fill_decode(self, layout: Layout, rows: Sequence[DecodeRow]) -> list[int]:
+        n, pad = len(rows), layout.requests - len(rows)
+        model = [r.slot for r in rows] + [self.scratch] * pad + [r.start for r in rows] + [0] * pad + [1] * n + [0] * pad
+        sampled = [SampledRow(i, r.slot, r.controls, r.start + 1) for i, r in enumerate(rows)]
+        return fill(layout, model, sampled, self.scratch)
+
+    def _fill_prefill(self, layout: Layout, chunks: Sequence[PrefillChunk]) -> list[int]:
+        C, L, pad = layout.requests, layout.length, layout.requests - len(chunks)
+        tokens: list[int] = []
+        for ch in chunks:
+            tokens += list(ch.ids)
+            tokens += [0] * (L - len(ch.ids))
+        tokens += [0] * (L * pad)
+        lens = [len(ch.ids) for ch in chunks] + [0] * pad
+        if layout.all_rows:
+            rows = list(range(C * L))
+            at = [c * L + max(n - 1, 0) for c, n in enumerate(lens)]
+        else:
+            rows = [c * L + max(n - 1, 0) for c, n in enumerate(lens)]
+            at = list(range(C))
+        model = tokens + [ch.slot for ch in chunks] + [self.scratch] * pad + [ch.start for ch in chunks] + [0] * pad + lens + rows
+        sampled = [
+            SampledRow(at[c], ch.slot, ch.controls, ch.start + len(ch.ids)) if ch.controls is not None
+            else SampledRow(at[c], self.scratch, GREEDY, 0)
+            for c, ch in enumerate(chunks)
+        ]
+        return fill(layout, model, sampled, self.scratch)
+
+    def _copy_inputs(self, parts: Sequence[tuple[_Entry, list[int]]]) -> None:
+        """Every part's inputs in one copy: decode at the arena's start, prefill after the decode span."""
+        if not parts:
+            return
+        host: list[int] = []
+        for e, values in parts:
+            if e.layout.kind == "prefill":
+                host += [0] * (self._decode_span - len(host))
+            host += values
+        start = 0 if parts[0][0].layout.kind == "decode" else self._decode_span
+        t = torch.tensor(host[start:] if start else host, dtype=torch.long)
         if self.device.type != "cpu":
-            host = host.pin_memory()
-        e.dev.copy_(host, non_blocking=True)
+            # a fresh pinned buffer per step: the caching host allocator keeps it alive until the
+            # asynchronous copy has run, so the host can fill the next step while this one waits
+            t = t.pin_memory()
+        self.arena[start : start + t.numel()].copy_(t, non_blocking=True)
+
+    # -- machinery --------------------------------------------------------------------------
+    def _run(self, e: _Entry) -> StepOut:
         e.calls += 1
         if e.graph is not None:
             e.graph.replay()
@@ -221,45 +343,64 @@ class StepGraphs:
                 e.capture_s = time.perf_counter() - t0
         return out
 
-    def _entry(self, key: GraphKey) -> _Entry:
+    def _entry(self, layout: Layout, mode: str, k: int | None) -> _Entry:
+        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k)
         if key in self._entries:
             return self._entries[key]
-        c, params, state = self.config, self.params, self.state
-        if key.kind == "decode":
-            size = 3 * key.requests
-        else:
-            size = key.tokens + 3 * key.requests + (key.tokens if key.all_rows else key.requests)
-        dev = torch.zeros(size, dtype=torch.long, device=self.device)
-        backend = make_backend(self.accelerator, self.disabled, self.dump_dir, key.name, inductor=self.inductor)
+        c, params, state, next_token = self.config, self.params, self.state, self.next_token
+        base = 0 if layout.kind == "decode" else self._decode_span
+        dev = self.arena[base : base + layout.size]
+        model_in, sampling_in = layout.model_part(dev), layout.sampling_part(dev)
+        if not self.compile:
+            step = decode_step if layout.kind == "decode" else prefill_step
+
+            def run_eager() -> StepOut:
+                return step(params, state, c, next_token, layout, dev, mode, k, self.vocab_ids)
+
+            e = _Entry(key, layout, dev, run_eager, None)
+            self._entries[key] = e
+            return e
+        backend = make_backend(self.accelerator, self.disabled, self.dump_dir, key.model_name, inductor=self.inductor)
         # kernel swaps are in force whenever the compiled function runs: it is traced on its
         # first call, and Dynamo's guards see the same replacements on every later call
         swaps = backend.pipeline.swaps()
-        r = key.requests
-        if key.kind == "decode":
-            def step(params, state, next_token, meta):
-                slots, starts, lens = meta.view(3, -1).unbind(0)
-                return decode_step(params, state, c, next_token, slots, starts, lens)
+        forward = self._forward(layout, backend)
+        sampler = self._sampler(mode, k)
 
-            compiled = compile_graph(step, backend)
+        def fn() -> StepOut:
+            with swapped(swaps):
+                logits = forward(params, state, next_token, model_in)
+            return StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids), logits)
 
-            def fn() -> torch.Tensor:
-                with swapped(swaps):
-                    return compiled(params, state, self.next_token, dev)
-        else:
-            t = key.tokens
-
-            def step(params, state, buf):
-                slots, starts, lens = buf[t : t + 3 * r].view(3, r).unbind(0)
-                return prefill_step(params, state, c, buf[:t], slots, starts, lens, buf[t + 3 * r :])
-
-            compiled = compile_graph(step, backend)
-
-            def fn() -> torch.Tensor:
-                with swapped(swaps):
-                    return compiled(params, state, dev)
-        e = _Entry(key, dev, fn, backend)
+        e = _Entry(key, layout, dev, fn, backend)
         self._entries[key] = e
         return e
+
+    def _forward(self, layout: Layout, backend: DeepinferBackend) -> Callable:
+        fkey = (layout.kind, layout.requests, layout.length, layout.all_rows)
+        if fkey not in self._forwards:
+            c = self.config
+            if layout.kind == "decode":
+                def forward(params, state, next_token, part):
+                    return decode_logits(params, state, c, next_token, *layout.split_model(part))
+            else:
+                def forward(params, state, next_token, part):
+                    return prefill_logits(params, state, c, *layout.split_model(part))
+            self._forwards[fkey] = compile_graph(forward, backend)
+        return self._forwards[fkey]
+
+    def _sampler(self, mode: str, k: int | None) -> Callable:
+        """The sampler of ``mode``: its own small graph, compiled once for every bucket (the row
+        count is dynamic), so a new mode costs seconds, not a model compile."""
+        if (mode, k) not in self._samplers:
+            backend = make_backend(self.accelerator, self.disabled, self.dump_dir, f"sample-{mode}" + (f"-k{k}" if k else ""),
+                                   inductor=self.inductor)
+
+            def sampler(logits, next_token, part, vocab_ids):
+                return sample_rows(logits, next_token, part, mode, k, vocab_ids)
+
+            self._samplers[(mode, k)] = compile_graph(sampler, backend, dynamic=None)
+        return self._samplers[(mode, k)]
 
     def backend(self, name: str) -> DeepinferBackend:
         """The compile backend of graph ``name`` (a ``GraphKey.name``): its ATen graphs and what
@@ -267,10 +408,11 @@ class StepGraphs:
         return next(e.backend for e in self._entries.values() if e.key.name == name)
 
     def report(self) -> list[dict]:
-        """Start-up cost per graph: compile (first run) and capture seconds, pass rewrites."""
+        """Start-up cost per graph: compile (first run) and capture seconds, pass rewrites;
+        ``model_graph`` names the model part's compile (its dump directory)."""
         return [
-            {"graph": e.key.name, "compile_s": round(e.compile_s, 3), "capture_s": round(e.capture_s, 3),
-             "captured": e.graph is not None, "calls": e.calls, "rewrites": e.backend.rewrites()}
+            {"graph": e.key.name, "model_graph": e.key.model_name, "compile_s": round(e.compile_s, 3), "capture_s": round(e.capture_s, 3),
+             "captured": e.graph is not None, "calls": e.calls, "rewrites": {} if e.backend is None else e.backend.rewrites()}
             for e in self._entries.values()
         ]
 

@@ -18,14 +18,16 @@ from ..io.checkpoint import ENV_MODEL_DIR
 from ..settings import EngineConfig
 from ..io.tokenizer import decode, encode, load_tokenizer
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
-from .loop import EngineLoop, LoopStats, export_dir_for
+from .loop import EngineLoop, LoopStats
+from .options import build_options
+from .warmup import use_cache_dir, warm_up
 from .ranks import Ranks
 from .request import RequestOutput, Sequence, to_output
 from .runner import ModelRunner, eager_kernel_swaps
 from .sampler import derive_seed
 from .sampling import SamplingParams
 from .scheduler import EngineType, Scheduler
-from .state_io import export_slot, import_slot, read_meta
+from .state_io import StateTransfer, read_meta
 
 DEFAULT_CPU_BUDGET = 2 << 30
 
@@ -53,14 +55,19 @@ class LLM:
         dump_graphs: str | os.PathLike | None = None,
         disable_passes: str | Seq[str] | None = None,
         expert_format: str | None = None,
+        warmup: bool | None = None,
     ) -> None:
         """``eager``: None compiles the steps on GPUs and runs them eagerly on the CPU (there the
         compile time outweighs the gain); True never compiles; False always does. Compiled runs
         take ``cuda_graphs`` (default: on where the device has graphs; decode replays them),
         ``inductor`` (default: on GPUs; off = our passes on aot_eager), ``dump_graphs`` (a
         directory for every graph's stages) and ``disable_passes`` (names, or comma-separated;
-        added to ``DEEPINFER_DISABLE_PASSES``). ``expert_format``: as in ``load_model`` (default
-        ``DEEPINFER_EXPERT_FORMAT``, auto: block-FP8 routed experts stay fp8 on CUDA)."""
+        added to ``DEEPINFER_DISABLE_PASSES``); on the CPU, asking for any of these compiles.
+        ``expert_format``: as in ``load_model`` (default ``DEEPINFER_EXPERT_FORMAT``, auto:
+        block-FP8 routed experts stay fp8 on CUDA). ``warmup`` (default: on wherever steps are
+        compiled): compile and capture every decode bucket and the prefill buckets up to
+        ``max_num_batched_tokens`` now, with a progress bar, so that ``generate`` never stalls
+        on a compile; compile caches live in ``DEEPINFER_CACHE_DIR``."""
         self.settings = EngineConfig.from_env()
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
         if self.engine_type is not EngineType.NORMAL and state_dir is None:
@@ -99,36 +106,37 @@ class LLM:
         budget = memory_budget if memory_budget is not None else self._default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
-        if eager is None:
-            eager = self.model.device.type == "cpu"
-        if eager and (cuda_graphs or dump_graphs is not None or inductor):
-            raise ValueError("cuda_graphs, inductor and dump_graphs apply to compiled steps; drop eager=True (or --eager)")
-        compiled = None
-        names = disable_passes.split(",") if isinstance(disable_passes, str) else list(disable_passes or ())
-        if not eager:
-            compiled = {
-                "max_requests": max_num_seqs, "max_tokens": max_num_batched_tokens, "accelerator": self.settings.accelerator,
-                "graphs": cuda_graphs, "inductor": self.model.device.type == "cuda" if inductor is None else inductor,
-                "dump_dir": None if dump_graphs is None else str(dump_graphs), "disabled": [n.strip() for n in names if n.strip()],
-            }
+        opts = build_options(
+            self.settings, self.model.device, eager=eager, overlap=overlap, warmup=warmup, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs, inductor=inductor,
+            dump_graphs=dump_graphs, disable_passes=disable_passes,
+        )
+        self.options = opts
+        if opts.steps.compiled:
+            use_cache_dir(opts.cache_dir)
         swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
         cp_swap, split = self.ranks.cp_split()
         if split is not None and asked_eager is None:
             # cp steps eagerly because it must, not because eager math was asked for: the
             # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
             # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU)
-            swaps = {**eager_kernel_swaps(self.settings.accelerator, self.model.device, names), **swaps}
-        self.runner = ModelRunner(self.model, self.pool, compiled, {**swaps, **cp_swap}, split,
-                                  lockstep=self.ranks.lockstep if compiled is not None else None)
-        self.runner.importer = self._import
+            swaps = {**eager_kernel_swaps(self.settings.accelerator, self.model.device, opts.steps.disabled_passes), **swaps}
+        self.runner = ModelRunner(self.model, self.pool, opts.steps, {**swaps, **cp_swap}, split, lockstep=self.ranks.lockstep)
+        self.transfer = None
+        if self.engine_type is not EngineType.NORMAL:
+            self.transfer = StateTransfer(self.pool, c, self.state_dir, self.runner.next_token)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.engine_type)
         self.seed = seed
-        self.overlap = overlap
         self._next_id = 0
-        self._finished: list[Sequence] = []
         self._engine_loop: EngineLoop | None = None
+        self._held: dict[int, Sequence] = {}  # requests of add_request that moved while generate() ran
         self.last_stats: LoopStats | None = None
         self.last_events: list[tuple[str, int]] = []
+        self.warmup_s: float | None = None
+        self.warmed: frozenset[str] = frozenset()  # the step graphs the warm-up compiled
+        if opts.warmup:
+            self.warmup_s = warm_up(self.runner.steps, opts, show=self.ranks.rank == 0)
+            self.warmed = frozenset(r["graph"] for r in self.runner.steps.report())
 
     def _default_budget(self, device: torch.device) -> int:
         if device.type == "cuda":
@@ -168,17 +176,6 @@ class LLM:
         self._next_id += 1
         seed = params.seq_seed if params.seq_seed is not None else derive_seed(self.seed, seq_id)
         return Sequence(seq_id, text, ids, params, seed)
-
-    def _import(self, seq: Sequence) -> None:
-        meta = import_slot(self.pool, seq.slot, seq.import_path, self.model.config)
-        self.runner.set_next_token(seq.slot, int(meta["last_token"]))
-
-    def _export(self, seq: Sequence) -> None:
-        meta = {
-            "n_tokens": seq.prompt_len, "prompt_token_ids": seq.prompt_ids, "last_token": seq.output_ids[-1],
-            "seed": seq.seed, "prompt": seq.prompt,
-        }
-        export_slot(self.pool, seq.slot, export_dir_for(self.state_dir, seq), meta)
 
     def generate(
         self,
@@ -224,9 +221,8 @@ class LLM:
         if self._engine_loop is None:
             detok = (lambda ids: decode(self.tokenizer, ids)) if self.tokenizer is not None else None
             self._engine_loop = EngineLoop(
-                self.scheduler, self.runner, detok, self.model.config.eos_token_ids, self.overlap,
-                export=self._export if self.engine_type is EngineType.PROMPT else None,
-                on_finish=self._finished.append, lockstep=self.ranks.lockstep,
+                self.scheduler, self.runner, detok, self.model.config.eos_token_ids, self.options.overlap,
+                transfer=self.transfer, lockstep=self.ranks.lockstep,
             )
         return self._engine_loop
 
@@ -240,18 +236,25 @@ class LLM:
         return seq.id
 
     def has_unfinished_requests(self) -> bool:
-        return self._loop().busy()
+        """Whether a ``step()`` has anything left to return: requests queued or running, or
+        progress made while a ``generate`` ran that no ``step()`` has returned yet."""
+        return bool(self._held) or self._loop().busy()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine turn; returns the requests that finished in it."""
-        self._finished.clear()
-        self._loop().step()
-        return [to_output(s) for s in self._finished]
+        """Run one engine turn; returns every request that made progress in it (as vLLM's
+        ``LLMEngine.step``): the text and tokens so far, ``delta_text`` / ``delta_token_ids``
+        new since that request's previous output, and ``finished``. Requests added with
+        ``add_request`` that moved while a ``generate`` ran are returned by the next call."""
+        moved = {s.id: s for s in self._loop().step()}
+        held, self._held = self._held, {}
+        return [to_output(s) for s in sorted({**held, **moved}.values(), key=lambda s: s.id)]
 
     def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
         """Serve this rank's share of ``seqs`` (all of them on one rank); every rank returns all
-        outputs, in order."""
+        outputs, in order. Other requests (``add_request``) keep running alongside; their
+        progress is held for the next ``step()``."""
         seqs = self.ranks.mine(seqs)
+        own = {s.id for s in seqs}
         bar = None
         if use_tqdm and self.ranks.rank == 0:
             from tqdm import tqdm
@@ -261,11 +264,16 @@ class LLM:
             self.scheduler.add(seq)
         loop = self._loop()
         stats_before = dataclasses.replace(loop.stats)
+        left = len(seqs)
         try:
-            while loop.busy():
-                done = self.step()
-                if bar is not None:
-                    bar.update(len(done))
+            while loop.busy() and (left or self.ranks.multi):  # a mesh's ranks turn together until all are done
+                for s in loop.step():
+                    if s.id not in own:
+                        self._held[s.id] = s
+                    elif s.finished:
+                        left -= 1
+                        if bar is not None:
+                            bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
@@ -281,8 +289,7 @@ class LLM:
         swaps = self.ranks.rebalance(self.model.params)
         if swaps is not None:
             self.runner.swaps.update(swaps)
-            if self.runner.steps is not None:
-                self.runner.steps.reset()
+            self.runner.steps.reset()
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a queued or running request: it finishes with reason 'abort' and keeps what it
@@ -291,4 +298,5 @@ class LLM:
         if seq is None:
             return None
         self._loop().finish(seq, "abort", None)
+        self._held.pop(seq.id, None)
         return to_output(seq)

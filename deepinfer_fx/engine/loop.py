@@ -1,19 +1,19 @@
 """The host loop. With overlap on, the host schedules and launches step N+1 before it reads
 step N's results, so the device never waits for the host between steps; results (tokens,
 logprobs) are processed one step late: stop strings, EOS, max_tokens, exports. With overlap off
-the same steps run one at a time."""
+the same steps run one at a time. ``LoopStats`` splits the host's time into launching,
+waiting and reading, so that the host's own cost per step can be read off."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable
-
 from ..sharding.lockstep import LockStep
+from .detok import Decode, find_stop, next_text, rest_text
 from .request import Sequence, Status
 from .runner import ModelRunner, StepHandle
 from .scheduler import EngineType, Scheduler
+from .state_io import StateTransfer
 
 
 @dataclass
@@ -24,6 +24,14 @@ class LoopStats:
     wall: float = 0.0
     prefill_time: float = 0.0  # wall time of steps that carried prefill work
     decode_time: float = 0.0
+    host_launch: float = 0.0  # host seconds scheduling, laying out and launching steps
+    host_wait: float = 0.0  # host seconds waiting for a step's results (the device is ahead)
+    host_read: float = 0.0  # host seconds turning results into outputs (tokens, text, stops)
+
+    @property
+    def host_us_per_step(self) -> float:
+        """Host work per step (launch + read, not the wait), in microseconds."""
+        return 1e6 * (self.host_launch + self.host_read) / max(self.steps, 1)
 
     def since(self, before: "LoopStats") -> "LoopStats":
         return LoopStats(*(getattr(self, f) - getattr(before, f) for f in self.__dataclass_fields__))
@@ -33,34 +41,38 @@ class LoopStats:
 class EngineLoop:
     scheduler: Scheduler
     runner: ModelRunner
-    detokenize: Callable[[list[int]], str] | None
+    detokenize: Decode | None
     eos_ids: tuple[int, ...]
     overlap: bool
-    export: Callable[[Sequence], None] | None = None  # PROMPT engine: write a finished request's state
-    on_finish: Callable[[Sequence], None] | None = None
+    transfer: StateTransfer | None = None  # PROMPT / COMPLETION engines: request states out and in
     lockstep: LockStep | None = None  # a multi-rank mesh: every rank's loop turns together
     events: list[tuple[str, int]] = field(default_factory=list)  # ("schedule"|"launch"|"read", step)
     stats: LoopStats = field(default_factory=LoopStats)
     _prev: tuple[int, StepHandle, float] | None = None
     _step: int = 0
+    _progress: dict[int, Sequence] = field(default_factory=dict)  # this turn's requests that moved, by id
 
     def busy(self) -> bool:
         """Work left here (on a multi-rank mesh: on any rank, so that the loops stop together)."""
         mine = self.scheduler.has_work() or self._prev is not None
         return mine if self.lockstep is None else self.lockstep.any(mine)
 
-    def step(self) -> None:
-        """One turn: schedule and launch the next step, then read the previous one's results."""
+    def step(self) -> list[Sequence]:
+        """One turn: schedule and launch the next step, then read the previous one's results.
+        Returns the requests that made progress (new tokens, or finished) in this turn."""
         t0 = now = time.perf_counter()
+        self._progress = {}
         sched = self.scheduler.schedule(now)
         if self.lockstep is not None and self.lockstep.any(sched is not None) and sched is None:
             self.runner.idle()  # another rank steps: its all-to-alls need this rank too
         cur = None
         if sched is not None:
             self.events.append(("schedule", self._step))
-            cur = (self._step, self.runner.launch(sched), now)
+            importer = None if self.transfer is None else self.transfer.load
+            cur = (self._step, self.runner.launch(sched, importer), now)
             self.events.append(("launch", self._step))
             self._step += 1
+            self.stats.host_launch += time.perf_counter() - t0
             if not self.overlap:
                 self._process(*cur)
                 cur = None
@@ -70,6 +82,7 @@ class EngineLoop:
             raise RuntimeError("scheduler made no progress: a waiting request can never be admitted")
         self._prev = cur
         self.stats.wall += time.perf_counter() - t0
+        return list(self._progress.values())
 
     def run(self) -> LoopStats:
         while self.busy():
@@ -77,9 +90,11 @@ class EngineLoop:
         return self.stats
 
     def _process(self, step: int, handle: StepHandle, launched: float) -> None:
+        t_wait = time.perf_counter()
         handle.wait()
         self.events.append(("read", step))
         now = time.perf_counter()
+        self.stats.host_wait += now - t_wait
         s = handle.sched
         prefill = sum(c.length for c in s.chunks if not c.from_device)
         self.stats.prefill_tokens += prefill
@@ -89,18 +104,16 @@ class EngineLoop:
             self.stats.prefill_time += now - launched
         else:
             self.stats.decode_time += now - launched
-        r = 0
         for i, ch in enumerate(s.chunks):
             seq = ch.seq
             seq.inflight -= 1
             if i in handle.prompt_lp and not seq.finished:
                 self._prompt_logprobs(seq, ch.start, handle.prompt_lp[i])
-            if ch.sample:
-                if not seq.finished:
-                    self._append(seq, handle, r, now)
-                r += 1
+            if ch.sample and not seq.finished:
+                self._append(seq, handle, i, now)
             if seq.finished:
                 self.scheduler.release(seq)
+        self.stats.host_read += time.perf_counter() - now
 
     def _prompt_logprobs(self, seq: Sequence, start: int, lp) -> None:
         target, tok_lp, top_ids, top_lp = lp
@@ -111,42 +124,48 @@ class EngineLoop:
             entry[int(target[j])] = float(tok_lp[j])
             seq.prompt_logprobs.append(entry)
 
-    def _append(self, seq: Sequence, handle: StepHandle, r: int, now: float) -> None:
-        tok = int(handle.tokens[r])
+    def _append(self, seq: Sequence, handle: StepHandle, i: int, now: float) -> None:
+        tok = handle.token(i)
+        self._progress[seq.id] = seq
+        if tok < 0:
+            seq.error = "the model's logits for this request were not finite (NaN or inf): check the weights and inputs"
+            self.finish(seq, "error", None, now)
+            return
         p = seq.params
         seq.output_ids.append(tok)
         if seq.first_token is None:
             seq.first_token = now
         if p.logprobs is not None:
-            entry = {int(t): float(v) for t, v in zip(handle.top_ids[r, : p.logprobs].tolist(), handle.top_logprobs[r, : p.logprobs].tolist())}
-            entry[tok] = float(handle.logprob[r])
-            seq.logprobs.append(entry)
+            seq.logprobs.append(handle.logprobs(i, p.logprobs))
         reason = stop = None
         if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
             reason, stop = "stop", (tok if tok in p.stop_token_ids else None)
-        text_ids = seq.output_ids[:-1] if reason else seq.output_ids
-        if self.detokenize is not None:
-            seq.text = self.detokenize(text_ids)
-            hits = [(seq.text.find(s), s) for s in p.stop if s in seq.text]
-            if hits and reason is None:
-                at, s = min(hits)
+        if self.detokenize is not None and reason is None:
+            searched = len(seq.text)
+            seq.text += next_text(self.detokenize, seq.output_ids, seq.text_state)
+            hit = find_stop(seq.text, p.stop, searched)
+            if hit is not None:
+                at, s = hit
                 seq.text, reason, stop = seq.text[:at], "stop", s
         if reason is None and len(seq.output_ids) >= (1 if self.scheduler.engine_type is EngineType.PROMPT else p.max_tokens):
             reason = "length"
         if reason is not None:
+            if not isinstance(stop, str):  # a stop string already cut the text; else show every token's text
+                self._flush_text(seq, seq.output_ids if reason == "length" else seq.output_ids[:-1])
             self.finish(seq, reason, stop, now)
+
+    def _flush_text(self, seq: Sequence, ids: list[int]) -> None:
+        if self.detokenize is not None:
+            seq.text += rest_text(self.detokenize, ids, seq.text_state)
 
     def finish(self, seq: Sequence, reason: str, stop: int | str | None, now: float | None = None) -> None:
         if seq.finished:
             return
-        if self.export is not None and reason != "abort":
-            self.export(seq)
+        if reason == "abort":
+            self._flush_text(seq, seq.output_ids)
+        if self.transfer is not None and self.scheduler.engine_type is EngineType.PROMPT and reason not in ("abort", "error"):
+            self.transfer.export(seq)
         seq.status, seq.finish_reason, seq.stop_reason = Status.FINISHED, reason, stop
         seq.finished_at = now if now is not None else time.perf_counter()
-        if self.on_finish is not None:
-            self.on_finish(seq)
+        self._progress[seq.id] = seq
         self.scheduler.release(seq)
-
-
-def export_dir_for(root: Path, seq: Sequence) -> Path:
-    return root / f"request-{seq.id:06d}"

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
+from .detok import TextState
+from .sampler import mode_for
 from .sampling import SamplingParams
+from .step_inputs import float_bits
 
 
 class Status(enum.Enum):
@@ -43,6 +47,22 @@ class Sequence:
     finished_at: float | None = None
     imported: bool = False  # COMPLETION engine: state came from an export
     import_path: object = None  # the export directory it came from
+    error: str | None = None  # why it ended with finish_reason "error"
+    text_state: TextState = field(default_factory=TextState)  # incremental detokenization offsets
+    emitted_chars: int = 0  # text handed out so far (streaming deltas start here)
+    emitted_tokens: int = 0
+
+    @cached_property
+    def controls(self) -> tuple[int, int, int, int, int]:
+        """The sampling controls of every row this request samples (``step_inputs``), laid out
+        once: temperature bits, top-k, top-p bits, min-p bits, seed (final once scheduled)."""
+        p = self.params
+        return (float_bits(p.temperature), max(p.top_k, 0), float_bits(p.top_p), float_bits(p.min_p), self.seed)
+
+    @cached_property
+    def sampler_mode(self) -> str:
+        p = self.params
+        return mode_for(p.temperature, p.top_k, p.top_p)
 
     @property
     def prompt_len(self) -> int:
@@ -63,8 +83,11 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length" or "abort"
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort" or "error"
     stop_reason: int | str | None  # the stop string or stop token id that ended it
+    delta_text: str = ""  # text new since this request's previous output (streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # finish_reason "error": what went wrong
 
 
 @dataclass(frozen=True)
@@ -94,16 +117,29 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
+def visible_text(seq: Sequence) -> str:
+    """The text a user may see so far: while a request runs, the tail that could still turn
+    out to be the start of a stop string is held back."""
+    stops = seq.params.stop
+    if seq.finished or not stops:
+        return seq.text
+    return seq.text[: max(0, len(seq.text) - max(len(x) for x in stops) + 1)]
+
+
 def to_output(seq: Sequence) -> RequestOutput:
+    """The request as it stands, with the text and tokens new since its previous output."""
     p = seq.params
+    text = visible_text(seq)
+    delta_text, delta_ids = text[seq.emitted_chars :], seq.output_ids[seq.emitted_tokens :]
+    seq.emitted_chars, seq.emitted_tokens = len(text), len(seq.output_ids)
     return RequestOutput(
         request_id=seq.id,
         prompt=seq.prompt,
         prompt_token_ids=list(seq.prompt_ids),
         prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
         outputs=[
-            CompletionOutput(0, seq.text, list(seq.output_ids), list(seq.logprobs) if p.logprobs is not None else None,
-                             seq.finish_reason, seq.stop_reason)
+            CompletionOutput(0, text, list(seq.output_ids), list(seq.logprobs) if p.logprobs is not None else None,
+                             seq.finish_reason, seq.stop_reason, delta_text, list(delta_ids), seq.error)
         ],
         finished=seq.finished,
         metrics=RequestMetrics(seq.arrival, seq.first_scheduled, seq.first_token, seq.finished_at),

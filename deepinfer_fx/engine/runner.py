@@ -1,9 +1,12 @@
-"""Turns ``SchedulerOutputs`` into one model step on the device.
+"""Turns ``SchedulerOutputs`` into one step on the device.
 
-Inputs are built on the host and copied in one go; decode rows take their input token from
-``next_token[slot]``, the device buffer every step's sampler writes, so a step can be launched
-before the host has seen the previous step's tokens. Sampled tokens (and logprobs) are copied
-back on a side stream; ``StepHandle.wait`` is the only place the host waits for the device.
+The host lays the step out once (``StepGraphs.step``: decode rows, prompt chunks, each sampled
+row's controls) and the device does the rest: the model, the sampler, and the write of every
+sampled token to ``next_token[slot]``, the buffer decode rows read their input from, so step
+N+1 can be launched before the host has seen step N's tokens. Results come back with one
+device-to-host copy per part, queued behind the step on its stream (the next step, which may
+replay the same graph over the same output buffers, is queued after the copies);
+``StepHandle.wait`` is the only place the host waits for the device.
 """
 
 from __future__ import annotations
@@ -22,27 +25,43 @@ from ..passes.manager import build_pipeline
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
 from .cache import CachePool
-from .graph_runner import StepGraphs
-from .sampler import SamplingTensors, logprobs, sample
+from .graph_runner import DecodeRow, PrefillChunk, StepGraphs
+from .options import StepOptions
+from .request import Sequence
+from .sampler import MODES, logprobs
+from .sampling import MAX_LOGPROBS
 from .scheduler import SchedulerOutputs
-from .steps import decode_step
+from .step_inputs import Layout, SampledRow, fill
+from .steps import StepOut, decode_logits, sample_rows
 
 
 @dataclass
 class StepHandle:
-    """A launched step. Host copies of its results become valid after ``wait``."""
+    """A launched step. ``token(i)`` and friends are valid after ``wait``."""
 
     sched: SchedulerOutputs
-    tokens: torch.Tensor  # [R] sampled token per sampling chunk
-    logprob: torch.Tensor | None  # [R]
-    top_ids: torch.Tensor | None  # [R, k]
-    top_logprobs: torch.Tensor | None  # [R, k]
-    prompt_lp: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # chunk idx -> (target, lp, top ids, top lps)
+    where: list[tuple[int, int] | None]  # per chunk: (part, row) of its sampled token, None if it samples nothing
+    parts: list[tuple[torch.Tensor, ...]]  # per part (decode, prefill): host copies of tokens [, logprob, top ids, top lps]
+    prompt_lp: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # chunk -> (target, lp, top ids, top lps)
     done: torch.cuda.Event | None
+    _tokens: list[list[int]] | None = None
 
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
+        self._tokens = [p[0].tolist() for p in self.parts]
+
+    def token(self, i: int) -> int:
+        """Chunk i's sampled token; -1 where its logits were not finite."""
+        part, row = self.where[i]
+        return self._tokens[part][row]
+
+    def logprobs(self, i: int, k: int) -> dict[int, float]:
+        part, row = self.where[i]
+        _, lp, ids, top = self.parts[part]
+        entry = {int(t): float(v) for t, v in zip(ids[row, :k].tolist(), top[row, :k].tolist())}
+        entry[self.token(i)] = float(lp[row])
+        return entry
 
 
 def eager_kernel_swaps(accelerator: str | None, device: torch.device, disabled: Seq[str] = ()) -> dict[str, Callable]:
@@ -55,73 +74,58 @@ def eager_kernel_swaps(accelerator: str | None, device: torch.device, disabled: 
     return build_pipeline(accelerator, [n.strip() for n in disabled if n.strip()]).swaps()
 
 
+def step_mode(seqs: Seq[Sequence]) -> str:
+    """The cheapest sampler mode that serves every sampled row of a step."""
+    return MODES[max((MODES.index(s.sampler_mode) for s in seqs), default=0)]
+
+
 class ModelRunner:
     def __init__(
-        self, model: Model, pool: CachePool, compiled: dict | None = None, swaps: dict | None = None,
+        self, model: Model, pool: CachePool, options: StepOptions, swaps: dict | None = None,
         split: Callable[[Batch], Batch] | None = None, lockstep: LockStep | None = None,
     ) -> None:
-        """``compiled``: None runs the model functions eagerly; a dict (``StepGraphs`` options:
-        graphs, inductor, dump_dir, disabled, accelerator, max_requests, max_tokens) runs the
-        compiled steps. ``swaps``: ``graphs.swap`` replacements in force around every forward
-        (a multi-rank mesh: the expert-parallel MoE, ``sharding.parallel.ep_swaps``). ``split``:
-        context parallelism, a step's batch -> this rank's share (``sharding.cp.split_batch``).
-        ``lockstep``: a multi-rank mesh with compiled steps, whose ranks agree on each turn's
-        graphs (``_plan``)."""
-        if compiled is not None and split is not None:
+        """``options``: how steps run (compiled or eager, graphs, passes, buckets). ``swaps``:
+        ``graphs.swap`` replacements in force around every forward (a multi-rank mesh: the
+        expert-parallel MoE, ``sharding.parallel.ep_swaps``). ``split``: context parallelism,
+        a step's batch -> this rank's share (``sharding.cp.split_batch``), which steps eagerly
+        on a host-built batch. ``lockstep``: a multi-rank mesh, whose ranks agree on each
+        turn's step sizes (``_plan``) so that the all-to-alls inside them pair up."""
+        if options.compiled and split is not None:
             raise ValueError("context parallelism steps eagerly for now (its split is built on the host per step)")
         self.model = model
         self.split = split
         self.lockstep = lockstep
-        self._rows_all = False  # whether the last compiled prefill graph computed every row
         self.swaps = dict(swaps or {})
         self.pool = pool
         self.device = model.device
-        # one entry per slot plus the scratch slot that padded decode rows read
+        # one entry per slot plus the scratch slot that padded rows read and write
         self.next_token = torch.zeros(pool.slots + 1, dtype=torch.long, device=self.device)
-        self.steps = None if compiled is None else StepGraphs(model, pool.state, self.next_token, **compiled)
-        cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.pin = cuda
-        self.importer: Callable | None = None  # COMPLETION engine: loads an exported state into a slot
+        self.steps = StepGraphs(
+            model, pool.state, self.next_token, max_requests=options.max_requests, max_tokens=options.max_tokens,
+            accelerator=options.accelerator, graphs=options.cuda_graphs, inductor=options.inductor,
+            dump_dir=options.dump_dir, disabled=options.disabled_passes, compile=options.compiled,
+        )
+        self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
+        self.async_copy = self.device.type == "cuda"
 
     def set_next_token(self, slot: int, token: int) -> None:
         self.next_token[slot] = token
 
-    def _host(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.long)
-        return (t.pin_memory() if self.pin else t).to(self.device, non_blocking=True)
-
     @torch.no_grad()
-    def launch(self, sched: SchedulerOutputs) -> StepHandle:
+    def launch(self, sched: SchedulerOutputs, importer: Callable[[Sequence], None] | None = None) -> StepHandle:
         for slot in sched.to_zero:
             self.pool.zero(slot)
         for src, dst in sched.to_clone:
             self.pool.clone(src, dst)
         for seq in sched.to_import:
-            self.importer(seq)
-
+            importer(seq)
+        sampled = [ch.seq for ch in sched.chunks if ch.sample]
+        mode = step_mode(sampled)
+        k = self.logprobs_k if any(s.params.logprobs is not None for s in sampled) else None
         with swapped(self.swaps):
-            logits, first_row = self._forward(sched) if self.steps is None else self._forward_compiled(sched)
-        sample_rows, sample_slots, sample_params, seeds, sample_pos = [], [], [], [], []
-        for i, ch in enumerate(sched.chunks):
-            if ch.sample:
-                seq = ch.seq
-                sample_rows.append(first_row[i] + (ch.length - 1 if self._all_rows(sched, i) else 0))
-                sample_slots.append(seq.slot)
-                sample_params.append(seq.params)
-                seeds.append(seq.seed)
-                sample_pos.append(ch.start + ch.length)
-
-        rows = self._host(sample_rows)
-        last = logits[rows]
-        st = SamplingTensors.from_params(sample_params, seeds, sample_pos, self.device)
-        tokens = sample(last, st)
-        self.next_token[self._host(sample_slots)] = tokens
-
-        k = max((p.logprobs or 0) for p in sample_params) if any(p.logprobs is not None for p in sample_params) else None
-        lp = tid = tlp = None
-        if k is not None:
-            lp, tid, tlp = logprobs(last, tokens, k)
+            if self.split is not None:
+                return self._launch_split(sched, mode, k)
+            outs, where, first_row, stride = self._launch_steps(sched, mode, k)
         prompt_lp = {}
         for i, ch in enumerate(sched.chunks):
             p = ch.seq.params
@@ -131,35 +135,38 @@ class ModelRunner:
             n = min(ch.length, ch.seq.prompt_len - 1 - ch.start)
             if n <= 0:
                 continue
-            target = self._host(ch.seq.prompt_ids[ch.start + 1 : ch.start + 1 + n])
-            rows_lp = logits[first_row[i] : first_row[i] + n]
+            target = torch.tensor(ch.seq.prompt_ids[ch.start + 1 : ch.start + 1 + n], device=self.device)
+            rows_lp = outs[1].logits[first_row[i] * stride : first_row[i] * stride + n]
             prompt_lp[i] = (target, *logprobs(rows_lp, target, p.prompt_logprobs))
-        return self._copy_back(sched, tokens, lp, tid, tlp, prompt_lp)
+        return self._copy_back(sched, where, outs, prompt_lp)
 
-    @torch.no_grad()
-    def idle(self) -> None:
-        """What a rank with nothing to launch runs while other ranks step, so that its EP group's
-        all-to-alls complete: eagerly one forward of a padding request (the scratch slot,
-        nothing kept); compiled, the turn's agreed graphs on padding alone."""
-        with swapped(self.swaps):
-            if self.steps is not None:
-                self._forward_compiled(None)
-                return
-            c, params = self.model
-            decode_step(params, self.pool.state, c, self.next_token, *idle_step(self.pool.state, self.device))
+    def _launch_steps(self, sched: SchedulerOutputs | None, mode: str, k: int | None):
+        """The decode rows and prompt chunks of ``sched`` (None: an idle rank's padding alone)
+        through the step functions, at the sizes this turn's plan agreed."""
+        chunks = [] if sched is None else sched.chunks
+        dec, pre, where, first_row = [], [], [], []
+        for ch in chunks:
+            seq = ch.seq
+            if ch.from_device:
+                where.append((0, len(dec)))
+                first_row.append(len(dec))
+                dec.append(DecodeRow(seq.slot, ch.start, seq.controls))
+            else:
+                where.append((1, len(pre)) if ch.sample else None)
+                first_row.append(len(pre))
+                ids = seq.prompt_ids[ch.start : ch.start + ch.length]
+                pre.append(PrefillChunk(seq.slot, ch.start, ids, seq.controls if ch.sample else None))
+        wants_rows = sched is not None and any(ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device)
+        n_dec, n_pre, length, all_rows = self._plan([len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)])
+        d, p = self.steps.step(dec, pre, mode, k, bool(all_rows), min_requests=n_dec, min_chunks=n_pre, min_length=length)
+        stride = p.logits.shape[0] // self.steps.prefill_layout(max(len(pre), n_pre), 1).requests if p is not None and all_rows else 1
+        return [d, p], where, first_row, stride
 
-    def _all_rows(self, sched: SchedulerOutputs, i: int) -> bool:
-        """Whether chunk i's logits cover every row (else only its last row was computed)."""
-        return self.steps is None or (not sched.chunks[i].from_device and self._rows_all)
-
-    @staticmethod
-    def _wants_prompt_lp(sched: SchedulerOutputs) -> bool:
-        return any(ch.seq.params.prompt_logprobs is not None for ch in sched.chunks if not ch.from_device)
-
-    def _forward(self, sched: SchedulerOutputs) -> tuple[torch.Tensor, list[int]]:
-        """Eager: one packed forward; returns logits of every row and each chunk's first row."""
+    def _launch_split(self, sched: SchedulerOutputs, mode: str, k: int | None) -> StepHandle:
+        """Context parallelism: one packed forward of this rank's share of the chunks, every
+        CP rank then samples from every row alike."""
         c, params = self.model
-        ids, pos, dev_rows, dev_slots, chunks = [], [], [], [], []
+        ids, pos, dev_rows, dev_slots, chunks, sampled, where = [], [], [], [], [], [], []
         offset = 0
         for ch in sched.chunks:
             seq = ch.seq
@@ -171,66 +178,49 @@ class ModelRunner:
                 ids.extend(seq.prompt_ids[ch.start : ch.start + ch.length])
             pos.extend(range(ch.start, ch.start + ch.length))
             chunks.append(Chunk(seq.slot, ch.start, offset, ch.length))
+            where.append((0, len(sampled)) if ch.sample else None)
+            if ch.sample:
+                sampled.append(SampledRow(offset + ch.length - 1, seq.slot, seq.controls, ch.start + ch.length))
             offset += ch.length
-        token_ids = self._host(ids)
+        token_ids = torch.tensor(ids, device=self.device)
         if dev_rows:
-            token_ids[self._host(dev_rows)] = self.next_token[self._host(dev_slots)]
-        batch = Batch(token_ids, self._host(pos), group_chunks(chunks, self.device), tuple(chunks))
-        if self.split is not None:  # context parallelism: this rank's share of the chunks
-            batch = self.split(batch)
+            token_ids[torch.tensor(dev_rows, device=self.device)] = self.next_token[torch.tensor(dev_slots, device=self.device)]
+        batch = self.split(Batch(token_ids, torch.tensor(pos, device=self.device), group_chunks(chunks, self.device), tuple(chunks)))
         logits, _ = forward_batch(params, self.pool.state, c, batch)
-        if batch.split is not None:  # every CP rank samples from every row, alike
+        if batch.split is not None:  # this step's chunks were split: gather every row
             logits = context_gather(logits, batch.split)
-        return logits, [ch.offset for ch in chunks]
+        layout = Layout("decode", len(sampled))
+        buf = torch.tensor(fill(layout, [0] * layout.model_size, sampled, self.pool.slots), device=self.device)
+        out = StepOut(*sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids), logits)
+        return self._copy_back(sched, where, [out], {})
 
-    def _forward_compiled(self, sched: SchedulerOutputs | None) -> tuple[torch.Tensor, list[int]]:
-        """Compiled: decode rows through the decode graph, prompt chunks through the prefill graph,
-        at the sizes this turn's plan agreed (``sched`` None: an idle rank's padding alone)."""
-        all_chunks = [] if sched is None else sched.chunks
-        dec = [i for i, ch in enumerate(all_chunks) if ch.from_device]
-        pre = [i for i, ch in enumerate(all_chunks) if not ch.from_device]
-        chunks = [(ch.seq.slot, ch.start, ch.seq.prompt_ids[ch.start : ch.start + ch.length]) for ch in (all_chunks[i] for i in pre)]
-        n_dec, n_pre, length, rows_all = self._plan(
-            [len(dec), len(chunks), max([len(ids) for _, _, ids in chunks] + [0]), int(sched is not None and self._wants_prompt_lp(sched))]
-        )
-        self._rows_all = bool(rows_all)
-        parts, first_row, base = [], [0] * len(all_chunks), 0
-        if n_dec:
-            out = self.steps.decode([all_chunks[i].seq.slot for i in dec], [all_chunks[i].start for i in dec], min_requests=n_dec)
-            parts.append(out)
-            for j, i in enumerate(dec):
-                first_row[i] = j
-            base = len(dec)
-        if n_pre:
-            out, first = self.steps.prefill(chunks, all_rows=self._rows_all, min_chunks=n_pre, min_length=length)
-            parts.append(out)
-            for j, i in enumerate(pre):
-                first_row[i] = base + first[j]
-        if not parts:
-            return torch.empty(0, device=self.device), first_row
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), first_row
+    @torch.no_grad()
+    def idle(self) -> None:
+        """What a rank with nothing to launch runs while other ranks step, so that its EP group's
+        all-to-alls complete: the turn's agreed steps on padding alone (eager context
+        parallelism: one forward of a padding request; the scratch slot, nothing kept)."""
+        with swapped(self.swaps):
+            if self.split is None:
+                self._launch_steps(None, "greedy", None)
+                return
+            c, params = self.model
+            decode_logits(params, self.pool.state, c, self.next_token, *idle_step(self.pool.state, self.device))
 
     def _plan(self, mine: list[int]) -> list[int]:
-        """This turn's graphs: decode requests, prefill chunks, prefill length, every row or
-        not. On a multi-rank mesh the max over ranks, so every rank runs the same graphs at the
+        """This turn's steps: decode requests, prefill chunks, prefill length, every row or
+        not. On a multi-rank mesh the max over ranks, so every rank runs the same steps at the
         same sizes and the EP all-to-alls inside them pair up."""
         return mine if self.lockstep is None else self.lockstep.agree(mine)
 
-    def _copy_back(self, sched, tokens, lp, tid, tlp, prompt_lp) -> StepHandle:
-        if self.copy_stream is None:
-            return StepHandle(sched, tokens, lp, tid, tlp, prompt_lp, None)
-        main = torch.cuda.current_stream(self.device)
-        self.copy_stream.wait_stream(main)
-        with torch.cuda.stream(self.copy_stream):
-            def cpu(t):
-                if t is None:
-                    return None
-                t.record_stream(self.copy_stream)
-                return t.to("cpu", non_blocking=True)
+    def _copy_back(self, sched, where, outs: list[StepOut | None], prompt_lp) -> StepHandle:
+        """Host copies of every part's results, queued behind the step."""
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=self.async_copy)
 
-            out = StepHandle(
-                sched, cpu(tokens), cpu(lp), cpu(tid), cpu(tlp),
-                {i: tuple(cpu(x) for x in v) for i, v in prompt_lp.items()}, torch.cuda.Event(),
-            )
-            out.done.record(self.copy_stream)
-        return out
+        parts = [tuple(host(t) for t in out[:4]) if out is not None else (torch.empty(0, dtype=torch.long),) for out in outs]
+        lp = {i: tuple(host(x) for x in v) for i, v in prompt_lp.items()}
+        done = None
+        if self.async_copy:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        return StepHandle(sched, where, parts, lp, done)

@@ -142,6 +142,44 @@ class SamplingTensors:
         )
 
 
+# What a step's rows ask of the sampler, from cheapest to most general; a step runs the
+# cheapest mode that serves every row, and a row's token is the same in every mode that serves it
+# (greedy rows take the argmax, the race meets the same noise), so the choice never moves a result.
+MODES = ("greedy", "plain", "sorted")
+
+
+def mode_for(temperature: float, top_k: int, top_p: float) -> str:
+    """The cheapest mode that serves one row: greedy (argmax), plain (temperature and min-p:
+    no sort) or sorted (top-k or top-p)."""
+    if temperature == 0:
+        return "greedy"
+    return "sorted" if top_k > 0 or top_p < 1.0 else "plain"
+
+
+def sample_mode(logits: Tensor, t: SamplingTensors, mode: str, vocab_ids: Tensor | None = None) -> Tensor:
+    """``sample`` for rows that ``mode`` serves: ``greedy`` is one argmax, ``plain`` races the
+    temperature-scaled (min-p filtered) distribution over the whole vocabulary without a sort,
+    ``sorted`` is ``sample``. ``vocab_ids``: ``arange(V)`` as a tensor the caller keeps; a
+    compiled step passes it in, since Inductor turns an arange inside the graph into its int32
+    loop index, and the hash's 64-bit constants times that index fail to compile (torch 2.11)."""
+    if mode == "greedy":
+        return logits.float().argmax(dim=-1)
+    if mode == "sorted":
+        return sample(logits, t)
+    if mode != "plain":
+        raise ValueError(f"sampler mode must be one of {MODES}, got {mode!r}")
+    logits = logits.float()
+    greedy = t.temperature == 0
+    temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
+    probs = torch.softmax(logits / temp.unsqueeze(-1), dim=-1)
+    keep = probs >= t.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
+    if vocab_ids is None:
+        vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
+    key = row_key(t.seed, t.position).unsqueeze(-1)
+    score = torch.where(keep, probs, torch.zeros_like(probs)) / exponentials(key, vocab_ids.unsqueeze(0))
+    return torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
+
+
 def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
     """Sample one token per row of ``logits`` [B, V]; returns [B] int64, all on the device.
 

@@ -184,3 +184,26 @@ def import_slot(pool: CachePool, slot: int, path: str | os.PathLike, c: ModelCon
     for name, t in loaded.items():
         targets[name][: t.shape[0]].copy_(t)
     return meta
+
+
+class StateTransfer:
+    """Request states between a PROMPT engine (``export``: a finished request's slot to
+    ``root/request-NNNNNN``) and a COMPLETION engine (``load``: an exported state into the
+    request's slot, its last sampled token into ``next_token``)."""
+
+    def __init__(self, pool: CachePool, c: ModelConfig, root: Path, next_token: torch.Tensor) -> None:
+        self.pool, self.config, self.root, self.next_token = pool, c, root, next_token
+
+    def dir_for(self, seq) -> Path:
+        return self.root / f"request-{seq.id:06d}"
+
+    def export(self, seq) -> None:
+        meta = {
+            "n_tokens": seq.prompt_len, "prompt_token_ids": seq.prompt_ids, "last_token": seq.output_ids[-1],
+            "seed": seq.seed, "prompt": seq.prompt,
+        }
+        export_slot(self.pool, seq.slot, self.dir_for(seq), meta)
+
+    def load(self, seq) -> None:
+        meta = import_slot(self.pool, seq.slot, seq.import_path, self.config)
+        self.next_token[seq.slot] = int(meta["last_token"])

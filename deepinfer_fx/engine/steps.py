@@ -1,25 +1,79 @@
 """The engine's step functions: the units that are compiled and captured, each also the eager twin.
 
-Every input is a tensor of a fixed shape per bucket, so one compiled graph (and one CUDA graph)
+A step is its model part (``decode_logits`` / ``prefill_logits``) followed by ``sample_rows``,
+which samples every sampled row on the device and writes each token to ``next_token[slot]``;
+``decode_step`` / ``prefill_step`` are the two together over a step's input buffer
+(``step_inputs.Layout``). Every input is a tensor of a fixed shape per bucket, so one compiled graph (and one CUDA graph)
 serves every step of that bucket; padding requests use the state's scratch slot and length 0,
 padding rows of a chunk sit past its length (``graphs/batch.py`` says why both are harmless).
 
-- ``decode_step``: one token per request, read on the device from ``next_token[slot]`` (the
+- ``decode_logits``: one token per request, read on the device from ``next_token[slot]`` (the
   sampler's output buffer), so the host never handles a sampled token between steps.
-- ``prefill_step``: ``C`` chunks of up to ``L`` prompt tokens, packed ``[C * L]``; logits only for
+- ``prefill_logits``: ``C`` chunks of up to ``L`` prompt tokens, packed ``[C * L]``; logits only for
   ``rows`` (each chunk's last token, or every row when prompt logprobs are asked for).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from ..config import ModelConfig
 from ..graphs.batch import Batch, Group
 from ..graphs.model import forward_batch
+from .sampler import logprobs, sample_mode
+from .step_inputs import Layout, sampling_tensors
 
 
-def decode_step(
+class StepOut(NamedTuple):
+    """A step's results on the device: a token per sampled row, and with ``logprobs`` the
+    chosen token's logprob and the top ``k``; ``logits`` are the step's logit rows (prompt
+    logprobs read them)."""
+
+    tokens: torch.Tensor  # [R] int64
+    logprob: torch.Tensor | None  # [R]
+    top_ids: torch.Tensor | None  # [R, k]
+    top_logprobs: torch.Tensor | None  # [R, k]
+    logits: torch.Tensor  # [rows, vocab] fp32
+
+
+def sample_rows(
+    logits: torch.Tensor, next_token: torch.Tensor, sampling: torch.Tensor, mode: str, k: int | None,
+    vocab_ids: torch.Tensor | None = None,
+) -> tuple:
+    """Sample the rows a sampling part ``[8, R]`` names from ``logits`` in ``mode``
+    (``sampler.MODES``), write each token to ``next_token[write slot]`` and return (tokens,
+    logprob, top ids, top logprobs); the last three are None unless ``k`` is given. A token is
+    -1 where its row's logits were not finite."""
+    row, write, t = sampling_tensors(sampling)
+    picked = logits[row]
+    # a row whose logits are not all finite returns -1 (the host ends its request with an
+    # error) and feeds token 0 on, so that a step already launched after it stays in range
+    finite = torch.isfinite(picked).all(dim=-1)
+    tokens = torch.where(finite, sample_mode(picked, t, mode, vocab_ids), 0)
+    next_token[write] = tokens
+    flagged = torch.where(finite, tokens, -1)
+    if k is None:
+        return flagged, None, None, None
+    return (flagged, *logprobs(picked, tokens, k))
+
+
+def decode_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
+                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None) -> StepOut:
+    """One decode step over its input buffer: logits, then the sampled tokens."""
+    logits = decode_logits(params, state, c, next_token, *layout.split_model(layout.model_part(buf)))
+    return StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids), logits)
+
+
+def prefill_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
+                 mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None) -> StepOut:
+    """One prefill step over its input buffer: logits at its rows, then the sampled tokens."""
+    logits = prefill_logits(params, state, c, *layout.split_model(layout.model_part(buf)))
+    return StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids), logits)
+
+
+def decode_logits(
     params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor
 ) -> torch.Tensor:
     """Logits ``[B, vocab]`` of one decode token for each of ``B`` requests at positions ``starts``."""
@@ -28,7 +82,7 @@ def decode_step(
     return forward_batch(params, state, c, batch)[0]
 
 
-def prefill_step(
+def prefill_logits(
     params: dict, state: dict, c: ModelConfig, token_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
     lens: torch.Tensor, rows: torch.Tensor,
 ) -> torch.Tensor:

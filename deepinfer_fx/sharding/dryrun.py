@@ -155,8 +155,9 @@ def dry_run(
                 with swapped(_annotated(ep_swaps(group), calls)):
                     step()
                 run.seconds[kind] = time.perf_counter() - t0
-                name = steps.report()[-1]["graph"]
-                run.graphs[name] = [x for gm in steps.backend(name).graphs for x in collectives(gm, name)]
+                graph = steps.report()[-1]
+                name = graph["model_graph"]
+                run.graphs[name] = [x for gm in steps.backend(graph["graph"]).graphs for x in collectives(gm, name)]
                 run.moe_calls[name] = len(calls)
     return run
 

@@ -28,7 +28,7 @@ Who owns what, on a mesh ``dp{D},cp{C},ep{E}`` (world rank ``w = (d * C + c) * E
   passes (``ep.worst_case_capacity`` never drops a pair); pairs past it are counted on the device
   and ``ep.check_overflow`` reports them.
 
-Callers enter the swap around a step: ``with swapped(ep_swaps(group)): decode_step(...)``.
+Callers enter the swap around a step: ``with swapped(ep_swaps(group)): decode_logits(...)``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from tiny import FP8_EXPERTS, tiny_v4, tiny_v41
 from deepinfer_fx.api import random_model
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.engine.graph_runner import StepGraphs
-from deepinfer_fx.engine.steps import decode_step, prefill_step
+from deepinfer_fx.engine.steps import decode_logits, prefill_logits
 from deepinfer_fx.graphs import attention
 from deepinfer_fx.graphs.model import cached_engram_layout
 from deepinfer_fx.graphs.state import init_state
@@ -67,6 +67,7 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
             lens = [rng.randint(5, 16) for _ in range(slots)]
             prompts = [[rng.randrange(3, c.vocab_size) for _ in range(n)] for n in lens]
             got, first = steps.prefill([(s, pos[s], p) for s, p in enumerate(prompts)], all_rows=all_rows)
+            got = got.logits
             outs.append(got.clone())
             # the eager twin on the same padded layout: bucket of 4 chunks x 16 rows
             ids = torch.zeros(4, 16, dtype=torch.long)
@@ -74,7 +75,7 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
                 ids[s, : len(p)] = torch.tensor(p)
             meta = torch.tensor([[0, 1, 2, slots], [*pos, 0], [*lens, 0]])
             rows = torch.arange(64) if all_rows else torch.arange(4) * 16 + (meta[2] - 1).clamp(min=0)
-            want = prefill_step(params, eager_state, c, ids.reshape(-1).to(device), *meta.to(device), rows.to(device))
+            want = prefill_logits(params, eager_state, c, ids.reshape(-1).to(device), *meta.to(device), rows.to(device))
             for s, n in enumerate(lens):
                 if all_rows:
                     torch.testing.assert_close(got[first[s] : first[s] + n], want[s * 16 : s * 16 + n], rtol=1e-5, atol=1e-5)
@@ -83,10 +84,13 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
             pos = [p + n for p, n in zip(pos, lens)]
         for _ in range(3):
             next_token[:slots] = torch.tensor([rng.randrange(3, c.vocab_size) for _ in range(slots)])
-            got = steps.decode([0, 1, 2], pos)
+            fed = next_token.clone()  # the step writes its greedy samples back to next_token
+            out = steps.decode([0, 1, 2], pos)
+            got = out.logits[:slots]
             outs.append(got.clone())
             meta = torch.tensor([[0, 1, 2, slots], [*pos, 0], [1, 1, 1, 0]], device=device)
-            want = decode_step(params, eager_state, c, next_token, *meta)[:slots]
+            want = decode_logits(params, eager_state, c, fed, *meta)[:slots]
+            assert torch.equal(out.tokens[:slots], got[:slots].argmax(-1)) and torch.equal(next_token[:slots], out.tokens[:slots])
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             pos = [p + 1 for p in pos]
     for (path, a), (_, b) in zip(_real_slots(state, slots), _real_slots(eager_state, slots)):
@@ -101,7 +105,7 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path, monkeypat
     cfg = tiny_v4() if which == "v4" else tiny_v41()
     graphs, _, _ = _run(cfg, seed, tmp_path)
     report = {r["graph"]: r for r in graphs.report()}
-    assert set(report) == {"prefill-t64-r4-all", "decode-t4-r4"}, f"seed={seed}"
+    assert set(report) == {"prefill-t64-r4-all-greedy", "decode-t4-r4-greedy"}, f"seed={seed}"
     # V4 selects with the whole indexer op; V4.1 takes the scores op and selects in two levels
     indexer = {"v4": "indexer_topk_kernel", "v41": "indexer_scores_kernel"}
     for r in report.values():  # the fusion passes fired in both graphs, and every kernel swap
@@ -146,7 +150,7 @@ def test_fp8_experts_compiled_equal_eager(tmp_path) -> None:
     for r in graphs.report():
         assert r["rewrites"].get("moe_experts_kernel", 0) > 0, f"seed={seed} {r['graph']}"
         assert r["rewrites"].get("moe_shared_fused_kernel", 0) == 0, f"seed={seed} {r['graph']}"
-        final = sorted((tmp_path / "dump" / r["graph"]).glob("*.py"))[-1].read_text()
+        final = sorted((tmp_path / "dump" / r["model_graph"]).glob("*.py"))[-1].read_text()
         assert "deepinfer.moe_experts_fp8" in final and "deepinfer.moe_experts." not in final, f"seed={seed} {r['graph']}"
 
 
@@ -167,7 +171,7 @@ def test_decode_step_is_one_graph_without_host_syncs() -> None:
     cached_engram_layout(c)  # built with numpy before tracing, as StepGraphs does
 
     def step(params, state, nt, slots, starts, lens):
-        return decode_step(params, state, c, nt, slots, starts, lens)
+        return decode_logits(params, state, c, nt, slots, starts, lens)
 
     explained = torch._dynamo.explain(step)(params, state, nt, *meta)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
@@ -189,12 +193,12 @@ def test_captured_prefill_and_decode_replay_equal_eager_on_cuda(which: str, ring
     monkeypatch.setattr(attention, "RING_MIN_CHUNKS", 1 if ring else 10**9)
     steps, pos, _ = _run(tiny_v4() if which == "v4" else tiny_v41(), seed, tmp_path, inductor=True, device="cuda", graphs=True)
     report = {r["graph"]: r for r in steps.report()}
-    assert set(report) == {"prefill-t64-r4", "decode-t4-r4"}, f"seed={seed}"
+    assert set(report) == {"prefill-t64-r4-greedy", "decode-t4-r4-greedy"}, f"seed={seed}"
     for r in report.values():
         assert r["captured"] and r["calls"] >= 2, f"seed={seed} {r}"
     # A mixed step replays the decode graph, then the prefill graph (captured first), and only
     # then reads the decode logits: the prefill replay must not have written over them.
-    decoded = steps.decode([0, 1, 2], pos)
+    decoded = steps.decode([0, 1, 2], pos).logits[:3]
     want = decoded.clone()
     steps.prefill([(s, p + 1, [5, 6, 7]) for s, p in enumerate(pos)])
     assert torch.equal(decoded, want), f"seed={seed}: the prefill replay overwrote the decode logits"

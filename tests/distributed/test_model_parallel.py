@@ -20,7 +20,7 @@ from tiny import FP8_EXPERTS, tiny_v4, tiny_v41
 
 from deepinfer_fx.api import Model, random_model
 from deepinfer_fx.config import config_from_dict
-from deepinfer_fx.engine.steps import decode_step, prefill_step
+from deepinfer_fx.engine.steps import decode_logits, prefill_logits
 from deepinfer_fx.graphs.state import init_state
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.sharding import eplb
@@ -72,7 +72,7 @@ def _serve(model: Model, work: Workload, mine: list[int], group: EPGroup | None 
         slots, starts = torch.tensor([slot[r] for r in mine]), torch.zeros(len(mine), dtype=torch.long)
         lens = torch.tensor([len(work.prompts[r]) for r in mine])
     with swapped(swaps):
-        logits = prefill_step(params, state, c, ids.reshape(-1), slots, starts, lens, torch.arange(ids.numel()))
+        logits = prefill_logits(params, state, c, ids.reshape(-1), slots, starts, lens, torch.arange(ids.numel()))
     for s, r in enumerate(mine):
         out[r, -1] = logits[s * length : s * length + len(work.prompts[r])]
 
@@ -86,7 +86,7 @@ def _serve(model: Model, work: Workload, mine: list[int], group: EPGroup | None 
             lens = torch.ones(len(live), dtype=torch.long)
             next_token[slots] = torch.tensor([step[r] for r in live])
         with swapped(swaps):
-            logits = decode_step(params, state, c, next_token, slots, starts, lens)
+            logits = decode_logits(params, state, c, next_token, slots, starts, lens)
         for i, r in enumerate(live):
             out[r, j] = logits[i]
     return out

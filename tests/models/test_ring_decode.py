@@ -14,7 +14,7 @@ from tiny import tiny_v4, tiny_v41
 
 from deepinfer_fx.api import random_model
 from deepinfer_fx.config import config_from_dict
-from deepinfer_fx.engine.steps import decode_step, prefill_step
+from deepinfer_fx.engine.steps import decode_logits, prefill_logits
 from deepinfer_fx.graphs import attention
 from deepinfer_fx.graphs.state import init_state
 
@@ -31,7 +31,7 @@ def test_in_place_decode_equals_gathered(which: str, monkeypatch) -> None:
     ids = torch.tensor([rng.randrange(3, c.vocab_size) for _ in range(slots * length)])
     meta = torch.tensor([list(range(slots)), [0] * slots, lens])
     with torch.no_grad():
-        prefill_step(params, state, c, ids, *meta, torch.arange(slots) * length)
+        prefill_logits(params, state, c, ids, *meta, torch.arange(slots) * length)
         states = {"in place": state, "gathered": copy.deepcopy(state)}
         pos = list(lens)
         for _ in range(4):
@@ -40,7 +40,7 @@ def test_in_place_decode_equals_gathered(which: str, monkeypatch) -> None:
             logits = {}
             for name, st in states.items():
                 monkeypatch.setattr(attention, "RING_MIN_CHUNKS", 1 if name == "in place" else 10**9)
-                logits[name] = decode_step(params, st, c, tokens, *step)
+                logits[name] = decode_logits(params, st, c, tokens, *step)
             assert torch.equal(logits["in place"], logits["gathered"]), f"seed={seed}"
             pos = [p + 1 for p in pos]
     flat = lambda tree: [x for v in tree.values() for x in (flat(v) if isinstance(v, dict) else  # noqa: E731

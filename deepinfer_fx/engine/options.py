@@ -1,0 +1,92 @@
+"""The engine's options: built once from the ``LLM`` arguments and the ``DEEPINFER_*`` settings,
+typed and frozen, and handed down (the runner and the step graphs read ``StepOptions``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from ..settings import PREFIX, EngineConfig
+
+
+
+def refuse_unbuilt(settings: EngineConfig, environ: Mapping[str, str] = os.environ) -> None:
+    """Settings of DeepInfer's features that this engine does not have yet: asked for, they
+    refuse to start rather than being read by nothing (their off values are what runs)."""
+    asked = {
+        f"{PREFIX}ENABLE_MTP_VARLEN": (settings.mtp_varlen, "speculative decoding (variable-length draft verification)"),
+        f"{PREFIX}USE_NEXTN_DECODE": (bool(environ.get(f"{PREFIX}USE_NEXTN_DECODE", "").strip()) and settings.nextn_decode > 0,
+                                      "speculative decoding (draft tokens)"),
+        f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE": (settings.yoco_mode == "compact", "V4.1's compact decoder prefill"),
+        f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS": (bool(environ.get(f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS", "").strip()),
+                                              "V4.1's compact decoder prefill"),
+        f"{PREFIX}BATCH_INVARIANT": (settings.batch_invariant, "batch-invariant inference"),
+    }
+    for name, (on, feature) in asked.items():
+        if on:
+            raise ValueError(f"{name}={environ.get(name)!r} asks for {feature}, which is not built yet; "
+                             f"unset {name} (or set its off value) to run without it")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the steps run: compiled per bucket (and captured as graphs where the device has
+    them) or the same step functions eagerly."""
+
+    compiled: bool
+    max_requests: int  # the largest decode bucket and prefill chunk count
+    max_tokens: int  # the largest prefill chunk
+    accelerator: str | None = None
+    cuda_graphs: bool | None = None  # None: where the device has graphs
+    inductor: bool = False  # False: our passes on aot_eager
+    dump_dir: str | None = None
+    disabled_passes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    steps: StepOptions
+    settings: EngineConfig
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    overlap: bool  # launch step N+1 before reading step N
+    warmup: bool  # compile and capture the steps when the engine is built
+    cache_dir: Path  # Inductor's, the FX graph cache's and Triton's caches
+
+
+def default_cache_dir(settings: EngineConfig) -> Path:
+    return Path(settings.cache_dir) if settings.cache_dir else Path.home() / ".cache" / "deepinfer_fx" / "compile"
+
+
+def build_options(
+    settings: EngineConfig, device: torch.device, *, eager: bool | None, overlap: bool, warmup: bool | None,
+    max_num_seqs: int, max_num_batched_tokens: int, cuda_graphs: bool | None, inductor: bool | None,
+    dump_graphs: str | os.PathLike | None, disable_passes: str | Sequence[str] | None,
+) -> EngineOptions:
+    """Resolve and check the arguments together. ``eager`` None compiles on GPUs, and on the CPU
+    when a compile-only option (``dump_graphs``, ``disable_passes``, ``cuda_graphs``,
+    ``inductor``) asks for it; ``warmup`` None warms up compiled steps."""
+    refuse_unbuilt(settings)
+    names = disable_passes.split(",") if isinstance(disable_passes, str) else list(disable_passes or ())
+    disabled = tuple(n.strip() for n in names if n.strip())
+    compile_only = {"dump_graphs": dump_graphs is not None, "disable_passes": bool(disabled), "cuda_graphs": bool(cuda_graphs),
+                    "inductor": bool(inductor)}
+    asked = [name for name, on in compile_only.items() if on]
+    if eager and asked:
+        raise ValueError(f"{', '.join(asked)} apply to compiled steps, and eager=True (--eager) asks for none: drop one of them")
+    compiled = (device.type != "cpu" or bool(asked)) if eager is None else not eager
+    if max_num_seqs < 1 or max_num_batched_tokens < 1:
+        raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+    if warmup and not compiled:
+        raise ValueError("warmup=True compiles and captures the steps ahead of time; these steps run eagerly (nothing to warm up)")
+    steps = StepOptions(
+        compiled=compiled, max_requests=max_num_seqs, max_tokens=max_num_batched_tokens, accelerator=settings.accelerator,
+        cuda_graphs=cuda_graphs, inductor=device.type == "cuda" if inductor is None else inductor,
+        dump_dir=None if dump_graphs is None else str(dump_graphs), disabled_passes=disabled,
+    )
+    return EngineOptions(steps, settings, max_num_seqs, max_num_batched_tokens, overlap,
+                         compiled if warmup is None else warmup, default_cache_dir(settings))

@@ -1,0 +1,114 @@
+"""A step's inputs: one int64 buffer per graph bucket, laid out once, copied to the device once.
+
+Every input of a compiled step (token ids, each chunk's slot, start and length, the logit rows,
+and the sampling controls of each sampled row) lives in one flat int64 buffer whose layout
+depends only on the bucket (``Layout``). The host fills a pinned copy of it from the
+``SchedulerOutputs`` in one pass and the whole step's inputs reach the device in one copy; the
+step functions slice it with static offsets, so the same layout serves the eager twin, the
+compiled function and a CUDA-graph replay. Floats (temperature, top-p, min-p) travel as their
+float32 bit patterns, so one buffer carries every type.
+
+Decode region (R rows):   meta [3, R] (slot, start, length) | sampling [8, R]
+Prefill region (C chunks of up to L tokens):
+                          tokens [C * L] | meta [3, C] | logit rows [C, or C * L] | sampling [8, C]
+
+Sampling rows (``SAMPLING``): the logit row each sampled token comes from, the slot whose
+``next_token`` entry receives it (the scratch slot for a chunk that samples nothing), then the
+controls of ``sampler.SamplingTensors``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .sampler import SamplingTensors
+
+SAMPLING = ("row", "write", "temperature", "top_k", "top_p", "min_p", "seed", "position")
+FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p"})
+
+
+def float_bits(x: float) -> int:
+    """The float32 bit pattern of ``x`` as a (signed) int32 value."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of one bucket's inputs. ``kind`` is "decode" (``requests`` rows of one token) or
+    "prefill" (``requests`` chunks of ``length`` tokens; ``all_rows``: logits for every row)."""
+
+    kind: str
+    requests: int
+    length: int = 1
+    all_rows: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.requests * self.length if self.kind == "prefill" else 0
+
+    @property
+    def logit_rows(self) -> int:
+        return self.requests * self.length if self.all_rows else self.requests
+
+    @property
+    def model_size(self) -> int:
+        """Entries the model part reads (everything before the sampling rows)."""
+        rows = self.logit_rows if self.kind == "prefill" else 0
+        return self.tokens + 3 * self.requests + rows
+
+    @property
+    def size(self) -> int:
+        return self.model_size + len(SAMPLING) * self.requests
+
+    def model_part(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[: self.model_size]
+
+    def sampling_part(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.model_size : self.size].view(len(SAMPLING), self.requests)
+
+    def split_model(self, part: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The model part -> (tokens, slots, starts, lens, rows) for prefill, (slots, starts,
+        lens) for decode."""
+        t, r = self.tokens, self.requests
+        slots, starts, lens = part[t : t + 3 * r].view(3, r).unbind(0)
+        if self.kind == "decode":
+            return slots, starts, lens
+        return part[:t], slots, starts, lens, part[t + 3 * r :]
+
+
+def sampling_tensors(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, SamplingTensors]:
+    """A sampling part ``[8, R]`` -> (logit row, write slot, ``SamplingTensors``)."""
+    row, write, temp, top_k, top_p, min_p, seed, position = part.unbind(0)
+
+    def f32(bits: torch.Tensor) -> torch.Tensor:
+        return bits.to(torch.int32).view(torch.float32)
+
+    return row, write, SamplingTensors(f32(temp), top_k, f32(top_p), f32(min_p), seed, position)
+
+
+@dataclass(frozen=True)
+class SampledRow:
+    """The host's view of one sampled row: where it came from and how to sample it."""
+
+    row: int  # logit row within the step's logits
+    write: int  # slot that receives the token (scratch: none)
+    controls: tuple[int, int, int, int, int]  # temperature bits, top_k, top_p bits, min_p bits, seed
+    position: int
+
+
+def fill(layout: Layout, model: list[int], rows: list[SampledRow], scratch: int) -> list[int]:
+    """One bucket's buffer as a host list: ``model`` (already laid out, padded) then the
+    sampling rows, padded to the bucket with rows that sample into the scratch slot."""
+    pad = layout.requests - len(rows)
+    filler = SampledRow(0, scratch, (0, 0, float_bits(1.0), 0, 0), 0)
+    full = rows + [filler] * pad
+    out = list(model)
+    out += [r.row for r in full]
+    out += [r.write for r in full]
+    for j in range(5):
+        out += [r.controls[j] for r in full]
+    out += [r.position for r in full]
+    return out

@@ -1,0 +1,80 @@
+"""Start-up: the compile caches' directory, and the steps compiled and captured before the
+first request, so that ``generate`` never stalls on a compile for a shape the warm-up covered.
+
+Covered: every decode bucket in every sampler mode, and for each prefill length bucket up to
+``max_num_batched_tokens`` one chunk, and as many chunks of that bucket as the token budget
+holds (the steps a batch of similar prompts makes), in every mode. Other prefill shapes (a few
+chunks of mixed lengths) still compile on first use.
+
+The caches (Inductor's FX graph and AOT autograd caches, its autotuning results, Triton's
+kernels) live under one directory; their keys hold the graph, the compiler's settings and our
+pipeline's id (each pass's source hash, ``passes/compiler.py``), so a second start of the same
+model and settings reuses them and a changed pass misses.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from .graph_runner import StepGraphs
+from .options import EngineOptions
+from .sampler import MODES
+from .step_inputs import Layout
+
+CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def use_cache_dir(root: Path) -> None:
+    """Point the compilers' caches under ``root`` unless the user pointed them elsewhere."""
+    for var, sub in CACHE_VARIABLES.items():
+        if not os.environ.get(var):
+            path = root / sub
+            path.mkdir(parents=True, exist_ok=True)
+            os.environ[var] = str(path)
+
+
+def warmup_layouts(steps: StepGraphs, opts: EngineOptions) -> list[Layout]:
+    """The buckets the warm-up compiles (see the module docstring)."""
+    budget, seqs = opts.max_num_batched_tokens, opts.max_num_seqs
+    out = [Layout("decode", b) for b in steps.decode_buckets]
+    smallest = steps.length_buckets[0]
+    for length in steps.length_buckets:
+        if length > max(budget, smallest):
+            break
+        # the chunks of a bucket are longer than half of it (any length at the smallest)
+        shortest = 1 if length == smallest else length // 2 + 1
+        for n in sorted({1, min(seqs, max(budget // shortest, 1))}):
+            layout = steps.prefill_layout(n, length)
+            if layout not in out:
+                out.append(layout)
+    return out
+
+
+def warm_up(steps: StepGraphs, opts: EngineOptions, show: bool = True) -> float:
+    """Compile and capture the warm-up's steps; prints progress and the total on stderr."""
+    keys = [(layout, mode) for layout in warmup_layouts(steps, opts) for mode in MODES]
+    t0 = time.perf_counter()
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(keys), desc="warm-up", unit="graph", dynamic_ncols=True, file=sys.stderr)
+
+    def tick(name: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(1)
+
+    try:
+        steps.warm_up(keys, tick)
+    finally:
+        if bar is not None:
+            bar.close()
+    total = time.perf_counter() - t0
+    if show:
+        print(f"warm-up: {len(keys)} step graphs compiled and captured in {total:.1f} s (caches: {opts.cache_dir})",
+              file=sys.stderr, flush=True)
+    return total
