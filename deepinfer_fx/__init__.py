@@ -1,35 +1,45 @@
-"""deepinfer_fx: offline inference engine for DeepSeek-V4-class MoE models."""
+"""deepinfer_fx: offline inference engine for DeepSeek-V4-class MoE models.
 
-from .api import Model, load_model, logits, random_model
-from .config import ModelConfig, config_from_dict, load_config
-from .engine import LLM, CompletionOutput, EngineType, RequestOutput, SamplingParams
-from .graphs.params import count_params as _count_params
-from .io.writer import write_random_checkpoint
+The public names load on first use (PEP 562), not at import: ``python -m deepinfer_fx.generate
+--help`` imports this package first, and must answer before torch would have loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "engine", "CompletionOutput": "engine", "EngineType": "engine", "RequestOutput": "engine",
+    "SamplingParams": "engine", "Model": "api", "load_model": "api", "logits": "api", "random_model": "api",
+    "ModelConfig": "config", "config_from_dict": "config", "load_config": "config",
+    "write_random_checkpoint": "io.writer",
+}
 
 
 def count_params(config, mtp: bool = False, engram: bool = False) -> int:
     """Parameters of a config (a ModelConfig, an HF config dict or a config.json path), counted
     without allocating; draft layers and V4.1 Engram tables are excluded unless asked for."""
+    from .config import ModelConfig, config_from_dict, load_config
+    from .graphs.params import count_params as count
+
     if isinstance(config, dict):
         config = config_from_dict(config)
     elif not isinstance(config, ModelConfig):
         config = load_config(config)
-    return _count_params(config, mtp=mtp, engram=engram)
+    return count(config, mtp=mtp, engram=engram)
 
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineType",
-    "RequestOutput",
-    "SamplingParams",
-    "Model",
-    "ModelConfig",
-    "config_from_dict",
-    "count_params",
-    "load_config",
-    "load_model",
-    "logits",
-    "random_model",
-    "write_random_checkpoint",
-]
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'deepinfer_fx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = sorted([*_EXPORTS, "count_params"])

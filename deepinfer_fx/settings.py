@@ -99,6 +99,12 @@ VARIABLES: dict[str, Var] = {
 BENCH_VARIABLES = frozenset({f"{PREFIX}COMMIT"})
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, which containers and taskset
+    narrow): the default of ``--threads`` / ``LLM(num_threads=...)``."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """The parsed value of one declared variable (its default when unset or empty)."""
     var = VARIABLES[name]

@@ -15,8 +15,9 @@ import torch
 
 from ..api import Model, load_model
 from ..io.checkpoint import ENV_MODEL_DIR
-from ..settings import EngineConfig
+from ..settings import EngineConfig, usable_cores
 from ..io.tokenizer import decode, encode, load_tokenizer
+from . import inputs
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
 from .loop import EngineLoop, LoopStats
 from .options import build_options
@@ -55,6 +56,7 @@ class LLM:
         dump_graphs: str | os.PathLike | None = None,
         disable_passes: str | Seq[str] | None = None,
         expert_format: str | None = None,
+        num_threads: int | None = None,
         warmup: bool | None = None,
     ) -> None:
         """``eager``: None compiles the steps on GPUs and runs them eagerly on the CPU (there the
@@ -62,18 +64,37 @@ class LLM:
         take ``cuda_graphs`` (default: on where the device has graphs; decode replays them),
         ``inductor`` (default: on GPUs; off = our passes on aot_eager), ``dump_graphs`` (a
         directory for every graph's stages) and ``disable_passes`` (names, or comma-separated;
-        added to ``DEEPINFER_DISABLE_PASSES``); on the CPU, asking for any of these compiles.
-        ``expert_format``: as in ``load_model`` (default ``DEEPINFER_EXPERT_FORMAT``, auto:
-        block-FP8 routed experts stay fp8 on CUDA). ``warmup`` (default: on wherever steps are
-        compiled): compile and capture every decode bucket and the prefill buckets up to
-        ``max_num_batched_tokens`` now, with a progress bar, so that ``generate`` never stalls
-        on a compile; compile caches live in ``DEEPINFER_CACHE_DIR``."""
+        added to ``DEEPINFER_DISABLE_PASSES``); asking for any of these asks for compiled steps
+        (on the CPU too), so with ``eager=True`` they are an error. ``expert_format``: as in
+        ``load_model`` (default ``DEEPINFER_EXPERT_FORMAT``, auto: block-FP8 routed experts stay
+        fp8 on CUDA). ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; default on
+        the CPU: ``OMP_NUM_THREADS`` where set, as torchrun sets it, else the cores this process
+        may use). ``warmup`` (default: on wherever steps are compiled): compile and capture every
+        decode bucket and the prefill buckets up to ``max_num_batched_tokens`` now, with a
+        progress bar, so that ``generate`` never stalls on a compile; the compile caches live in
+        ``DEEPINFER_CACHE_DIR``."""
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            inputs.count(name, value)
+        inputs.count("max_model_len", max_model_len, optional=True)
+        inputs.count("memory_budget", memory_budget, optional=True)
+        inputs.count("num_threads", num_threads, optional=True)
+        inputs.count("seed", seed, low=0)
+        inputs.flag("overlap", overlap)
+        for name, value in (("eager", eager), ("fake_quant", fake_quant), ("cuda_graphs", cuda_graphs), ("inductor", inductor),
+                            ("warmup", warmup)):
+            inputs.flag(name, value, optional=True)
+        eager = inputs.eager_setting(eager, mesh, cuda_graphs=cuda_graphs, inductor=inductor, dump_graphs=dump_graphs,
+                                     disable_passes=disable_passes)
+        inputs.check_pass_names(disable_passes)
+        inputs.check_launch(mesh)
         self.settings = EngineConfig.from_env()
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
         if self.engine_type is not EngineType.NORMAL and state_dir is None:
             raise ValueError(f"engine_type={self.engine_type.value!r} needs state_dir (where request states are exported/imported)")
         self.state_dir = Path(state_dir) if state_dir is not None else None
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = inputs.resolve_device(device)
+        if num_threads is not None or (device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ):
+            torch.set_num_threads(num_threads or usable_cores())  # torchrun's OMP_NUM_THREADS (1 a rank) stays in force
         # a multi-rank mesh joins the torchrun world first: the loader reads only this rank's experts
         asked_eager = eager
         self.ranks, device, eager = Ranks.join(mesh, device, eager)
@@ -149,21 +170,15 @@ class LLM:
         return state_bytes_per_slot(self.model.config, self.max_model_len, self.model.dtype)["per_token"]
 
     # --- requests
-    def _tokens(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+    def _tokens(self, prompt: str | Seq[int], where: str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer.json: pass token-id lists instead of strings")
+                raise ValueError(f"{where} is a str but this checkpoint has no tokenizer.json: pass token-id lists instead")
             return prompt, encode(self.tokenizer, prompt)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("a prompt needs at least one token")
-        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must lie in [0, {self.model.config.vocab_size}); got {bad[:5]}")
-        return None, ids
+        return None, inputs.token_ids(prompt, where, self.model.config.vocab_size)
 
-    def _make_seq(self, prompt, params: SamplingParams) -> Sequence:
-        text, ids = self._tokens(prompt)
+    def _make_seq(self, prompt, params: SamplingParams, where: str = "prompt") -> Sequence:
+        text, ids = self._tokens(prompt, where)
         need = len(ids) + (1 if self.engine_type is EngineType.PROMPT else params.max_tokens)
         if need > self.max_model_len:
             raise ValueError(
@@ -172,6 +187,11 @@ class LLM:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
+        vocab = self.model.config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"SamplingParams.stop_token_ids {outside} lie outside the model's vocabulary [0, {vocab}); "
+                             "no token can match them: drop them")
         seq_id = self._next_id
         self._next_id += 1
         seed = params.seq_seed if params.seq_seed is not None else derive_seed(self.seed, seq_id)
@@ -188,15 +208,15 @@ class LLM:
         if self.engine_type is EngineType.COMPLETION:
             seqs = self._imported_seqs(sampling_params)
         else:
-            if prompts is None:
-                raise ValueError("generate() needs prompts")
-            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-                prompts = [prompts]
+            prompts, names = inputs.prompt_list(prompts)
             params = sampling_params if sampling_params is not None else SamplingParams()
             plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
             if len(plist) != len(prompts):
                 raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-            seqs = [self._make_seq(p, sp) for p, sp in zip(prompts, plist)]  # validate all before running any
+            for i, sp in enumerate(plist):
+                if not isinstance(sp, SamplingParams):
+                    raise ValueError(f"sampling_params[{i}] is {type(sp).__name__}; pass SamplingParams(...)")
+            seqs = [self._make_seq(p, sp, where) for p, sp, where in zip(prompts, plist, names)]  # validate all before running any
         return self._run(seqs, use_tqdm)
 
     def _imported_seqs(self, sampling_params) -> list[Sequence]:
@@ -234,6 +254,11 @@ class LLM:
         seq = self._make_seq(prompt, params if params is not None else SamplingParams())
         self.scheduler.add(seq)
         return seq.id
+
+    @property
+    def stats(self) -> LoopStats:
+        """The host loop's counters since the engine was built (``last_stats``: the last generate's)."""
+        return self._loop().stats
 
     def has_unfinished_requests(self) -> bool:
         """Whether a ``step()`` has anything left to return: requests queued or running, or

@@ -67,18 +67,12 @@ def build_options(
     max_num_seqs: int, max_num_batched_tokens: int, cuda_graphs: bool | None, inductor: bool | None,
     dump_graphs: str | os.PathLike | None, disable_passes: str | Sequence[str] | None,
 ) -> EngineOptions:
-    """Resolve and check the arguments together. ``eager`` None compiles on GPUs, and on the CPU
-    when a compile-only option (``dump_graphs``, ``disable_passes``, ``cuda_graphs``,
-    ``inductor``) asks for it; ``warmup`` None warms up compiled steps."""
+    """Resolve the arguments together (``engine/inputs.py`` has checked each one). ``eager``
+    None compiles on GPUs; ``warmup`` None warms up compiled steps."""
     refuse_unbuilt(settings)
     names = disable_passes.split(",") if isinstance(disable_passes, str) else list(disable_passes or ())
     disabled = tuple(n.strip() for n in names if n.strip())
-    compile_only = {"dump_graphs": dump_graphs is not None, "disable_passes": bool(disabled), "cuda_graphs": bool(cuda_graphs),
-                    "inductor": bool(inductor)}
-    asked = [name for name, on in compile_only.items() if on]
-    if eager and asked:
-        raise ValueError(f"{', '.join(asked)} apply to compiled steps, and eager=True (--eager) asks for none: drop one of them")
-    compiled = (device.type != "cpu" or bool(asked)) if eager is None else not eager
+    compiled = device.type != "cpu" if eager is None else not eager
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
     if warmup and not compiled:

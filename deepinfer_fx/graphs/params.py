@@ -27,6 +27,7 @@ class ParamSpec:
     fp32: bool = False  # kept in float32 whatever the activation dtype (mHC, sinks, biases, ape)
     quant: str | None = None  # checkpoint storage: "fp8" (block), "fp4" (MXFP4) or None
     integer: bool = False
+    high: int | None = None  # integer tensors: every value lies in [0, high) (checked at load)
     # Held in memory as stored rather than dequantised: "fp8" (a float8_e4m3fn weight, whose fp32
     # block scales are the spec at ``scale_path(path)``) or "fp8_scale" (those scales).
     held: str | None = None
@@ -167,7 +168,8 @@ def _moe(prefix: str, c: ModelConfig, hashed: bool) -> list[ParamSpec]:
         specs.append(ParamSpec(f"{f}.gate.bias_vl", f"{f}.gate.bias_vl", (e,), ("experts",), init="zeros", fp32=True))
     if hashed:
         specs.append(
-            ParamSpec(f"{f}.gate.tid2eid", f"{f}.gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), ("vocab", None), init="tid2eid", integer=True)
+            ParamSpec(f"{f}.gate.tid2eid", f"{f}.gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), ("vocab", None), init="tid2eid", integer=True,
+                      high=e)
         )
     else:
         specs.append(ParamSpec(f"{f}.gate.bias", f"{f}.gate.bias", (e,), ("experts",), init="zeros", fp32=True))

@@ -276,6 +276,10 @@ class CheckpointReader:
         e = self._entry(key)
         return self._loc(e.src) + ("" if e.chunk is None else "[{}, {}:{}]".format(*e.chunk))
 
+    def quantised(self, key: str) -> bool:
+        """Whether ``key`` is stored with a quantisation scale (``get`` dequantises it)."""
+        return self._entry(key).scale is not None
+
     def shape(self, key: str) -> tuple[int, ...]:
         """Logical (dequantised) shape from the header alone."""
         e = self._entry(key)

@@ -53,11 +53,53 @@ def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, dev
             )
     if spec.held == "fp8":  # as stored; the reader checks each scale grid against fp8_block
         weights, scales = zip(*(reader.get_fp8(key) for key in keys))
-        return {spec.path: torch.stack(weights).to(device), scale_path(spec.path): torch.stack(scales).to(device)}
+        w, s = torch.stack(weights).to(device), torch.stack(scales).to(device)
+        _check_values(reader, spec, keys, w)
+        _check_values(reader, spec, keys, s, "the block scales of tensor")
+        return {spec.path: w, scale_path(spec.path): s}
     target = spec.dtype(dtype)
     parts = [reader.get(key, dtype=target) for key in keys]
-    t = torch.stack(parts) if spec.stacked else parts[0]
-    return {spec.path: t.to(target).to(device)}
+    t = (torch.stack(parts) if spec.stacked else parts[0]).to(target).to(device)
+    _check_values(reader, spec, keys, t if spec.stacked else t[None])
+    return {spec.path: t}
+
+
+_CHECK_CHUNK = 1 << 24  # values per reduction: bounds the check's temporary mask on a nearly full device
+
+
+def _bad_mask(x: torch.Tensor, high: int | None) -> torch.Tensor:
+    if x.dtype == torch.float8_e4m3fn:
+        return (x.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn has no inf; S.1111.111 is its NaN
+    if x.is_floating_point():
+        return ~torch.isfinite(x)
+    return (x < 0) | (x >= high)
+
+
+def _bad_counts(t: torch.Tensor, high: int | None) -> torch.Tensor | None:
+    """Per leading row of ``t``, the count of values a sound checkpoint cannot hold (None: an
+    integer tensor without a declared range)."""
+    if not t.is_floating_point() and high is None:
+        return None
+    zero = torch.zeros((), dtype=torch.long, device=t.device)
+    return torch.stack([sum((_bad_mask(c, high).sum() for c in row.reshape(-1).split(_CHECK_CHUNK)), zero) for row in t])
+
+
+def _check_values(reader: CheckpointReader, spec: ParamSpec, keys: list[str], t: torch.Tensor, what: str = "tensor") -> None:
+    """Refuse NaN/inf in float tensors (after dequantisation) and index tensors outside
+    ``[0, spec.high)``: either means a damaged shard, which would otherwise run and emit NaN
+    logprobs or index out of bounds deep in a step. ``t`` has one leading row per key; checked
+    on its device, with one host sync for the whole tensor."""
+    counts = _bad_counts(t, spec.high)
+    if counts is None or not bool(counts.any()):
+        return
+    i = int(torch.nonzero(counts)[0])
+    key, n = keys[i], int(counts[i])
+    if t.is_floating_point():
+        after = " after dequantisation" if spec.held is None and reader.quantised(key) else ""
+        holds = f"{n} non-finite value(s) (NaN or inf){after}"
+    else:
+        holds = f"{n} index value(s) outside [0, {spec.high}) (range [{int(t[i].min())}, {int(t[i].max())}])"
+    raise CheckpointError(f"{reader.location(key)}: {what} '{key}' holds {holds}; the shard is damaged or the weights are broken: re-download it")
 
 
 def load_params(

@@ -16,6 +16,8 @@ from typing import Iterable
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from .checkpoint import CheckpointError
+
 # Same strings and ids as the DeepSeek tokenizers, so code that hard-codes the
 # DeepSeek special tokens behaves identically against the demo checkpoints.
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
@@ -189,7 +191,8 @@ def save_tokenizer(
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load ``tokenizer.json`` from a checkpoint directory."""
+    """Load ``tokenizer.json`` from a checkpoint directory (a damaged file: ``CheckpointError``
+    naming it)."""
     directory = Path(path)
     file = directory / "tokenizer.json"
     if not file.is_file():
@@ -198,7 +201,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             "pass token ids instead of text, or copy the tokenizer files "
             "(tokenizer.json, tokenizer_config.json) into the checkpoint"
         )
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception for bad UTF-8 and bad JSON alike
+        raise CheckpointError(f"{file}: not a readable tokenizer ({exc}); re-download it or copy the checkpoint's tokenizer.json") from None
 
 
 def encode(tok: Tokenizer, text: str, add_bos: bool = True) -> list[int]:

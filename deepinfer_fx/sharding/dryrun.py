@@ -37,6 +37,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..api import Model
 from ..config import ModelConfig, load_config
+from ..configs import released_config
 from ..engine.graph_runner import StepGraphs
 from ..graphs.engram import EngramTable
 from ..graphs.params import build_tree, param_specs
@@ -51,8 +52,8 @@ from .world import build_mesh, fake_world, moe_view, rank_coordinate
 
 NOT_REAL = "NOTE: dry run on a fake process group with fake tensors: collectives moved no data and no value is real; only shapes, dtypes and bytes are."
 LAYER_KEY = "moe_layer"
-# the released V4.1-Flash config in the workspace's spec (the issue's default dry-run target)
-SPEC_CONFIG = Path(__file__).resolve().parents[3] / "shared" / "spec" / "configs" / "deepseek_v41_flash.json"
+# the packaged V4.1-Flash release config: the default dry-run target
+DEFAULT_CONFIG = released_config("deepseek_v41_flash")
 
 
 def abstract_params(c: ModelConfig, spec: MeshSpec, rank: int, placement: ExpertPlacement, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -195,15 +196,12 @@ def summary(run: DryRun) -> str:
 
 def cli(model: str | None, mesh: str, rank: int, dump_dir: str | None) -> int:
     """``generate --dry-run``: ``model`` is a checkpoint directory or a config.json (only the config
-    is read; default ``DEEPINFER_HF_MODEL_DIR``, else the spec's V4.1-Flash config)."""
+    is read; default ``DEEPINFER_HF_MODEL_DIR``, else the packaged V4.1-Flash config)."""
     from ..settings import setting
 
-    path = model or setting("DEEPINFER_HF_MODEL_DIR") or SPEC_CONFIG
-    if path == SPEC_CONFIG:
-        if not SPEC_CONFIG.is_file():
-            raise ValueError(f"--dry-run without --model reads the spec's V4.1-Flash config, which is not at {SPEC_CONFIG}; "
-                             "pass --model with a checkpoint directory or a config.json")
-        print(f"[dry run] no --model: using the V4.1-Flash config at {path}")
+    path = model or setting("DEEPINFER_HF_MODEL_DIR") or DEFAULT_CONFIG
+    if path == DEFAULT_CONFIG:
+        print(f"[dry run] no --model: using the packaged V4.1-Flash config ({path.name})")
     c = load_config(path)
     spec = parse_mesh(mesh)
     rank_coordinate(spec, rank)  # a rank outside the mesh fails before anything is traced

@@ -14,7 +14,8 @@ import torch
 
 from deepinfer_fx import generate
 from deepinfer_fx.config import config_from_dict
-from deepinfer_fx.sharding.dryrun import NOT_REAL, SPEC_CONFIG, dry_run, summary
+from deepinfer_fx.configs import released_config
+from deepinfer_fx.sharding.dryrun import DEFAULT_CONFIG, NOT_REAL, dry_run, summary
 from deepinfer_fx.sharding.mesh import parse_mesh
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -29,9 +30,7 @@ def fresh_dynamo():
 
 def _trimmed(name: str) -> dict:
     """The released config with its layer stack cut to a few layers of every kind."""
-    path = SPEC_CONFIG.parent / f"{name}.json"
-    assert path.is_file(), f"released config {path} not found: the shared spec must sit beside the checkout"
-    d = json.loads(path.read_text())
+    d = json.loads(released_config(name).read_text())
     if name == "deepseek_v4_flash":  # window, window, CSA, HCA (3 hashed-routing layers)
         d.update(num_hidden_layers=4, compress_ratios=[0, 0, 4, 128, 0])
     else:  # V4.1 roles: KV/index sources 2 and 4 (candidate source), reuse, reindex; Engram on 1 and 3
@@ -83,9 +82,8 @@ def test_cli_v4_flash_ep8(tmp_path, capsys) -> None:
 
 
 def test_cli_released_v41_flash_ep64(tmp_path, capsys) -> None:
-    """The issue's command on the released V4.1-Flash config, every layer (~2.5 min here)."""
-    assert SPEC_CONFIG.is_file(), f"released config {SPEC_CONFIG} not found: the shared spec must sit beside the checkout"
-    n = config_from_dict(json.loads(SPEC_CONFIG.read_text())).num_hidden_layers
+    """The issue's command on the packaged V4.1-Flash config, every layer (~2.5 min here)."""
+    n = config_from_dict(json.loads(DEFAULT_CONFIG.read_text())).num_hidden_layers
     dump = tmp_path / "graphs"
     assert generate.main(["--mesh", "ep64", "--dry-run", "--rank", "37", "--dump-graphs", str(dump)]) == 0
     out = capsys.readouterr().out

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from deepinfer_fx.config import load_config
+from deepinfer_fx.configs import released_config
 from deepinfer_fx.sharding import eplb
 from deepinfer_fx.sharding.topology import TOPOLOGY_ENV, Topology, from_env, load_topology
 
-CONFIGS = Path("/work/shared/spec/configs")
 ENV = eplb.EXTRA_EXPERTS_ENV
 
 
@@ -60,11 +60,11 @@ def test_bad_arguments() -> None:
 def test_trunk_and_draft_counts_round_separately(ep: int, extra: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, str(extra))
     up = lambda n: math.ceil((n + extra) / ep) * ep  # noqa: E731
-    v41 = eplb.expert_counts(load_config(CONFIGS / "deepseek_v41_flash.json"), ep)
+    v41 = eplb.expert_counts(load_config(released_config("deepseek_v41_flash")), ep)
     assert (v41.trunk_logical, v41.draft_logical) == (384, 128)  # DSpark's own experts
     assert (v41.trunk_physical, v41.draft_physical) == (up(384), up(128))
     for name in ("deepseek_v4_flash", "deepseek_v4_flash_0731_dspark"):  # MTP-1 / DSpark on the trunk's 256
-        v4 = eplb.expert_counts(load_config(CONFIGS / f"{name}.json"), ep)
+        v4 = eplb.expert_counts(load_config(released_config(name)), ep)
         assert (v4.trunk_physical, v4.draft_physical) == (up(256), up(256))
 
 

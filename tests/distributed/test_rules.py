@@ -6,14 +6,13 @@ fake backend makes that possible in one CPU process, in milliseconds.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deepinfer_fx.config import load_config
+from deepinfer_fx.configs import released_config
 from deepinfer_fx.graphs.params import ParamSpec, param_specs
 from deepinfer_fx.sharding import eplb, rules
 from deepinfer_fx.sharding.mesh import MeshSpec, parse_mesh
@@ -27,7 +26,6 @@ from deepinfer_fx.sharding.world import (
     rank_coordinate,
 )
 
-CONFIGS = Path("/work/shared/spec/configs")
 
 
 @pytest.mark.parametrize(
@@ -82,7 +80,7 @@ def test_world_size_mismatch_names_both_numbers() -> None:
 def test_released_configs_on_ep64(name: str, ep_per_rank: int) -> None:
     """Experts on "ep" with 256+32 -> 320 (V4) / 384+32 -> 448 (V4.1) physical slots, i.e. 5 / 7
     per rank (288 and 416 are rounded UP to a multiple of 64); everything else replicated."""
-    c = load_config(CONFIGS / f"{name}.json")
+    c = load_config(released_config(name))
     counts = eplb.expert_counts(c, 64, extra=32)
     assert counts.trunk_physical == 64 * ep_per_rank
     trunk = eplb.default_placement(c.n_routed_experts, counts.trunk_physical, 64)
@@ -114,7 +112,7 @@ def test_released_configs_on_ep64(name: str, ep_per_rank: int) -> None:
 def test_every_expert_loaded_once_per_slot_across_ranks(name: str) -> None:
     """Over all 64 ranks the loaded experts cover every logical expert; each rank reads only its
     slots (~1/64 of the experts), never the whole stack. Pure MeshSpec: no process group."""
-    c = load_config(CONFIGS / f"{name}.json")
+    c = load_config(released_config(name))
     spec = MeshSpec(ep=64)
     w1 = next(s for s in param_specs(c) if s.stacked)
     n_phys = eplb.num_physical_experts(c.n_routed_experts, 64, 32)
@@ -146,7 +144,7 @@ def test_placements_agree_with_dtensor() -> None:
 
 
 def test_non_divisible_split_names_parameter_dim_and_sizes() -> None:
-    c = load_config(CONFIGS / "deepseek_v4_flash.json")
+    c = load_config(released_config("deepseek_v4_flash"))
     w2 = next(s for s in param_specs(c) if s.path == "layers.5.ffn.experts.w2")
     with fake_world(3, 2):
         mesh = build_mesh(parse_mesh("ep3"))

@@ -15,6 +15,7 @@ from tiny import tiny_v4, tiny_v41
 import deepinfer_fx
 from deepinfer_fx import random_model
 from deepinfer_fx.config import load_config
+from deepinfer_fx.configs import released_config
 from deepinfer_fx.graphs import fake_quant as fq
 from deepinfer_fx.graphs.batch import make_batch
 from deepinfer_fx.graphs.dspark import dspark_capture, dspark_context, dspark_draft, dspark_propose
@@ -28,7 +29,6 @@ from deepinfer_fx.graphs.state import init_state
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.io.quant import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4
 
-SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "spec" / "configs"
 BLOCK = 5
 DSPARK = dict(dspark_block_size=BLOCK, dspark_noise_token_id=299, dspark_markov_rank=16)
 
@@ -339,12 +339,12 @@ def test_checkpoint_with_drafter_loads_and_drafts(family: str, tmp_path: Path) -
 
 
 def test_released_drafter_sizes() -> None:
-    v41 = load_config(SPEC / "deepseek_v41_flash.json")
+    v41 = load_config(released_config("deepseek_v41_flash"))
     drafter = count_params(v41, mtp=True) - count_params(v41)
     assert abs(drafter / 14.2e9 - 1) < 0.005, drafter
     # V4-Flash-0731: three stages with the trunk's 256 experts, i.e. about three MTP-1 blocks.
-    v4 = load_config(SPEC / "deepseek_v4_flash_0731_dspark.json")
-    flash = load_config(SPEC / "deepseek_v4_flash.json")
+    v4 = load_config(released_config("deepseek_v4_flash_0731_dspark"))
+    flash = load_config(released_config("deepseek_v4_flash"))
     mtp1 = count_params(flash, mtp=True) - count_params(flash)
     assert abs((count_params(v4, mtp=True) - count_params(v4)) / (3 * mtp1) - 1) < 0.01
 

@@ -13,6 +13,7 @@ from tiny import tiny_v41
 
 import deepinfer_fx
 from deepinfer_fx.config import ConfigError, load_config
+from deepinfer_fx.configs import released_config
 from deepinfer_fx.engine import LLM, SamplingParams
 from deepinfer_fx.graphs.csa2 import candidate_blocks
 from deepinfer_fx.graphs.params import count_params, engram_specs
@@ -20,12 +21,11 @@ from deepinfer_fx.graphs.random_init import random_flat
 from deepinfer_fx.io.checkpoint import CheckpointError
 from deepinfer_fx.io.quant import quant_fp8_rows, ue8m0_to_float
 
-SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "spec" / "configs"
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}
 
 
 def test_released_v41_parameter_counts() -> None:
-    c = load_config(SPEC / "deepseek_v41_flash.json")
+    c = load_config(released_config("deepseek_v41_flash"))
     assert abs(count_params(c) / 551.6e9 - 1) < 0.005
     assert abs(sum(s.numel for s in engram_specs(c)) / 196.9e9 - 1) < 0.005
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +12,12 @@ from tiny import tiny_v4
 
 from deepinfer_fx import random_model
 from deepinfer_fx.config import config_from_dict, load_config  # noqa: E402
+from deepinfer_fx.configs import released_config  # noqa: E402
 from deepinfer_fx.engine.cache import CachePool, iter_tensors, plan_capacity, state_bytes_per_slot  # noqa: E402
 from deepinfer_fx.engine.state_io import META_FILE, STATE_FILE, export_slot, import_slot  # noqa: E402
 from deepinfer_fx.graphs.model import forward  # noqa: E402
 
-# the shared spec sits beside the checkout (as in CI)
-FLASH = Path(__file__).resolve().parents[2].parent / "shared" / "spec" / "configs" / "deepseek_v4_flash.json"
+FLASH = released_config("deepseek_v4_flash")
 TINY = config_from_dict(tiny_v4())
 
 

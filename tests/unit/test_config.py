@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import random
 from pathlib import Path
 
@@ -14,42 +13,13 @@ import pytest
 
 import deepinfer_fx
 from deepinfer_fx.config import ConfigError, ModelConfig, Yarn, config_from_dict, load_config
+from deepinfer_fx.configs import RELEASED, released_config
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _configs_dir() -> Path | None:
-    env = os.environ.get("DEEPINFER_SPEC_CONFIGS")
-    for cand in ([Path(env)] if env else []) + [REPO / "shared/spec/configs", REPO.parent / "shared/spec/configs"]:
-        if cand.is_dir():
-            return cand
-    return None
-
-
-CONFIGS = _configs_dir()
-ALL_FILES = sorted(CONFIGS.glob("*.json")) if CONFIGS else []
-
-def needs_configs(fn):
-    """The released configs live in the shared spec beside the checkout; without them these tests
-    fail (naming where they looked) rather than skip silently."""
-
-    def wrapper(*args, **kwargs):
-        assert CONFIGS is not None, f"released configs not found under {REPO}/shared or {REPO.parent}/shared (or $DEEPINFER_SPEC_CONFIGS)"
-        return fn(*args, **kwargs)
-
-    wrapper.__name__ = fn.__name__
-    wrapper.__wrapped__ = fn
-    return wrapper
+ALL_FILES = [released_config(name) for name in RELEASED]
 
 
 def _model_type(path: Path):
     return json.loads(path.read_text()).get("model_type")
-
-
-def _released(name: str) -> Path:
-    p = CONFIGS / f"{name}.json"
-    assert p.is_file(), f"{p} missing"
-    return p
 
 
 YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
@@ -130,7 +100,6 @@ def raises_naming(d: dict, *words: str) -> str:
 # --------------------------------------------------------------------------- released configs
 
 
-@needs_configs
 def test_released_configs_present():
     v4 = [p.name for p in ALL_FILES if _model_type(p) == "deepseek_v4"]
     assert {"deepseek_v4_flash.json", "deepseek_v4_pro.json", "deepseek_v4_flash_0731_dspark.json"} <= set(v4), v4
@@ -179,9 +148,8 @@ def test_released_config_parses_or_is_rejected(path: Path):
             load_config(path)
 
 
-@needs_configs
 def test_flash_layer_roles():
-    c = load_config(_released("deepseek_v4_flash"))
+    c = load_config(released_config("deepseek_v4_flash"))
     assert c.num_hidden_layers == 43 and len(c.compress_ratios) == 43
     assert [c.layer_kind(i) for i in (0, 1)] == ["swa", "swa"]
     for i in range(2, 43, 2):
@@ -198,10 +166,9 @@ def test_flash_layer_roles():
     assert c.sliding_window == 128 and c.hc_mult == 4 and c.hc_sinkhorn_iters == 20
 
 
-@needs_configs
 def test_dspark_config_is_flash_trunk_with_three_stages():
-    flash = load_config(_released("deepseek_v4_flash"))
-    dspark = load_config(_released("deepseek_v4_flash_0731_dspark"))
+    flash = load_config(released_config("deepseek_v4_flash"))
+    dspark = load_config(released_config("deepseek_v4_flash_0731_dspark"))
     assert dspark.dspark_stages == 3
     assert dspark.compress_ratios == flash.compress_ratios
     # The drafter's fields: the released values, experts defaulting to the trunk's (256, top-6).
@@ -216,18 +183,17 @@ def test_dspark_config_is_flash_trunk_with_three_stages():
     assert no_drafter == flash
 
 
-@needs_configs
-def test_count_params_released():
-    flash = deepinfer_fx.count_params(str(_released("deepseek_v4_flash")))
-    pro = deepinfer_fx.count_params(_released("deepseek_v4_pro"))
-    dspark = deepinfer_fx.count_params(str(_released("deepseek_v4_flash_0731_dspark")))
+def test_count_paramsreleased_config():
+    flash = deepinfer_fx.count_params(str(released_config("deepseek_v4_flash")))
+    pro = deepinfer_fx.count_params(released_config("deepseek_v4_pro"))
+    dspark = deepinfer_fx.count_params(str(released_config("deepseek_v4_flash_0731_dspark")))
     assert abs(flash / 284.3e9 - 1) < 0.005, flash
     assert abs(pro / 1573e9 - 1) < 0.005, pro
     assert dspark == flash, (dspark, flash)
     # the three accepted inputs agree
-    raw = json.loads(_released("deepseek_v4_flash").read_text())
+    raw = json.loads(released_config("deepseek_v4_flash").read_text())
     assert deepinfer_fx.count_params(raw) == flash
-    assert deepinfer_fx.count_params(load_config(_released("deepseek_v4_flash"))) == flash
+    assert deepinfer_fx.count_params(load_config(released_config("deepseek_v4_flash"))) == flash
     # MTP is excluded by default and adds parameters when asked for
     assert deepinfer_fx.count_params(raw, mtp=True) > flash
 
@@ -488,9 +454,8 @@ def test_hf_spelling_default_compress_rates():
 # --------------------------------------------------------------------------- V4.1
 
 
-@needs_configs
 def test_v41_flash_values():
-    c = load_config(_released("deepseek_v41_flash"))
+    c = load_config(released_config("deepseek_v41_flash"))
     assert c.num_hidden_layers == 40 and len(c.compress_ratios) == 40
     assert c.compress_ratios == (0, 0) + (2,) * 18 + (1,) * 20
     assert c.rms_norm_eps == 1e-20 and c.num_hash_layers == 0 and c.gate_temp == 1.0
@@ -508,10 +473,9 @@ def test_v41_flash_values():
     assert c.yarn == Yarn(16.0, 65536, 32.0, 1.0) and c.compress_rope_theta == 160000.0
 
 
-@needs_configs
 def test_v41_flash_layer_roles_match_spec_table():
     """Spec §7.2's table, row by row: (layers, kind, KV source, index source, mode)."""
-    c = load_config(_released("deepseek_v41_flash"))
+    c = load_config(released_config("deepseek_v41_flash"))
     table = [
         ([0, 1], "swa", None, None, "swa"),
         ([2], "pooled", 2, 2, "full"),

@@ -5,7 +5,6 @@ wraparound); chunked hashing == one-shot hashing."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 from deepinfer_fx.config import ConfigError, ModelConfig, config_from_dict, load_config
+from deepinfer_fx.configs import released_config
 from deepinfer_fx.graphs.engram_hash import (
     check_engram_rows,
     compressed_vocab,
@@ -24,17 +24,11 @@ from deepinfer_fx.graphs.engram_hash import (
 )
 from deepinfer_fx.io.tokenizer import build_demo_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
-V41_FLASH = next(
-    (p for p in (REPO / "shared/spec/configs/deepseek_v41_flash.json", REPO.parent / "shared/spec/configs/deepseek_v41_flash.json") if p.is_file()),
-    None,
-)
 MASK64 = (1 << 64) - 1
 
 
 def _released() -> ModelConfig:
-    assert V41_FLASH is not None, f"deepseek_v41_flash.json not found under {REPO}/shared or {REPO.parent}/shared"
-    return load_config(V41_FLASH)
+    return load_config(released_config("deepseek_v41_flash"))
 
 
 def _seed() -> tuple[int, random.Random]:

@@ -24,7 +24,8 @@ def test_bad_arguments(capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(generate, "DEMO_DIR", tmp_path / "demo")
     assert generate.main(["--model", "/nonexistent/dir", "--max-tokens", "2"]) == 2
     assert "no such directory" in capsys.readouterr().err
-    for argv, needle in ((["--top-p", "0"], "top_p"), (["--mesh", "xx9"], "bad mesh"), (["--max-tokens", "0"], "max_tokens")):
+    for argv, needle in ((["--top-p", "0"], "argument --top-p: must be a float in (0, 1], got 0"), (["--mesh", "xx9"], "bad mesh"),
+                         (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got 0")):
         try:
             generate.main(argv)
         except SystemExit as e:
