@@ -108,9 +108,6 @@ class ModelRunner:
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
         self.async_copy = self.device.type == "cuda"
 
-    def set_next_token(self, slot: int, token: int) -> None:
-        self.next_token[slot] = token
-
     @torch.no_grad()
     def launch(self, sched: SchedulerOutputs, importer: Callable[[Sequence], None] | None = None) -> StepHandle:
         for slot in sched.to_zero:
