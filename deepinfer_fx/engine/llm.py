@@ -245,7 +245,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine turn; returns the requests that finished in it."""
         self._finished.clear()
-        self._loop().step()
+        self.ranks.turn(self._loop().step)  # a peer that stops answering: a RankTimeout, not a raw gloo error
         return [to_output(s) for s in self._finished]
 
     def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
