@@ -19,6 +19,7 @@ from tiny import tiny_v4
 
 import deepinfer_fx
 from deepinfer_fx import LLM, SamplingParams
+from deepinfer_fx.config import load_config
 from deepinfer_fx.engine.cache import state_bytes_per_slot
 
 N_REQUESTS = 1000
@@ -79,8 +80,7 @@ def test_soak_every_request_ends_once_and_the_pool_is_whole(tmp_path, one_thread
     ckpt = tmp_path / "ckpt"
     # two layers (a window layer and a CSA layer): the invariants are the engine's, and half the layers halve the time
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4, 0]), seed=seed % 1000)
-    c = deepinfer_fx.load_model(ckpt, dtype=torch.float32, device="cpu", fake_quant=False).config
-    per_slot = state_bytes_per_slot(c, MAX_LEN, torch.float32)["total"]
+    per_slot = state_bytes_per_slot(load_config(ckpt), MAX_LEN, torch.float32)["total"]
     # the memory budget, not max_num_seqs, is what holds the pool to SLOTS (+1 scratch)
     llm = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=MAX_LEN, max_num_seqs=2 * SLOTS,
               max_num_batched_tokens=24, memory_budget=(SLOTS + 1) * per_slot, seed=seed)
