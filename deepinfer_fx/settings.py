@@ -42,7 +42,7 @@ def _factor(raw: str) -> float:
 
 def _seconds(raw: str) -> float:
     v = float(raw)
-    if not 0 < v < float("inf"):  # 0 would mean "no wait" to gloo and a hang to nobody: refuse it
+    if not 0 < v < float("inf"):  # 0 fails every collective at once, inf is the hang this bounds; NaN fails too
         raise ValueError("a positive number of seconds")
     return v
 
