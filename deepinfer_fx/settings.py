@@ -40,6 +40,13 @@ def _factor(raw: str) -> float:
     return v
 
 
+def _seconds(raw: str) -> float:
+    v = float(raw)
+    if not 0 < v < float("inf"):  # 0 fails every collective at once, inf is the hang this bounds; NaN fails too
+        raise ValueError("a positive number of seconds")
+    return v
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         v = raw.strip().lower()
@@ -92,6 +99,11 @@ VARIABLES: dict[str, Var] = {
         "expert_format", _choice("auto", "fp8", "dequant"), "auto", "auto, fp8 or dequant",
         "routed experts of block-FP8 checkpoints: fp8 keeps them as stored, dequant converts them to the model dtype "
         "on load, auto keeps them on CUDA only; MXFP4 experts are always dequantised",
+    ),
+    f"{PREFIX}DIST_TIMEOUT": Var(
+        "dist_timeout", _seconds, 300.0, "a positive number of seconds",
+        "how long a rank waits for its peers in any collective or lock-step agreement before the job "
+        "exits with an error naming the ranks that did not answer",
     ),
 }
 
@@ -146,6 +158,7 @@ class EngineConfig:
     demo_dir: str | None = None
     expert_format: str = "auto"
     pdl: bool = True
+    dist_timeout: float = 300.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "EngineConfig":

@@ -270,7 +270,8 @@ class LLM:
         ``LLMEngine.step``): the text and tokens so far, ``delta_text`` / ``delta_token_ids``
         new since that request's previous output, and ``finished``. Requests added with
         ``add_request`` that moved while a ``generate`` ran are returned by the next call."""
-        moved = {s.id: s for s in self._loop().step()}
+        # a peer that stops answering: a RankTimeout, not a raw gloo error
+        moved = {s.id: s for s in self.ranks.turn(self._loop().step)}
         held, self._held = self._held, {}
         return [to_output(s) for s in sorted({**held, **moved}.values(), key=lambda s: s.id)]
 
@@ -292,7 +293,7 @@ class LLM:
         left = len(seqs)
         try:
             while loop.busy() and (left or self.ranks.multi):  # a mesh's ranks turn together until all are done
-                for s in loop.step():
+                for s in self.ranks.turn(loop.step):
                     if s.id not in own:
                         self._held[s.id] = s
                     elif s.finished:

@@ -33,7 +33,7 @@ from ..graphs.batch import Batch
 from ..io.loader import ExpertIds
 from ..sharding.cp import cp_swaps, split_step
 from ..sharding.ep import EPGroup, check_overflow, ep_group
-from ..sharding.lockstep import LockStep
+from ..sharding.lockstep import LockStep, RankTimeout, is_peer_failure
 from ..sharding.mesh import MeshSpec, parse_mesh
 from ..sharding.parallel import ep_swaps, rank_params, start_expert_ids, start_placement
 from ..sharding.rebalance import rebalance
@@ -69,6 +69,22 @@ class Ranks:
     @property
     def multi(self) -> bool:
         return self.lockstep is not None
+
+    def turn(self, step: Callable[[], Any]) -> Any:
+        """Run one engine turn (``step``). On a multi-rank mesh, a collective inside it that fails
+        for want of a peer (an EP all-to-all or CP gather that timed out after
+        ``DEEPINFER_DIST_TIMEOUT``, or whose peer closed the connection) becomes the lock-step's
+        ``RankTimeout`` naming the ranks that did not answer; the agreements convert their own."""
+        if not self.multi:
+            return step()
+        try:
+            return step()
+        except RankTimeout:
+            raise
+        except RuntimeError as e:
+            if not is_peer_failure(e):
+                raise
+            raise self.lockstep.failure(e, f"in a collective of the step after lock-step turn {self.lockstep.turn}") or e from None
 
     def experts(self) -> ExpertIds | None:
         """What the loader reads for this rank (None: every expert)."""

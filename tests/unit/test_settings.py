@@ -13,6 +13,7 @@ def test_defaults_and_overrides() -> None:
     cfg = EngineConfig.from_env({})
     assert cfg.extra_experts == 32 and cfg.nextn_decode == 5 and cfg.yoco_keep_tokens == 140
     assert cfg.batch_invariant is False and cfg.accelerator is None and cfg.expert_format == "auto"
+    assert cfg.dist_timeout == 300.0 and EngineConfig.from_env({"DEEPINFER_DIST_TIMEOUT": "2.5"}).dist_timeout == 2.5
     env = {"DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "8", "DEEPINFER_BATCH_INVARIANT": "1", "DEEPINFER_ACCELERATOR": "CPU"}
     cfg = EngineConfig.from_env(env, extra_experts=4)
     assert cfg.extra_experts == 4 and cfg.batch_invariant is True and cfg.accelerator == "cpu"
@@ -27,6 +28,11 @@ def test_defaults_and_overrides() -> None:
         ("DEEPINFER_ACCELERATOR", "tpu"),
         ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mask"),
         ("DEEPINFER_EXPERT_FORMAT", "int8"),
+        ("DEEPINFER_DIST_TIMEOUT", "0"),
+        ("DEEPINFER_DIST_TIMEOUT", "-5"),
+        ("DEEPINFER_DIST_TIMEOUT", "inf"),
+        ("DEEPINFER_DIST_TIMEOUT", "nan"),
+        ("DEEPINFER_DIST_TIMEOUT", "5m"),
     ],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
