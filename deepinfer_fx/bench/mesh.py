@@ -201,7 +201,7 @@ def timing_rows(llm: LLM, args: argparse.Namespace, host: dist.ProcessGroup | No
 def steps_kind(llm: LLM) -> str:
     """How the engine steps: "compiled", "eager+kernels" (cp meshes: eager with the kernel
     swaps in force) or "eager" (the reference math)."""
-    if llm.runner.steps is not None:
+    if llm.options.steps.compiled:
         return "compiled"
     return "eager+kernels" if "attention.mqa_with_sink" in llm.runner.swaps else "eager"
 

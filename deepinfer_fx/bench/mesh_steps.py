@@ -59,7 +59,7 @@ def row_swaps(llm: LLM, max_tokens: int) -> tuple[dict[str, Callable], EPGroup |
 
 
 def decode_fn(llm: LLM, batch: int, context: int) -> Callable[[], torch.Tensor]:
-    if llm.runner.steps is not None:  # the engine's compiled decode graph (captured on GPUs)
+    if llm.options.steps.compiled:  # the engine's compiled decode graph (captured on GPUs)
         return lambda: llm.runner.steps.decode(list(range(batch)), [context] * batch)
     c, params = llm.model
     dev = llm.model.device
@@ -73,7 +73,7 @@ def prefill_fn(llm: LLM, tokens: int, seed: int) -> Callable[[], torch.Tensor]:
     c, params = llm.model
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, c.vocab_size, (tokens,), generator=gen)
-    if llm.runner.steps is not None:  # the engine's compiled prefill graph: logits of the last row
+    if llm.options.steps.compiled:  # the engine's compiled prefill graph: logits of the last row
         return lambda: llm.runner.steps.prefill([(0, 0, ids.tolist())])[0]
     batch = make_batch([ids], [0], [0], llm.model.device)
     if llm.runner.split is not None:
@@ -130,7 +130,7 @@ def measure(llm: LLM, kind: str, size: int, *, context: int, steps: int, warmup:
     (a CP group shares one)."""
     spec, dev = llm.ranks.spec, llm.model.device
     swaps, group = row_swaps(llm, size)
-    if llm.runner.steps is not None and group is not None:  # graphs captured with another EP group would replay it
+    if llm.options.steps.compiled and group is not None:  # graphs captured with another EP group would replay it
         llm.runner.steps.reset()
     with torch.no_grad(), swapped(swaps):
         fn = decode_fn(llm, size, context) if kind == "decode" else prefill_fn(llm, size, seed)
@@ -138,7 +138,7 @@ def measure(llm: LLM, kind: str, size: int, *, context: int, steps: int, warmup:
         row = {"step_ms": round(step_s * 1e3, 3), "tok_s_per_gpu": round(size * spec.dp * spec.ep / spec.world_size / step_s, 1)}
         if group is not None:
             row.update(ep_columns(llm, group, fn, profile_steps, host))
-    if llm.runner.steps is not None and group is not None:
+    if llm.options.steps.compiled and group is not None:
         llm.runner.steps.reset()
     return row
 

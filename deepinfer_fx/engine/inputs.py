@@ -108,6 +108,9 @@ def eager_setting(eager: bool | None, mesh: str | None, **compiled_options: Any)
     steps, on the CPU too; with ``eager=True``, or a cp mesh (which steps eagerly for now), it is
     an error naming the conflict."""
     cp = parse_mesh(mesh).cp if mesh else 1
+    if cp > 1 and eager is False:
+        raise ValueError(f"mesh {mesh}: context parallelism steps eagerly for now (its split is built on the host per step); "
+                         "drop eager=False / --compile")
     if cp > 1 and eager is None:  # disable_passes also picks the kernel swaps of a cp mesh's eager steps
         compiled_options.pop("disable_passes", None)
     asked = [name for name, v in compiled_options.items() if (bool(v) if isinstance(v, (str, list, tuple)) else v is not None)]

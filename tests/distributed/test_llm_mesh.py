@@ -81,9 +81,9 @@ def test_compiled_steps_on_ep2_dp2_equal_one_process(tmp_path) -> None:
 def test_mesh_errors_before_any_work(tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=3)
-    with pytest.raises(RuntimeError, match=r"mesh ep2 needs an initialised process group of 2 ranks; launch with torchrun --nproc-per-node 2"):
+    with pytest.raises(ValueError, match=r"mesh ep2 has 2 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 2"):
         LLM(ckpt, dtype="float32", device="cpu", mesh="ep2")
-    with pytest.raises(RuntimeError, match=r"mesh cp2,ep2 needs an initialised process group of 4 ranks"):
+    with pytest.raises(ValueError, match=r"mesh cp2,ep2 has 4 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 4"):
         LLM(ckpt, dtype="float32", device="cpu", mesh="cp2,ep2")
     with pytest.raises(ValueError, match="context parallelism steps eagerly"):
         LLM(ckpt, dtype="float32", device="cpu", mesh="cp2", eager=False)

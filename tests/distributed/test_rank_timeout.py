@@ -43,7 +43,8 @@ def ckpt(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "mode,n,where",
     [
-        ("turn", 6, r"at lock-step turn 6 \(agreeing on whether any rank has work\)"),
+        # which agreement a turn holds depends on the loop's order (work, then the step's sizes)
+        ("turn", 6, r"at lock-step turn 6 \(agreeing on (whether any rank has work|the sizes of this turn's graphs)\)"),
         ("step", 3, r"in a collective of the step after lock-step turn \d+"),
     ],
 )
@@ -91,5 +92,5 @@ def test_dead_rank_is_named_and_ranks_failing_alike_blame_nobody(tmp_path: Path)
     msg, took = json.loads((tmp_path / "dead").read_text())
     assert msg.startswith("rank 0 of 2: rank 1 did not answer at lock-step turn 2 (agreeing on whether any rank has work); "
                           "collectives wait DEEPINFER_DIST_TIMEOUT=2 s"), msg
-    assert "Connection closed by peer" in msg, msg
+    assert "Connection closed by peer" in msg or "Connection reset by peer" in msg, msg  # gloo says either
     assert took < 2 + 2, took  # a closed connection is seen at once; then the roll call's 2 s (its timeout)

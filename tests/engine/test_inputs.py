@@ -133,9 +133,9 @@ def test_compiled_step_options_ask_for_compiled_steps() -> None:
 def test_disable_passes_on_the_cpu_compiles_the_steps(llm) -> None:
     torch._dynamo.reset()
     compiled = LLM(llm.model.path, dtype="float32", device="cpu", fake_quant=False, max_model_len=64, max_num_seqs=2,
-                   disable_passes="rope_kernel")
-    assert compiled.runner.steps is not None and "rope_kernel" in compiled.runner.steps.disabled
-    assert llm.runner.steps is None  # the default CPU run stays eager
+                   disable_passes="rope_kernel", warmup=False)
+    assert compiled.options.steps.compiled and "rope_kernel" in compiled.runner.steps.disabled
+    assert not llm.options.steps.compiled  # the default CPU run stays eager
 
 
 def test_num_threads(llm, monkeypatch) -> None:
