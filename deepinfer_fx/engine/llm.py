@@ -156,7 +156,7 @@ class LLM:
         self.warmup_s: float | None = None
         self.warmed: frozenset[str] = frozenset()  # the step graphs the warm-up compiled
         if opts.warmup:
-            self.warmup_s = warm_up(self.runner.steps, opts, show=self.ranks.rank == 0)
+            self.warmup_s = warm_up(self.runner, opts, show=self.ranks.rank == 0)
             self.warmed = frozenset(r["graph"] for r in self.runner.steps.report())
 
     def _default_budget(self, device: torch.device) -> int:
@@ -311,11 +311,14 @@ class LLM:
         """EPLB at run time (multi-rank meshes): re-place the routed experts over each EP group by
         the loads measured since the last call (hot experts get the redundant slots) and move the
         weights between ranks. Call it between ``generate`` calls on every rank; outputs do not
-        change. On one rank it does nothing."""
+        change. On one rank it does nothing. The steps bake the old placement in, so they are
+        compiled again: by the warm-up where the engine was warmed up, else on first use."""
         swaps = self.ranks.rebalance(self.model.params)
         if swaps is not None:
             self.runner.swaps.update(swaps)
             self.runner.steps.reset()
+            if self.options.warmup:
+                self.warmup_s = warm_up(self.runner, self.options, show=self.ranks.rank == 0)
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a queued or running request: it finishes with reason 'abort' and keeps what it

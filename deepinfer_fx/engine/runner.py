@@ -109,6 +109,14 @@ class ModelRunner:
         self.async_copy = self.device.type == "cuda"
 
     @torch.no_grad()
+    def warm_up(self, keys: Seq[tuple[Layout, str]], progress: Callable[[str], None] | None = None) -> float:
+        """Compile and capture the steps of ``keys`` with this runner's swaps in force (the EP
+        dispatch on a mesh: a step traced without it would be the one-rank MoE); every rank of a
+        mesh warms up the same keys in the same order, so the all-to-alls inside pair up."""
+        with swapped(self.swaps):
+            return self.steps.warm_up(keys, progress)
+
+    @torch.no_grad()
     def launch(self, sched: SchedulerOutputs, importer: Callable[[Sequence], None] | None = None) -> StepHandle:
         for slot in sched.to_zero:
             self.pool.zero(slot)

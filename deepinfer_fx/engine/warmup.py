@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .graph_runner import StepGraphs
 from .options import EngineOptions
+from .runner import ModelRunner
 from .sampler import MODES
 from .step_inputs import Layout
 
@@ -53,9 +54,9 @@ def warmup_layouts(steps: StepGraphs, opts: EngineOptions) -> list[Layout]:
     return out
 
 
-def warm_up(steps: StepGraphs, opts: EngineOptions, show: bool = True) -> float:
+def warm_up(runner: ModelRunner, opts: EngineOptions, show: bool = True) -> float:
     """Compile and capture the warm-up's steps; prints progress and the total on stderr."""
-    keys = [(layout, mode) for layout in warmup_layouts(steps, opts) for mode in MODES]
+    keys = [(layout, mode) for layout in warmup_layouts(runner.steps, opts) for mode in MODES]
     t0 = time.perf_counter()
     bar = None
     if show:
@@ -69,7 +70,7 @@ def warm_up(steps: StepGraphs, opts: EngineOptions, show: bool = True) -> float:
             bar.update(1)
 
     try:
-        steps.warm_up(keys, tick)
+        runner.warm_up(keys, tick)
     finally:
         if bar is not None:
             bar.close()

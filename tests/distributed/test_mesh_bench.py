@@ -18,7 +18,7 @@ from deepinfer_fx.bench.mesh import main
 
 REPO = Path(deepinfer_fx.__file__).resolve().parents[1]
 SMALL = ["--tiny", "--requests", "8", "--max-tokens", "4", "--prompt-lens", "3,9,20", "--decode-batches", "2,4",
-         "--prefill-tokens", "32", "--context", "16", "--steps", "2", "--warmup", "1", "--profile-steps", "1"]
+         "--prefill-tokens", "32", "--context", "16", "--budget", "32", "--steps", "2", "--warmup", "1", "--profile-steps", "1"]
 
 
 def _launch(tmp_path: Path, ranks: int, args: list[str], extra_experts: int | None = None) -> dict[str, dict]:
