@@ -171,12 +171,34 @@ def test_shapes_that_do_not_fit_are_refused(device: str) -> None:
 
 def test_splits_depend_on_the_width_only() -> None:
     """The model's width (N = 4, D = 4096): 64 row chunks of 256, four channel blocks; the test
-    widths above split into several chunks, the last part-filled at d = 100."""
+    widths above split into several chunks, the last part-filled at d = 100. The released wider
+    models (V4.1-Flash 5120, V4-Pro 7168), whose 64th of a row is no power of two of 64-element
+    tiles, keep P8's chunk of 256 (the one-tile schedule's ``tl.arange`` needs a power of two)
+    in more splits."""
     cfg = launch_config(4, 4096)
     assert cfg["finish"]["KSPLIT"] == 64 and cfg["dots"]["CHUNK"] == 256 and 4096 // cfg["finish"]["BLOCK_D"] == 4
     for d in (64, 100):
         c = launch_config(4, d)
         assert c["finish"]["KSPLIT"] > 1 and (4 * d) % c["dots"]["CHUNK"] == (16 if d == 100 else 0)
+    for d, splits in ((5120, 80), (7168, 112)):
+        for bf16 in (False, True):
+            c = launch_config(4, d, bf16)
+            assert c["dots"]["CHUNK"] == 256 and c["finish"]["KSPLIT"] == splits, (d, bf16, c)
+
+
+# The released widths above P8's (V4.1-Flash, V4-Pro) with bf16 streams, the model's, at decode
+# token counts: more splits than P8's 64 (launch 2 sums 80 or 112 partials), 5 or 7 channel
+# blocks. One call a case (the interpreter takes ~10 s for one at these widths).
+@pytest.mark.parametrize("d", [5120, 7168])
+def test_released_wide_widths(d: int, device: str) -> None:
+    seed = _seed()
+    args = _inputs(seed, (3,), 4, d, torch.bfloat16, device, True)
+    why = f"seed={seed} d={d}"
+    out = _poisoned(args[0])
+    _assert_matches(mhc_site_triton(*args, out=out), mhc_site.reference(*args), args[0], why, False)  # type: ignore[attr-defined]
+    X, *rest = _head_inputs(seed, (2,), 4, d, torch.bfloat16, device)
+    want = hc_head.reference(X, *rest)  # type: ignore[attr-defined]
+    _assert_collapse_matches(mhc_head_triton(X, *rest), want, X, f"{why} head", _HEAD_DPRE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

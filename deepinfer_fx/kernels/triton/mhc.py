@@ -39,8 +39,9 @@ stored but the collapse, which uses it) and the other coefficients' pointers are
 as written the head was ~5 launches at decode, two of them cuBLAS's dot and reduction without
 PDL.
 
-Splits: ``KSPLIT`` aims at ``_SPLITS`` chunks of the ``N*D`` row, whole multiples of the ``BK``
-tile. A decode token spreads the 1.5 MiB of ``fn`` over that many programs, while a 4096-token
+Splits: ``KSPLIT`` aims at ``_SPLITS`` chunks of the ``N*D`` row, each a power of two of ``BK``
+tiles (more chunks where the row's ``_SPLITS``-th part is none: 80 at hidden 5120, 112 at
+7168). A decode token spreads the 1.5 MiB of ``fn`` over that many programs, while a 4096-token
 prefill writes ~26 MB of partials (64 splits) against the 128 MiB of X it reads. ``BT`` tokens
 share each ``fn`` tile a program loads; padding rows compute zeros, which costs tensor-core
 issue but no memory. The bench ``python -m deepinfer_fx.bench.mhc_kernel --sweep`` times
@@ -260,7 +261,10 @@ def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, i
     ``finish`` launch 2's ``BLOCK_D`` or ``num_warps`` (the bench's sweeps)."""
     o = {"BT": _BT if bf16 else _BT_FP32, "BK": _BK, "SPLITS": _SPLITS, "num_warps": 4, **(dots or {})}
     k = n * d
-    chunk = o["BK"] * triton.cdiv(triton.cdiv(k, o["SPLITS"]), o["BK"])
+    # A chunk is a power of two of BK tiles (UNROLL's one tile is a tl.arange over it), at most
+    # the SPLITS-th part of the row: more splits where that part is no power of two (hidden
+    # 5120 and 7168 x 4 streams: 80 and 112 chunks of 256, the tile P8's 64 chunks have).
+    chunk = o["BK"] * _floor_power_of_2(triton.cdiv(triton.cdiv(k, o["SPLITS"]), o["BK"]))
     ksplit = triton.cdiv(k, chunk)
     block_d = min((finish or {}).get("BLOCK_D", _BLOCK_D), triton.next_power_of_2(d))
     warps = (finish or {}).get("num_warps", _FINISH_WARPS)
@@ -269,6 +273,10 @@ def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, i
                  "SPLIT_BF16": bool(bf16), "DOT_FP32": _INTERPRET, "UNROLL": o.get("UNROLL"), "num_warps": o["num_warps"]},
         "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d, "num_warps": warps},
     }
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def _token_rows(X: torch.Tensor) -> torch.Tensor:
