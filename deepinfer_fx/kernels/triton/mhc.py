@@ -62,13 +62,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops_mhc  # noqa: F401  (declares deepinfer::mhc_site and mhc_head before we register for them)
+from ..ops_mhc import streams_unserved  # (importing it declares deepinfer::mhc_site and mhc_head before we register for them)
 from ...graphs.mhc import hc_head, mhc_site
 from .buffers import out_buffer
 from .sinkhorn import sinkhorn_tile
 from .pdl import pdl_args, prefetch_l2, wait_previous
 
-# The unswapped math, for stream counts the kernel does not tile (not a power of two).
+# The unswapped math, for stream counts the kernel does not tile (``streams_unserved``).
 _reference = getattr(mhc_site, "reference", mhc_site)
 _head_reference = getattr(hc_head, "reference", hc_head)
 
@@ -95,7 +95,6 @@ _LOADS_FIRST_TOKENS = 256
 # the unrolled schedule lost (~190 against ~140 us: ``mhc_kernel_dots_sweep_s16.json``, taken
 # while the one-tile dots still chained their parts through one accumulator).
 _UNROLL_TOKENS = 256
-_MAX_N = 16
 _LINE_BYTES = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -319,7 +318,7 @@ def mhc_site_triton(
     receives them when given; otherwise they are new contiguous tensors, as the op's fake says.
     ``dots`` and ``finish`` override the launches' tilings (``launch_config``)."""
     *lead, n, d = X.shape
-    if n > _MAX_N or n & (n - 1):  # not tiled here: the reference
+    if streams_unserved(n):  # not tiled here: the reference (the swap declines such calls)
         ref = tuple(r.contiguous() for r in _reference(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in))
         return ref if out is None else tuple(o.copy_(r) for o, r in zip(out, ref))  # type: ignore[return-value]
     m = 2 * n + n * n
@@ -366,7 +365,7 @@ def mhc_head_triton(
     if tuple(fn.shape) != (n, n * d) or tuple(base.shape) != (n,) or scale.numel() != 1:
         raise ValueError(f"mhc_head: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit "
                          f"X {tuple(X.shape)} (need fn {(n, n * d)}, base {(n,)}, scale (1,))")
-    if n > _MAX_N or n & (n - 1):  # not tiled here: the reference
+    if streams_unserved(n):  # not tiled here: the reference (the swap declines such calls)
         ref = _head_reference(X, fn, base, scale, rms_eps, hc_eps).contiguous()
         return ref if out is None else out.copy_(ref)
     x = _token_rows(X)
