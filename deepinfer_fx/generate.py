@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace one rank's decode and prefill steps of --mesh on a fake process group with abstract "
                         "weights (no values are real), dump the graphs and print the collectives per MoE layer")
     e.add_argument("--rank", type=int, default=0, help="the world rank a --dry-run traces")
+    e.add_argument("--plan", action="store_true",
+                   help="print the memory one GPU of --mesh needs, by category, and whether the model fits (reads only the config)")
+    e.add_argument("--gpu-memory-gb", type=float, default=141, help="a GPU's memory in GiB for --plan (default: an H200's 141)")
     mode = e.add_mutually_exclusive_group()
     mode.add_argument("--eager", action="store_true", help="run the model functions uncompiled (no compile, no graphs)")
     mode.add_argument("--compile", action="store_true", help="compile the steps on the CPU too (default: on GPUs only)")
@@ -81,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.plan:
+        from .engine.memory_plan import cli as plan
+
+        try:
+            return plan(args.model, args.mesh, args.gpu_memory_gb, dtype=args.dtype, eager=args.eager, expert_format=args.expert_format,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+        except (CheckpointError, FileNotFoundError, ValueError) as e:
+            ap.error(str(e))
     if args.dry_run:
         from .sharding.dryrun import cli as dry_run
 
