@@ -280,10 +280,11 @@ def test_token_does_not_depend_on_the_batch(with_pre: bool, device: str, monkeyp
 
 
 @needs_cuda
+@pytest.mark.parametrize("d", [4096, 5120, 7168], ids=["v4-flash", "v41-flash", "v4-pro"])
 @pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
-def test_model_sizes(tokens: int, with_pre: bool) -> None:
-    _run((tokens,), 4, 4096, with_pre, "cuda", torch.bfloat16)
+def test_model_sizes(tokens: int, with_pre: bool, d: int) -> None:
+    _run((tokens,), 4, d, with_pre, "cuda", torch.bfloat16)
 
 
 @needs_cuda
@@ -309,12 +310,14 @@ def _two_launches(name: str, args: tuple, seed: int) -> object:
 
 
 @needs_cuda
-def test_model_size_batch_invariance() -> None:
+@pytest.mark.parametrize("d", [4096, 5120, 7168], ids=["v4-flash", "v41-flash", "v4-pro"])
+def test_model_size_batch_invariance(d: int) -> None:
     """Rows of a 300-token batch (launch 1 looping over tiles, launch 2 loading the streams last)
     == each row alone (the chunk as one tile, the streams loaded first), bit for bit; and each
-    schedule of launch 1 forced on a batch of either size gives the same bits."""
+    schedule of launch 1 forced on a batch of either size gives the same bits; at every
+    released width (64, 80 and 112 chunks)."""
     seed = _seed()
-    X, fn, base, scale, rms_eps, hc_eps, iters, _ = _inputs(seed, (300,), 4, 4096, torch.bfloat16, "cuda", False)
+    X, fn, base, scale, rms_eps, hc_eps, iters, _ = _inputs(seed, (300,), 4, d, torch.bfloat16, "cuda", False)
     assert 300 > max(mhc_kernels._UNROLL_TOKENS, mhc_kernels._LOADS_FIRST_TOKENS)
     batch = mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, None)
     head = mhc_head_triton(X, fn[:4], base[:4], scale[:1], rms_eps, hc_eps)
