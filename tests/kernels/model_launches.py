@@ -94,7 +94,7 @@ class _OpCalls(TorchDispatchMode):
         if key in self._seen:  # a layer's twin: the same launches
             return
         self._seen.add(key)
-        with recorded_launches() as launches:
+        with recorded_launches() as launches:  # the op's registered CUDA kernel (custom_op keeps them per device type)
             OPDEFS[op]._backend_fns["cuda"](*args, **kwargs)
         self.out.add(launches, self.case, op)
 
@@ -110,22 +110,22 @@ def _meta_key(a: Any) -> Any:
 def _grouped(calls: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> torch.fx.GraphModule:
     """The ``skinny_linear`` calls as the traced graph holds them (each input a view of the tensor
     its rows come from, each weight a placeholder), after ``skinny_linear_group``."""
+    def root(x: torch.Tensor) -> torch.Tensor:  # the tensor x views (the calls keep it alive: ids stay unique)
+        return x if x._base is None else x._base
+
     g = torch.fx.Graph()
     roots: dict[int, torch.fx.Node] = {}
-    keep: list[torch.Tensor] = []  # ids stay unique while the roots live
     for x, _, _ in calls:
-        root = x if x._base is None else x._base
-        if id(root) not in roots:
-            keep.append(root)
-            roots[id(root)] = g.placeholder(f"x{len(roots)}")
-            roots[id(root)].meta["val"] = root
+        if id(root(x)) not in roots:
+            roots[id(root(x))] = g.placeholder(f"x{len(roots)}")
+            roots[id(root(x))].meta["val"] = root(x)
     weights = []
     for i, (_, w, _) in enumerate(calls):
         weights.append(g.placeholder(f"w{i}"))
         weights[-1].meta["val"] = w
     outs = []
     for (x, w, out_fp32), wn in zip(calls, weights):
-        view = g.call_function(torch.ops.aten.view.default, (roots[id(x if x._base is None else x._base)], list(x.shape)))
+        view = g.call_function(torch.ops.aten.view.default, (roots[id(root(x))], list(x.shape)))
         view.meta["val"] = x
         outs.append(g.call_function(torch.ops.deepinfer.skinny_linear.default, (view, wn, out_fp32)))
         outs[-1].meta["val"] = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype, device="meta")
