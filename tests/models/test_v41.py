@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from released import released_config
 from tiny import tiny_v41
 
 import deepinfer_fx
-from deepinfer_fx.config import ConfigError, load_config
+from deepinfer_fx.config import ConfigError
 from deepinfer_fx.engine import LLM, SamplingParams
 from deepinfer_fx.graphs.csa2 import candidate_blocks
 from deepinfer_fx.graphs.params import count_params, engram_specs
@@ -21,12 +22,11 @@ from deepinfer_fx.graphs.random_init import random_flat
 from deepinfer_fx.io.checkpoint import CheckpointError
 from deepinfer_fx.io.quant import quant_fp8_rows, ue8m0_to_float
 
-SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "spec" / "configs"
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}
 
 
 def test_released_v41_parameter_counts() -> None:
-    c = load_config(SPEC / "deepseek_v41_flash.json")
+    c = released_config("v41-flash")
     assert abs(count_params(c) / 551.6e9 - 1) < 0.005
     assert abs(sum(s.numel for s in engram_specs(c)) / 196.9e9 - 1) < 0.005
 
