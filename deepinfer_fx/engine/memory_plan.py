@@ -46,6 +46,7 @@ from .graph_runner import MAX_RESIDENT_ENGRAM_BYTES
 GiB = 2**30
 H200_GIB = 141  # an H200's HBM3e as its maker states it (torch reports ~140.4 GiB)
 POOL_SHARE = 0.8  # the engine's cache budget: this share of the memory free after the weights
+ONE_GPU = MeshSpec()
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def _graph_pool(c: ModelConfig, tokens: int, max_len: int, dtype: torch.dtype) -
 
 
 def memory_plan(
-    c: ModelConfig, mesh: MeshSpec = MeshSpec(), *, gpu_memory_gib: float = H200_GIB, dtype: torch.dtype = torch.bfloat16,
+    c: ModelConfig, mesh: MeshSpec = ONE_GPU, *, gpu_memory_gib: float = H200_GIB, dtype: torch.dtype = torch.bfloat16,
     compiled: bool = True, expert_format: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048, draft: bool = True, extra_experts: int | None = None,
 ) -> MemoryPlan:
