@@ -35,6 +35,9 @@ DEMO_CONFIG = {
 DEMO_DIR = Path(setting("DEEPINFER_DEMO_DIR") or Path.home() / ".cache" / "deepinfer_fx" / "demo-v4-tiny")
 # what a dry run reads; any other option would be silently ignored there
 DRY_RUN_OPTIONS = {"dry_run", "model", "mesh", "rank", "dump_graphs"}
+# what --plan reads: the config and the sizes the engine would be built with
+PLAN_OPTIONS = {"plan", "gpu_memory_gb", "model", "mesh", "dtype", "eager", "expert_format", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens"}
 # options that act on compiled steps only: they ask for them, and --eager turns them off
 COMPILED_OPTIONS = ("no_cuda_graphs", "no_inductor", "dump_graphs", "disable_passes")
 
@@ -121,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights (no values are real), dump the graphs and print the collectives per MoE layer; "
                         "without --model: the packaged V4.1-Flash config")
     e.add_argument("--rank", type=_int_from(0), default=None, help="the world rank a --dry-run traces (default: 0; --dry-run only)")
+    e.add_argument("--plan", action="store_true",
+                   help="print the memory one GPU of --mesh needs, by category, and whether the model fits (reads only the config)")
+    e.add_argument("--gpu-memory-gb", type=_float_in(lambda v: v > 0, "a float > 0"), default=141.0,
+                   help="a GPU's memory in GiB for --plan (default: an H200's %(default)s; --plan only)")
     mode = e.add_mutually_exclusive_group()
     mode.add_argument("--eager", action="store_true", help="run the model functions uncompiled (no compile, no graphs)")
     mode.add_argument("--compile", action="store_true",
@@ -158,6 +165,13 @@ def _flag(dest: str) -> str:
 def _check_combinations(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Options that would have no effect in the mode asked for are errors, each naming why."""
     given = [dest for dest, value in vars(args).items() if value != ap.get_default(dest)]
+    if args.plan:
+        idle = [d for d in given if d not in PLAN_OPTIONS]
+        if idle:
+            ap.error(f"argument {_flag(idle[0])}: has no effect with --plan (it reads only the config; nothing is run); drop it")
+        return
+    if args.gpu_memory_gb != ap.get_default("gpu_memory_gb"):
+        ap.error("argument --gpu-memory-gb: only --plan reads it; drop it or add --plan")
     if args.dry_run:
         idle = [d for d in given if d not in DRY_RUN_OPTIONS]
         if idle:
@@ -192,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _check_combinations(ap, args)
     try:
+        if args.plan:
+            from .engine.memory_plan import cli as plan
+
+            return plan(args.model, args.mesh, args.gpu_memory_gb, dtype=args.dtype, eager=args.eager, expert_format=args.expert_format,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
         if args.dry_run:
             from .sharding.dryrun import cli as dry_run
 

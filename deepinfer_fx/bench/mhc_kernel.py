@@ -1,8 +1,9 @@
-"""One mHC site at P8 widths: the fused Triton op against what a compiled step runs without it.
+"""One mHC site at a bench model's widths (P8's by default, ``--config v41`` / ``pro`` for hidden
+5120 / 7168): the fused Triton op against what a compiled step runs without it.
 
-    python -m deepinfer_fx.bench.mhc_kernel --tokens 1,8,16,64,256,4096,16384 [--sweep]
+    python -m deepinfer_fx.bench.mhc_kernel --tokens 1,8,16,64,256,4096,16384 [--sweep] [--config v41]
 
-X bf16 ``[T, 4, 4096]``, ``fn`` fp32 ``[24, 16384]``, 20 Sinkhorn rounds (``--rounds``): the site up to the
+At P8: X bf16 ``[T, 4, 4096]``, ``fn`` fp32 ``[24, 16384]``, 20 Sinkhorn rounds (``--rounds``): the site up to the
 sublayer input (mixing GEMV, pre / post, Sinkhorn comb, collapse). Timed per token count, each
 captured in a CUDA graph: ``mhc_site_triton`` (2 launches); the reference compiled through the
 engine's CUDA pipeline with the ``mhc_site_kernel`` swap off (cuBLAS GEMM, the Sinkhorn kernel,
@@ -22,7 +23,8 @@ import torch
 from ..graphs.mhc import mhc_site
 from ..kernels.triton.mhc import mhc_site_triton
 from ..passes.compiler import compile_graph, make_backend
-from .p8 import P8, run_info, write_result
+from .configs import BENCH_CONFIGS, bench_config
+from .p8 import run_info, write_result
 from .timing import graph_ms
 
 _SWEEP = [{"BT": bt, "BK": bk, "SPLITS": s, "UNROLL": u} for bt in (16, 64) for bk in (64, 128)
@@ -36,14 +38,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", default="1,8,16,64,256,4096,16384")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time the launches' tilings")
-    ap.add_argument("--rounds", type=int, default=P8["hc_sinkhorn_iters"],
+    ap.add_argument("--config", choices=sorted(BENCH_CONFIGS), default="p8", help="the bench model whose widths to take")
+    ap.add_argument("--rounds", type=int, default=None,
                     help="Sinkhorn rounds (the config's by default; fewer times what the rounds cost)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
-    n, d = P8["hc_mult"], P8["hidden_size"]
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
-    consts = (P8["rms_norm_eps"], P8["hc_eps"], args.rounds)
+    c = bench_config(args.config)
+    n, d = c.hc_mult, c.hidden_size
+    rounds = c.hc_sinkhorn_iters if args.rounds is None else args.rounds
+    if rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {rounds}")
+    consts = (c.rms_norm_eps, c.hc_eps, rounds)
     torch.manual_seed(0)
     m = 2 * n + n * n
     fn = torch.randn(m, n * d, device="cuda") * (n * d) ** -0.5
@@ -68,9 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
                 graph_ms(lambda c=cfg: mhc_site_triton(*site, finish=c), args.iters) * 1e3, 2) for cfg in _SWEEP_FINISH}
         rows.append(row)
         print(row, flush=True)
-    result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16", "rounds": args.rounds},
+    result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16", "rounds": rounds},
               "sweep_key": "BT/BK/SPLITS/UNROLL", "finish_sweep_key": "BLOCK_D/num_warps", "rows": rows}
-    write_result("mhc_kernel_p8", result, args.out)
+    write_result(f"mhc_kernel_{args.config}", result, args.out)
     return result
 
 

@@ -96,13 +96,14 @@ def write_result(name: str, result: dict[str, Any], out_dir: str | os.PathLike =
     return path
 
 
-def hf_kwargs(layers: int | None = None) -> dict[str, Any]:
-    """P8 in HF transformers' ``DeepseekV4Config`` spelling (layer types and compress rates
-    instead of DeepSeek's ratio list), for the peer runs of the benchmarks."""
+def hf_kwargs(layers: int | None = None, config: dict[str, Any] = P8) -> dict[str, Any]:
+    """A V4 bench config (P8 by default; ``bench/configs.py``) in HF transformers'
+    ``DeepseekV4Config`` spelling (layer types and compress rates instead of DeepSeek's ratio
+    list), for the peer runs of the benchmarks."""
     kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
-    ratios = P8["compress_ratios"][: layers or P8["num_hidden_layers"]]
+    ratios = config["compress_ratios"][: layers or config["num_hidden_layers"]]
     drop = {"model_type", "compress_ratios", "rope_theta", "compress_rope_theta", "torch_dtype"}
-    out = {k: v for k, v in P8.items() if k not in drop}
+    out = {k: v for k, v in config.items() if k not in drop}
     out.update(num_hidden_layers=len(ratios), layer_types=[kinds[r] for r in ratios],
-               compress_rates={kinds[4]: 4, kinds[128]: 128}, num_hash_layers=min(P8["num_hash_layers"], len(ratios)))
+               compress_rates={kinds[4]: 4, kinds[128]: 128}, num_hash_layers=min(config["num_hash_layers"], len(ratios)))
     return out

@@ -1,7 +1,12 @@
-"""P8 on one GPU, side by side in one run: this engine, HF transformers' DeepseekV4ForCausalLM
-(eager, as installed) on the same weights, and the roofline.
+"""A bench model on one GPU (P8 by default), side by side in one run: this engine, HF
+transformers' DeepseekV4ForCausalLM (eager, as installed) on the same weights, and the roofline.
 
     python -m deepinfer_fx.bench.p8_vs_hf --segments prefill,decode --batches 1,8,64 --context 512
+    python -m deepinfer_fx.bench.p8_vs_hf --config v41 --random-weights
+
+``--config`` picks the model from ``bench/configs.py``: ``p8`` (V4-Flash widths), ``v41``
+(V4.1-Flash widths; HF has no V4.1, so only with ``--random-weights``) or ``pro`` (V4-Pro widths;
+HF's model beside ours may not fit one GPU: ``--random-weights`` then).
 
 The weights are HF's own random initialisation (hash tables made random permutations), saved
 with ``save_pretrained`` to a RAM disk and loaded by our loader, so both engines multiply the
@@ -9,7 +14,7 @@ same numbers; a 64-token teacher-forced check compares the two before timing.
 
 Segments follow DeepInfer's method: prefill and decode are timed separately; the per-kernel
 profile of a decode step is taken after the measurement window, never inside it. Decode
-throughput = steps/s x batch x (1 + nextn) / cp; P8 has no draft head (nextn = 0, so no
+throughput = steps/s x batch x (1 + nextn) / cp; no draft head runs (nextn = 0, so no
 acceptance rate is assumed) and runs on one GPU (cp = 1). The engine has no expert-load
 statistics flushes, so no interval needs dropping.
 """
@@ -26,15 +31,16 @@ from ..api import load_model, logits, random_model
 from ..engine.graph_runner import StepGraphs
 from ..graphs.state import init_state
 from . import roofline
-from .p8 import P8, hf_kwargs, p8_config, run_info, write_result
+from .configs import BENCH_CONFIGS, bench_config
+from .p8 import hf_kwargs, run_info, write_result
 from .timing import between_steps, kernel_table, kernel_timeline, timed
 
 
-def build_hf(layers: int, seed: int):
+def build_hf(config: str, layers: int | None, seed: int):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = DeepseekV4Config(**hf_kwargs(layers))
+    cfg = DeepseekV4Config(**hf_kwargs(layers, BENCH_CONFIGS[config]))
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -107,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--context", default="512", help="decode contexts, comma-separated")
     ap.add_argument("--prefill-tokens", default="4096", help="chunk sizes, comma-separated (one chunk from position 0 each)")
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--config", choices=sorted(BENCH_CONFIGS), default="p8", help="the bench model (bench/configs.py)")
+    ap.add_argument("--layers", type=int, default=None, help="cut the model to its first N layers (default: all of it)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the peer (our engine and the roofline only)")
@@ -119,14 +126,19 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     chunk_sizes = [int(n) for n in args.prefill_tokens.split(",")]
     contexts = [int(n) for n in args.context.split(",")]
+    if args.config == "v41" and not args.random_weights:
+        ap.error("--config v41 has no HF peer (transformers has no DeepSeek-V4.1): add --random-weights")
+    try:
+        config = bench_config(args.config, args.layers)
+    except ValueError as e:
+        ap.error(str(e))
 
     t0 = time.perf_counter()
     hf, check = None, None
     if args.random_weights:
-        model = random_model(p8_config(num_hidden_layers=args.layers, compress_ratios=P8["compress_ratios"][: args.layers]),
-                             seed=0, dtype=torch.bfloat16, device="cuda")
+        model = random_model(config, seed=0, dtype=torch.bfloat16, device="cuda")
     else:
-        hf = build_hf(args.layers, seed=0)
+        hf = build_hf(args.config, args.layers, seed=0)
         with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
             hf.save_pretrained(tmp)
             model = load_model(tmp, dtype=torch.bfloat16, device="cuda", fake_quant=False)
@@ -142,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
             hf = None
     c = model.config
     print(f"setup {time.perf_counter() - t0:.0f} s; ours vs HF on 64 tokens: {check}", flush=True)
-    print("decode tok/s = steps/s x batch x (1 + nextn) / cp with nextn = 0 (P8 has no draft head, so no "
+    print("decode tok/s = steps/s x batch x (1 + nextn) / cp with nextn = 0 (no draft head runs, so no "
           "acceptance rate is assumed) and cp = 1 (one GPU)", flush=True)
 
     slots = max(batches)
@@ -150,9 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
     next_token = torch.randint(3, c.vocab_size, (slots + 1,), device="cuda")
     graphs = StepGraphs(model, state, next_token, max_requests=slots, max_tokens=max(chunk_sizes),
                         graphs=True, inductor=not args.no_inductor)
-    result = {**run_info(argv), "model": f"P8 ({args.layers} layers), bf16, " + ("our random init" if args.random_weights else "HF random init"), "inductor": not args.no_inductor,
-              "check_vs_hf": check, "nextn": 0, "cp": 1, "acceptance": "none (no draft head)", "prefill": [], "decode": []}
-    name = "p8_vs_hf_" + "_".join(sorted(segments)) + ("_aot_eager" if args.no_inductor else "")
+    result = {**run_info(argv), "model": f"{args.config} ({c.num_hidden_layers} layers), bf16, " + ("our random init" if args.random_weights else "HF random init"),
+              "inductor": not args.no_inductor, "check_vs_hf": check, "nextn": 0, "cp": 1, "acceptance": "none (no draft head runs)",
+              "prefill": [], "decode": []}
+    name = f"{args.config}_vs_hf_" + "_".join(sorted(segments)) + ("_aot_eager" if args.no_inductor else "")
 
     if "prefill" in segments:
         for n in chunk_sizes:

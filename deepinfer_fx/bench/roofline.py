@@ -7,6 +7,14 @@ must do 2 FLOPs per weight element per token it multiplies plus the attention pr
 roofline time is the larger of bytes / bandwidth and FLOPs / matmul rate. The ceilings default to
 what was measured on the H200 for this project (``spec/perf.md``: 4.26 TB/s copy, 785 TF/s
 dense bf16); prefill uses 80 % of the matmul ceiling, as the issue's anchor does.
+
+V4.1 (spec §7.2, §7.7): every compressed layer attends its window and the top-k of its KV
+source's entries (ratio 2 or 1), read from the source's shared cache once per layer that reads
+them; only index sources score index keys, a reuse layer takes its source's selection; index
+sources after the candidate source (the two-level top-k) score only the candidate blocks'
+entries (``candidate_topk_blocks * candidate_block_size``), the others all their source's keys;
+each token of an Engram layer gathers ``(max_ngram - 1) * n_heads`` table rows of
+``engram_head_dim`` (the tables are never read whole). The draft head is not run.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ COPY_BYTES_PER_S = 4.26e12
 BF16_FLOPS = 785e12
 PREFILL_MFU = 0.8
 
-_GATHERED = ("embed", "tid2eid")  # only the rows of the step's tokens are read
+_GATHERED = ("embed", "tid2eid")  # only the rows of the step's tokens are read (Engram tables' paths end so too)
 
 
 @dataclass(frozen=True)
@@ -55,19 +63,28 @@ def expected_experts(n_experts: int, k: int, tokens: int) -> float:
 
 
 def _attention(c: ModelConfig, context: int) -> tuple[float, float]:
-    """(entries read, indexer keys scored) per query per layer, averaged over the layers."""
+    """(entries attended, indexer keys scored) per query, summed over the layers."""
     entries = keys = 0.0
-    for ratio in c.compress_ratios:
+    for layer, ratio in enumerate(c.compress_ratios):
         window = min(c.sliding_window, context)
+        n = context // ratio if ratio else 0
         if ratio == 0:
             entries += window
-        elif ratio <= 4:  # CSA: the indexer scores every compressed key, attention reads the top-k
-            keys += context // ratio
-            entries += window + min(c.index_topk, context // ratio)
+        elif c.is_v41:  # the source's top-k; indexer keys only where the layer scores them
+            entries += window + min(c.index_topk, n)
+            if c.is_index_source(layer):
+                keys += min(n, c.candidate_topk_blocks * c.candidate_block_size) if c.uses_candidates(layer) else n
+        elif ratio == c.csa_ratio:  # CSA: the indexer scores every compressed key, attention reads the top-k
+            keys += n
+            entries += window + min(c.index_topk, n)
         else:  # HCA: every compressed entry
-            entries += window + context // ratio
-    n = c.num_hidden_layers
-    return entries / n, keys / n
+            entries += window + n
+    return entries, keys
+
+
+def _engram_rows(c: ModelConfig) -> int:
+    """Table rows one token gathers over all Engram layers."""
+    return len(c.engram_layer_ids) * (c.engram_max_ngram_size - 1) * c.engram_n_heads
 
 
 def decode(c: ModelConfig, batch: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2) -> Roofline:
@@ -76,10 +93,11 @@ def decode(c: ModelConfig, batch: int, context: int, weight_bytes: int = 2, cach
     active = expected_experts(c.n_routed_experts, k, batch)
     entries, keys = _attention(c, context)
     weight_elems = dense + n_layers * active * expert + head
-    cache = batch * n_layers * (entries * c.head_dim + keys * c.index_head_dim) * cache_bytes
+    cache = batch * (entries * c.head_dim + keys * c.index_head_dim) * cache_bytes
+    engram = batch * _engram_rows(c) * c.engram_head_dim * weight_bytes
     flops = 2 * batch * (dense + n_layers * k * expert + head)
-    flops += 2 * batch * n_layers * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
-    nbytes = weight_elems * weight_bytes + cache
+    flops += 2 * batch * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
+    nbytes = weight_elems * weight_bytes + cache + engram
     t_mem, t_flop = nbytes / COPY_BYTES_PER_S, flops / BF16_FLOPS
     return Roofline(nbytes, flops, max(t_mem, t_flop), "memory" if t_mem >= t_flop else "compute")
 
@@ -91,7 +109,8 @@ def prefill(c: ModelConfig, tokens: int, weight_bytes: int = 2) -> Roofline:
     entries, keys = _attention(c, tokens // 2)
     n_layers, k = c.num_hidden_layers, c.num_experts_per_tok
     flops = 2 * tokens * (dense + n_layers * k * expert)  # the head runs for the last row only
-    flops += 2 * tokens * n_layers * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
+    flops += 2 * tokens * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
     nbytes = (dense + n_layers * c.n_routed_experts * expert + head) * weight_bytes
+    nbytes += tokens * _engram_rows(c) * c.engram_head_dim * weight_bytes
     t_mem, t_flop = nbytes / COPY_BYTES_PER_S, flops / (BF16_FLOPS * PREFILL_MFU)
     return Roofline(nbytes, flops, max(t_mem, t_flop), "memory" if t_mem >= t_flop else "compute")

@@ -1,8 +1,10 @@
-"""The P8 sweep (the role of DeepInfer's ``run_sweep.sh``): decode over batch sizes and
-contexts, prefill over chunk sizes, each point against HF and the roofline, then the plots.
+"""The sweep of a bench model (the role of DeepInfer's ``run_sweep.sh``; P8 by default, ``--config``
+as ``p8_vs_hf`` takes it): decode over batch sizes and contexts, prefill over chunk sizes, each
+point against HF and the roofline, then the plots.
 
     python -m deepinfer_fx.bench.sweep --out bench/results/sweep
     python -m deepinfer_fx.bench.sweep --random-weights --contexts 4096 --batches 1,4,16,64,256
+    python -m deepinfer_fx.bench.sweep --config v41 --random-weights --out bench/results/sweep_v41
 
 Each segment runs as its own process (a fresh CUDA context and its own JSON), so a point that
 runs out of memory or time loses only its segment. ``--random-weights`` skips building HF's
@@ -16,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .configs import BENCH_CONFIGS
+
 DECODE_BATCHES = "1,2,4,8,16,32,64,128,256"
 PREFILL_CHUNKS = "1024,2048,4096,8192,16384"
 # Above this context, decode runs only the batches up to LONG_MAX_BATCH: big per-request caches.
@@ -24,9 +28,10 @@ LONG_MAX_BATCH = 64
 
 
 def commands(out: str, contexts: list[str], hf: bool, random_weights: bool = False, batches: str = DECODE_BATCHES,
-             chunks: str = PREFILL_CHUNKS, steps: int | None = None) -> list[list[str]]:
-    """One ``p8_vs_hf`` command per segment: the prefill chunks, then decode per context."""
-    base = [sys.executable, "-m", "deepinfer_fx.bench.p8_vs_hf", "--out", out]
+             chunks: str = PREFILL_CHUNKS, steps: int | None = None, config: str = "p8") -> list[list[str]]:
+    """One ``p8_vs_hf`` command per segment of bench model ``config``: the prefill chunks, then
+    decode per context."""
+    base = [sys.executable, "-m", "deepinfer_fx.bench.p8_vs_hf", "--out", out, "--config", config]
     if random_weights:  # no HF model at all, hence no peer
         base.append("--random-weights")
     elif not hf:
@@ -44,6 +49,7 @@ def commands(out: str, contexts: list[str], hf: bool, random_weights: bool = Fal
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/sweep")
+    ap.add_argument("--config", choices=sorted(BENCH_CONFIGS), default="p8", help="the bench model (bench/configs.py)")
     ap.add_argument("--contexts", default="512,4096,32768")
     ap.add_argument("--batches", default=DECODE_BATCHES, help=f"decode batch sizes (above {LONG_CONTEXT} context only those <= {LONG_MAX_BATCH})")
     ap.add_argument("--chunks", default=PREFILL_CHUNKS, help="prefill chunk sizes; empty: no prefill segment")
@@ -56,7 +62,10 @@ def main(argv: list[str] | None = None) -> None:
         if text and not all(x.strip().isdigit() and int(x) > 0 for x in text.split(",")):
             ap.error(f"{name} takes comma-separated positive integers, got {text!r}")
     failed = []
-    runs = commands(args.out, args.contexts.split(","), not args.no_hf, args.random_weights, args.batches, args.chunks, args.steps)
+    if args.config == "v41" and not args.random_weights:
+        ap.error("--config v41 has no HF peer (transformers has no DeepSeek-V4.1): add --random-weights")
+    runs = commands(args.out, args.contexts.split(","), not args.no_hf, args.random_weights, args.batches, args.chunks, args.steps,
+                    args.config)
     for i, cmd in enumerate(runs):
         print(" ".join(cmd[1:]), flush=True)
         if args.dry:

@@ -70,7 +70,8 @@ class EngramTable:
     def from_checkpoint(cls, reader: CheckpointReader, weight_key: str,
                         scale_key: str | None = None) -> "EngramTable":
         """Memory-map ``weight_key`` (F8_E4M3 with ue8m0 ``scale_key`` [rows, head_dim/32], or an
-        unquantised BF16/F16/F32 table with ``scale_key=None``) from its safetensors shard."""
+        unquantised BF16/F16/F32 table with ``scale_key=None`` or an empty ``[rows, 0]`` scale)
+        from its safetensors shard."""
         w = reader.raw(weight_key)
         name = f"{weight_key} ({w.path.name})"
         if len(w.shape) != 2:
@@ -88,8 +89,12 @@ class EngramTable:
             return cls(name, rows, head_dim, weight=_memmap(w, np.dtype(np.uint8)),
                        scale=_memmap(s, np.dtype(np.uint8)), view_as=torch.float8_e4m3fn)
         if w.dtype in _PLAIN:
-            if scale_key is not None:
-                raise CheckpointError(f"{name}: {w.dtype} table is unquantised but scale '{scale_key}' was given")
+            # HF transformers' save_pretrained writes an empty [rows, 0] scale beside an
+            # unquantised table: a placeholder with no values, so nothing to apply.
+            s = None if scale_key is None else reader.raw(scale_key)
+            if s is not None and list(s.shape) != [rows, 0]:
+                raise CheckpointError(f"{name}: {w.dtype} table is unquantised but scale '{scale_key}' "
+                                      f"({s.dtype} {list(s.shape)}) was given")
             np_dtype, torch_dtype = _PLAIN[w.dtype]
             return cls(name, rows, head_dim, weight=_memmap(w, np_dtype), view_as=torch_dtype)
         raise CheckpointError(f"{name}: unsupported Engram table dtype {w.dtype} "

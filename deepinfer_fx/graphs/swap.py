@@ -49,6 +49,11 @@ def places() -> tuple[str, ...]:
     return tuple(sorted(_PLACES))
 
 
+def reference(place: str) -> Callable[..., Any]:
+    """The model's own function at ``place`` (what runs there when nothing replaces it)."""
+    return _PLACES[place].reference  # type: ignore[attr-defined]
+
+
 def active() -> dict[str, Callable[..., Any]]:
     """The replacements in force now (for reports and tests)."""
     return dict(_ACTIVE)

@@ -238,6 +238,25 @@ def _moe_experts_shared_fake(
 
 # --- Router ------------------------------------------------------------------------------------
 
+# The router kernel holds a token's logits in one program's registers, up to this many experts.
+ROUTE_MAX_EXPERTS = 1024
+ROUTE_KINDS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+def route_unserved(n_experts: int, k: int, kind: str, hashed: bool, has_bias: bool) -> Optional[str]:
+    """Why the router kernel cannot serve a layer's routing, or None: too many experts for one
+    program, a score function it does not know, or a learned choice (not hashed) without a
+    selection bias or with more picks than experts."""
+    if n_experts > ROUTE_MAX_EXPERTS:
+        return f"{n_experts} experts: the router kernel holds at most {ROUTE_MAX_EXPERTS} a token"
+    if kind not in ROUTE_KINDS:
+        return f"score function {kind!r}: the router kernel knows {list(ROUTE_KINDS)}"
+    if not hashed and not has_bias:
+        return "a learned choice without selection bias: the router kernel adds one"
+    if not hashed and k > n_experts:
+        return f"top-{k} of {n_experts} experts"
+    return None
+
 
 @torch.library.custom_op(f"{NAMESPACE}::route_topk", mutates_args=())
 def route_topk(

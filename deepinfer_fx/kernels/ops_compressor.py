@@ -20,6 +20,15 @@ import torch
 from ..graphs.compressor import pool_windows
 from .ops import NAMESPACE
 
+# The kernel's norm holds a pooled latent row whole in registers up to this many channels
+# (V4's head_dim is 512, its index_head_dim 128).
+MAX_DIM = 8192
+
+
+def compressor_unserved(dim: int) -> Optional[str]:
+    """Why the compressor kernel cannot pool latents of ``dim`` channels, or None."""
+    return None if dim <= MAX_DIM else f"{dim}-channel latents: the compressor kernel norms at most {MAX_DIM}"
+
 
 @torch.library.custom_op(f"{NAMESPACE}::compressor_pool", mutates_args=("rows_kv", "rows_gate"))
 def compressor_pool(

@@ -10,11 +10,24 @@ bf16 math of ``graphs/moe.py``; the Triton kernel dequantises each tile as it lo
 No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
 
+from typing import Optional
+
 import torch
 
 from ..graphs.moe import routed_experts
 from ..io.quant import dequant_fp8_block
 from .ops import NAMESPACE
+
+# The fp8 expert kernels' k tile is the largest power of two dividing the scale block; tl.dot takes >= 16.
+MIN_K_TILE = 16
+
+
+def fp8_block_unserved(block: int) -> Optional[str]:
+    """Why the fp8 expert kernels cannot serve scale blocks of ``block``, or None (DeepSeek's
+    released blocks, 128 and 32, are served)."""
+    if (block & -block) >= MIN_K_TILE:
+        return None
+    return f"fp8 scale block {block}: the expert kernels need a multiple of {MIN_K_TILE} (their k tile lies in one block)"
 
 
 @torch.library.custom_op(f"{NAMESPACE}::moe_experts_fp8", mutates_args=())

@@ -23,6 +23,16 @@ from ..graphs.mhc import hc_head as _graphs_hc_head
 from ..graphs.mhc import mhc_site as _graphs_mhc_site
 from .ops import NAMESPACE
 
+# The mHC kernels (site, head, Sinkhorn) hold a stream count's n x n tile: a power of two up to this.
+MAX_STREAMS = 16
+
+
+def streams_unserved(n: int) -> Optional[str]:
+    """Why the mHC kernels cannot tile ``n`` streams (``hc_mult``), or None; every released model has 4."""
+    if 0 < n <= MAX_STREAMS and not n & (n - 1):
+        return None
+    return f"{n} mHC streams: the mHC kernels tile a power of two up to {MAX_STREAMS}"
+
 
 @torch.library.custom_op(f"{NAMESPACE}::mhc_site", mutates_args=())
 def mhc_site(

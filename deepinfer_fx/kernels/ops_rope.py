@@ -35,6 +35,24 @@ import torch
 from ..graphs.rope import apply_rope, cos_sin, norm_rope
 from .ops import NAMESPACE
 
+# The norm kernel holds rows up to this many channels whole in registers; only those it rotates.
+NORM_ROPE_MAX_WIDTH = 16384
+
+
+def norm_rope_unserved(x_shape: torch.Size, weight_shape: Optional[torch.Size], table_shape: torch.Size,
+                       sin_shape: torch.Size) -> Optional[str]:
+    """Why the norm kernel cannot norm and rotate rows of ``x_shape`` (``rms_norm_rope``), or
+    None: it takes a weight of the row's width, tables with exactly x's leading dims, and rows
+    of an even width it holds whole."""
+    d, lead = x_shape[-1], table_shape[:-1]
+    if weight_shape is not None and tuple(weight_shape) != (d,):
+        return f"a norm weight {list(weight_shape)} for rows of {d}: the norm kernel takes one of the row's width"
+    if tuple(x_shape[: len(lead)]) != tuple(lead) or sin_shape != table_shape:
+        return f"rope tables {list(table_shape)} for x {list(x_shape)}: the kernel needs tables with x's leading dims"
+    if d % 2 or d > NORM_ROPE_MAX_WIDTH or not 0 < 2 * table_shape[-1] <= d:
+        return f"rows of {d} channels rotating {2 * table_shape[-1]}: the kernel rotates even rows of up to {NORM_ROPE_MAX_WIDTH}"
+    return None
+
 
 @torch.library.custom_op(f"{NAMESPACE}::rope_table", mutates_args=())
 def rope_table(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

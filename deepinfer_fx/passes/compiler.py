@@ -95,6 +95,16 @@ class DeepinferBackend:
                 total[r.name] = total.get(r.name, 0) + r.rewrites
         return total
 
+    def declines(self) -> dict[str, list[str]]:
+        """Per pass, why it left calls to the reference (a kernel that cannot serve a shape), over
+        every graph compiled so far; passes that declined nothing are left out."""
+        total: dict[str, list[str]] = {}
+        for graph in self.records:
+            for r in graph:
+                seen = total.setdefault(r.name, [])
+                seen += [why for why in r.declined if why not in seen]
+        return {name: whys for name, whys in total.items() if whys}
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         dump = None
         if self.dump_dir is not None:
@@ -114,9 +124,9 @@ class DeepinferBackend:
         if dump is not None:
             dump.stage("aten", gm, diff=False)
 
-        def after(p: Any, n: int) -> None:
+        def after(p: Any, record: PassRecord) -> None:
             if dump is not None:
-                dump.stage(p.name, gm, rewrites=n, uuid=p.uuid())
+                dump.stage(p.name, gm, rewrites=record.rewrites, uuid=record.uuid, declined=record.declined)
 
         self.records.append(self.pipeline.run(gm, after))
         self.graphs.append(gm)

@@ -46,6 +46,7 @@ class Stage:
     diff: str | None = None  # the unified diff file (pass stages only)
     rewrites: int | None = None
     uuid: str | None = None
+    declined: tuple[str, ...] = ()  # why the pass left calls to the reference (kernel swaps)
 
 
 @dataclass
@@ -64,7 +65,7 @@ class GraphDump:
 
     def stage(
         self, label: str, gm: torch.fx.GraphModule, *, rewrites: int | None = None, uuid: str | None = None,
-        diff: bool = True,
+        diff: bool = True, declined: tuple[str, ...] = (),
     ) -> None:
         """Write the graph after ``label``; with ``diff``, also its unified diff against the
         previous stage (passes get one; the first stages have nothing comparable before)."""
@@ -79,7 +80,7 @@ class GraphDump:
             )
             diff_file = f"{stem}.diff"
             (self.dir / diff_file).write_text("".join(lines))
-        self.stages.append(Stage(f"{stem}.py", label, diff_file, rewrites, uuid))
+        self.stages.append(Stage(f"{stem}.py", label, diff_file, rewrites, uuid, tuple(declined)))
         self._last_text = text
         self._write_index()
 
@@ -89,11 +90,11 @@ class GraphDump:
         rows = [f"# {self.name}", ""]
         if self.pipeline:
             rows += [f"pipeline: `{json.dumps(self.pipeline)}`", ""]
-        rows += ["| stage | graph | diff | rewrites |", "|---|---|---|---|"]
+        rows += ["| stage | graph | diff | rewrites | declined |", "|---|---|---|---|---|"]
         for s in self.stages:
             diff = f"[{s.diff}]({s.diff})" if s.diff else ""
             rewrites = "" if s.rewrites is None else str(s.rewrites)
-            rows.append(f"| {s.label} | [{s.file}]({s.file}) | {diff} | {rewrites} |")
+            rows.append(f"| {s.label} | [{s.file}]({s.file}) | {diff} | {rewrites} | {'; '.join(s.declined)} |")
         (self.dir / "index.md").write_text("\n".join(rows) + "\n")
         _write_root_index(self.root)
 

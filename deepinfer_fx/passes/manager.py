@@ -53,6 +53,11 @@ class GraphPass(ABC):
         the model function a pattern is traced from); their source enters the uuid too."""
         return ()
 
+    def declines(self) -> tuple[str, ...]:
+        """Why the pass left calls to the reference since it was last asked (a kernel swap whose
+        kernel cannot serve a shape, ``swaps.py``); asking clears them. Most passes decline nothing."""
+        return ()
+
     @cached_property
     def _uuid(self) -> str:
         h = hashlib.sha256(self.name.encode())
@@ -123,11 +128,12 @@ def resolve_disabled(disabled: Iterable[str] = (), environ: Mapping[str, str] | 
 
 @dataclass(frozen=True)
 class PassRecord:
-    """What one pass did to one graph."""
+    """What one pass did to one graph, and why it left calls of it alone (``GraphPass.declines``)."""
 
     name: str
     uuid: str
     rewrites: int
+    declined: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,18 +164,19 @@ class Pipeline:
         return h.hexdigest()
 
     def run(
-        self, gm: torch.fx.GraphModule, after_pass: Callable[[GraphPass, int], None] | None = None
+        self, gm: torch.fx.GraphModule, after_pass: Callable[[GraphPass, PassRecord], None] | None = None
     ) -> list[PassRecord]:
-        """Run every pass on ``gm`` in place; ``after_pass`` sees the graph after each one (dumps)."""
+        """Run every pass on ``gm`` in place; ``after_pass`` sees the graph after each one, with
+        what the pass did (dumps)."""
         records = []
         for p in self.passes:
             n = p(gm)
             if n:
                 gm.graph.lint()  # a broken rewrite fails here, named, not deep inside a backend
                 gm.recompile()
-            records.append(PassRecord(p.name, p.uuid(), n))
+            records.append(PassRecord(p.name, p.uuid(), n, p.declines()))
             if after_pass is not None:
-                after_pass(p, n)
+                after_pass(p, records[-1])
         return records
 
 

@@ -13,12 +13,20 @@ only counts the op nodes it put there: its rewrites in the start-up report and t
 The cpu pipeline runs the swaps too, so the plumbing is tested where everyone can run it (the
 ops' CPU kernels are the references).
 
+A call whose shapes the op's kernel cannot serve (``KernelSwap.unserved``: an mHC stream count
+that is no power of two, a router wider than its tile, ...) is declined: the reference runs
+there, and the reason is noted once, while the step is traced, and comes back in the pass's
+record of that graph (``PassRecord.declined``, the dumps, ``DeepinferBackend.declines``) and as
+a warning. The predicates live beside the ops (``kernels/ops*.py``), where the kernels' own
+launchers use them too, so a call of the op on such shapes runs its reference as well.
+
 Here: the swap pass base, and the swaps of the MoE, mHC, router and projection places; those of
 the attention core, compressor, indexer and RoPE places are in ``swaps_attention.py``.
 """
 
 from __future__ import annotations
 
+import warnings
 from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -30,12 +38,27 @@ from ..graphs.mhc import hc_head, mhc_site, sinkhorn
 from ..graphs.moe import EXPERT_WEIGHTS, expert_parallel, experts_with_shared, fp8_held, route_weights, routed_experts
 from ..graphs.norm import project, project_blocks
 from ..graphs.params import scale_path
-from ..graphs.swap import active
+from ..graphs.swap import active, reference
 from ..io.quant import fp8_block_of
+from ..kernels.ops import route_unserved
+from ..kernels.ops_fp8 import fp8_block_unserved
 from ..kernels.ops_linear import ALIGN, decode_sized
+from ..kernels.ops_mhc import streams_unserved
 from .manager import GraphPass, register_pass
 
 _SERVED: frozenset[str] = frozenset({"cpu", "nvidia"})  # Ascend has no kernels for these yet
+
+# Reasons each swap declined calls for, by pass name, in the order first seen; drained into the
+# record of the graph being compiled (KernelSwap.declines).
+_DECLINED: dict[str, dict[str, None]] = {}
+
+
+@torch._dynamo.assume_constant_result  # run while Dynamo traces (once), not in the compiled step
+def _note_declined(swap: str, why: str) -> bool:
+    if why not in _DECLINED.setdefault(swap, {}):
+        _DECLINED[swap][why] = None
+        warnings.warn(f"kernel swap {swap!r} declines a call: {why}; the reference runs there")
+    return True
 
 
 class KernelSwap(GraphPass):
@@ -46,8 +69,28 @@ class KernelSwap(GraphPass):
     def replacement(self) -> Callable[..., Any]:
         """The callable installed at the place: the place's signature, calling the op."""
 
+    def unserved(self, *args: Any, **kwargs: Any) -> str | None:
+        """Why the op's kernel cannot serve a call with the place's arguments, or None (it can).
+        Reads static shapes, dtypes and Python values only, so a trace decides it once."""
+        return None
+
     def swap(self) -> dict[str, Callable[..., Any]]:
-        return {self.place: self.replacement()}
+        impl = self.replacement()
+        if type(self).unserved is KernelSwap.unserved:  # serves every call: nothing to check
+            return {self.place: impl}
+        ref = reference(self.place)
+
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            why = self.unserved(*args, **kwargs)
+            if why is None:
+                return impl(*args, **kwargs)
+            _note_declined(self.name, why)
+            return ref(*args, **kwargs)
+
+        return {self.place: checked}
+
+    def declines(self) -> tuple[str, ...]:
+        return tuple(_DECLINED.pop(self.name, ()))
 
     def sources(self) -> tuple[object, ...]:
         return (type(self).replacement,)
@@ -87,6 +130,14 @@ class MoEExpertsSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return _moe_experts
+
+    def unserved(self, p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> str | None:
+        if not fp8_held(p):
+            return None
+        return fp8_block_unserved(fp8_block_of(p["w1"].shape, p[scale_path("w1")].shape))
+
+    def sources(self) -> tuple[object, ...]:
+        return (*super().sources(), fp8_block_unserved)
 
     def targets(self) -> tuple[Any, ...]:
         return (torch.ops.deepinfer.moe_experts.default, torch.ops.deepinfer.moe_experts_fp8.default)  # by the experts' storage
@@ -143,6 +194,12 @@ class SinkhornSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return torch.ops.deepinfer.mhc_sinkhorn
+
+    def unserved(self, logits: torch.Tensor, eps: float, iters: int) -> str | None:
+        return streams_unserved(logits.shape[-1])
+
+    def sources(self) -> tuple[object, ...]:
+        return (*super().sources(), streams_unserved)
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
@@ -204,6 +261,12 @@ class MHCSiteSwap(KernelSwap):
     def replacement(self) -> Callable[..., Any]:
         return torch.ops.deepinfer.mhc_site
 
+    def unserved(self, X: torch.Tensor, *args: Any) -> str | None:
+        return streams_unserved(X.shape[-2])
+
+    def sources(self) -> tuple[object, ...]:
+        return (*super().sources(), streams_unserved)
+
 
 @register_pass
 class MHCHeadSwap(KernelSwap):
@@ -218,6 +281,12 @@ class MHCHeadSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return torch.ops.deepinfer.mhc_head
+
+    def unserved(self, X: torch.Tensor, *args: Any) -> str | None:
+        return streams_unserved(X.shape[-2])
+
+    def sources(self) -> tuple[object, ...]:
+        return (*super().sources(), streams_unserved)
 
 
 def _route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
@@ -237,6 +306,13 @@ class RouterSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return _route_weights
+
+    def unserved(self, logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
+                 *args: Any) -> str | None:
+        return route_unserved(logits.shape[-1], k, kind, ids is not None, bias is not None)
+
+    def sources(self) -> tuple[object, ...]:
+        return (*super().sources(), route_unserved)
 
 
 # the places exist where the functions are defined; importing them above registered them

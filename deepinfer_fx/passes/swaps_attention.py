@@ -13,6 +13,8 @@ from ..graphs.attention import mqa_ring, mqa_with_sink
 from ..graphs.compressor import pool_windows
 from ..graphs.indexer import index_scores, score_topk
 from ..graphs.rope import apply_rope, cos_sin, norm_rope
+from ..kernels.ops_compressor import compressor_unserved
+from ..kernels.ops_rope import norm_rope_unserved
 from .manager import register_pass
 from .swaps import _SERVED, KernelSwap
 
@@ -55,6 +57,13 @@ class CompressorSwap(KernelSwap):
 
     def replacement(self) -> Callable[..., Any]:
         return torch.ops.deepinfer.compressor_pool
+
+    def unserved(self, kv: torch.Tensor, gate: torch.Tensor | None, rows_kv: torch.Tensor, rows_gate: torch.Tensor,
+                 slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, norm: torch.Tensor, *args: Any) -> str | None:
+        return compressor_unserved(norm.shape[0])
+
+    def sources(self) -> tuple[object, ...]:
+        return (*super().sources(), compressor_unserved)
 
 
 @register_pass
@@ -149,26 +158,27 @@ class RopeSwap(KernelSwap):
         return _apply_rope
 
 
-def _norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    lead = cos.shape[:-1]
-    if x.shape[: len(lead)] != lead or sin.shape != cos.shape:  # tables that broadcast otherwise
-        return norm_rope.reference(x, weight, eps, cos, sin)  # type: ignore[attr-defined]
-    return torch.ops.deepinfer.rms_norm_rope(x, weight, eps, cos, sin)
-
-
 @register_pass
 class NormRopeSwap(KernelSwap):
     """``rope.norm_rope`` (the V4 query heads' norm, the K = V latent's norm, each then rotated)
     => ``deepinfer.rms_norm_rope`` at every size: one pass over each row, where the compiled
     step ran the norm kernel, a rotation of the tail and a concatenation (three launches a call
-    at decode; at prefill the norm and the in-place rotation read the rows twice)."""
+    at decode; at prefill the norm and the in-place rotation read the rows twice). Declines
+    tables that broadcast otherwise and rows the kernel does not hold (``norm_rope_unserved``)."""
 
     name: ClassVar[str] = "norm_rope_kernel"
     accelerators: ClassVar[frozenset[str]] = _SERVED
     place, op = "rope.norm_rope", "rms_norm_rope"
 
     def replacement(self) -> Callable[..., Any]:
-        return _norm_rope
+        return torch.ops.deepinfer.rms_norm_rope
+
+    def unserved(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor) -> str | None:
+        return norm_rope_unserved(x.shape, None if weight is None else weight.shape, cos.shape, sin.shape)
+
+    def sources(self) -> tuple[object, ...]:
+        return (*super().sources(), norm_rope_unserved)
 
 
 # the places exist where the functions are defined; importing them above registered them

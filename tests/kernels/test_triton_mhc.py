@@ -171,12 +171,34 @@ def test_shapes_that_do_not_fit_are_refused(device: str) -> None:
 
 def test_splits_depend_on_the_width_only() -> None:
     """The model's width (N = 4, D = 4096): 64 row chunks of 256, four channel blocks; the test
-    widths above split into several chunks, the last part-filled at d = 100."""
+    widths above split into several chunks, the last part-filled at d = 100. The released wider
+    models (V4.1-Flash 5120, V4-Pro 7168), whose 64th of a row is no power of two of 64-element
+    tiles, keep P8's chunk of 256 (the one-tile schedule's ``tl.arange`` needs a power of two)
+    in more splits."""
     cfg = launch_config(4, 4096)
     assert cfg["finish"]["KSPLIT"] == 64 and cfg["dots"]["CHUNK"] == 256 and 4096 // cfg["finish"]["BLOCK_D"] == 4
     for d in (64, 100):
         c = launch_config(4, d)
         assert c["finish"]["KSPLIT"] > 1 and (4 * d) % c["dots"]["CHUNK"] == (16 if d == 100 else 0)
+    for d, splits in ((5120, 80), (7168, 112)):
+        for bf16 in (False, True):
+            c = launch_config(4, d, bf16)
+            assert c["dots"]["CHUNK"] == 256 and c["finish"]["KSPLIT"] == splits, (d, bf16, c)
+
+
+# The released widths above P8's (V4.1-Flash, V4-Pro) with bf16 streams, the model's, at decode
+# token counts: more splits than P8's 64 (launch 2 sums 80 or 112 partials), 5 or 7 channel
+# blocks. One call a case (the interpreter takes ~10 s for one at these widths).
+@pytest.mark.parametrize("d", [5120, 7168])
+def test_released_wide_widths(d: int, device: str) -> None:
+    seed = _seed()
+    args = _inputs(seed, (3,), 4, d, torch.bfloat16, device, True)
+    why = f"seed={seed} d={d}"
+    out = _poisoned(args[0])
+    _assert_matches(mhc_site_triton(*args, out=out), mhc_site.reference(*args), args[0], why, False)  # type: ignore[attr-defined]
+    X, *rest = _head_inputs(seed, (2,), 4, d, torch.bfloat16, device)
+    want = hc_head.reference(X, *rest)  # type: ignore[attr-defined]
+    _assert_collapse_matches(mhc_head_triton(X, *rest), want, X, f"{why} head", _HEAD_DPRE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -258,10 +280,11 @@ def test_token_does_not_depend_on_the_batch(with_pre: bool, device: str, monkeyp
 
 
 @needs_cuda
+@pytest.mark.parametrize("d", [4096, 5120, 7168], ids=["v4-flash", "v41-flash", "v4-pro"])
 @pytest.mark.parametrize("with_pre", [False, True], ids=["own-pre", "pre-in"])
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
-def test_model_sizes(tokens: int, with_pre: bool) -> None:
-    _run((tokens,), 4, 4096, with_pre, "cuda", torch.bfloat16)
+def test_model_sizes(tokens: int, with_pre: bool, d: int) -> None:
+    _run((tokens,), 4, d, with_pre, "cuda", torch.bfloat16)
 
 
 @needs_cuda
@@ -287,12 +310,14 @@ def _two_launches(name: str, args: tuple, seed: int) -> object:
 
 
 @needs_cuda
-def test_model_size_batch_invariance() -> None:
+@pytest.mark.parametrize("d", [4096, 5120, 7168], ids=["v4-flash", "v41-flash", "v4-pro"])
+def test_model_size_batch_invariance(d: int) -> None:
     """Rows of a 300-token batch (launch 1 looping over tiles, launch 2 loading the streams last)
     == each row alone (the chunk as one tile, the streams loaded first), bit for bit; and each
-    schedule of launch 1 forced on a batch of either size gives the same bits."""
+    schedule of launch 1 forced on a batch of either size gives the same bits; at every
+    released width (64, 80 and 112 chunks)."""
     seed = _seed()
-    X, fn, base, scale, rms_eps, hc_eps, iters, _ = _inputs(seed, (300,), 4, 4096, torch.bfloat16, "cuda", False)
+    X, fn, base, scale, rms_eps, hc_eps, iters, _ = _inputs(seed, (300,), 4, d, torch.bfloat16, "cuda", False)
     assert 300 > max(mhc_kernels._UNROLL_TOKENS, mhc_kernels._LOADS_FIRST_TOKENS)
     batch = mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, None)
     head = mhc_head_triton(X, fn[:4], base[:4], scale[:1], rms_eps, hc_eps)

@@ -242,7 +242,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                  d[4], d[5])
         sort = {"TOPK": 6, "SHARED": shared, "E_P": 128, "CHUNK": 256, "PDL": True}
         emit(count_pairs_kernel, f"count-{shared}", types, sort, 4, 3)
-        emit(place_pairs_kernel, f"place-{shared}", types, {**sort, "G_P": 64}, 4, 3)
+        emit(place_pairs_kernel, f"place-{shared}", types, {**sort, "G_P": 64, "G_ROWS": 32}, 4, 3)  # moe.py's rule at E_P 128
         emit(sort_pairs_one_kernel, f"sort_one-{shared}", types, sort, 4, 3)
         # each token's k (+ the shared) bf16 expert rows summed into fp32, as moe.py launches it at D 4096
         emit(combine_kernel, f"combine-{shared}", {**types, "out_ptr": "*fp32"}, {"TOPK": 6 + shared, "BD": 1024, "PDL": True}, 4, 3)

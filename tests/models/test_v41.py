@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from released import released_config
 from tiny import tiny_v41
 
 import deepinfer_fx
-from deepinfer_fx.config import ConfigError, load_config
-from deepinfer_fx.configs import released_config
+from deepinfer_fx.config import ConfigError
 from deepinfer_fx.engine import LLM, SamplingParams
 from deepinfer_fx.graphs.csa2 import candidate_blocks
 from deepinfer_fx.graphs.params import count_params, engram_specs
@@ -25,7 +26,7 @@ QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_blo
 
 
 def test_released_v41_parameter_counts() -> None:
-    c = load_config(released_config("deepseek_v41_flash"))
+    c = released_config("v41-flash")
     assert abs(count_params(c) / 551.6e9 - 1) < 0.005
     assert abs(sum(s.numel for s in engram_specs(c)) / 196.9e9 - 1) < 0.005
 
@@ -140,3 +141,46 @@ def test_index_key_quirk_switch() -> None:
     assert torch.allclose(run(c0, [1] * 40), one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
     step = run(quirk, [1] * 40)
     assert (step - one).abs().max().item() > 1e-3 * one.abs().max().item(), f"seed={seed}: the quirk had no effect"
+
+
+def _rewrite_engram_tables(ckpt: Path, scale_cols: int | None) -> None:
+    """Store every Engram table of ``ckpt`` unquantised (the fp32 rows its fp8 ones decode to), as
+    HF transformers' ``save_pretrained`` does, with an fp32 ``[rows, scale_cols]`` scale beside
+    each in place of its ue8m0 one (``None``: no scale tensor at all)."""
+    from safetensors.torch import load_file, save_file
+
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    weight_map = index["weight_map"]
+    for key in [k for k in weight_map if k.endswith(".engram.embed.weight")]:
+        scale_key = key.replace(".weight", ".scale")
+        stored = load_file(str(ckpt / weight_map[key]))[key]
+        ue8m0 = load_file(str(ckpt / weight_map[scale_key]))[scale_key]
+        table = {key: (stored.float().unflatten(-1, (-1, 32)) * ue8m0_to_float(ue8m0)[..., None]).flatten(-2)}
+        if scale_cols is not None:
+            table[scale_key] = torch.ones(stored.shape[0], scale_cols)
+        for name in {weight_map[key], weight_map.pop(scale_key)}:
+            tensors = {k: v for k, v in load_file(str(ckpt / name)).items() if k not in (key, scale_key)}
+            save_file(tensors | (table if name == weight_map[key] else {}), str(ckpt / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(table, weight_map[key]))
+    index_path.write_text(json.dumps(index))
+
+
+def test_hf_saved_engram_tables_with_empty_scales(tmp_path: Path) -> None:
+    """An HF-saved V4.1 checkpoint holds each Engram table unquantised beside an empty
+    ``[rows, 0]`` scale: it loads and gives the logits of the same tables without the scale (and
+    of the fp8 tables they decode from). A scale with values beside an unquantised table stays an
+    error, naming the tensor."""
+    seed = random.SystemRandom().randrange(2**31)
+    ckpts = {name: tmp_path / name for name in ("fp8", "empty", "none", "full")}
+    deepinfer_fx.write_random_checkpoint(ckpts["fp8"], _quantised(), seed=seed)
+    for name, cols in (("empty", 0), ("none", None), ("full", 1)):
+        shutil.copytree(ckpts["fp8"], ckpts[name])
+        _rewrite_engram_tables(ckpts[name], cols)
+    ids = list(range(3, 60))
+    got = {name: deepinfer_fx.logits(deepinfer_fx.load_model(ckpts[name], dtype=torch.float32), ids)
+           for name in ("fp8", "empty", "none")}
+    assert torch.equal(got["empty"], got["none"]), f"seed={seed}"
+    assert torch.equal(got["empty"], got["fp8"]), f"seed={seed}"
+    with pytest.raises(CheckpointError, match=r"layers\.\d\.engram\.embed\.scale' \(F32 \[\d+, 1\]\)"):
+        deepinfer_fx.load_model(ckpts["full"], dtype=torch.float32)

@@ -48,12 +48,14 @@ def test_sweep_runs_one_command_per_segment() -> None:
     requests; random weights have no peer to time."""
     from deepinfer_fx.bench.sweep import commands
 
-    runs = commands("o", ["512", "32768"], hf=True, random_weights=True, batches="1,16,128", chunks="1024,4096", steps=5)
+    runs = commands("o", ["512", "32768"], hf=True, random_weights=True, batches="1,16,128", chunks="1024,4096", steps=5,
+                    config="v41")
     args = [r[3:] for r in runs]  # after: python -m deepinfer_fx.bench.p8_vs_hf
-    assert all(a[:5] == ["--out", "o", "--random-weights", "--steps", "5"] for a in args)
-    assert [a[5:] for a in args] == [["--segments", "prefill", "--prefill-tokens", "1024,4096"],
+    assert all(a[:7] == ["--out", "o", "--config", "v41", "--random-weights", "--steps", "5"] for a in args)
+    assert [a[7:] for a in args] == [["--segments", "prefill", "--prefill-tokens", "1024,4096"],
                                      ["--segments", "decode", "--context", "512", "--batches", "1,16,128"],
                                      ["--segments", "decode", "--context", "32768", "--batches", "1,16"]]
     peerless = commands("o", ["512"], hf=False, chunks="")
     assert len(peerless) == 1 and "--no-hf" in peerless[0] and "--random-weights" not in peerless[0]
     assert "--no-hf" not in commands("o", ["512"], hf=True)[0]
+    assert commands("o", ["512"], hf=True)[0][5:7] == ["--config", "p8"]

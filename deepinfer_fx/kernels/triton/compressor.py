@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops_compressor  # noqa: F401  (declares deepinfer::compressor_pool before we register for it)
+from ..ops_compressor import compressor_unserved  # (importing it declares deepinfer::compressor_pool before we register for it)
 from .pdl import pdl_args, wait_previous
 
 # Most elements of one [ROWS, BLOCK_D] tile of a pooling program (HCA: a whole 128-row window
@@ -56,9 +56,6 @@ _TILE = 4096
 _SLICE = 512
 # Fewest channels of a block: 128 bytes of fp32, a whole cache line of each row.
 _MIN_BLOCK_D = 32
-# The norm holds a latent row whole in registers up to this (V4's head_dim is 512, its
-# index_head_dim 128).
-_MAX_DIM = 8192
 
 
 def pool_config(dim: int, ring: int) -> dict[str, int]:
@@ -202,8 +199,8 @@ def compressor_pool_triton(
             f"compressor_pool: ring {tuple(rows_kv.shape)} / {tuple(rows_gate.shape)} and rows of width {width} "
             f"do not fit ratio {ratio}, overlap {overlap}, dim {dim}"
         )
-    if dim > _MAX_DIM:
-        raise ValueError(f"compressor_pool_triton holds a latent of at most {_MAX_DIM} channels, not {dim}")
+    if compressor_unserved(dim):  # the swap declines such calls
+        raise ValueError(f"compressor_pool_triton: {compressor_unserved(dim)}")
     n = length // ratio + 1
     if out is None:
         out = (

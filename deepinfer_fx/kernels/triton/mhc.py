@@ -39,8 +39,9 @@ stored but the collapse, which uses it) and the other coefficients' pointers are
 as written the head was ~5 launches at decode, two of them cuBLAS's dot and reduction without
 PDL.
 
-Splits: ``KSPLIT`` aims at ``_SPLITS`` chunks of the ``N*D`` row, whole multiples of the ``BK``
-tile. A decode token spreads the 1.5 MiB of ``fn`` over that many programs, while a 4096-token
+Splits: ``KSPLIT`` aims at ``_SPLITS`` chunks of the ``N*D`` row, each a power of two of ``BK``
+tiles (more chunks where the row's ``_SPLITS``-th part is none: 80 at hidden 5120, 112 at
+7168). A decode token spreads the 1.5 MiB of ``fn`` over that many programs, while a 4096-token
 prefill writes ~26 MB of partials (64 splits) against the 128 MiB of X it reads. ``BT`` tokens
 share each ``fn`` tile a program loads; padding rows compute zeros, which costs tensor-core
 issue but no memory. The bench ``python -m deepinfer_fx.bench.mhc_kernel --sweep`` times
@@ -61,13 +62,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops_mhc  # noqa: F401  (declares deepinfer::mhc_site and mhc_head before we register for them)
+from ..ops_mhc import streams_unserved  # (importing it declares deepinfer::mhc_site and mhc_head before we register for them)
 from ...graphs.mhc import hc_head, mhc_site
 from .buffers import out_buffer
 from .sinkhorn import sinkhorn_tile
 from .pdl import pdl_args, prefetch_l2, wait_previous
 
-# The unswapped math, for stream counts the kernel does not tile (not a power of two).
+# The unswapped math, for stream counts the kernel does not tile (``streams_unserved``).
 _reference = getattr(mhc_site, "reference", mhc_site)
 _head_reference = getattr(hc_head, "reference", hc_head)
 
@@ -94,7 +95,6 @@ _LOADS_FIRST_TOKENS = 256
 # the unrolled schedule lost (~190 against ~140 us: ``mhc_kernel_dots_sweep_s16.json``, taken
 # while the one-tile dots still chained their parts through one accumulator).
 _UNROLL_TOKENS = 256
-_MAX_N = 16
 _LINE_BYTES = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -260,7 +260,10 @@ def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, i
     ``finish`` launch 2's ``BLOCK_D`` or ``num_warps`` (the bench's sweeps)."""
     o = {"BT": _BT if bf16 else _BT_FP32, "BK": _BK, "SPLITS": _SPLITS, "num_warps": 4, **(dots or {})}
     k = n * d
-    chunk = o["BK"] * triton.cdiv(triton.cdiv(k, o["SPLITS"]), o["BK"])
+    # A chunk is a power of two of BK tiles (UNROLL's one tile is a tl.arange over it), at most
+    # the SPLITS-th part of the row: more splits where that part is no power of two (hidden
+    # 5120 and 7168 x 4 streams: 80 and 112 chunks of 256, the tile P8's 64 chunks have).
+    chunk = o["BK"] * _floor_power_of_2(triton.cdiv(triton.cdiv(k, o["SPLITS"]), o["BK"]))
     ksplit = triton.cdiv(k, chunk)
     block_d = min((finish or {}).get("BLOCK_D", _BLOCK_D), triton.next_power_of_2(d))
     warps = (finish or {}).get("num_warps", _FINISH_WARPS)
@@ -269,6 +272,10 @@ def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, i
                  "SPLIT_BF16": bool(bf16), "DOT_FP32": _INTERPRET, "UNROLL": o.get("UNROLL"), "num_warps": o["num_warps"]},
         "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d, "num_warps": warps},
     }
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def _token_rows(X: torch.Tensor) -> torch.Tensor:
@@ -311,7 +318,7 @@ def mhc_site_triton(
     receives them when given; otherwise they are new contiguous tensors, as the op's fake says.
     ``dots`` and ``finish`` override the launches' tilings (``launch_config``)."""
     *lead, n, d = X.shape
-    if n > _MAX_N or n & (n - 1):  # not tiled here: the reference
+    if streams_unserved(n):  # not tiled here: the reference (the swap declines such calls)
         ref = tuple(r.contiguous() for r in _reference(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in))
         return ref if out is None else tuple(o.copy_(r) for o, r in zip(out, ref))  # type: ignore[return-value]
     m = 2 * n + n * n
@@ -358,7 +365,7 @@ def mhc_head_triton(
     if tuple(fn.shape) != (n, n * d) or tuple(base.shape) != (n,) or scale.numel() != 1:
         raise ValueError(f"mhc_head: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit "
                          f"X {tuple(X.shape)} (need fn {(n, n * d)}, base {(n,)}, scale (1,))")
-    if n > _MAX_N or n & (n - 1):  # not tiled here: the reference
+    if streams_unserved(n):  # not tiled here: the reference (the swap declines such calls)
         ref = _head_reference(X, fn, base, scale, rms_eps, hc_eps).contiguous()
         return ref if out is None else out.copy_(ref)
     x = _token_rows(X)

@@ -51,9 +51,11 @@ _MIN_PROGRAMS = 256
 _SMS = 132
 _SMEM_PER_SM = 228 * 1024
 _SMEM_RESERVED = 1024
-# The pair sort: pairs per loop step, and at most this many programs.
+# The pair sort: pairs per loop step, at most this many programs, and the histogram elements
+# the placing programs sum at a time (32 int32 a thread at 4 warps).
 _SORT_CHUNK = 256
 _SORT_PROGRAMS = 64
+_HIST_TILE = 4096
 
 
 class Tiles(NamedTuple):
@@ -152,8 +154,9 @@ def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple
                                     CHUNK=_SORT_CHUNK, **pdl)
         return pairs, ends
     count_pairs_kernel[(g,)](flat, hist, p, n_experts, span, TOPK=top, SHARED=shared, E_P=e_p, CHUNK=_SORT_CHUNK, **pdl)
+    g_p = max(2, triton.next_power_of_2(g))
     place_pairs_kernel[(g,)](flat, hist, pairs, ends, cursor, p, n_experts, g, span, TOPK=top, SHARED=shared,
-                             E_P=e_p, G_P=max(2, triton.next_power_of_2(g)), CHUNK=_SORT_CHUNK, **pdl)
+                             E_P=e_p, G_P=g_p, G_ROWS=min(g_p, max(1, _HIST_TILE // e_p)), CHUNK=_SORT_CHUNK, **pdl)
     return pairs, ends
 
 

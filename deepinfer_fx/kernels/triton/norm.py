@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops, ops_rope  # noqa: F401  (declare deepinfer::rms_norm{,_rope} before we register for them)
+from .. import ops  # noqa: F401  (declares deepinfer::rms_norm before we register for it)
+from ..ops_rope import NORM_ROPE_MAX_WIDTH, norm_rope_unserved  # (importing it declares deepinfer::rms_norm_rope)
 from ...graphs.norm import rms_norm
 from ...graphs.rope import norm_rope
 from .pdl import pdl_args, wait_previous
@@ -31,7 +32,7 @@ _reference = getattr(rms_norm, "reference", rms_norm)
 _rope_reference = getattr(norm_rope, "reference", norm_rope)
 
 # Widest row kept whole in registers: 16384 fp32 over 16 warps is 32 values per thread.
-_MAX_FUSED = 16384
+_MAX_FUSED = NORM_ROPE_MAX_WIDTH
 # Elements a program aims for when it takes several narrow rows.
 _TILE = 4096
 
@@ -135,7 +136,11 @@ def rms_norm_triton(
                             or not 0 < 2 * half <= d):
         raise ValueError(f"rms_norm_rope: x {tuple(x.shape)} with cos {tuple(cos.shape)}, "
                          f"sin {None if sin is None else tuple(sin.shape)}: the tables need x's leading dims and rd/2 <= d/2")
-    if (weight is not None and tuple(weight.shape) != (d,)) or (half and (d % 2 or d > _MAX_FUSED)):
+    if cos is None:
+        unserved = weight is not None and tuple(weight.shape) != (d,)
+    else:  # the norm_rope_kernel swap declines these calls
+        unserved = bool(norm_rope_unserved(x.shape, None if weight is None else weight.shape, cos.shape, sin.shape))
+    if unserved:
         # A weight that broadcasts some other way, an odd or a very wide rotated row: rare enough
         # for the reference.
         y = _reference(x, weight, eps) if cos is None else _rope_reference(x, weight, eps, cos, sin)

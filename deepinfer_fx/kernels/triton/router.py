@@ -25,14 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops  # noqa: F401  (declares deepinfer::route_topk before we register for it)
+from ..ops import ROUTE_KINDS, route_unserved  # (importing it declares deepinfer::route_topk before we register for it)
 from ...graphs.moe import route_weights
 from .pdl import pdl_args, wait_previous
 
 _reference = getattr(route_weights, "reference", route_weights)
 
-_KINDS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-_MAX_E = 1024  # a token's logits live in one program's registers
+_KINDS = {kind: i for i, kind in enumerate(ROUTE_KINDS)}  # the kernel's KIND: 0 sqrtsoftplus, 1 sigmoid, 2 softmax
 # One token a program: the k rounds are a chain of dependent reductions, and 8 tokens on one
 # warp (the first version) compiled to 2751 PTX instructions with 480 shuffles and took 8.6 us
 # a launch on the H200 at decode (bench/results/router_ab_s9.json); one token compiles to 385
@@ -98,9 +97,9 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, idx_ptr, w_ptr, n_tokens, strid
 def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
                       temp: float, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``route_weights`` in one launch: ids ``[T, k]`` int64 and weights ``[T, k]`` fp32. Shapes
-    it does not tile (more than ``_MAX_E`` experts, an unknown kind) go to the reference."""
+    it does not tile (``ops.route_unserved``: too many experts, an unknown kind) go to the reference."""
     t, n_exp = logits.shape
-    if n_exp > _MAX_E or kind not in _KINDS or (ids is None and (bias is None or k > n_exp)):
+    if route_unserved(n_exp, k, kind, ids is not None, bias is not None):
         idx, w = _reference(logits, bias, ids, k, kind, temp, norm, scale)
         return (idx if ids is None else idx.clone()), w
     idx = torch.empty((t, k), dtype=torch.int64, device=logits.device)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import ops  # noqa: F401  (declares deepinfer::mhc_sinkhorn before we register for it)
+from ..ops_mhc import streams_unserved
 from ...graphs.mhc import sinkhorn
 from .pdl import pdl_args, wait_previous
 
@@ -30,7 +31,6 @@ _reference = getattr(sinkhorn, "reference", sinkhorn)
 # Matrix elements a program aims for (128 tokens at n = 4), and a thread's share of them.
 _TILE = 2048
 _PER_THREAD = 16
-_MAX_N = 16
 
 
 @triton.jit
@@ -80,10 +80,10 @@ def mhc_sinkhorn_triton(
     """logits ``[..., n, n]`` -> fp32 doubly-stochastic ``comb`` (see ``graphs/mhc.py::sinkhorn``).
 
     ``out`` (contiguous fp32 of the logits' shape) receives the result when given. An ``n``
-    that is not a power of two up to 16 goes to the reference.
+    the kernel does not tile (``ops_mhc.streams_unserved``) goes to the reference.
     """
     n = logits.shape[-1]
-    if logits.dim() < 2 or logits.shape[-2] != n or n > _MAX_N or n & (n - 1):
+    if logits.dim() < 2 or logits.shape[-2] != n or streams_unserved(n):
         y = _reference(logits, eps, iters)
         return y if out is None else out.copy_(y)
     if out is None:

@@ -1,0 +1,58 @@
+"""The bench models (``bench/configs.py``): P8 as before, the V4.1-Flash-width model the issue
+describes, the V4-Pro-width one, each fitting one H200 in bf16; cuts by layers; the benches'
+``--config`` flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer_fx.bench import p8_vs_hf
+from deepinfer_fx.bench.configs import BENCH_CONFIGS, bench_config
+from deepinfer_fx.bench.p8 import p8_config
+from deepinfer_fx.config import ConfigError
+from deepinfer_fx.engine.memory_plan import memory_plan
+
+
+def test_p8_is_the_table_entry() -> None:
+    assert bench_config("p8") == p8_config() and not bench_config("p8").fake_quant
+
+
+def test_v41_widths_and_roles() -> None:
+    c = bench_config("v41")
+    assert c.is_v41 and c.num_hidden_layers == 10 and c.hidden_size == 5120
+    assert (c.num_attention_heads, c.head_dim, c.q_lora_rank) == (64, 512, 1280)
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (32, 128, 512)
+    assert (c.candidate_topk_blocks, c.candidate_block_size, c.candidate_source_layer_id) == (2048, 8, 5)
+    assert c.kv_source_layer_ids == (2, 5) and c.engram_layer_ids == (1, 6)
+    assert [c.layer_role(i) for i in range(10)] == ["swa", "swa", "full", "reuse", "reuse", "full", "reuse", "reindex", "reuse", "reindex"]
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.dspark_stages) == (64, 6, 3)
+    # small tables: each fits the device as compiled steps hold them (fp32, at most 2 GiB)
+    assert all(rows * c.engram_head_dim * 4 <= 2 << 30 for rows in c.engram_num_embeddings)
+
+
+def test_pro_widths() -> None:
+    c = bench_config("pro")
+    assert (c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.o_groups, c.moe_intermediate_size) == (7168, 128, 1536, 16, 3072)
+    assert c.hca_ratios == {128} and c.compress_ratios[:2] == (128, 128) and c.index_topk == 1024
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_CONFIGS))
+def test_each_fits_one_h200_in_bf16(name: str) -> None:
+    plan = memory_plan(bench_config(name), max_model_len=32768, max_num_seqs=64)
+    assert plan.fits, plan.format()
+
+
+def test_cuts() -> None:
+    assert bench_config("p8", 4).compress_ratios == (0, 0, 4, 128)
+    with pytest.raises(ConfigError, match="dspark_target_layer_ids"):  # the DSpark head reads layers 7-9
+        bench_config("v41", 4)
+    with pytest.raises(ValueError, match="cannot cut it to 9"):
+        bench_config("p8", 9)
+    with pytest.raises(ValueError, match="unknown bench config 'v5'"):
+        bench_config("v5")
+
+
+def test_p8_vs_hf_needs_random_weights_for_v41(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        p8_vs_hf.main(["--config", "v41"])
+    assert "no HF peer" in capsys.readouterr().err

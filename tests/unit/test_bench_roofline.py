@@ -1,0 +1,70 @@
+"""The roofline (``bench/roofline.py``) of a tiny V4.1 config against a count by hand from the
+spec's shapes: every weight a decode step reads, the window and top-k entries of every
+compressed layer, index keys only where a layer scores them (all of its source's, or the
+candidate blocks' after the candidate source), and the Engram rows each token gathers."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import tiny_v4, tiny_v41
+
+from deepinfer_fx.bench import roofline
+from deepinfer_fx.config import config_from_dict
+
+
+def _dense_by_hand(t: dict) -> tuple[int, int, int]:
+    """(dense weight elements read, one routed expert's elements, head elements) of tiny_v41's
+    shapes: embedding rows and Engram tables are gathered, not read whole."""
+    d, q, h, hd, n = t["hidden_size"], t["q_lora_rank"], t["num_attention_heads"], t["head_dim"], t["hc_mult"]
+    g, r, hi, di, i, e = t["o_groups"], t["o_lora_rank"], t["index_n_heads"], t["index_head_dim"], t["moe_intermediate_size"], t["n_routed_experts"]
+    every = (2 * d  # attn_norm, ffn_norm
+             + 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)  # two mHC sites: fn, base, scale
+             + q * d + q + h * hd * q + hd * d + hd + g * r * (h * hd // g) + d * g * r + h  # wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sink
+             + e * d + 2 * e  # gate, its bias and the image-span bias
+             + 3 * i * d)  # the shared expert
+    source = hd * d + hd + di * hd + di  # a KV source's compressor wkv and norm, the index keys' wk and k_norm
+    gated = hd * d  # ... and its wgate where it pools (ratio > 1)
+    index = hi * di * q + hi * d  # an index source's wq_b and weights_proj
+    cols = (t["engram_max_ngram_size"] - 1) * t["engram_n_heads"] * t["engram_head_dim"]
+    engram = (n + 1) * d * cols + 2 * n * d  # wkv, q_weight, k_weight
+    ratios = t["compress_ratios"]
+    dense = (t["num_hidden_layers"] * every + len(t["kv_source_layer_ids"]) * source
+             + sum(gated for s in t["kv_source_layer_ids"] if ratios[s] > 1)
+             + len(t["index_source_layer_ids"]) * index + len(t["engram_layer_ids"]) * engram + d)  # + the final norm
+    return dense, 3 * i * d, t["vocab_size"] * d
+
+
+def test_tiny_v41_decode_and_prefill_bytes_by_hand() -> None:
+    t = tiny_v41()
+    c = config_from_dict(t)
+    dense, expert, head = _dense_by_hand(t)
+    batch, context = 3, 40
+    e, k = t["n_routed_experts"], t["num_experts_per_tok"]
+    active = e * (1 - (1 - k / e) ** batch)
+    # tiny_v41's layers: 0, 1 window only (8); 2, 3 ratio 2 (source 2); 4..7 ratio 1 (source 4,
+    # the candidate source); index sources 2 (its 20 keys), 4 (all 40) and 6 (after the
+    # candidate source: 2 blocks of 4 candidates); every compressed layer attends its top-5
+    window, top = t["sliding_window"], t["index_topk"]
+    entries = 2 * window + 2 * (window + min(top, context // 2)) + 4 * (window + min(top, context))
+    keys = context // 2 + context + t["candidate_topk_blocks"] * t["candidate_block_size"]
+    assert (entries, keys) == (94, 68)
+    cache = batch * (entries * t["head_dim"] + keys * t["index_head_dim"]) * 2
+    rows = len(t["engram_layer_ids"]) * (t["engram_max_ngram_size"] - 1) * t["engram_n_heads"]  # a token's Engram rows
+    engram = batch * rows * t["engram_head_dim"] * 2
+    weights = (dense + t["num_hidden_layers"] * active * expert + head) * 2
+    got = roofline.decode(c, batch, context)
+    assert got.bytes == pytest.approx(weights + cache + engram, rel=1e-12)
+    assert got.bound == "memory"
+
+    tokens = 24  # prefill: every weight once, each token's Engram rows
+    want = (dense + t["num_hidden_layers"] * e * expert + head) * 2 + tokens * rows * t["engram_head_dim"] * 2
+    assert roofline.prefill(c, tokens).bytes == pytest.approx(want, rel=1e-12)
+
+
+def test_v4_counts_every_compressed_key_of_a_csa_layer() -> None:
+    """V4 keeps its rule, by hand for tiny_v4 at 64 tokens (window 8, top-3): layer 0 window only
+    (8 entries), CSA layers 1 and 3 score all 16 of their keys and attend 8 + 3, the HCA layer 2
+    attends 8 + 64 / 8; no Engram."""
+    c = config_from_dict(tiny_v4())
+    assert roofline._attention(c, 64) == (8 + 2 * (8 + 3) + (8 + 8), 2 * 16)
+    assert roofline._engram_rows(c) == 0

@@ -1,0 +1,111 @@
+"""The memory plan (``engine/memory_plan.py``, ``generate --plan``): a tiny config counted by hand,
+the released configs against the spec's byte budgets and hand counts of their state, and the
+CLI on a directory that holds nothing but a config.json."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from released import released_config, released_path
+
+from deepinfer_fx import generate
+from deepinfer_fx.config import config_from_dict
+from deepinfer_fx.engine.memory_plan import GiB, memory_plan
+from deepinfer_fx.sharding.mesh import MeshSpec
+
+# generate's demo model: 4 layers (ratios 0, 4, 128, 4) + one MTP-1 layer, hidden 128, head_dim
+# 128, index_head_dim 64, 8 routed experts of intermediate 64, MXFP4 experts, fp8 blocks of 32.
+TINY = generate.DEMO_CONFIG
+
+
+def _category(plan, name: str) -> int:
+    return next(c.bytes for c in plan.device if c.name == name)
+
+
+def test_tiny_config_by_hand() -> None:
+    c = config_from_dict(TINY)
+    plan = memory_plan(c, max_model_len=4096, max_num_seqs=4)
+    expert = 3 * 64 * 128  # w1, w3 [64, 128] and w2 [128, 64]
+    assert _category(plan, "routed experts") == 4 * 8 * expert * 2  # 4 layers x 8 experts, bf16 (MXFP4 dequantised)
+    routed_released = next(c.note for c in plan.device if c.name == "routed experts")
+    numel = 4 * 8 * expert
+    assert f"{(numel // 2 + numel // 32) / GiB:.2f} GiB as released (MXFP4)" in routed_released  # half a byte + a scale a 32
+    # the MTP layer's experts are the draft model's, beside its dense weights
+    assert _category(plan, "draft model (mtp.*)") > 8 * expert * 2
+    # per cached token: CSA layers 1 and 3 keep (128 + 64) / 4 entry channels, HCA layer 2 128 / 128; bf16
+    assert plan.state_per_token == 2 * (128 + 64) / 4 * 2 + 128 / 128 * 2
+    assert plan.sequence_bytes == plan.state_per_sequence + math.ceil(plan.state_per_token * 4096)
+    assert plan.fits and plan.sequences == 4
+
+    # ep2 without redundant experts: 4 experts a GPU; with 2 extra: (8 + 2) / 2 = 5
+    for extra, slots in ((0, 4), (2, 5)):
+        ep2 = memory_plan(c, MeshSpec(ep=2), extra_experts=extra)
+        assert _category(ep2, "routed experts") == 4 * slots * expert * 2
+        assert _category(ep2, "dense weights") == _category(plan, "dense weights")  # replicated
+
+    # block-FP8 experts held as stored on CUDA (expert_format fp8): a byte a value + fp32 scales of 32 x 32 blocks
+    fp8 = memory_plan(c.replace(expert_dtype="fp8"), expert_format="fp8")
+    blocks = 2 * (64 // 32) * (128 // 32) + (128 // 32) * (64 // 32)
+    assert _category(fp8, "routed experts") == 4 * 8 * (expert + blocks * 4)
+    assert _category(memory_plan(c.replace(expert_dtype="fp8"), expert_format="dequant"), "routed experts") == 4 * 8 * expert * 2
+
+    # a GPU too small for the weights: the plan says so, and how many sequences the pool would hold (none)
+    small = memory_plan(c, gpu_memory_gib=_category(plan, "dense weights") / GiB)
+    assert not small.fits and small.sequences == 0 and "does NOT fit" in small.format()
+
+
+def test_released_v41_flash() -> None:
+    """Routed experts as released (MXFP4) against the spec's 288.8 GB and held as bf16 (3.76x);
+    Engram as stored against the spec's 203.1 GB, and refused by compiled steps; state per token
+    by hand: three ratio-2 KV sources and one ratio-1 source, 512 + 128 channels each, bf16."""
+    c = released_config("v41-flash")
+    plan = memory_plan(c)
+    note = next(x.note for x in plan.device if x.name == "routed experts")
+    released = float(note.split("; ")[1].split(" GiB")[0]) * GiB
+    assert abs(released / 288.8e9 - 1) < 0.005, note
+    assert abs(_category(plan, "routed experts") / released - 2 / (0.5 + 1 / 32)) < 0.01
+    assert abs(_category(plan, "Engram tables") / (4 * 196.9e9) - 1) < 0.01  # fp32 on the device
+    assert not plan.fits and len(plan.problems) == 2 and all("refuse tables above 2 GiB" in p for p in plan.problems)
+    eager = memory_plan(c, MeshSpec(ep=16), compiled=False)
+    assert abs(eager.host[0].bytes / 203.1e9 - 1) < 0.01 and "Engram" not in [x.name for x in eager.device]
+    assert eager.fits and not memory_plan(c, MeshSpec(ep=8), compiled=False).fits
+    assert plan.state_per_token == 3 * (512 + 128) / 2 * 2 + (512 + 128) * 2
+
+
+def test_released_v4_flash_and_pro() -> None:
+    """V4-Flash: state per token by hand (21 CSA layers keep (512 + 128) / 4 channels, 20 HCA
+    layers 512 / 128, bf16); it does not fit one H200 and fits each GPU of ep8. V4-Pro needs ep64."""
+    flash = released_config("v4-flash")
+    assert memory_plan(flash).state_per_token == 21 * (512 + 128) / 4 * 2 + 20 * 512 / 128 * 2
+    assert not memory_plan(flash).fits and memory_plan(flash, MeshSpec(ep=8)).fits
+    pro = released_config("v4-pro")
+    assert not memory_plan(pro, MeshSpec(ep=32)).fits and memory_plan(pro, MeshSpec(ep=64)).fits
+    # 256 + 32 redundant experts over ep8: 36 slots a GPU
+    assert "36 of 256 experts a layer" in next(x.note for x in memory_plan(flash, MeshSpec(ep=8)).device if x.name == "routed experts")
+
+
+def test_cli_reads_only_the_config(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text(released_path("v4-flash").read_text())
+    assert generate.main(["--plan", "--model", str(tmp_path), "--mesh", "ep8"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan per GPU: mesh ep8 (8 GPUs)" in out and "routed experts" in out and out.rstrip().splitlines()[-1].startswith("fits")
+    assert generate.main(["--plan", "--model", str(released_path("v4-flash"))]) == 1  # the released file itself, one GPU
+    assert "does NOT fit" in capsys.readouterr().out
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "config.json").write_text(json.dumps(TINY))
+    assert generate.main(["--plan", "--model", str(tiny), "--gpu-memory-gb", "0.001"]) == 1
+    capsys.readouterr()
+    assert generate.main(["--plan", "--model", str(tmp_path / "missing")]) == 2  # the CLI's one-line error
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "config.json" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):  # an option --plan does not read
+        generate.main(["--plan", "--model", str(tiny), "--temperature", "0.5"])
+
+
+def test_gpu_memory_without_plan_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        generate.main(["--gpu-memory-gb", "80"])
+    assert "only --plan reads it" in capsys.readouterr().err
