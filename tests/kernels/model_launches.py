@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sm90_ptxas import Launch, recorded_launches
 
 from deepinfer_fx.config import ModelConfig
-from deepinfer_fx.engine.steps import decode_step, prefill_step
+from deepinfer_fx.engine.steps import decode_logits, prefill_logits
 from deepinfer_fx.graphs import moe as graphs_moe
 from deepinfer_fx.graphs import norm as graphs_norm
 from deepinfer_fx.graphs.engram import EngramTable
@@ -192,11 +192,11 @@ def _step(c: ModelConfig, params: dict, kind: str, tokens: int) -> Callable[[], 
     if kind == "decode":
         state = init_state(c, CONTEXT, torch.bfloat16, "meta", mtp=False, slots=tokens)
         slots = torch.zeros(tokens, **meta)
-        return lambda: decode_step(params, state, c, torch.zeros(tokens + 1, **meta), slots, torch.zeros(tokens, **meta),
+        return lambda: decode_logits(params, state, c, torch.zeros(tokens + 1, **meta), slots, torch.zeros(tokens, **meta),
                                    torch.zeros(tokens, **meta))
     state = init_state(c, CONTEXT, torch.bfloat16, "meta", mtp=False, slots=1)
     one = torch.zeros(1, **meta)
-    return lambda: prefill_step(params, state, c, torch.zeros(tokens, **meta), one, one, one, one)
+    return lambda: prefill_logits(params, state, c, torch.zeros(tokens, **meta), one, one, one, one)
 
 
 def trunk(c: ModelConfig) -> ModelConfig:
