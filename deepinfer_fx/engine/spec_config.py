@@ -2,7 +2,7 @@
 
 vLLM's shape: ``{"method": "ngram" | "mtp" | "dspark", "num_speculative_tokens": k, ...}``;
 ``ngram`` also takes ``prompt_lookup_min`` / ``prompt_lookup_max``. DeepInfer's variables join
-it: ``DEEPINFER_USE_NEXTN_DECODE`` caps k (default 5; 0 turns speculation off) and
+it: ``DEEPINFER_USE_NEXTN_DECODE`` caps k (default 5; 0 is off, and refuses a config) and
 ``DEEPINFER_ENABLE_MTP_VARLEN`` asks for confidence-scheduled variable-length verification.
 What is not built refuses here, with the reason, so that nothing silently runs plain decoding.
 """
@@ -72,7 +72,8 @@ def parse_speculative_config(
     k = _int(cfg, "num_speculative_tokens", 0, 1)
     if nextn_set:
         if settings.nextn_decode == 0:
-            return None  # DeepInfer's off value
+            raise ValueError(f"{NEXTN}=0 turns speculative decoding off, and speculative_config asks for it: unset {NEXTN} "
+                             "or drop speculative_config")
         k = min(k, settings.nextn_decode)
     if method in ("mtp", "dspark"):
         _check_draft_weights(method, c, params)

@@ -125,8 +125,10 @@ def test_deepinfer_variables(v4, monkeypatch) -> None:
     assert LLM(v4, device="cpu", eager=True, max_model_len=32, speculative_config=ngram).speculative.num_speculative_tokens == 2
     with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE.*speculative decoding, which is off"):
         LLM(v4, device="cpu", eager=True, max_model_len=32)
-    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")  # DeepInfer's off value
-    assert LLM(v4, device="cpu", eager=True, max_model_len=32, speculative_config=ngram).speculative is None
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")  # DeepInfer's off value: plain decoding, and no config
+    assert LLM(v4, device="cpu", eager=True, max_model_len=32).speculative is None
+    with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE=0 turns speculative decoding off"):
+        LLM(v4, device="cpu", eager=True, max_model_len=32, speculative_config=ngram)
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     with pytest.raises(ValueError, match="DEEPINFER_ENABLE_MTP_VARLEN.*not built yet"):
         LLM(v4, device="cpu", eager=True, max_model_len=32, speculative_config=ngram)
