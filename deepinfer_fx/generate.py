@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-fake-quant", action="store_true", help="skip the official fake-quant points")
     e.add_argument("--expert-format", choices=["auto", "fp8", "dequant"], default=None,
                    help="block-FP8 routed experts: keep fp8 or dequantise on load (default: DEEPINFER_EXPERT_FORMAT, auto = fp8 on CUDA)")
+    sp = ap.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative-method", choices=["ngram", "mtp", "dspark"], default=None,
+                    help="draft tokens and verify them in one target forward (ngram: prompt lookup, no weights; "
+                         "default: off)")
+    sp.add_argument("--num-speculative-tokens", type=_int_from(1), default=None,
+                    help="drafts per verify step (default: 3; DEEPINFER_USE_NEXTN_DECODE caps it)")
     return ap
 
 
@@ -181,6 +187,8 @@ def _check_combinations(ap: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.rank is not None:
         ap.error("argument --rank: only a --dry-run traces one chosen rank; under torchrun each process's rank comes "
                  "from torchrun; drop --rank or add --dry-run")
+    if args.num_speculative_tokens is not None and args.speculative_method is None:
+        ap.error("argument --num-speculative-tokens: needs --speculative-method")
     if args.stream and args.prompts_file is not None or args.stream and len(args.prompt or []) > 1:
         ap.error("argument --stream: streams one request; give a single --prompt")
     if args.eager:
@@ -248,6 +256,8 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, seed=args.seed, mesh=args.mesh, num_threads=args.threads,
         fake_quant=False if args.no_fake_quant else None, expert_format=args.expert_format,
         warmup=False if args.no_warmup else None,
+        speculative_config=None if args.speculative_method is None else {
+            "method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens or 3},
     )
     if args.stream:
         print(prompts[0], end="", flush=True)
@@ -265,6 +275,8 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print((o.prompt or "") + o.outputs[0].text)
         st = llm.last_stats
     plan = llm.plan
+    if llm.speculator is not None:
+        print(llm.speculator.stats.summary())
     print(
         f"prefill: {st.prefill_tokens} tokens, {st.prefill_tokens / max(st.prefill_time, 1e-9):.1f} tok/s; "
         f"decode: {st.decode_tokens} tokens, {st.decode_tokens / max(st.decode_time, 1e-9):.1f} tok/s; "

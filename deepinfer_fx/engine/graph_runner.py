@@ -37,7 +37,8 @@ from ..kernels.triton import register_nvidia_kernels
 from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
 from .step_inputs import Layout, SampledRow, fill, float_bits
-from .steps import StepOut, decode_logits, decode_step, prefill_logits, prefill_step, sample_rows
+from .spec_accept import accept_rows
+from .steps import StepOut, VerifyOut, decode_logits, decode_step, prefill_logits, prefill_step, sample_rows, verify_step
 
 # Engram tables are memory-mapped on the host in eager runs; a compiled step needs them resident.
 MAX_RESIDENT_ENGRAM_BYTES = 2 << 30
@@ -60,7 +61,7 @@ def bucket_for(n: int, choices: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class GraphKey:
-    kind: str  # "decode" or "prefill"
+    kind: str  # "decode", "prefill" or "verify"
     tokens: int  # packed tokens of the step
     requests: int  # chunks (requests) of the step
     all_rows: bool = False  # prefill: logits for every row (prompt logprobs), not just the last
@@ -133,6 +134,16 @@ class PrefillChunk:
     controls: tuple[int, int, int, int, int] | None = None
 
 
+@dataclass(frozen=True)
+class VerifyChunk:
+    """One speculating request: its last token then its drafts, from position ``start``."""
+
+    slot: int
+    start: int
+    ids: Sequence[int]
+    controls: tuple[int, int, int, int, int]
+
+
 GREEDY = (0, 0, float_bits(1.0), 0, 0)  # controls of a greedy row: temperature 0
 
 
@@ -157,8 +168,9 @@ class StepGraphs:
     def __init__(
         self, model: Model, state: dict, next_token: torch.Tensor, *, max_requests: int, max_tokens: int,
         accelerator: str | None = None, graphs: bool | None = None, inductor: bool = False,
-        dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True,
+        dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True, max_drafts: int = 0,
     ) -> None:
+        """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps)."""
         self.config, self.params = model
         self.state = state
         self.next_token = next_token
@@ -173,15 +185,21 @@ class StepGraphs:
         self.decode_buckets = buckets(max_requests)
         self.request_buckets = buckets(max_requests)
         self.length_buckets = buckets(max_tokens, smallest=min(16, max_tokens))
+        # a verify chunk is a token and 1..max_drafts drafts: exact lengths, since padding a
+        # chunk of 5 rows to 8 would cost most of what the drafts save
+        self.verify_buckets = tuple(range(2, max_drafts + 2))
         self.scratch = state["slots"]
         self._entries: dict[GraphKey, _Entry] = {}
         self._forwards: dict[tuple, Callable] = {}  # one compiled model part per bucket, shared by its modes
         self._samplers: dict[tuple, Callable] = {}  # one compiled sampler per (mode, k), every bucket
         # Every step's inputs live in one device arena: decode at offset 0, prefill after the
-        # largest decode region, so a mixed step's inputs reach the device in one copy.
+        # largest decode region, so a mixed step's inputs reach the device in one copy; verify
+        # chunks (speculative decoding) after the largest prefill region.
         self._decode_span = Layout("decode", self.decode_buckets[-1]).size
         biggest = Layout("prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True).size
-        self.arena = torch.zeros(self._decode_span + biggest, dtype=torch.long, device=self.device)
+        self._verify_at = self._decode_span + biggest
+        verify = Layout("verify", self.request_buckets[-1], self.verify_buckets[-1]).size if max_drafts else 0
+        self.arena = torch.zeros(self._verify_at + verify, dtype=torch.long, device=self.device)
         self.vocab_ids = torch.arange(self.config.vocab_size, device=self.device)  # the sampler's race keys (sampler.sample_mode)
         # The graphs of one kind share a memory pool, owned here: decode graphs one, prefill
         # graphs another. A graph captured later may place its output in memory an earlier one
@@ -211,6 +229,11 @@ class StepGraphs:
     def prefill_layout(self, n_chunks: int, length: int, all_rows: bool = False) -> Layout:
         return Layout("prefill", self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.length_buckets), all_rows)
 
+    def verify_layout(self, n_chunks: int, length: int) -> Layout:
+        if not self.verify_buckets:
+            raise ValueError("these step graphs were built without verify steps (max_drafts=0)")
+        return Layout("verify", self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.verify_buckets))
+
     # -- steps ------------------------------------------------------------------------------
     def step(
         self, decode: Sequence[DecodeRow], prefill: Sequence[PrefillChunk], mode: str, k: int | None = None,
@@ -236,6 +259,15 @@ class StepGraphs:
         dec = outs.pop(0) if decode or min_requests else None
         return dec, (outs[0] if outs else None)
 
+    def verify(self, chunks: Sequence[VerifyChunk], mode: str) -> VerifyOut:
+        """Launch one verify step (after ``step``'s parts, in its own copy): every chunk's rows
+        scored in one target forward, drafts accepted on the device (``spec_accept``), each
+        bonus token written to ``next_token[slot]``. Sampling ``mode`` must serve every chunk."""
+        layout = self.verify_layout(len(chunks), max(len(ch.ids) for ch in chunks))
+        e = self._entry(layout, mode, None)
+        self._copy_inputs([(e, self._fill_verify(layout, chunks))])
+        return self._run(e)
+
     def decode(self, slots: Sequence[int], starts: Sequence[int], min_requests: int = 0, mode: str = "greedy") -> StepOut:
         """Greedy decode of one token per request, read from ``next_token[slot]`` (benches, tests)."""
         rows = [DecodeRow(s, p, GREEDY) for s, p in zip(slots, starts)]
@@ -259,7 +291,7 @@ class StepGraphs:
         for layout, mode in keys:
             e = self._entry(layout, mode, None)
             if e.graph is None or not self.graphs:
-                fill = self._fill_decode(layout, ()) if layout.kind == "decode" else self._fill_prefill(layout, ())
+                fill = {"decode": self._fill_decode, "prefill": self._fill_prefill, "verify": self._fill_verify}[layout.kind](layout, ())
                 self._copy_inputs([(e, fill)])
                 self._run(e)
             if progress is not None:
@@ -306,17 +338,32 @@ class StepGraphs:
         ]
         return fill(layout, model, sampled, self.scratch)
 
+    def _fill_verify(self, layout: Layout, chunks: Sequence[VerifyChunk]) -> list[int]:
+        C, L, pad = layout.requests, layout.length, layout.requests - len(chunks)
+        tokens: list[int] = []
+        for ch in chunks:
+            tokens += list(ch.ids) + [0] * (L - len(ch.ids))
+        tokens += [0] * (L * pad)
+        lens = [len(ch.ids) for ch in chunks] + [0] * pad
+        model = tokens + [ch.slot for ch in chunks] + [self.scratch] * pad + [ch.start for ch in chunks] + [0] * pad + lens
+        model += list(range(C * L))
+        sampled = [SampledRow(0, ch.slot, ch.controls, ch.start) for ch in chunks]
+        return fill(layout, model, sampled, self.scratch)
+
+    def _offset(self, kind: str) -> int:
+        return {"decode": 0, "prefill": self._decode_span, "verify": self._verify_at}[kind]
+
     def _copy_inputs(self, parts: Sequence[tuple[_Entry, list[int]]]) -> None:
-        """Every part's inputs in one copy: decode at the arena's start, prefill after the decode span."""
+        """Every part's inputs in one copy: decode at the arena's start, prefill after the decode
+        span, verify after the prefill span."""
         if not parts:
             return
+        start = self._offset(parts[0][0].layout.kind)
         host: list[int] = []
         for e, values in parts:
-            if e.layout.kind == "prefill":
-                host += [0] * (self._decode_span - len(host))
+            host += [0] * (self._offset(e.layout.kind) - start - len(host))
             host += values
-        start = 0 if parts[0][0].layout.kind == "decode" else self._decode_span
-        t = torch.tensor(host[start:] if start else host, dtype=torch.long)
+        t = torch.tensor(host, dtype=torch.long)
         if self.device.type != "cpu":
             # a fresh pinned buffer per step: the caching host allocator keeps it alive until the
             # asynchronous copy has run, so the host can fill the next step while this one waits
@@ -348,11 +395,11 @@ class StepGraphs:
         if key in self._entries:
             return self._entries[key]
         c, params, state, next_token = self.config, self.params, self.state, self.next_token
-        base = 0 if layout.kind == "decode" else self._decode_span
+        base = self._offset(layout.kind)
         dev = self.arena[base : base + layout.size]
         model_in, sampling_in = layout.model_part(dev), layout.sampling_part(dev)
         if not self.compile:
-            step = decode_step if layout.kind == "decode" else prefill_step
+            step = {"decode": decode_step, "prefill": prefill_step, "verify": verify_step}[layout.kind]
 
             def run_eager() -> StepOut:
                 return step(params, state, c, next_token, layout, dev, mode, k, self.vocab_ids)
@@ -365,12 +412,21 @@ class StepGraphs:
         # first call, and Dynamo's guards see the same replacements on every later call
         swaps = backend.pipeline.swaps()
         forward = self._forward(layout, backend)
-        sampler = self._sampler(mode, k)
+        if layout.kind == "verify":
+            acceptor = self._sampler(mode, None, verify=True)
+            token_ids, lens = model_in[: layout.tokens], layout.split_model(model_in)[3]
 
-        def fn() -> StepOut:
-            with swapped(swaps):
-                logits = forward(params, state, next_token, model_in)
-            return StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids), logits)
+            def fn() -> VerifyOut:
+                with swapped(swaps):
+                    logits = forward(params, state, next_token, model_in)
+                return VerifyOut(*acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids), logits)
+        else:
+            sampler = self._sampler(mode, k)
+
+            def fn() -> StepOut:
+                with swapped(swaps):
+                    logits = forward(params, state, next_token, model_in)
+                return StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids), logits)
 
         e = _Entry(key, layout, dev, fn, backend)
         self._entries[key] = e
@@ -389,18 +445,23 @@ class StepGraphs:
             self._forwards[fkey] = compile_graph(forward, backend)
         return self._forwards[fkey]
 
-    def _sampler(self, mode: str, k: int | None) -> Callable:
-        """The sampler of ``mode``: its own small graph, compiled once for every bucket (the row
-        count is dynamic), so a new mode costs seconds, not a model compile."""
-        if (mode, k) not in self._samplers:
-            backend = make_backend(self.accelerator, self.disabled, self.dump_dir, f"sample-{mode}" + (f"-k{k}" if k else ""),
-                                   inductor=self.inductor)
+    def _sampler(self, mode: str, k: int | None, verify: bool = False) -> Callable:
+        """The sampler of ``mode`` (``verify``: the draft acceptor, ``spec_accept.accept_rows``):
+        its own small graph, compiled once for every bucket (the row count is dynamic), so a new
+        mode costs seconds, not a model compile."""
+        skey = (mode, k, verify)
+        if skey not in self._samplers:
+            name = ("accept-" if verify else "sample-") + mode + (f"-k{k}" if k else "")
+            backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
+            if verify:
+                def sampler(logits, next_token, token_ids, lens, part, vocab_ids):
+                    return accept_rows(logits, next_token, token_ids, lens, part, mode, vocab_ids)
+            else:
+                def sampler(logits, next_token, part, vocab_ids):
+                    return sample_rows(logits, next_token, part, mode, k, vocab_ids)
 
-            def sampler(logits, next_token, part, vocab_ids):
-                return sample_rows(logits, next_token, part, mode, k, vocab_ids)
-
-            self._samplers[(mode, k)] = compile_graph(sampler, backend, dynamic=None)
-        return self._samplers[(mode, k)]
+            self._samplers[skey] = compile_graph(sampler, backend, dynamic=None)
+        return self._samplers[skey]
 
     def backend(self, name: str) -> DeepinferBackend:
         """The compile backend of graph ``name`` (a ``GraphKey.name``): its ATen graphs and what

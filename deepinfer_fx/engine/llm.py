@@ -28,6 +28,8 @@ from .runner import ModelRunner, eager_kernel_swaps
 from .sampler import derive_seed
 from .sampling import SamplingParams
 from .scheduler import EngineType, Scheduler
+from .spec_config import parse_speculative_config
+from .spec_decode import Speculator
 from .state_io import StateTransfer, read_meta
 
 DEFAULT_CPU_BUDGET = 2 << 30
@@ -58,6 +60,7 @@ class LLM:
         expert_format: str | None = None,
         num_threads: int | None = None,
         warmup: bool | None = None,
+        speculative_config: dict | None = None,
     ) -> None:
         """``eager``: None compiles the steps on GPUs and runs them eagerly on the CPU (there the
         compile time outweighs the gain); True never compiles; False always does. Compiled runs
@@ -72,7 +75,10 @@ class LLM:
         may use). ``warmup`` (default: on wherever steps are compiled): compile and capture every
         decode bucket and the prefill buckets up to ``max_num_batched_tokens`` now, with a
         progress bar, so that ``generate`` never stalls on a compile; the compile caches live in
-        ``DEEPINFER_CACHE_DIR``."""
+        ``DEEPINFER_CACHE_DIR``. ``speculative_config``: speculative decoding, vLLM's shape
+        (``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 4}``; ``DEEPINFER_USE_NEXTN_DECODE`` caps k); greedy and sampled
+        requests get the tokens they get without it (``engine/spec_accept.py``)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             inputs.count(name, value)
         inputs.count("max_model_len", max_model_len, optional=True)
@@ -124,6 +130,10 @@ class LLM:
         self.max_model_len = min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
         if max_model_len is not None and max_model_len > c.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit ({c.max_position_embeddings})")
+        self.speculative = parse_speculative_config(speculative_config, self.settings, c, self.model.params)
+        if self.speculative is not None and self.ranks.multi:
+            raise ValueError("speculative decoding on a mesh is not built yet (its verify and rollback steps would need the "
+                             "ranks' lock step); drop speculative_config or the mesh")
         budget = memory_budget if memory_budget is not None else self._default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
@@ -142,11 +152,14 @@ class LLM:
             # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
             # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU)
             swaps = {**eager_kernel_swaps(self.settings.accelerator, self.model.device, opts.steps.disabled_passes), **swaps}
-        self.runner = ModelRunner(self.model, self.pool, opts.steps, {**swaps, **cp_swap}, split, lockstep=self.ranks.lockstep)
+        max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
+        self.runner = ModelRunner(self.model, self.pool, opts.steps, {**swaps, **cp_swap}, split, lockstep=self.ranks.lockstep,
+                                  max_drafts=max_drafts)
         self.transfer = None
         if self.engine_type is not EngineType.NORMAL:
             self.transfer = StateTransfer(self.pool, c, self.state_dir, self.runner.next_token)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.engine_type)
+        self.speculator = None if self.speculative is None else Speculator(self.speculative)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.engine_type, self.speculator)
         self.seed = seed
         self._next_id = 0
         self._engine_loop: EngineLoop | None = None

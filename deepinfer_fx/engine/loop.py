@@ -1,7 +1,9 @@
 """The host loop. With overlap on, the host schedules and launches step N+1 before it reads
 step N's results, so the device never waits for the host between steps; results (tokens,
 logprobs) are processed one step late: stop strings, EOS, max_tokens, exports. With overlap off
-the same steps run one at a time. ``LoopStats`` splits the host's time into launching,
+the same steps run one at a time. A speculating request's next step needs its previous step's
+tokens (the drafter reads them), so while one waits the loop reads the step in flight before
+scheduling the next. ``LoopStats`` splits the host's time into launching,
 waiting and reading, so that the host's own cost per step can be read off."""
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class EngineLoop:
         Returns the requests that made progress (new tokens, or finished) in this turn."""
         t0 = now = time.perf_counter()
         self._progress = {}
+        if self._prev is not None and self.scheduler.waits_for_results():
+            self._process(*self._prev)
+            self._prev = None
+            t0 = now = time.perf_counter()
         sched = self.scheduler.schedule(now)
         if self.lockstep is not None and self.lockstep.any(sched is not None) and sched is None:
             self.runner.idle()  # another rank steps: its all-to-alls need this rank too
@@ -96,23 +102,30 @@ class EngineLoop:
         now = time.perf_counter()
         self.stats.host_wait += now - t_wait
         s = handle.sched
-        prefill = sum(c.length for c in s.chunks if not c.from_device)
+        prefill = sum(c.length for c in s.chunks if not c.from_device and not c.drafts)
         self.stats.prefill_tokens += prefill
-        self.stats.decode_tokens += s.num_batched_tokens - prefill
+        self.stats.decode_tokens += sum(1 for c in s.chunks if c.from_device)  # verify chunks add what they emit
         self.stats.steps += 1
         if prefill:
             self.stats.prefill_time += now - launched
         else:
             self.stats.decode_time += now - launched
+        rejected: list[tuple[int, int]] = []  # verify chunks whose state rolls back: (chunk, accepted)
         for i, ch in enumerate(s.chunks):
             seq = ch.seq
             seq.inflight -= 1
             if i in handle.prompt_lp and not seq.finished:
                 self._prompt_logprobs(seq, ch.start, handle.prompt_lp[i])
-            if ch.sample and not seq.finished:
-                self._append(seq, handle, i, now)
+            if ch.drafts and not seq.finished:
+                n = self._verified(seq, ch, handle, i, now)
+                if n is not None and n < len(ch.drafts):
+                    rejected.append((i, n))
+            elif ch.sample and not seq.finished:
+                self._append(seq, handle.token(i), handle, i, now)
             if seq.finished:
                 self.scheduler.release(seq)
+        if rejected:
+            self.runner.rollback(handle, rejected)
         self.stats.host_read += time.perf_counter() - now
 
     def _prompt_logprobs(self, seq: Sequence, start: int, lp) -> None:
@@ -124,8 +137,23 @@ class EngineLoop:
             entry[int(target[j])] = float(tok_lp[j])
             seq.prompt_logprobs.append(entry)
 
-    def _append(self, seq: Sequence, handle: StepHandle, i: int, now: float) -> None:
-        tok = handle.token(i)
+    def _verified(self, seq: Sequence, ch, handle: StepHandle, i: int, now: float) -> int | None:
+        """A verify chunk's tokens, appended one by one (a stop ends it early); then the request's
+        positions move to what was accepted. Returns the accepted count (None: it finished)."""
+        tokens, n = handle.verified(i)
+        self.scheduler.speculator.stats.record(len(ch.drafts), n)
+        seq.num_draft_tokens += len(ch.drafts)
+        seq.num_accepted_tokens += n
+        for tok in tokens:
+            self.stats.decode_tokens += 1
+            self._append(seq, tok, handle, i, now)
+            if seq.finished:
+                return None
+        seq.num_scheduled = ch.start + n + 1
+        seq.num_sampled_scheduled += n
+        return n
+
+    def _append(self, seq: Sequence, tok: int, handle: StepHandle, i: int, now: float) -> None:
         self._progress[seq.id] = seq
         if tok < 0:
             seq.error = "the model's logits for this request were not finite (NaN or inf): check the weights and inputs"

@@ -16,11 +16,9 @@ from ..settings import PREFIX, EngineConfig
 
 def refuse_unbuilt(settings: EngineConfig, environ: Mapping[str, str] = os.environ) -> None:
     """Settings of DeepInfer's features that this engine does not have yet: asked for, they
-    refuse to start rather than being read by nothing (their off values are what runs)."""
+    refuse to start rather than being read by nothing (their off values are what runs).
+    Speculative decoding's variables are checked with ``speculative_config`` (``spec_config``)."""
     asked = {
-        f"{PREFIX}ENABLE_MTP_VARLEN": (settings.mtp_varlen, "speculative decoding (variable-length draft verification)"),
-        f"{PREFIX}USE_NEXTN_DECODE": (bool(environ.get(f"{PREFIX}USE_NEXTN_DECODE", "").strip()) and settings.nextn_decode > 0,
-                                      "speculative decoding (draft tokens)"),
         f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE": (settings.yoco_mode == "compact", "V4.1's compact decoder prefill"),
         f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS": (bool(environ.get(f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS", "").strip()),
                                               "V4.1's compact decoder prefill"),

@@ -51,6 +51,8 @@ class Sequence:
     text_state: TextState = field(default_factory=TextState)  # incremental detokenization offsets
     emitted_chars: int = 0  # text handed out so far (streaming deltas start here)
     emitted_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts proposed for this request
+    num_accepted_tokens: int = 0  # and accepted
 
     @cached_property
     def controls(self) -> tuple[int, int, int, int, int]:
@@ -96,6 +98,8 @@ class RequestMetrics:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
+    num_draft_tokens: int = 0  # speculative decoding: drafts proposed (0 without speculation)
+    num_accepted_tokens: int = 0  # drafts accepted
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -142,5 +146,6 @@ def to_output(seq: Sequence) -> RequestOutput:
                              seq.finish_reason, seq.stop_reason, delta_text, list(delta_ids), seq.error)
         ],
         finished=seq.finished,
-        metrics=RequestMetrics(seq.arrival, seq.first_scheduled, seq.first_token, seq.finished_at),
+        metrics=RequestMetrics(seq.arrival, seq.first_scheduled, seq.first_token, seq.finished_at, seq.num_draft_tokens,
+                               seq.num_accepted_tokens),
     )

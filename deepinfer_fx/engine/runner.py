@@ -6,12 +6,14 @@ sampled token to ``next_token[slot]``, the buffer decode rows read their input f
 N+1 can be launched before the host has seen step N's tokens. Results come back with one
 device-to-host copy per part, queued behind the step on its stream (the next step, which may
 replay the same graph over the same output buffers, is queued after the copies);
-``StepHandle.wait`` is the only place the host waits for the device.
+``StepHandle.wait`` is the only place the host waits for the device. Verify chunks
+(speculative decoding) run as a third part after decode and prefill; the slot state each one
+may overwrite is saved first, and ``rollback`` restores it after a rejected draft.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
 import torch
@@ -25,12 +27,13 @@ from ..passes.manager import build_pipeline
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
 from .cache import CachePool
-from .graph_runner import DecodeRow, PrefillChunk, StepGraphs
+from .graph_runner import DecodeRow, PrefillChunk, StepGraphs, VerifyChunk
 from .options import StepOptions
 from .request import Sequence
 from .sampler import MODES, logprobs
 from .sampling import MAX_LOGPROBS
 from .scheduler import SchedulerOutputs
+from .spec_decode import restore, snapshot
 from .step_inputs import Layout, SampledRow, fill
 from .steps import StepOut, decode_logits, sample_rows
 
@@ -44,12 +47,23 @@ class StepHandle:
     parts: list[tuple[torch.Tensor, ...]]  # per part (decode, prefill): host copies of tokens [, logprob, top ids, top lps]
     prompt_lp: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # chunk -> (target, lp, top ids, top lps)
     done: torch.cuda.Event | None
+    verify: dict[int, tuple[VerifyChunk, int]] = field(default_factory=dict)  # chunk -> (its rows, its row of ``saved``)
+    saved: tuple | None = None  # the verify slots' state before the step (``spec_decode.snapshot``)
     _tokens: list[list[int]] | None = None
+    _accepted: list[int] | None = None
 
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
         self._tokens = [p[0].tolist() for p in self.parts]
+        if self.verify:
+            self._accepted = self.parts[VERIFY][1].tolist()
+
+    def verified(self, i: int) -> tuple[list[int], int]:
+        """Verify chunk i's emitted tokens (accepted drafts, then the bonus) and its accepted count."""
+        part, row = self.where[i]
+        n = self._accepted[row]
+        return self._tokens[part][row][: n + 1], n
 
     def token(self, i: int) -> int:
         """Chunk i's sampled token; -1 where its logits were not finite."""
@@ -62,6 +76,9 @@ class StepHandle:
         entry = {int(t): float(v) for t, v in zip(ids[row, :k].tolist(), top[row, :k].tolist())}
         entry[self.token(i)] = float(lp[row])
         return entry
+
+
+VERIFY = 2  # the verify part's index in a step's parts (decode, prefill, verify)
 
 
 def eager_kernel_swaps(accelerator: str | None, device: torch.device, disabled: Seq[str] = ()) -> dict[str, Callable]:
@@ -82,14 +99,15 @@ def step_mode(seqs: Seq[Sequence]) -> str:
 class ModelRunner:
     def __init__(
         self, model: Model, pool: CachePool, options: StepOptions, swaps: dict | None = None,
-        split: Callable[[Batch], Batch] | None = None, lockstep: LockStep | None = None,
+        split: Callable[[Batch], Batch] | None = None, lockstep: LockStep | None = None, max_drafts: int = 0,
     ) -> None:
         """``options``: how steps run (compiled or eager, graphs, passes, buckets). ``swaps``:
         ``graphs.swap`` replacements in force around every forward (a multi-rank mesh: the
         expert-parallel MoE, ``sharding.parallel.ep_swaps``). ``split``: context parallelism,
         a step's batch -> this rank's share (``sharding.cp.split_batch``), which steps eagerly
         on a host-built batch. ``lockstep``: a multi-rank mesh, whose ranks agree on each
-        turn's step sizes (``_plan``) so that the all-to-alls inside them pair up."""
+        turn's step sizes (``_plan``) so that the all-to-alls inside them pair up. ``max_drafts``:
+        the longest draft of speculative decoding (0: off), which sizes the verify buckets."""
         if options.compiled and split is not None:
             raise ValueError("context parallelism steps eagerly for now (its split is built on the host per step)")
         self.model = model
@@ -103,7 +121,7 @@ class ModelRunner:
         self.steps = StepGraphs(
             model, pool.state, self.next_token, max_requests=options.max_requests, max_tokens=options.max_tokens,
             accelerator=options.accelerator, graphs=options.cuda_graphs, inductor=options.inductor,
-            dump_dir=options.dump_dir, disabled=options.disabled_passes, compile=options.compiled,
+            dump_dir=options.dump_dir, disabled=options.disabled_passes, compile=options.compiled, max_drafts=max_drafts,
         )
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
         self.async_copy = self.device.type == "cuda"
@@ -130,7 +148,7 @@ class ModelRunner:
         with swapped(self.swaps):
             if self.split is not None:
                 return self._launch_split(sched, mode, k)
-            outs, where, first_row, stride = self._launch_steps(sched, mode, k)
+            outs, where, first_row, stride, verify = self._launch_steps(sched, mode, k)
         prompt_lp = {}
         for i, ch in enumerate(sched.chunks):
             p = ch.seq.params
@@ -143,16 +161,20 @@ class ModelRunner:
             target = torch.tensor(ch.seq.prompt_ids[ch.start + 1 : ch.start + 1 + n], device=self.device)
             rows_lp = outs[1].logits[first_row[i] * stride : first_row[i] * stride + n]
             prompt_lp[i] = (target, *logprobs(rows_lp, target, p.prompt_logprobs))
-        return self._copy_back(sched, where, outs, prompt_lp)
+        return self._copy_back(sched, where, outs, prompt_lp, verify)
 
     def _launch_steps(self, sched: SchedulerOutputs | None, mode: str, k: int | None):
         """The decode rows and prompt chunks of ``sched`` (None: an idle rank's padding alone)
         through the step functions, at the sizes this turn's plan agreed."""
         chunks = [] if sched is None else sched.chunks
-        dec, pre, where, first_row = [], [], [], []
+        dec, pre, ver, where, first_row = [], [], [], [], []
         for ch in chunks:
             seq = ch.seq
-            if ch.from_device:
+            if ch.drafts:
+                where.append((VERIFY, len(ver)))
+                first_row.append(len(ver))
+                ver.append(VerifyChunk(seq.slot, ch.start, (seq.output_ids[-1], *ch.drafts), seq.controls))
+            elif ch.from_device:
                 where.append((0, len(dec)))
                 first_row.append(len(dec))
                 dec.append(DecodeRow(seq.slot, ch.start, seq.controls))
@@ -165,7 +187,23 @@ class ModelRunner:
         n_dec, n_pre, length, all_rows = self._plan([len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)])
         d, p = self.steps.step(dec, pre, mode, k, bool(all_rows), min_requests=n_dec, min_chunks=n_pre, min_length=length)
         stride = p.logits.shape[0] // self.steps.prefill_layout(max(len(pre), n_pre), 1).requests if p is not None and all_rows else 1
-        return [d, p], where, first_row, stride
+        if not ver:
+            return [d, p], where, first_row, stride, ({}, None)
+        # saved before the verify forward writes the rows a rejected draft must not leave behind
+        saved = snapshot(self.pool, [v.slot for v in ver])
+        verify = {i: (ver[w[1]], w[1]) for i, w in enumerate(where) if w is not None and w[0] == VERIFY}
+        return [d, p, self.steps.verify(ver, mode)], where, first_row, stride, (verify, saved)
+
+    @torch.no_grad()
+    def rollback(self, handle: StepHandle, rejected: Seq[tuple[int, int]]) -> None:
+        """Undo what the rejected drafts of verify chunks ``(i, accepted)`` wrote: restore their
+        slots' saved state and run each one's token and accepted drafts again, as prompt chunks
+        that sample nothing, in one step (the bonus tokens in ``next_token`` stay)."""
+        restore(self.pool, handle.saved, [handle.verify[i][1] for i, _ in rejected])
+        chunks = [PrefillChunk(handle.verify[i][0].slot, handle.verify[i][0].start, handle.verify[i][0].ids[: n + 1])
+                  for i, n in rejected]
+        with swapped(self.swaps):
+            self.steps.step((), chunks, "greedy")
 
     def _launch_split(self, sched: SchedulerOutputs, mode: str, k: int | None) -> StepHandle:
         """Context parallelism: one packed forward of this rank's share of the chunks, every
@@ -217,15 +255,17 @@ class ModelRunner:
         same sizes and the EP all-to-alls inside them pair up."""
         return mine if self.lockstep is None else self.lockstep.agree(mine)
 
-    def _copy_back(self, sched, where, outs: list[StepOut | None], prompt_lp) -> StepHandle:
+    def _copy_back(self, sched, where, outs: list, prompt_lp, verify: tuple = ({}, None)) -> StepHandle:
         """Host copies of every part's results, queued behind the step."""
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to("cpu", non_blocking=self.async_copy)
 
-        parts = [tuple(host(t) for t in out[:4]) if out is not None else (torch.empty(0, dtype=torch.long),) for out in outs]
+        parts = [tuple(host(t) for t in out[:4]) if out is not None else (torch.empty(0, dtype=torch.long),) for out in outs[:VERIFY]]
+        if len(outs) > VERIFY:
+            parts.append((host(outs[VERIFY].tokens), host(outs[VERIFY].accepted)))
         lp = {i: tuple(host(x) for x in v) for i, v in prompt_lp.items()}
         done = None
         if self.async_copy:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
-        return StepHandle(sched, where, parts, lp, done)
+        return StepHandle(sched, where, parts, lp, done, *verify)

@@ -6,6 +6,9 @@ Admission reserves a request's whole footprint (prompt + max_tokens) in the cach
 running request never runs out of room and nothing is preempted; when the pool is full new
 requests wait. The host may schedule a request's next decode before the previous step's token
 is back: that token stays on the device and the runner feeds it in (see ``runner.py``).
+With speculative decoding (a ``Speculator``), a request past its prompt instead waits for its
+previous step's results, asks the drafter for drafts and gets a verify chunk of its last token
+and the drafts (``spec_decode.py``); with no drafts it gets a plain decode row.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 from .cache import CachePool
 from .request import Sequence, Status
+from .spec_decode import Speculator
 
 
 class EngineType(enum.Enum):
@@ -31,6 +35,7 @@ class ScheduledChunk:
     length: int
     sample: bool  # the chunk's last row produces a token
     from_device: bool  # a decode row whose input token is the device's last sample
+    drafts: tuple[int, ...] = ()  # a verify chunk: the request's last token, then these drafts
 
 
 @dataclass(frozen=True)
@@ -45,13 +50,17 @@ class SchedulerOutputs:
 
 
 class Scheduler:
-    def __init__(self, pool: CachePool, max_num_seqs: int, max_num_batched_tokens: int, engine_type: EngineType) -> None:
+    def __init__(
+        self, pool: CachePool, max_num_seqs: int, max_num_batched_tokens: int, engine_type: EngineType,
+        speculator: Speculator | None = None,
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         self.pool = pool
         self.max_num_seqs = min(max_num_seqs, pool.slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.engine_type = engine_type
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -71,6 +80,11 @@ class Scheduler:
                 return seq
         return None
 
+    def waits_for_results(self) -> bool:
+        """Whether a speculating request's next step needs a step's results that are not read yet."""
+        spec = self.speculator
+        return spec is not None and any(s.inflight and s.prefill_done and not s.finished and spec.speculates(s) for s in self.running)
+
     def release(self, seq: Sequence) -> None:
         """Give a finished request's slot back once no launched step still uses it."""
         if seq.slot is not None and seq.inflight == 0:
@@ -89,6 +103,12 @@ class Scheduler:
             return ScheduledChunk(seq, seq.num_scheduled, n, seq.num_scheduled + n == seq.prompt_len, False)
         if seq.num_sampled_scheduled >= self._max_samples(seq) or budget < 1:
             return None
+        if self.speculator is not None and self.speculator.speculates(seq):
+            if seq.inflight:  # the drafter reads the tokens so far
+                return None
+            drafts = self.speculator.drafts(seq, min(self._max_samples(seq) - len(seq.output_ids) - 1, budget - 1))
+            if drafts:
+                return ScheduledChunk(seq, seq.num_scheduled, 1 + len(drafts), True, False, drafts)
         return ScheduledChunk(seq, seq.num_scheduled, 1, True, True)
 
     def _commit(self, chunk: ScheduledChunk, now: float) -> None:

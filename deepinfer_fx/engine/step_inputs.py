@@ -11,6 +11,9 @@ float32 bit patterns, so one buffer carries every type.
 Decode region (R rows):   meta [3, R] (slot, start, length) | sampling [8, R]
 Prefill region (C chunks of up to L tokens):
                           tokens [C * L] | meta [3, C] | logit rows [C, or C * L] | sampling [8, C]
+Verify region (C chunks: a request's last token and its drafts): the prefill layout with every
+                          row's logits; its sampling row c holds chunk c's controls, the slot
+                          that receives the bonus token and the position of the chunk's row 0's token
 
 Sampling rows (``SAMPLING``): the logit row each sampled token comes from, the slot whose
 ``next_token`` entry receives it (the scratch slot for a chunk that samples nothing), then the
@@ -37,8 +40,9 @@ def float_bits(x: float) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Offsets of one bucket's inputs. ``kind`` is "decode" (``requests`` rows of one token) or
-    "prefill" (``requests`` chunks of ``length`` tokens; ``all_rows``: logits for every row)."""
+    """Offsets of one bucket's inputs. ``kind`` is "decode" (``requests`` rows of one token),
+    "prefill" (``requests`` chunks of ``length`` tokens; ``all_rows``: logits for every row) or
+    "verify" (chunks like prefill's, always with every row's logits)."""
 
     kind: str
     requests: int
@@ -47,16 +51,16 @@ class Layout:
 
     @property
     def tokens(self) -> int:
-        return self.requests * self.length if self.kind == "prefill" else 0
+        return self.requests * self.length if self.kind != "decode" else 0
 
     @property
     def logit_rows(self) -> int:
-        return self.requests * self.length if self.all_rows else self.requests
+        return self.requests * self.length if self.all_rows or self.kind == "verify" else self.requests
 
     @property
     def model_size(self) -> int:
         """Entries the model part reads (everything before the sampling rows)."""
-        rows = self.logit_rows if self.kind == "prefill" else 0
+        rows = self.logit_rows if self.kind != "decode" else 0
         return self.tokens + 3 * self.requests + rows
 
     @property
@@ -70,8 +74,8 @@ class Layout:
         return buf[self.model_size : self.size].view(len(SAMPLING), self.requests)
 
     def split_model(self, part: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The model part -> (tokens, slots, starts, lens, rows) for prefill, (slots, starts,
-        lens) for decode."""
+        """The model part -> (tokens, slots, starts, lens, rows) for prefill and verify, (slots,
+        starts, lens) for decode."""
         t, r = self.tokens, self.requests
         slots, starts, lens = part[t : t + 3 * r].view(3, r).unbind(0)
         if self.kind == "decode":

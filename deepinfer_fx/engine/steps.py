@@ -11,6 +11,8 @@ padding rows of a chunk sit past its length (``graphs/batch.py`` says why both a
   sampler's output buffer), so the host never handles a sampled token between steps.
 - ``prefill_logits``: ``C`` chunks of up to ``L`` prompt tokens, packed ``[C * L]``; logits only for
   ``rows`` (each chunk's last token, or every row when prompt logprobs are asked for).
+- ``verify_step``: speculative decoding's step: ``prefill_logits`` over chunks of a request's
+  last token and its drafts, every row's logits, then ``spec_accept.accept_rows``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..config import ModelConfig
 from ..graphs.batch import Batch, Group
 from ..graphs.model import forward_batch
 from .sampler import logprobs, sample_mode
+from .spec_accept import accept_rows
 from .step_inputs import Layout, sampling_tensors
 
 
@@ -57,6 +60,24 @@ def sample_rows(
     if k is None:
         return flagged, None, None, None
     return (flagged, *logprobs(picked, tokens, k))
+
+
+class VerifyOut(NamedTuple):
+    """A verify step's results on the device: each row's target token ``[C, L]`` and each
+    chunk's count of accepted drafts ``[C]``."""
+
+    tokens: torch.Tensor
+    accepted: torch.Tensor
+    logits: torch.Tensor  # [C * L, vocab] fp32
+
+
+def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
+                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None) -> VerifyOut:
+    """One verify step over its input buffer: every row's logits, then acceptance (``k`` unused:
+    requests that ask for logprobs are not speculated)."""
+    token_ids, slots, starts, lens, rows = layout.split_model(layout.model_part(buf))
+    logits = prefill_logits(params, state, c, token_ids, slots, starts, lens, rows)
+    return VerifyOut(*accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids), logits)
 
 
 def decode_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,

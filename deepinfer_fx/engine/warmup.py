@@ -3,8 +3,9 @@ first request, so that ``generate`` never stalls on a compile for a shape the wa
 
 Covered: every decode bucket in every sampler mode, and for each prefill length bucket up to
 ``max_num_batched_tokens`` one chunk, and as many chunks of that bucket as the token budget
-holds (the steps a batch of similar prompts makes), in every mode. Other prefill shapes (a few
-chunks of mixed lengths) still compile on first use.
+holds (the steps a batch of similar prompts makes), in every mode; with speculative decoding,
+every verify bucket (requests x draft length). Other prefill shapes (a few chunks of mixed
+lengths) still compile on first use.
 
 The caches (Inductor's FX graph and AOT autograd caches, its autotuning results, Triton's
 kernels) live under one directory; their keys hold the graph, the compiler's settings and our
@@ -51,6 +52,7 @@ def warmup_layouts(steps: StepGraphs, opts: EngineOptions) -> list[Layout]:
             layout = steps.prefill_layout(n, length)
             if layout not in out:
                 out.append(layout)
+    out += [Layout("verify", r, length) for r in steps.request_buckets for length in steps.verify_buckets]
     return out
 
 

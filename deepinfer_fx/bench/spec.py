@@ -1,0 +1,160 @@
+"""Speculative decoding on one GPU: the verify step's cost, and n-gram drafting end to end.
+
+    python -m deepinfer_fx.bench.spec --batches 1,8,64 --drafts 1,2,3,4,5 --name spec_s31
+
+Verify cost: for each batch b and draft count k, the captured verify step of b chunks of k + 1
+rows against the plain captured decode step of b rows and of b * (k + 1) rows (the issue's
+target: verify <= 1.1x decode of b * (k + 1) rows), plus the rollback's parts (the slots'
+state snapshot, and the prompt-chunk re-run of 1 + accepted rows that a rejection costs).
+The drafter's own step is not in these numbers (n-gram drafting runs on the host; MTP-1 and
+DSpark are not built yet).
+
+End to end: ``generate`` with and without ``speculative_config={"method": "ngram"}`` on a
+repetitive workload, tokens/s of each and the measured acceptance. Random weights never
+repeat themselves, so ``--workload cycling`` (the default) gives the model a head that follows
+each token t by 3 * (t // 3) + (t + 1) % 3 (its greedy text cycles, as in the tests), and the
+prompts a pattern that is not that cycle; ``--model`` runs a real checkpoint on ``--prompt``
+text instead. Both DeepInfer's formula (steps/s x batch x (1 + nextn) / cp: full acceptance)
+and the measured rate are reported, named as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from ..api import Model
+from ..engine.graph_runner import DecodeRow, PrefillChunk, VerifyChunk
+from ..engine.llm import LLM
+from ..engine.request import Sequence
+from ..engine.sampling import SamplingParams
+from ..engine.spec_decode import SpecStats, snapshot
+from .e2e import _model, _prompts
+from .p8 import run_info, write_result
+from .timing import timed
+
+
+def cycling(model: Model) -> Model:
+    """``model`` whose greedy text cycles through three tokens (see the module docstring)."""
+    c, params = model
+    params = {**params, "embed": params["embed"] * 20}
+    t = torch.arange(c.vocab_size, device=params["embed"].device)
+    after = 3 * (t // 3) + (t + 1) % 3
+    inverse = torch.empty_like(after)
+    inverse[after] = t
+    params["head"] = params["embed"][inverse].contiguous()
+    return Model(c, params)
+
+
+def verify_rows(llm: LLM, batch: int, drafts: list[int], prompt_len: int, iters: int) -> list[dict]:
+    c = llm.model.config
+    prompts = _prompts(batch, prompt_len, c.vocab_size, seed=batch)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # states to read
+    probe = Sequence(-1, None, [0], SamplingParams(temperature=0.0), 7)
+    steps, rows = llm.runner.steps, []
+
+    def decode(n: int) -> float:
+        dec = [DecodeRow(i % batch, prompt_len, probe.controls) for i in range(n)]
+        return timed(lambda: steps.step(dec, (), "greedy"), iters) * 1e3
+
+    base = decode(batch)
+    for k in drafts:
+        chunks = [VerifyChunk(s, prompt_len, [5] * (k + 1), probe.controls) for s in range(batch)]
+        verify = timed(lambda chunks=chunks: steps.verify(chunks, "greedy"), iters) * 1e3
+        wide = decode(batch * (k + 1))
+        snap = timed(lambda: snapshot(llm.pool, list(range(batch))), iters) * 1e3
+        # a rejection's re-run: every request rejecting half-way (1 + k // 2 rows each)
+        rerun_chunks = [PrefillChunk(s, prompt_len, [5] * (1 + k // 2)) for s in range(batch)]
+        rerun = timed(lambda rerun_chunks=rerun_chunks: steps.step((), rerun_chunks, "greedy"), iters) * 1e3
+        row = {"batch": batch, "drafts": k, "verify_ms": round(verify, 3), "decode_ms": round(base, 3),
+               "decode_wide_ms": round(wide, 3), "verify_over_decode_wide": round(verify / wide, 3),
+               "verify_over_decode": round(verify / base, 3), "snapshot_ms": round(snap, 3), "rerun_ms": round(rerun, 3)}
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, seqs: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = {"batch": batch, "nextn": k}
+    for name, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k})):
+        llm = LLM(model=model, max_num_seqs=seqs, max_num_batched_tokens=4096, max_model_len=2048, warmup=False,
+                  speculative_config=spec)
+        llm.generate(prompts[:batch], params)  # compiles and captures what the timed run replays
+        if llm.speculator is not None:
+            llm.speculator.stats = SpecStats()  # the timed run's acceptance only
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[:batch], params)
+        wall = time.perf_counter() - t0
+        first = max(o.metrics.first_token_time for o in outs)
+        last = max(o.metrics.finished_time for o in outs)
+        st = llm.last_stats
+        decode_steps = st.steps - 1  # the prefill step
+        row = {"measured_tok_s": round(batch * (max_tokens - 1) / (last - first), 1), "steps": st.steps,
+               "wall_s": round(wall, 3), "host_us_per_step": round(st.host_us_per_step, 1)}
+        if spec is not None:
+            s = llm.speculator.stats
+            steps_s = decode_steps / (last - first)
+            row.update({"acceptance": round(s.accepted_tokens / max(s.draft_tokens, 1), 3),
+                        "mean_accepted_length": round(s.mean_accepted_length, 3),
+                        "accepted_per_position": [round(a / p, 3) for a, p in zip(s.accepted_at, s.proposed_at)],
+                        "deepinfer_formula_tok_s": round(steps_s * batch * (1 + k), 1),
+                        "summary": s.summary()})
+        out[name] = row
+        del llm
+        torch.cuda.empty_cache()
+    out["speedup_measured"] = round(out["ngram"]["measured_tok_s"] / out["plain"]["measured_tok_s"], 3)
+    print(out, flush=True)
+    return out
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--drafts", default="1,2,3,4,5")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--e2e-batches", default="1,8")
+    ap.add_argument("--nextn", type=int, default=4, help="drafts per step end to end")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--workload", choices=["cycling"], default="cycling")
+    ap.add_argument("--model", default=None, help="a checkpoint for the end-to-end part (default: P8 random, cycling)")
+    ap.add_argument("--prompt", default="1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4,", help="with --model: the repeated prompt")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="spec")
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.spec times CUDA graphs: it needs a GPU")
+    result = {**run_info(argv), "model": f"P8 random weights, {args.layers} layers, bf16"}
+    batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",")]
+    model = _model(args.layers)
+    wide = max(batches) * (max(drafts) + 1)
+    llm = LLM(model=model, max_num_seqs=wide, max_num_batched_tokens=4096, max_model_len=args.prompt_len + 64, warmup=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": max(drafts)})
+    result["verify"] = [row for b in batches for row in verify_rows(llm, b, drafts, args.prompt_len, args.iters)]
+    result["graphs"] = llm.runner.steps.report()
+    del llm
+    torch.cuda.empty_cache()
+    e2e_batches = [int(b) for b in args.e2e_batches.split(",")]
+    if args.model is None:
+        e2e_model = cycling(model)
+        prompts = [([5, 6, 7, 8] * 32 + [7]) for _ in range(max(e2e_batches))]
+        result["e2e_workload"] = "P8 random weights with the cycling head; prompts [5, 6, 7, 8] * 32 + [7]"
+    else:
+        probe = LLM(args.model, max_model_len=2048, warmup=False)
+        e2e_model, prompts = probe.model, [args.prompt] * max(e2e_batches)
+        result["e2e_workload"] = f"{args.model}, prompt {args.prompt!r}"
+        del probe
+    result["e2e"] = [e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches)) for b in e2e_batches]
+    print(f"wrote {write_result(args.name, result, args.out)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""``LLM(speculative_config=...)``: which drafter proposes tokens and how many, checked once.
+
+vLLM's shape: ``{"method": "ngram" | "mtp" | "dspark", "num_speculative_tokens": k, ...}``;
+``ngram`` also takes ``prompt_lookup_min`` / ``prompt_lookup_max``. DeepInfer's variables join
+it: ``DEEPINFER_USE_NEXTN_DECODE`` caps k (default 5; 0 is off, and refuses a config) and
+``DEEPINFER_ENABLE_MTP_VARLEN`` asks for confidence-scheduled variable-length verification.
+What is not built refuses here, with the reason, so that nothing silently runs plain decoding.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ModelConfig
+from ..graphs.params import mtp_specs
+from ..settings import PREFIX, EngineConfig
+
+METHODS = ("ngram", "mtp", "dspark")
+KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+    "mtp": ("method", "num_speculative_tokens"),
+    "dspark": ("method", "num_speculative_tokens"),
+}
+NEXTN = f"{PREFIX}USE_NEXTN_DECODE"
+VARLEN = f"{PREFIX}ENABLE_MTP_VARLEN"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int  # k: drafts proposed per verify step (after the NEXTN cap)
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix that is looked up in the context
+    prompt_lookup_max: int = 4  # ngram: the longest one (tried first)
+
+
+def _int(cfg: Mapping[str, Any], key: str, default: int, low: int) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"speculative_config[{key!r}] must be an int >= {low}, got {v!r}")
+    return v
+
+
+def parse_speculative_config(
+    cfg: Mapping[str, Any] | None, settings: EngineConfig, c: ModelConfig, params: dict,
+    environ: Mapping[str, str] = os.environ,
+) -> SpeculativeConfig | None:
+    """The checked config, or None for plain decoding. Refuses unknown keys and methods, k < 1,
+    a method whose weights the checkpoint lacks, and every part that is not built yet."""
+    nextn_set = bool(environ.get(NEXTN, "").strip())
+    if settings.mtp_varlen:
+        raise ValueError(f"{VARLEN}=1 asks for confidence-scheduled variable-length verification (DSpark's confidence "
+                         f"head), which is not built yet; unset {VARLEN} (fixed-length drafts run without it)")
+    if cfg is None:
+        if nextn_set and settings.nextn_decode > 0:
+            raise ValueError(f"{NEXTN}={environ[NEXTN]!r} caps the draft length of speculative decoding, which is off: pass "
+                             "LLM(speculative_config={'method': 'ngram', 'num_speculative_tokens': k}) (the model's own "
+                             f"drafters, mtp and dspark, are not built yet), or unset {NEXTN}")
+        return None
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 3}}, got {cfg!r}")
+    method = cfg.get("method")
+    if method not in METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {METHODS}, got {method!r}")
+    unknown = sorted(set(cfg) - set(KEYS[method]))
+    if unknown:
+        raise ValueError(f"speculative_config has unknown key(s) {unknown} for method {method!r}; allowed: {list(KEYS[method])}")
+    if "num_speculative_tokens" not in cfg:
+        raise ValueError("speculative_config needs 'num_speculative_tokens' (the drafts per step, an int >= 1)")
+    k = _int(cfg, "num_speculative_tokens", 0, 1)
+    if nextn_set:
+        if settings.nextn_decode == 0:
+            raise ValueError(f"{NEXTN}=0 turns speculative decoding off, and speculative_config asks for it: unset {NEXTN} "
+                             "or drop speculative_config")
+        k = min(k, settings.nextn_decode)
+    if method in ("mtp", "dspark"):
+        _check_draft_weights(method, c, params)
+        raise ValueError(f"speculative_config method {method!r} is not built yet (its draft step and draft-state rollback); "
+                         "use method 'ngram'")
+    lo = _int(cfg, "prompt_lookup_min", 1, 1)
+    hi = _int(cfg, "prompt_lookup_max", max(lo, 4), 1)
+    if hi < lo:
+        raise ValueError(f"speculative_config: prompt_lookup_max ({hi}) must be >= prompt_lookup_min ({lo})")
+    return SpeculativeConfig(method, k, lo, hi)
+
+
+def _check_draft_weights(method: str, c: ModelConfig, params: dict) -> None:
+    """A method that needs ``mtp.*`` weights on a model that has the wrong drafter or none."""
+    if method == "mtp" and c.dspark_stages:
+        raise ValueError("speculative_config method 'mtp' needs an MTP-1 block; this checkpoint's mtp.* holds a DSpark "
+                         "drafter: use method 'dspark'")
+    if method == "dspark" and not c.dspark_stages:
+        raise ValueError("speculative_config method 'dspark' needs a DSpark drafter (V4.1-Flash, V4-Flash-0731); this "
+                         "model's config has none")
+    if not params.get("mtp"):
+        keys = [s.key for s in mtp_specs(c)]
+        shown = ", ".join(keys[:4]) + (f", ... ({len(keys)} tensors)" if len(keys) > 4 else "")
+        raise ValueError(f"speculative_config method {method!r} needs the draft weights, and this checkpoint has no mtp.* "
+                         f"tensors (missing: {shown or 'mtp.0.*: the config declares no draft layers'}); use method "
+                         "'ngram' (no weights) or a checkpoint with them")
