@@ -66,11 +66,13 @@ class GraphKey:
     all_rows: bool = False  # prefill: logits for every row (prompt logprobs), not just the last
     mode: str = "greedy"  # the sampler's mode (sampler.MODES)
     k: int | None = None  # top logprobs returned
+    kept: int = 0  # prefill: rows per chunk the decoder replays (V4.1 compact prefill; 0: every row)
 
     @property
     def model_name(self) -> str:
         """The model part's name, shared by every sampler mode of the bucket."""
-        return graph_name(self.kind, t=self.tokens, r=self.requests) + ("-all" if self.all_rows else "")
+        return graph_name(self.kind, t=self.tokens, r=self.requests) + ("-all" if self.all_rows else "") + (
+            f"-kept{self.kept}" if self.kept else "")
 
     @property
     def name(self) -> str:
@@ -131,6 +133,7 @@ class PrefillChunk:
     start: int
     ids: Sequence[int]
     controls: tuple[int, int, int, int, int] | None = None
+    keep_from: int = 0  # compact prefill: the first prompt position the decoder replays (0: every row)
 
 
 GREEDY = (0, 0, float_bits(1.0), 0, 0)  # controls of a greedy row: temperature 0
@@ -157,13 +160,14 @@ class StepGraphs:
     def __init__(
         self, model: Model, state: dict, next_token: torch.Tensor, *, max_requests: int, max_tokens: int,
         accelerator: str | None = None, graphs: bool | None = None, inductor: bool = False,
-        dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True,
+        dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True, keep: int | None = None,
     ) -> None:
         self.config, self.params = model
         self.state = state
         self.next_token = next_token
         self.device = model.device
         self.compile = compile
+        self.keep = keep  # V4.1 compact prefill's KEEP (engine/options.py checked it); None: exact prefill
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
         has_graphs = self.device.type in GRAPH_DEVICES
         if graphs and not (has_graphs and compile):
@@ -180,7 +184,7 @@ class StepGraphs:
         # Every step's inputs live in one device arena: decode at offset 0, prefill after the
         # largest decode region, so a mixed step's inputs reach the device in one copy.
         self._decode_span = Layout("decode", self.decode_buckets[-1]).size
-        biggest = Layout("prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True).size
+        biggest = Layout("prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True, kept=int(keep is not None)).size
         self.arena = torch.zeros(self._decode_span + biggest, dtype=torch.long, device=self.device)
         self.vocab_ids = torch.arange(self.config.vocab_size, device=self.device)  # the sampler's race keys (sampler.sample_mode)
         # The graphs of one kind share a memory pool, owned here: decode graphs one, prefill
@@ -209,7 +213,11 @@ class StepGraphs:
         return Layout("decode", self._bucket(n, self.decode_buckets))
 
     def prefill_layout(self, n_chunks: int, length: int, all_rows: bool = False) -> Layout:
-        return Layout("prefill", self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.length_buckets), all_rows)
+        """Compact prefill replays at most KEEP rows of a chunk, every row of a step with prompt
+        logprobs (its other chunks still replay only theirs: ``PrefillChunk.keep_from``)."""
+        n, L = self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.length_buckets)
+        kept = 0 if self.keep is None else L if all_rows else min(L, self.keep)
+        return Layout("prefill", n, L, all_rows, kept)
 
     # -- steps ------------------------------------------------------------------------------
     def step(
@@ -243,11 +251,14 @@ class StepGraphs:
 
     def prefill(
         self, chunks: Sequence[tuple[int, int, Sequence[int]]], all_rows: bool = False, min_chunks: int = 0, min_length: int = 0,
+        keep_from: Sequence[int] = (),
     ) -> tuple[StepOut, list[int]]:
-        """``chunks``: (slot, start, token ids), each sampled greedily. Returns the step's results
+        """``chunks``: (slot, start, token ids), each sampled greedily (``keep_from``: each chunk's
+        ``PrefillChunk.keep_from``, compact prefill; default 0). Returns the step's results
         and, per chunk, the row of its first logit (``all_rows``: chunk c owns rows ``r ..
         r + n - 1``; otherwise only its last token's row ``r``)."""
-        pre = [PrefillChunk(slot, start, ids, GREEDY) for slot, start, ids in chunks]
+        keep_from = list(keep_from) or [0] * len(chunks)
+        pre = [PrefillChunk(slot, start, ids, GREEDY, keep) for (slot, start, ids), keep in zip(chunks, keep_from)]
         out = self.step((), pre, "greedy", all_rows=all_rows, min_chunks=min_chunks, min_length=min_length)[1]
         stride = out.logits.shape[0] // self.prefill_layout(max(len(chunks), min_chunks), 1).requests if all_rows else 1
         return out, [i * stride for i in range(len(chunks))]
@@ -299,6 +310,8 @@ class StepGraphs:
             rows = [c * L + max(n - 1, 0) for c, n in enumerate(lens)]
             at = list(range(C))
         model = tokens + [ch.slot for ch in chunks] + [self.scratch] * pad + [ch.start for ch in chunks] + [0] * pad + lens + rows
+        if layout.kept:
+            model += [ch.keep_from for ch in chunks] + [0] * pad
         sampled = [
             SampledRow(at[c], ch.slot, ch.controls, ch.start + len(ch.ids)) if ch.controls is not None
             else SampledRow(at[c], self.scratch, GREEDY, 0)
@@ -344,7 +357,7 @@ class StepGraphs:
         return out
 
     def _entry(self, layout: Layout, mode: str, k: int | None) -> _Entry:
-        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k)
+        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k, layout.kept)
         if key in self._entries:
             return self._entries[key]
         c, params, state, next_token = self.config, self.params, self.state, self.next_token
@@ -377,7 +390,7 @@ class StepGraphs:
         return e
 
     def _forward(self, layout: Layout, backend: DeepinferBackend) -> Callable:
-        fkey = (layout.kind, layout.requests, layout.length, layout.all_rows)
+        fkey = (layout.kind, layout.requests, layout.length, layout.all_rows, layout.kept)
         if fkey not in self._forwards:
             c = self.config
             if layout.kind == "decode":
@@ -385,7 +398,7 @@ class StepGraphs:
                     return decode_logits(params, state, c, next_token, *layout.split_model(part))
             else:
                 def forward(params, state, next_token, part):
-                    return prefill_logits(params, state, c, *layout.split_model(part))
+                    return prefill_logits(params, state, c, *layout.split_model(part), kept=layout.kept)
             self._forwards[fkey] = compile_graph(forward, backend)
         return self._forwards[fkey]
 

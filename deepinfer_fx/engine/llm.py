@@ -20,7 +20,7 @@ from ..io.tokenizer import decode, encode, load_tokenizer
 from . import inputs
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
 from .loop import EngineLoop, LoopStats
-from .options import build_options
+from .options import build_options, compact_keep
 from .warmup import use_cache_dir, warm_up
 from .ranks import Ranks
 from .request import RequestOutput, Sequence, to_output
@@ -58,6 +58,8 @@ class LLM:
         expert_format: str | None = None,
         num_threads: int | None = None,
         warmup: bool | None = None,
+        yoco_mode: str | None = None,
+        yoco_keep_tokens: int | None = None,
     ) -> None:
         """``eager``: None compiles the steps on GPUs and runs them eagerly on the CPU (there the
         compile time outweighs the gain); True never compiles; False always does. Compiled runs
@@ -72,7 +74,11 @@ class LLM:
         may use). ``warmup`` (default: on wherever steps are compiled): compile and capture every
         decode bucket and the prefill buckets up to ``max_num_batched_tokens`` now, with a
         progress bar, so that ``generate`` never stalls on a compile; the compile caches live in
-        ``DEEPINFER_CACHE_DIR``."""
+        ``DEEPINFER_CACHE_DIR``. ``yoco_mode`` ('compact' or 'off'; default
+        ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE``, else compact for V4.1 models) and
+        ``yoco_keep_tokens`` (default ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, 140): V4.1's compact
+        prefill, whose decoder replays only each prompt's last KEEP rows (``graphs/yoco.py``;
+        prompt-logprob requests replay every row)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             inputs.count(name, value)
         inputs.count("max_model_len", max_model_len, optional=True)
@@ -127,16 +133,17 @@ class LLM:
         budget = memory_budget if memory_budget is not None else self._default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
+        cp_swap, split = self.ranks.cp_split()
+        keep = compact_keep(c, self.settings, yoco_mode, yoco_keep_tokens, cp=split is not None)
         opts = build_options(
             self.settings, self.model.device, eager=eager, overlap=overlap, warmup=warmup, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs, inductor=inductor,
-            dump_graphs=dump_graphs, disable_passes=disable_passes,
+            dump_graphs=dump_graphs, disable_passes=disable_passes, keep=keep,
         )
         self.options = opts
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
         swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
-        cp_swap, split = self.ranks.cp_split()
         if split is not None and asked_eager is None:
             # cp steps eagerly because it must, not because eager math was asked for: the
             # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
