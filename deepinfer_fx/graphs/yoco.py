@@ -76,13 +76,12 @@ def replay_for(batch: Batch, prompt_lens: Sequence[int], keep: int, exact: Seque
     if len(prompt_lens) != len(batch.chunks):
         raise ValueError(f"replay_for needs one prompt length per chunk: {len(prompt_lens)} for {len(batch.chunks)} chunks")
     exact = list(exact) or [False] * len(prompt_lens)
-    by_offset = {ch.offset: (0 if ex else max(0, n - keep)) for ch, n, ex in zip(batch.chunks, prompt_lens, exact)}
-    offsets = {ch.offset: ch for ch in batch.chunks}
+    pivot = {ch.offset: (0 if ex else max(0, n - keep)) for ch, n, ex in zip(batch.chunks, prompt_lens, exact)}
+    by_offset = {ch.offset: ch for ch in batch.chunks}
     keep_from, widths = [], []
-    for g in batch.groups:
-        firsts = [int(o) for o in g.index[:, 0].tolist()]
-        chunks = [offsets[o] for o in firsts]
-        starts = [by_offset[o] for o in firsts]
-        keep_from.append(torch.tensor(starts, dtype=torch.long, device=g.index.device))
-        widths.append(max([ch.start + ch.length - max(ch.start, s) for ch, s in zip(chunks, starts)] + [1]))
+    for g in batch.groups:  # a group's chunk c starts at packed row index[c, 0]
+        chunks = [by_offset[int(o)] for o in g.index[:, 0].tolist()]
+        pivots = [pivot[ch.offset] for ch in chunks]
+        keep_from.append(torch.tensor(pivots, dtype=torch.long, device=g.index.device))
+        widths.append(max([ch.start + ch.length - max(ch.start, p) for ch, p in zip(chunks, pivots)] + [1]))
     return Replay(tuple(keep_from), tuple(widths))
