@@ -68,6 +68,16 @@ def test_compact_is_exact_at_the_exact_bound(model) -> None:
             assert torch.allclose(st["layers"][i]["window"][0], st_ref["layers"][i]["window"][0], atol=1e-5), (chunks, i)
 
 
+def test_compact_with_engram_in_the_decoder() -> None:
+    """An Engram layer after the first decoder layer looks up the kept rows' hashes."""
+    m = deepinfer_fx.random_model(tiny_v41(engram_layer_ids=[1, 5]), seed=2)
+    c = m.config.replace(fake_quant=False)
+    ids = torch.randint(3, 300, (P,), generator=torch.Generator().manual_seed(0))
+    ref, _ = _run(m, c, ids, None, [P])
+    got, _ = _run(m, c, ids, EXACT_KEEP, [17, 13, 20])
+    assert (got - ref).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("keep", [8, 20])
 def test_compact_below_the_bound_bounds_the_drift(model, keep) -> None:
     """Below the exact bound the decoder rings are replayed from KEEP rows, so the logprobs of the
