@@ -67,11 +67,13 @@ class GraphKey:
     all_rows: bool = False  # prefill: logits for every row (prompt logprobs), not just the last
     mode: str = "greedy"  # the sampler's mode (sampler.MODES)
     k: int | None = None  # top logprobs returned
+    kept: int = 0  # prefill: rows per chunk the decoder replays (V4.1 compact prefill; 0: every row)
 
     @property
     def model_name(self) -> str:
         """The model part's name, shared by every sampler mode of the bucket."""
-        return graph_name(self.kind, t=self.tokens, r=self.requests) + ("-all" if self.all_rows else "")
+        return graph_name(self.kind, t=self.tokens, r=self.requests) + ("-all" if self.all_rows else "") + (
+            f"-kept{self.kept}" if self.kept else "")
 
     @property
     def name(self) -> str:
@@ -132,6 +134,7 @@ class PrefillChunk:
     start: int
     ids: Sequence[int]
     controls: tuple[int, int, int, int, int] | None = None
+    keep_from: int = 0  # compact prefill: the first prompt position the decoder replays (0: every row)
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class StepGraphs:
         self, model: Model, state: dict, next_token: torch.Tensor, *, max_requests: int, max_tokens: int,
         accelerator: str | None = None, graphs: bool | None = None, inductor: bool = False,
         dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True, max_drafts: int = 0,
+        keep: int | None = None,
     ) -> None:
         """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps)."""
         self.config, self.params = model
@@ -176,6 +180,7 @@ class StepGraphs:
         self.next_token = next_token
         self.device = model.device
         self.compile = compile
+        self.keep = keep  # V4.1 compact prefill's KEEP (engine/options.py checked it); None: exact prefill
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
         has_graphs = self.device.type in GRAPH_DEVICES
         if graphs and not (has_graphs and compile):
@@ -196,7 +201,7 @@ class StepGraphs:
         # largest decode region, so a mixed step's inputs reach the device in one copy; verify
         # chunks (speculative decoding) after the largest prefill region.
         self._decode_span = Layout("decode", self.decode_buckets[-1]).size
-        biggest = Layout("prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True).size
+        biggest = Layout("prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True, kept=int(keep is not None)).size
         self._verify_at = self._decode_span + biggest
         verify = Layout("verify", self.request_buckets[-1], self.verify_buckets[-1]).size if max_drafts else 0
         self.arena = torch.zeros(self._verify_at + verify, dtype=torch.long, device=self.device)
@@ -227,7 +232,11 @@ class StepGraphs:
         return Layout("decode", self._bucket(n, self.decode_buckets))
 
     def prefill_layout(self, n_chunks: int, length: int, all_rows: bool = False) -> Layout:
-        return Layout("prefill", self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.length_buckets), all_rows)
+        """Compact prefill replays at most KEEP rows of a chunk, every row of a step with prompt
+        logprobs (its other chunks still replay only theirs: ``PrefillChunk.keep_from``)."""
+        n, L = self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.length_buckets)
+        kept = 0 if self.keep is None else L if all_rows else min(L, self.keep)
+        return Layout("prefill", n, L, all_rows, kept)
 
     def verify_layout(self, n_chunks: int, length: int) -> Layout:
         if not self.verify_buckets:
@@ -275,11 +284,14 @@ class StepGraphs:
 
     def prefill(
         self, chunks: Sequence[tuple[int, int, Sequence[int]]], all_rows: bool = False, min_chunks: int = 0, min_length: int = 0,
+        keep_from: Sequence[int] = (),
     ) -> tuple[StepOut, list[int]]:
-        """``chunks``: (slot, start, token ids), each sampled greedily. Returns the step's results
+        """``chunks``: (slot, start, token ids), each sampled greedily (``keep_from``: each chunk's
+        ``PrefillChunk.keep_from``, compact prefill; default 0). Returns the step's results
         and, per chunk, the row of its first logit (``all_rows``: chunk c owns rows ``r ..
         r + n - 1``; otherwise only its last token's row ``r``)."""
-        pre = [PrefillChunk(slot, start, ids, GREEDY) for slot, start, ids in chunks]
+        keep_from = list(keep_from) or [0] * len(chunks)
+        pre = [PrefillChunk(slot, start, ids, GREEDY, keep) for (slot, start, ids), keep in zip(chunks, keep_from)]
         out = self.step((), pre, "greedy", all_rows=all_rows, min_chunks=min_chunks, min_length=min_length)[1]
         stride = out.logits.shape[0] // self.prefill_layout(max(len(chunks), min_chunks), 1).requests if all_rows else 1
         return out, [i * stride for i in range(len(chunks))]
@@ -331,6 +343,8 @@ class StepGraphs:
             rows = [c * L + max(n - 1, 0) for c, n in enumerate(lens)]
             at = list(range(C))
         model = tokens + [ch.slot for ch in chunks] + [self.scratch] * pad + [ch.start for ch in chunks] + [0] * pad + lens + rows
+        if layout.kept:
+            model += [ch.keep_from for ch in chunks] + [0] * pad
         sampled = [
             SampledRow(at[c], ch.slot, ch.controls, ch.start + len(ch.ids)) if ch.controls is not None
             else SampledRow(at[c], self.scratch, GREEDY, 0)
@@ -391,7 +405,7 @@ class StepGraphs:
         return out
 
     def _entry(self, layout: Layout, mode: str, k: int | None) -> _Entry:
-        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k)
+        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k, layout.kept)
         if key in self._entries:
             return self._entries[key]
         c, params, state, next_token = self.config, self.params, self.state, self.next_token
@@ -433,7 +447,7 @@ class StepGraphs:
         return e
 
     def _forward(self, layout: Layout, backend: DeepinferBackend) -> Callable:
-        fkey = (layout.kind, layout.requests, layout.length, layout.all_rows)
+        fkey = (layout.kind, layout.requests, layout.length, layout.all_rows, layout.kept)
         if fkey not in self._forwards:
             c = self.config
             if layout.kind == "decode":
@@ -441,7 +455,7 @@ class StepGraphs:
                     return decode_logits(params, state, c, next_token, *layout.split_model(part))
             else:
                 def forward(params, state, next_token, part):
-                    return prefill_logits(params, state, c, *layout.split_model(part))
+                    return prefill_logits(params, state, c, *layout.split_model(part), kept=layout.kept)
             self._forwards[fkey] = compile_graph(forward, backend)
         return self._forwards[fkey]
 

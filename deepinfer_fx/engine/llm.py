@@ -20,7 +20,7 @@ from ..io.tokenizer import decode, encode, load_tokenizer
 from . import inputs
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
 from .loop import EngineLoop, LoopStats
-from .options import build_options
+from .options import build_options, compact_keep
 from .warmup import use_cache_dir, warm_up
 from .ranks import Ranks
 from .request import RequestOutput, Sequence, to_output
@@ -61,6 +61,8 @@ class LLM:
         num_threads: int | None = None,
         warmup: bool | None = None,
         speculative_config: dict | None = None,
+        yoco_mode: str | None = None,
+        yoco_keep_tokens: int | None = None,
     ) -> None:
         """``eager``: None compiles the steps on GPUs and runs them eagerly on the CPU (there the
         compile time outweighs the gain); True never compiles; False always does. Compiled runs
@@ -78,7 +80,11 @@ class LLM:
         ``DEEPINFER_CACHE_DIR``. ``speculative_config``: speculative decoding, vLLM's shape
         (``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
         "prompt_lookup_max": 4}``; ``DEEPINFER_USE_NEXTN_DECODE`` caps k); greedy and sampled
-        requests get the tokens they get without it (``engine/spec_accept.py``)."""
+        requests get the tokens they get without it (``engine/spec_accept.py``). ``yoco_mode`` ('compact' or 'off'; default
+        ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE``, else compact for V4.1 models) and
+        ``yoco_keep_tokens`` (default ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, 140): V4.1's compact
+        prefill, whose decoder replays only each prompt's last KEEP rows (``graphs/yoco.py``;
+        prompt-logprob requests replay every row)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             inputs.count(name, value)
         inputs.count("max_model_len", max_model_len, optional=True)
@@ -137,22 +143,23 @@ class LLM:
         budget = memory_budget if memory_budget is not None else self._default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
+        cp_swap, split = self.ranks.cp_split()
+        max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
+        keep = compact_keep(c, self.settings, yoco_mode, yoco_keep_tokens, max_draft=max_drafts, cp=split is not None)
         opts = build_options(
             self.settings, self.model.device, eager=eager, overlap=overlap, warmup=warmup, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs, inductor=inductor,
-            dump_graphs=dump_graphs, disable_passes=disable_passes,
+            dump_graphs=dump_graphs, disable_passes=disable_passes, keep=keep,
         )
         self.options = opts
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
         swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
-        cp_swap, split = self.ranks.cp_split()
         if split is not None and asked_eager is None:
             # cp steps eagerly because it must, not because eager math was asked for: the
             # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
             # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU)
             swaps = {**eager_kernel_swaps(self.settings.accelerator, self.model.device, opts.steps.disabled_passes), **swaps}
-        max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
         self.runner = ModelRunner(self.model, self.pool, opts.steps, {**swaps, **cp_swap}, split, lockstep=self.ranks.lockstep,
                                   max_drafts=max_drafts)
         self.transfer = None

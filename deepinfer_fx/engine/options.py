@@ -10,8 +10,9 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ..config import ModelConfig
+from ..graphs.yoco import min_keep_tokens
 from ..settings import PREFIX, EngineConfig
-
 
 
 def refuse_unbuilt(settings: EngineConfig, environ: Mapping[str, str] = os.environ) -> None:
@@ -19,15 +20,44 @@ def refuse_unbuilt(settings: EngineConfig, environ: Mapping[str, str] = os.envir
     refuse to start rather than being read by nothing (their off values are what runs).
     Speculative decoding's variables are checked with ``speculative_config`` (``spec_config``)."""
     asked = {
-        f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE": (settings.yoco_mode == "compact", "V4.1's compact decoder prefill"),
-        f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS": (bool(environ.get(f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS", "").strip()),
-                                              "V4.1's compact decoder prefill"),
         f"{PREFIX}BATCH_INVARIANT": (settings.batch_invariant, "batch-invariant inference"),
     }
     for name, (on, feature) in asked.items():
         if on:
             raise ValueError(f"{name}={environ.get(name)!r} asks for {feature}, which is not built yet; "
                              f"unset {name} (or set its off value) to run without it")
+
+
+def compact_keep(
+    c: ModelConfig, settings: EngineConfig, mode: str | None = None, keep: int | None = None, max_draft: int = 0,
+    cp: bool = False,
+) -> int | None:
+    """V4.1 compact prefill's KEEP, or None for exact prefill (spec §8.2). ``mode`` / ``keep``: the
+    ``LLM`` arguments, else ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` / ``_KEEP_TOKENS``; the
+    mode's default is compact for V4.1 (as DeepInfer) and off for V4 and on context-parallel
+    meshes, whose split steps are not built for it. ``max_draft``: the longest speculative draft."""
+    mode_var, keep_var = f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE", f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS"
+    if mode not in (None, "compact", "off"):
+        raise ValueError(f"yoco_mode must be 'compact' or 'off', got {mode!r}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"yoco_keep_tokens must be a positive integer, got {keep!r}")
+    asked = mode or settings.yoco_mode
+    if asked is None:
+        asked = "compact" if c.is_v41 and not cp else "off"
+    if asked == "off":
+        return None
+    if not c.is_v41:
+        raise ValueError(f"compact prefill (yoco_mode / {mode_var}) replays V4.1's CED decoder; {c.model_type} has none: "
+                         "set it to 'off' or leave it unset")
+    if cp:
+        raise ValueError(f"compact prefill (yoco_mode / {mode_var}) is not built for context parallelism; set it to 'off'")
+    keep = settings.yoco_keep_tokens if keep is None else keep
+    need = min_keep_tokens(c, max_draft)
+    if keep < need:
+        why = f"the sliding window ({c.sliding_window})" + (f" plus the longest rollback (a {max_draft}-token draft + 1)" if max_draft else "")
+        raise ValueError(f"yoco_keep_tokens / {keep_var} = {keep} is below the minimum {need}: the kept rows must cover {why}, "
+                         "the decoder rows the first decode steps read")
+    return keep
 
 
 @dataclass(frozen=True)
@@ -43,6 +73,7 @@ class StepOptions:
     inductor: bool = False  # False: our passes on aot_eager
     dump_dir: str | None = None
     disabled_passes: tuple[str, ...] = ()
+    keep: int | None = None  # V4.1 compact prefill's KEEP (rows the decoder replays); None: exact prefill
 
 
 @dataclass(frozen=True)
@@ -63,7 +94,7 @@ def default_cache_dir(settings: EngineConfig) -> Path:
 def build_options(
     settings: EngineConfig, device: torch.device, *, eager: bool | None, overlap: bool, warmup: bool | None,
     max_num_seqs: int, max_num_batched_tokens: int, cuda_graphs: bool | None, inductor: bool | None,
-    dump_graphs: str | os.PathLike | None, disable_passes: str | Sequence[str] | None,
+    dump_graphs: str | os.PathLike | None, disable_passes: str | Sequence[str] | None, keep: int | None = None,
 ) -> EngineOptions:
     """Resolve the arguments together (``engine/inputs.py`` has checked each one). ``eager``
     None compiles on GPUs; ``warmup`` None warms up compiled steps."""
@@ -78,7 +109,7 @@ def build_options(
     steps = StepOptions(
         compiled=compiled, max_requests=max_num_seqs, max_tokens=max_num_batched_tokens, accelerator=settings.accelerator,
         cuda_graphs=cuda_graphs, inductor=device.type == "cuda" if inductor is None else inductor,
-        dump_dir=None if dump_graphs is None else str(dump_graphs), disabled_passes=disabled,
+        dump_dir=None if dump_graphs is None else str(dump_graphs), disabled_passes=disabled, keep=keep,
     )
     return EngineOptions(steps, settings, max_num_seqs, max_num_batched_tokens, overlap,
                          compiled if warmup is None else warmup, default_cache_dir(settings))

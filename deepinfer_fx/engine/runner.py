@@ -122,7 +122,9 @@ class ModelRunner:
             model, pool.state, self.next_token, max_requests=options.max_requests, max_tokens=options.max_tokens,
             accelerator=options.accelerator, graphs=options.cuda_graphs, inductor=options.inductor,
             dump_dir=options.dump_dir, disabled=options.disabled_passes, compile=options.compiled, max_drafts=max_drafts,
+            keep=options.keep,
         )
+        self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
         self.async_copy = self.device.type == "cuda"
 
@@ -182,7 +184,10 @@ class ModelRunner:
                 where.append((1, len(pre)) if ch.sample else None)
                 first_row.append(len(pre))
                 ids = seq.prompt_ids[ch.start : ch.start + ch.length]
-                pre.append(PrefillChunk(seq.slot, ch.start, ids, seq.controls if ch.sample else None))
+                # compact prefill: the decoder replays the prompt's last KEEP rows; prompt logprobs need every row
+                exact = self.keep is None or seq.params.prompt_logprobs is not None
+                keep_from = 0 if exact else max(0, seq.prompt_len - self.keep)
+                pre.append(PrefillChunk(seq.slot, ch.start, ids, seq.controls if ch.sample else None, keep_from))
         wants_rows = sched is not None and any(ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device)
         n_dec, n_pre, length, all_rows = self._plan([len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)])
         d, p = self.steps.step(dec, pre, mode, k, bool(all_rows), min_requests=n_dec, min_chunks=n_pre, min_length=length)

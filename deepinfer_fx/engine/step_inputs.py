@@ -10,7 +10,8 @@ float32 bit patterns, so one buffer carries every type.
 
 Decode region (R rows):   meta [3, R] (slot, start, length) | sampling [8, R]
 Prefill region (C chunks of up to L tokens):
-                          tokens [C * L] | meta [3, C] | logit rows [C, or C * L] | sampling [8, C]
+                          tokens [C * L] | meta [3, C] | logit rows [C, or C * L] | keep from [C] | sampling [8, C]
+                          (keep from: compact prefill only, ``kept`` > 0: each chunk's replay start)
 Verify region (C chunks: a request's last token and its drafts): the prefill layout with every
                           row's logits; its sampling row c holds chunk c's controls, the slot
                           that receives the bonus token and the position of the chunk's row 0's token
@@ -41,13 +42,15 @@ def float_bits(x: float) -> int:
 @dataclass(frozen=True)
 class Layout:
     """Offsets of one bucket's inputs. ``kind`` is "decode" (``requests`` rows of one token),
-    "prefill" (``requests`` chunks of ``length`` tokens; ``all_rows``: logits for every row) or
+    "prefill" (``requests`` chunks of ``length`` tokens; ``all_rows``: logits for every row;
+    ``kept`` > 0: V4.1 compact prefill, the decoder replays that many rows per chunk) or
     "verify" (chunks like prefill's, always with every row's logits)."""
 
     kind: str
     requests: int
     length: int = 1
     all_rows: bool = False
+    kept: int = 0
 
     @property
     def tokens(self) -> int:
@@ -60,7 +63,7 @@ class Layout:
     @property
     def model_size(self) -> int:
         """Entries the model part reads (everything before the sampling rows)."""
-        rows = self.logit_rows if self.kind != "decode" else 0
+        rows = self.logit_rows + (self.requests if self.kept else 0) if self.kind != "decode" else 0
         return self.tokens + 3 * self.requests + rows
 
     @property
@@ -74,13 +77,14 @@ class Layout:
         return buf[self.model_size : self.size].view(len(SAMPLING), self.requests)
 
     def split_model(self, part: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The model part -> (tokens, slots, starts, lens, rows) for prefill and verify, (slots,
-        starts, lens) for decode."""
+        """The model part -> (tokens, slots, starts, lens, rows, keep from or None) for prefill
+        and verify, (slots, starts, lens) for decode."""
         t, r = self.tokens, self.requests
         slots, starts, lens = part[t : t + 3 * r].view(3, r).unbind(0)
         if self.kind == "decode":
             return slots, starts, lens
-        return part[:t], slots, starts, lens, part[t + 3 * r :]
+        rows = part[t + 3 * r : t + 3 * r + self.logit_rows]
+        return part[:t], slots, starts, lens, rows, (part[t + 3 * r + self.logit_rows :] if self.kept else None)
 
 
 def sampling_tensors(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, SamplingTensors]:

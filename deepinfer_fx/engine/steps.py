@@ -10,9 +10,11 @@ padding rows of a chunk sit past its length (``graphs/batch.py`` says why both a
 - ``decode_logits``: one token per request, read on the device from ``next_token[slot]`` (the
   sampler's output buffer), so the host never handles a sampled token between steps.
 - ``prefill_logits``: ``C`` chunks of up to ``L`` prompt tokens, packed ``[C * L]``; logits only for
-  ``rows`` (each chunk's last token, or every row when prompt logprobs are asked for).
+  ``rows`` (each chunk's last token, or every row when prompt logprobs are asked for). With
+  ``kept`` (V4.1 compact prefill, ``graphs/yoco.py``) the decoder replays only each chunk's rows
+  from ``keep_from`` on, ``kept`` of them at most.
 - ``verify_step``: speculative decoding's step: ``prefill_logits`` over chunks of a request's
-  last token and its drafts, every row's logits, then ``spec_accept.accept_rows``.
+  last token and its drafts (exact, every row's logits), then ``spec_accept.accept_rows``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from ..config import ModelConfig
 from ..graphs.batch import Batch, Group
 from ..graphs.model import forward_batch
+from ..graphs.yoco import Replay
 from .sampler import logprobs, sample_mode
 from .spec_accept import accept_rows
 from .step_inputs import Layout, sampling_tensors
@@ -75,7 +78,7 @@ def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Ten
                 mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None) -> VerifyOut:
     """One verify step over its input buffer: every row's logits, then acceptance (``k`` unused:
     requests that ask for logprobs are not speculated)."""
-    token_ids, slots, starts, lens, rows = layout.split_model(layout.model_part(buf))
+    token_ids, slots, starts, lens, rows, _ = layout.split_model(layout.model_part(buf))
     logits = prefill_logits(params, state, c, token_ids, slots, starts, lens, rows)
     return VerifyOut(*accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids), logits)
 
@@ -90,7 +93,7 @@ def decode_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Ten
 def prefill_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
                  mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None) -> StepOut:
     """One prefill step over its input buffer: logits at its rows, then the sampled tokens."""
-    logits = prefill_logits(params, state, c, *layout.split_model(layout.model_part(buf)))
+    logits = prefill_logits(params, state, c, *layout.split_model(layout.model_part(buf)), kept=layout.kept)
     return StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids), logits)
 
 
@@ -105,12 +108,20 @@ def decode_logits(
 
 def prefill_logits(
     params: dict, state: dict, c: ModelConfig, token_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-    lens: torch.Tensor, rows: torch.Tensor,
+    lens: torch.Tensor, rows: torch.Tensor, keep_from: torch.Tensor | None = None, kept: int = 0,
 ) -> torch.Tensor:
-    """Logits ``[R, vocab]`` at packed ``rows`` for ``C`` prompt chunks packed ``[C * L]``."""
+    """Logits ``[R, vocab]`` at packed ``rows`` for ``C`` prompt chunks packed ``[C * L]``; with
+    ``kept``, compact prefill from each chunk's ``keep_from`` (a row before it has no logits:
+    its result is that chunk's first kept row's, which nothing reads)."""
     n_chunks = slots.shape[0]
     length = token_ids.shape[0] // n_chunks
     index = torch.arange(n_chunks * length, device=slots.device).view(n_chunks, length)
     group = Group(index, slots, starts, lens, packed=True)
     batch = Batch(token_ids, group.positions.reshape(-1), (group,))
-    return forward_batch(params, state, c, batch, rows=rows)[0]
+    if not kept:
+        return forward_batch(params, state, c, batch, rows=rows)[0]
+    # packed row r = c * L + j -> kept row c * kept + j - (first kept position - start)
+    chunk = torch.div(rows, length, rounding_mode="floor")
+    skipped = (torch.minimum(torch.maximum(starts, keep_from), starts + lens) - starts)[chunk]
+    kept_rows = chunk * kept + (rows - chunk * length - skipped).clamp(min=0, max=kept - 1)
+    return forward_batch(params, state, c, batch, rows=kept_rows, replay=Replay((keep_from,), (kept,)))[0]

@@ -123,21 +123,23 @@ def latent_kv(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def attention(
-    p: dict, states: list, c: ModelConfig, x: torch.Tensor, batch: Batch, layer: int, ratio: int, ctx: dict
+    p: dict, states: list, c: ModelConfig, x: torch.Tensor, batch: Batch, layer: int, ratio: int, ctx: dict,
+    keys_x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One attention sublayer over the packed tokens ``x`` ``[N, D]`` (already normed).
     ``states`` holds every layer's pooled state (V4.1 layers read their KV source's);
     ``ctx`` carries per-forward results shared across layers (V4.1 selections).
     Projections run on all tokens; the cache-reading core runs per group of chunks ``[C, L]``:
     the cache side (window ring, compressor, index keys) on the whole chunks, the query side on
-    this batch's rows of them (all of them, except on a context-parallel rank)."""
+    this batch's rows of them (all of them, except on a context-parallel rank, or where the
+    caller gives the key side's rows ``keys_x`` for a ``QuerySubset``: V4.1 compact prefill)."""
     freq = inv_freq(c, ratio != 0, x.device)
     cos, sin = _per_forward(ctx, ("rope", ratio != 0), batch.positions, lambda: cos_sin(batch.positions, freq, shared=True))
     q_r, q = query(p, c, x, cos, sin)
     keys_batch = batch.keys
     xk, k_cos, k_sin = x, cos, sin
     if batch.split is not None:  # the cache side needs every token of the chunks
-        xk = context_gather(x, batch.split)
+        xk = context_gather(x, batch.split) if keys_x is None else keys_x
         k_cos, k_sin = _per_forward(ctx, ("key rope", ratio != 0), keys_batch.positions,
                                     lambda: cos_sin(keys_batch.positions, freq, shared=True))
     kv = latent_kv(p, c, xk, k_cos, k_sin)
@@ -147,7 +149,7 @@ def attention(
     for gi, (g, qs) in enumerate(zip(keys_batch.groups, batch.queries)):
         xg, kv_g = gather_rows(xk, g), gather_rows(kv, g)
         xq, q_rq, q_pos = gather_rows(x, qs), gather_rows(q_r, qs), qs.positions
-        if reads_after_write(st["window"], kv_g) and q_pos.shape[-1] == 1 and g.slots.shape[0] >= RING_MIN_CHUNKS:
+        if reads_after_write(st["window"], kv_g) and q_pos.shape[-1] == 1 and g.slots.shape[0] >= RING_MIN_CHUNKS and g.floor is None:
             outs.append((qs, _decode(p, states, c, st, kv_g, xg, g, xq, q_rq, q_pos, gather_rows(q, qs), gather_rows(cos, qs),
                                      gather_rows(sin, qs), layer, ratio, freq, ctx.setdefault(gi, {}))))
             continue

@@ -48,6 +48,9 @@ class Group:
     # attention output needs no scatter: at a 4096-token P8 prefill those copies of the
     # [T, 64, 512] query and output move ~1 GB per layer (estimated from the shapes).
     packed: bool = False
+    # ``[C]``: keys before this position are not the chunk's sequence's (V4.1 compact prefill's
+    # replayed decoder layers never wrote their rings below the replay start); None: position 0
+    floor: torch.Tensor | None = None
 
     @classmethod
     def one(cls, start: int, length: int, slot: int = 0, device=None) -> "Group":
@@ -86,7 +89,7 @@ class Batch:
     positions: torch.Tensor  # [N] absolute position of each token
     groups: tuple[Group, ...]
     chunks: tuple[Chunk, ...] = ()  # host-side view; empty inside compiled steps
-    split: ContextSplit | None = None  # set on a context-parallel rank's share of its chunks
+    split: ContextSplit | QuerySubset | None = None  # a context-parallel rank's share, or a subset of the queries
 
     @property
     def keys(self) -> Batch:
@@ -123,6 +126,16 @@ class ContextSplit:
     source: torch.Tensor  # [N_full] long
     rows: torch.Tensor  # [N_local] long
     width: int
+
+
+@dataclass(frozen=True)
+class QuerySubset:
+    """Some rows of each of ``full``'s chunks as the query side (V4.1 compact prefill's first
+    decoder layer, ``graphs/yoco.py``): the cache side runs on every row of ``full``, and the
+    caller hands attention those rows' inputs (``keys_x``); ``queries[i]`` index this batch's rows."""
+
+    full: Batch
+    queries: tuple[Queries, ...]
 
 
 @swappable

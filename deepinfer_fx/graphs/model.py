@@ -26,6 +26,7 @@ from .mhc import hc_head, mhc_collapse, mhc_expand, mhc_site
 from .moe import moe
 from .norm import linear_fp32, rms_norm
 from .state import check_room
+from .yoco import Kept, Replay, kept_rows
 
 
 def embed(params: dict, c: ModelConfig, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -44,16 +45,25 @@ def _site(lp: dict, name: str, c: ModelConfig, X: torch.Tensor, pre_in: torch.Te
 def block(
     lp: dict, states: list, c: ModelConfig, X: torch.Tensor, batch: Batch, layer: int, ratio: int,
     ctx: dict | None = None, pre_prev: torch.Tensor | None = None, attn: Callable = attention,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder block (attention site, FFN site) on the streams ``X`` ``[N, hc, D]``.
     ``pre_prev`` given (V4.1, single-pass mHC): the attention input collapses with it and the
     FFN input with the attention site's ``pre``; otherwise each site uses its own.
     ``attn`` replaces the attention sublayer (same signature as ``attention``): the DSpark
     drafter's stages attend their context windows without writing them.
-    Returns the new streams and the FFN site's ``pre`` (the next block's ``pre_prev``)."""
+    ``rows`` (V4.1 compact prefill's first decoder layer, ``yoco.py``): every row of ``X`` feeds
+    attention's cache side, and the block goes on with these rows only; ``batch`` is then their
+    ``QuerySubset`` batch. Returns the new streams and the FFN site's ``pre`` (the next block's ``pre_prev``)."""
     eps = c.rms_norm_eps
     pre_a, post, comb, u = _site(lp, "attn", c, X, pre_prev)
-    a = attn(lp["attn"], states, c, rms_norm(u, lp["attn_norm"], eps), batch, layer, ratio, ctx if ctx is not None else {})
+    x = rms_norm(u, lp["attn_norm"], eps)
+    ctx = ctx if ctx is not None else {}
+    if rows is None:
+        a = attn(lp["attn"], states, c, x, batch, layer, ratio, ctx)
+    else:
+        a = attention(lp["attn"], states, c, x[rows], batch, layer, ratio, ctx, keys_x=x)
+        X, pre_a, post, comb = X[rows], pre_a[rows], post[rows], comb[rows]
     X = mhc_expand(X, a, post, comb)
     pre_f, post, comb, u = _site(lp, "ffn", c, X, None if pre_prev is None else pre_a)
     f = moe(lp["ffn"], c, rms_norm(u, lp["ffn_norm"], eps), batch.token_ids, batch.real_rows)
@@ -95,28 +105,39 @@ def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> li
 def run_layers(
     params: dict, state: dict, c: ModelConfig, X: torch.Tensor, batch: Batch, layers: range,
     ctx: dict, pre: torch.Tensor | None, hashes: list[torch.Tensor] | None, captured: dict | None = None,
+    kept: Kept | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Layers ``layers`` on the streams of the batch's rows. V4.1's decoder half (layers from
-    the last KV source on) can run on a subset of rows by passing that sub-batch. Layers listed
-    in ``captured`` (a dict of layer -> None) get their input streams (after Engram) stored
+    """Layers ``layers`` on the streams of the batch's rows. ``kept`` (V4.1 compact prefill):
+    from the first decoder layer on, only those rows go on (``yoco.py``). Layers listed in
+    ``captured`` (a dict of layer -> None) get their input streams (after Engram) stored
     there: the DSpark drafter reads them."""
+    first_decoder = c.decoder_layers[0] if kept is not None else None
     for layer in layers:
         lp = params["layers"][layer]
         if "engram" in lp:
             X = engram_apply(lp["engram"], X, hashes[c.engram_layer_ids.index(layer)], c.rms_norm_eps)
         if captured is not None and layer in captured:
             captured[layer] = X
-        X, pre_f = block(lp, state["layers"], c, X, batch, layer, c.compress_ratios[layer], ctx, pre)
+        if layer == first_decoder:
+            X, pre_f = block(lp, state["layers"], c, X, kept.queries, layer, c.compress_ratios[layer], ctx, pre, rows=kept.rows)
+            batch, hashes = kept.batch, None if hashes is None else [h[kept.rows] for h in hashes]
+        else:
+            X, pre_f = block(lp, state["layers"], c, X, batch, layer, c.compress_ratios[layer], ctx, pre)
         if c.is_v41:
             pre = pre_f
     return X, pre
 
 
 def hidden_streams(
-    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None
+    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None, replay: Replay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Residual streams after the last layer: ``[N, hc, D]``, and (V4.1) the last site's ``pre``.
+    """Residual streams after the last layer: ``[N, hc, D]`` (with ``replay``, V4.1's compact
+    prefill: of the kept rows, ``yoco.kept_rows``' layout), and (V4.1) the last site's ``pre``.
     ``captured``: see ``run_layers``."""
+    if replay is not None and not c.is_v41:
+        raise ValueError(f"compact prefill replays V4.1's decoder; this config is {c.model_type}")
+    if replay is not None and (captured is not None or batch.split is not None):
+        raise ValueError("compact prefill with DSpark capture or context parallelism is not built; run these forwards exact")
     for ch in batch.keys.chunks:
         check_room(state, ch.slot, ch.start, ch.length)
     X = embed(params, c, batch.token_ids, params["norm"].dtype)
@@ -129,7 +150,8 @@ def hidden_streams(
         hashes = engram_hashes(params, state, c, batch.keys)
         if batch.split is not None:
             hashes = [h[batch.split.rows] for h in hashes]
-    return run_layers(params, state, c, X, batch, range(c.num_hidden_layers), {}, pre, hashes, captured)
+    kept = None if replay is None else kept_rows(batch, replay)
+    return run_layers(params, state, c, X, batch, range(c.num_hidden_layers), {}, pre, hashes, captured, kept)
 
 
 def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None = None, pre: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,12 +167,14 @@ def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None
 
 
 def forward_batch(
-    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None, rows: torch.Tensor | None = None
+    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None, rows: torch.Tensor | None = None,
+    replay: Replay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits ``[N, vocab]`` (fp32) for every packed token (or only for packed ``rows``: the
     head is a large share of a prefill step), and the final streams (MTP input).
-    ``captured``: layer -> None entries to fill with those layers' input streams (DSpark)."""
-    X, pre = hidden_streams(params, state, c, batch, captured)
+    ``captured``: layer -> None entries to fill with those layers' input streams (DSpark).
+    ``replay``: V4.1 compact prefill; rows are then the kept rows (``yoco.kept_rows``)."""
+    X, pre = hidden_streams(params, state, c, batch, captured, replay)
     if rows is None:
         return head(params, c, X, pre=pre), X
     return head(params, c, X[rows], pre=None if pre is None else pre[rows]), X

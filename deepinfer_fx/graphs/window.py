@@ -19,15 +19,20 @@ def window_keys(ring: torch.Tensor, kv: torch.Tensor, g: Group) -> tuple[torch.T
     """Keys for a group's chunks: each chunk's ring (positions before the chunk) then its own kv
     ``[C, L, d]``, ``[C, W + L, d]``, with each key's absolute position ``[C, W + L]`` (negative
     = empty slot). Writes each chunk's last ``W`` rows into its ring, ready for the next chunk.
-    One-token chunks (decode) get ``[C, W, d]``: the ring read after the write (``reads_after_write``)."""
+    One-token chunks (decode) get ``[C, W, d]``: the ring read after the write (``reads_after_write``).
+    Ring rows below the group's ``floor`` count as empty (they hold another sequence's rows)."""
     w = ring.shape[1]
     if reads_after_write(ring, kv):
         write_window(ring, kv, g)
-        return ring[g.slots], ring_positions(g.starts, w)
-    held = ring_positions(g.starts - 1, w)
+        return ring[g.slots], _floored(ring_positions(g.starts, w), g)
+    held = _floored(ring_positions(g.starts - 1, w), g)
     before = ring[g.slots]  # read before the write below
     write_window(ring, kv, g)
     return torch.cat([before.to(kv.dtype), kv], 1), torch.cat([held, g.positions], 1)
+
+
+def _floored(held: torch.Tensor, g: Group) -> torch.Tensor:
+    return held if g.floor is None else torch.where(held >= g.floor[:, None], held, -1)
 
 
 def reads_after_write(ring: torch.Tensor, kv: torch.Tensor) -> bool:
