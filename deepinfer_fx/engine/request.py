@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from .detok import TextState
 from .sampler import mode_for
@@ -51,6 +52,7 @@ class Sequence:
     text_state: TextState = field(default_factory=TextState)  # incremental detokenization offsets
     emitted_chars: int = 0  # text handed out so far (streaming deltas start here)
     emitted_tokens: int = 0
+    grammar: Any = None  # structured output: the request's structured.GrammarState (None: unconstrained)
 
     @cached_property
     def controls(self) -> tuple[int, int, int, int, int]:

@@ -7,12 +7,18 @@ N+1 can be launched before the host has seen step N's tokens. Results come back 
 device-to-host copy per part, queued behind the step on its stream (the next step, which may
 replay the same graph over the same output buffers, is queued after the copies);
 ``StepHandle.wait`` is the only place the host waits for the device.
+
+Structured output: a step with constrained rows carries one token bitmask per sampled row,
+filled here from each request's matcher (``structured.fill_masks``); the loop guarantees that
+every matcher has seen its request's last token by then (``loop.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
+
+import time
 
 import torch
 
@@ -22,6 +28,7 @@ from ..graphs.model import forward_batch
 from ..graphs.swap import swapped
 from ..kernels.triton import register_nvidia_kernels
 from ..passes.manager import build_pipeline
+from ..settings import usable_cores
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
 from .cache import CachePool
@@ -33,6 +40,10 @@ from .sampling import MAX_LOGPROBS
 from .scheduler import SchedulerOutputs
 from .step_inputs import Layout, SampledRow, fill
 from .steps import StepOut, decode_logits, sample_rows
+from .structured import GrammarState, MaskFiller, mask_words
+
+DEAD_GRAMMAR = ("SamplingParams.so_args: the grammar allows no token of this model's vocabulary at output position {n} "
+                "(a pattern the tokenizer cannot spell?)")
 
 
 @dataclass
@@ -44,9 +55,12 @@ class StepHandle:
     parts: list[tuple[torch.Tensor, ...]]  # per part (decode, prefill): host copies of tokens [, logprob, top ids, top lps]
     prompt_lp: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # chunk -> (target, lp, top ids, top lps)
     done: torch.cuda.Event | None
+    fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
     _tokens: list[list[int]] | None = None
 
     def wait(self) -> None:
+        if self._tokens is not None:
+            return
         if self.done is not None:
             self.done.synchronize()
         self._tokens = [p[0].tolist() for p in self.parts]
@@ -107,6 +121,9 @@ class ModelRunner:
         )
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
         self.async_copy = self.device.type == "cuda"
+        self.mask_words = mask_words(model.config.vocab_size)
+        self.mask_s = 0.0  # host seconds filling structured output's token masks (LoopStats.host_mask)
+        self._filler: MaskFiller | None = None  # made with the first constrained step (xgrammar loads then)
 
     @torch.no_grad()
     def warm_up(self, keys: Seq[tuple[Layout, str]], progress: Callable[[str], None] | None = None) -> float:
@@ -163,9 +180,35 @@ class ModelRunner:
                 pre.append(PrefillChunk(seq.slot, ch.start, ids, seq.controls if ch.sample else None))
         wants_rows = sched is not None and any(ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device)
         n_dec, n_pre, length, all_rows = self._plan([len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)])
-        d, p = self.steps.step(dec, pre, mode, k, bool(all_rows), min_requests=n_dec, min_chunks=n_pre, min_length=length)
+        masks = (None, None)
+        if any(ch.sample and ch.seq.grammar is not None for ch in chunks):
+            masks = (self._masks([ch for ch in chunks if ch.from_device]), self._masks([ch for ch in chunks if not ch.from_device]))
+        d, p = self.steps.step(dec, pre, mode, k, bool(all_rows), min_requests=n_dec, min_chunks=n_pre, min_length=length,
+                               masks=masks)
         stride = p.logits.shape[0] // self.steps.prefill_layout(max(len(pre), n_pre), 1).requests if p is not None and all_rows else 1
         return [d, p], where, first_row, stride
+
+    def _masks(self, chunks: Seq) -> torch.Tensor | None:
+        """The token bitmasks of ``chunks``' rows in order (None: no constrained row among them).
+        A request whose grammar allows no token gets ``error`` set here; the loop ends it when
+        this step's token comes back."""
+        states: list[GrammarState | None] = [ch.seq.grammar if ch.sample else None for ch in chunks]
+        if not any(states):
+            return None
+        t0 = time.perf_counter()
+        failed = [i for i, ch in enumerate(chunks) if states[i] is not None and ch.seq.error is not None]
+        for ch, st in zip(chunks, states):
+            # a matcher must have accepted every token sampled so far, or its mask is stale
+            if st is not None and ch.seq.error is None and st.accepted != ch.seq.num_sampled_scheduled - 1:
+                raise RuntimeError(f"request {ch.seq.id}: its grammar is {ch.seq.num_sampled_scheduled - 1 - st.accepted} "
+                                   "token(s) behind; the loop must feed a constrained request's tokens before its next step")
+        if self._filler is None:
+            self._filler = MaskFiller(usable_cores())
+        mask, dead = self._filler.fill(states, self.mask_words, pinned=self.async_copy, skip=failed)
+        for i in dead:
+            chunks[i].seq.error = DEAD_GRAMMAR.format(n=len(chunks[i].seq.output_ids))
+        self.mask_s += time.perf_counter() - t0
+        return mask
 
     def _launch_split(self, sched: SchedulerOutputs, mode: str, k: int | None) -> StepHandle:
         """Context parallelism: one packed forward of this rank's share of the chunks, every
@@ -196,7 +239,9 @@ class ModelRunner:
             logits = context_gather(logits, batch.split)
         layout = Layout("decode", len(sampled))
         buf = torch.tensor(fill(layout, [0] * layout.model_size, sampled, self.pool.slots), device=self.device)
-        out = StepOut(*sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids), logits)
+        mask = self._masks([ch for ch in sched.chunks if ch.sample])
+        mask = None if mask is None else mask.to(self.device)
+        out = StepOut(*sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids, mask), logits)
         return self._copy_back(sched, where, [out], {})
 
     @torch.no_grad()
