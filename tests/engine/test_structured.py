@@ -120,8 +120,9 @@ def _check(llm: LLM, outs, names, params, tag: str) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.parametrize("round_", [0, 1])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_outputs_match_their_grammars(llm, overlap: bool) -> None:
+def test_outputs_match_their_grammars(llm, overlap: bool, round_: int) -> None:
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     llm._loop().overlap = overlap
@@ -221,3 +222,20 @@ def test_draft_masks_hook_rolls_back() -> None:
     bit = lambda row, t: bool((mask[row, t // 32] >> (t % 32)) & 1)  # noqa: E731
     assert bit(0, digit) and not bit(0, dash) and bit(1, dash) and bit(2, x) and not bit(2, y)
     assert st.accepted == 0 and st.accept(digit) and not st.accept(x)
+
+
+def test_cli_flags_give_so_args(tmp_path) -> None:
+    from deepinfer_fx.generate import _so_args, build_parser
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMAS[0]))
+    grammar = tmp_path / "g.ebnf"
+    grammar.write_text(EBNF)
+    ap = build_parser()
+    for argv, want in ((["--regex", "a+"], {"schema_type": "regex", "schema": "a+"}),
+                       (["--json-schema", str(schema)], {"schema_type": "json", "schema": json.dumps(SCHEMAS[0])}),
+                       (["--grammar", str(grammar)], {"schema_type": "ebnf", "schema": EBNF}), ([], None)):
+        assert _so_args(ap, ap.parse_args(argv)) == want
+    for argv in (["--regex", "a", "--grammar", str(grammar)], ["--json-schema", str(tmp_path / "missing.json")]):
+        with pytest.raises(SystemExit):
+            _so_args(ap, ap.parse_args(argv))
