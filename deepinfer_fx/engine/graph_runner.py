@@ -226,7 +226,8 @@ class StepGraphs:
     def step(
         self, decode: Sequence[DecodeRow], prefill: Sequence[PrefillChunk], mode: str, k: int | None = None,
         all_rows: bool = False, min_requests: int = 0, min_chunks: int = 0, min_length: int = 0,
-        masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+        masked: tuple[bool, bool] = (False, False),
+        masks: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
     ) -> tuple[StepOut | None, StepOut | None]:
         """Launch one step: the decode rows through the decode graph, then the prompt chunks
         through the prefill graph, every input in one host-to-device copy. Sampling ``mode``
@@ -234,20 +235,23 @@ class StepGraphs:
         decode result is row i's; the prefill result has one token per chunk (a chunk that
         samples nothing writes its token to the scratch slot). With ``all_rows`` the prefill
         logits cover every row, chunk c's from ``c * layout.length``. ``min_*``: run buckets for
-        at least that many (padded), as the ranks of a mesh agree. ``masks``: host token bitmasks
-        (int32 ``[rows, words]``, pinned on a GPU) of the decode rows and of the prompt chunks,
-        in order; a part with one runs its masked sampler."""
+        at least that many (padded), as the ranks of a mesh agree. ``masked``: whether the decode
+        part and the prefill part run their masked sampler (structured output); ``masks`` then
+        returns their host token bitmasks (int32 ``[rows, words]``, pinned on a GPU; the rows in
+        order), called once the step is laid out and its inputs are queued, since it may wait
+        for the previous step (``EngineLoop._feed``)."""
         parts: list[tuple[_Entry, list[int]]] = []
         if decode or min_requests:
             layout = self.decode_layout(max(len(decode), min_requests))
-            parts.append((self._entry(layout, mode, k, masks[0] is not None), self._fill_decode(layout, decode)))
+            parts.append((self._entry(layout, mode, k, masked[0]), self._fill_decode(layout, decode)))
         if prefill or min_chunks:
             length = max([len(ch.ids) for ch in prefill] + [min_length, 1])
             layout = self.prefill_layout(max(len(prefill), min_chunks), length, all_rows)
-            parts.append((self._entry(layout, mode, k, masks[1] is not None), self._fill_prefill(layout, prefill)))
+            parts.append((self._entry(layout, mode, k, masked[1]), self._fill_prefill(layout, prefill)))
         self._copy_inputs(parts)
+        host_masks = masks() if masks is not None and any(masked) else (None, None)
         for e, _ in parts:
-            host = masks[0 if e.layout.kind == "decode" else 1]
+            host = host_masks[0 if e.layout.kind == "decode" else 1]
             if host is not None:
                 e.mask[: host.shape[0]].copy_(host, non_blocking=True)
                 e.mask[host.shape[0] :].fill_(-1)  # padding rows: unconstrained

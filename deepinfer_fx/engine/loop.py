@@ -4,10 +4,11 @@ logprobs) are processed one step late: stop strings, EOS, max_tokens, exports. W
 the same steps run one at a time. ``LoopStats`` splits the host's time into launching,
 waiting and reading, so that the host's own cost per step can be read off.
 
-Structured output: a constrained request's next token mask needs its last token, so a turn
-whose previous step sampled for a constrained request first waits for that step and feeds its
-tokens to the matchers (``_feed``); it then schedules and launches the next step, and reads the
-rest of the previous one (text, stops, EOS) while the device runs, as any turn does."""
+Structured output: a constrained request's next token mask needs its last token, so when the
+previous step sampled for a constrained request, the launch of the next step (scheduled and
+laid out already) waits for the previous one and feeds its tokens to the matchers (``_feed``)
+before it fills the masks; the rest of the previous step (text, stops, EOS) is read while the
+device runs, as in any turn."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class LoopStats:
     host_wait: float = 0.0  # host seconds waiting for a step's results (the device is ahead)
     host_read: float = 0.0  # host seconds turning results into outputs (tokens, text, stops)
     host_mask: float = 0.0  # of host_launch: filling structured output's token masks
-    synced: int = 0  # turns that read the previous step before scheduling (structured output)
+    synced: int = 0  # launches that waited for the previous step's tokens (structured output)
 
     @property
     def host_us_per_step(self) -> float:
@@ -59,6 +60,7 @@ class EngineLoop:
     stats: LoopStats = field(default_factory=LoopStats)
     _prev: tuple[int, StepHandle, float] | None = None
     _step: int = 0
+    _fed_wait: float = 0.0  # this turn's wait inside the launch for the previous step (_feed)
     _progress: dict[int, Sequence] = field(default_factory=dict)  # this turn's requests that moved, by id
 
     def busy(self) -> bool:
@@ -71,9 +73,12 @@ class EngineLoop:
         Returns the requests that made progress (new tokens, or finished) in this turn."""
         t0 = now = time.perf_counter()
         self._progress = {}
+        feed = None
         if self._prev is not None and _needs_tokens(self._prev[1]):
-            self._feed(self._prev[1])
-            now = time.perf_counter()
+            prev_handle = self._prev[1]
+
+            def feed() -> None:
+                self._feed(prev_handle)
         mask_before = self.runner.mask_s
         sched = self.scheduler.schedule(now)
         if self.lockstep is not None and self.lockstep.any(sched is not None) and sched is None:
@@ -82,10 +87,11 @@ class EngineLoop:
         if sched is not None:
             self.events.append(("schedule", self._step))
             importer = None if self.transfer is None else self.transfer.load
-            cur = (self._step, self.runner.launch(sched, importer), now)
+            cur = (self._step, self.runner.launch(sched, importer, feed), now)
             self.events.append(("launch", self._step))
             self._step += 1
-            self.stats.host_launch += time.perf_counter() - now
+            self.stats.host_launch += time.perf_counter() - now - self._fed_wait  # the wait is host_wait's
+            self._fed_wait = 0.0
             self.stats.host_mask += self.runner.mask_s - mask_before
             if not self.overlap:
                 self._process(*cur)
@@ -108,7 +114,8 @@ class EngineLoop:
         that the next step's masks can be filled before the step is read in full."""
         t_wait = time.perf_counter()
         handle.wait()
-        self.stats.host_wait += time.perf_counter() - t_wait
+        self._fed_wait = time.perf_counter() - t_wait
+        self.stats.host_wait += self._fed_wait
         self.stats.synced += 1
         for i, ch in enumerate(handle.sched.chunks):
             seq = ch.seq

@@ -134,7 +134,11 @@ class ModelRunner:
             return self.steps.warm_up(keys, progress)
 
     @torch.no_grad()
-    def launch(self, sched: SchedulerOutputs, importer: Callable[[Sequence], None] | None = None) -> StepHandle:
+    def launch(self, sched: SchedulerOutputs, importer: Callable[[Sequence], None] | None = None,
+               before_masks: Callable[[], None] | None = None) -> StepHandle:
+        """Launch ``sched``'s step. ``before_masks``: called before the token masks of
+        constrained rows are filled, once the step is laid out (the loop feeds the previous
+        step's tokens to the matchers there, so that scheduling and layout overlap it)."""
         for slot in sched.to_zero:
             self.pool.zero(slot)
         for src, dst in sched.to_clone:
@@ -146,8 +150,8 @@ class ModelRunner:
         k = self.logprobs_k if any(s.params.logprobs is not None for s in sampled) else None
         with swapped(self.swaps):
             if self.split is not None:
-                return self._launch_split(sched, mode, k)
-            outs, where, first_row, stride = self._launch_steps(sched, mode, k)
+                return self._launch_split(sched, mode, k, before_masks)
+            outs, where, first_row, stride = self._launch_steps(sched, mode, k, before_masks)
         prompt_lp = {}
         for i, ch in enumerate(sched.chunks):
             p = ch.seq.params
@@ -162,7 +166,7 @@ class ModelRunner:
             prompt_lp[i] = (target, *logprobs(rows_lp, target, p.prompt_logprobs))
         return self._copy_back(sched, where, outs, prompt_lp)
 
-    def _launch_steps(self, sched: SchedulerOutputs | None, mode: str, k: int | None):
+    def _launch_steps(self, sched: SchedulerOutputs | None, mode: str, k: int | None, before_masks: Callable[[], None] | None = None):
         """The decode rows and prompt chunks of ``sched`` (None: an idle rank's padding alone)
         through the step functions, at the sizes this turn's plan agreed."""
         chunks = [] if sched is None else sched.chunks
@@ -180,11 +184,16 @@ class ModelRunner:
                 pre.append(PrefillChunk(seq.slot, ch.start, ids, seq.controls if ch.sample else None))
         wants_rows = sched is not None and any(ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device)
         n_dec, n_pre, length, all_rows = self._plan([len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)])
-        masks = (None, None)
-        if any(ch.sample and ch.seq.grammar is not None for ch in chunks):
-            masks = (self._masks([ch for ch in chunks if ch.from_device]), self._masks([ch for ch in chunks if not ch.from_device]))
+        parts = ([ch for ch in chunks if ch.from_device], [ch for ch in chunks if not ch.from_device])
+        masked = tuple(any(ch.sample and ch.seq.grammar is not None for ch in part) for part in parts)
+
+        def masks() -> tuple:
+            if before_masks is not None:
+                before_masks()
+            return tuple(self._masks(part) if m else None for part, m in zip(parts, masked))
+
         d, p = self.steps.step(dec, pre, mode, k, bool(all_rows), min_requests=n_dec, min_chunks=n_pre, min_length=length,
-                               masks=masks)
+                               masked=masked, masks=masks)
         stride = p.logits.shape[0] // self.steps.prefill_layout(max(len(pre), n_pre), 1).requests if p is not None and all_rows else 1
         return [d, p], where, first_row, stride
 
@@ -210,7 +219,7 @@ class ModelRunner:
         self.mask_s += time.perf_counter() - t0
         return mask
 
-    def _launch_split(self, sched: SchedulerOutputs, mode: str, k: int | None) -> StepHandle:
+    def _launch_split(self, sched: SchedulerOutputs, mode: str, k: int | None, before_masks: Callable[[], None] | None) -> StepHandle:
         """Context parallelism: one packed forward of this rank's share of the chunks, every
         CP rank then samples from every row alike."""
         c, params = self.model
@@ -239,6 +248,8 @@ class ModelRunner:
             logits = context_gather(logits, batch.split)
         layout = Layout("decode", len(sampled))
         buf = torch.tensor(fill(layout, [0] * layout.model_size, sampled, self.pool.slots), device=self.device)
+        if before_masks is not None:
+            before_masks()
         mask = self._masks([ch for ch in sched.chunks if ch.sample])
         mask = None if mask is None else mask.to(self.device)
         out = StepOut(*sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids, mask), logits)
