@@ -40,7 +40,7 @@ REQUESTS = [
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo", help="checkpoint directory, hub repo id, or 'demo' (default: %(default)s)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: %(default)s)")
     args = ap.parse_args()
 

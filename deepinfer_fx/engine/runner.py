@@ -9,16 +9,15 @@ replay the same graph over the same output buffers, is queued after the copies);
 ``StepHandle.wait`` is the only place the host waits for the device.
 
 Structured output: a step with constrained rows carries one token bitmask per sampled row,
-filled here from each request's matcher (``structured.fill_masks``); the loop guarantees that
-every matcher has seen its request's last token by then (``loop.py``).
+filled here from each request's matcher (``structured.MaskFiller``) once the loop has fed
+every matcher its request's last token (``before_masks``, ``loop.py``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
-
-import time
 
 import torch
 
