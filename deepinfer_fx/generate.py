@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", type=_text, default=None, help="stop string (repeatable; default: none)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     s.add_argument("--seed", type=_int_from(0), default=0, help="engine seed; each request's stream derives from it (default: %(default)s)")
+    so = s.add_mutually_exclusive_group()
+    so.add_argument("--regex", type=_text, default=None, metavar="PATTERN", help="structured output: the text must match PATTERN")
+    so.add_argument("--json-schema", default=None, metavar="FILE", help="structured output: JSON valid against the schema in FILE")
+    so.add_argument("--grammar", default=None, metavar="FILE", help="structured output: text of the EBNF grammar in FILE (root rule: root)")
     e = ap.add_argument_group("engine")
     e.add_argument("--mesh", type=_mesh, default=None,
                    help="e.g. ep8, ep2,dp4; more than one rank: launch under torchrun (cp meshes step eagerly for now, "
@@ -209,6 +213,20 @@ def _read_prompts(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list
     return prompts or ["The weather today is"]
 
 
+def _so_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
+    """--regex / --json-schema FILE / --grammar FILE as SamplingParams.so_args (DeepInfer's form)."""
+    if args.regex is not None:
+        return {"schema_type": "regex", "schema": args.regex}
+    for flag, kind in (("json_schema", "json"), ("grammar", "ebnf")):
+        path = getattr(args, flag)
+        if path is not None:
+            try:
+                return {"schema_type": kind, "schema": Path(path).read_text(encoding="utf-8")}
+            except (OSError, UnicodeDecodeError) as e:
+                ap.error(f"argument {_flag(flag)}: cannot read {path}: {e}")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -242,7 +260,7 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             ap.error(f"argument --device: {e}")
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos, so_args=_so_args(ap, args),
     )
     path = args.model or EngineConfig.from_env().hf_model_dir
     if path is None:

@@ -1,6 +1,6 @@
 """Steps over static buffers per bucket: compiled, captured as graphs and replayed.
 
-A graph key is (kind, token bucket, request bucket, sampler mode, logprobs). A step is the
+A graph key is (kind, token bucket, request bucket, sampler mode, logprobs, masked). A step is the
 model part (compiled once per bucket: ``passes.compiler``, the accelerator's pass pipeline,
 dumps, cache key) followed by the sampler (``steps.sample_rows``, compiled once per mode for
 every bucket); on a device with graphs both are captured as one graph, so a replay turns the
@@ -16,6 +16,10 @@ once, pads it to its buckets and copies it in one host->device copy. The first s
 runs the compiled functions (which compiles them: ``warm_up`` does it ahead of time on
 padding) and captures the graph right after. ``compile=False`` runs the same step functions
 eagerly at the exact sizes (the CPU engine and the tests' eager twin).
+
+A step with structured-output rows (``masked``) runs a sampler variant that reads a token bitmask
+per sampled row from a static device buffer (``masks``, filled by one copy before the step);
+every other step runs the unmasked sampler, so unconstrained batches pay nothing for it.
 
 ``GraphWrapper`` is what a device's graph API must provide; ``DeviceGraph`` serves CUDA graphs
 on NVIDIA and ACL graphs on Ascend (torch_npu is imported only there).
@@ -39,6 +43,7 @@ from ..passes.dump import graph_name
 from .step_inputs import Layout, SampledRow, fill, float_bits
 from .spec_accept import accept_rows
 from .steps import StepOut, VerifyOut, decode_logits, decode_step, prefill_logits, prefill_step, sample_rows, verify_step
+from .structured import mask_words
 
 # Engram tables are memory-mapped on the host in eager runs; a compiled step needs them resident.
 MAX_RESIDENT_ENGRAM_BYTES = 2 << 30
@@ -68,6 +73,7 @@ class GraphKey:
     mode: str = "greedy"  # the sampler's mode (sampler.MODES)
     k: int | None = None  # top logprobs returned
     kept: int = 0  # prefill: rows per chunk the decoder replays (V4.1 compact prefill; 0: every row)
+    masked: bool = False  # the sampler applies structured output's token bitmask
 
     @property
     def model_name(self) -> str:
@@ -77,7 +83,7 @@ class GraphKey:
 
     @property
     def name(self) -> str:
-        return f"{self.model_name}-{self.mode}" + (f"-k{self.k}" if self.k is not None else "")
+        return f"{self.model_name}-{self.mode}" + (f"-k{self.k}" if self.k is not None else "") + ("-masked" if self.masked else "")
 
 
 class GraphWrapper(Protocol):
@@ -155,6 +161,7 @@ class _Entry:
     key: GraphKey
     layout: Layout
     dev: torch.Tensor  # the key's region of the device arena: every input of its steps
+    mask: torch.Tensor | None  # masked keys: the token bitmask rows of its sampled rows
     fn: Callable[[], StepOut]
     backend: DeepinferBackend | None
     graph: GraphWrapper | None = None
@@ -196,7 +203,7 @@ class StepGraphs:
         self.scratch = state["slots"]
         self._entries: dict[GraphKey, _Entry] = {}
         self._forwards: dict[tuple, Callable] = {}  # one compiled model part per bucket, shared by its modes
-        self._samplers: dict[tuple, Callable] = {}  # one compiled sampler per (mode, k), every bucket
+        self._samplers: dict[tuple, Callable] = {}  # one compiled sampler per (mode, k, masked), every bucket
         # Every step's inputs live in one device arena: decode at offset 0, prefill after the
         # largest decode region, so a mixed step's inputs reach the device in one copy; verify
         # chunks (speculative decoding) after the largest prefill region.
@@ -206,6 +213,10 @@ class StepGraphs:
         verify = Layout("verify", self.request_buckets[-1], self.verify_buckets[-1]).size if max_drafts else 0
         self.arena = torch.zeros(self._verify_at + verify, dtype=torch.long, device=self.device)
         self.vocab_ids = torch.arange(self.config.vocab_size, device=self.device)  # the sampler's race keys (sampler.sample_mode)
+        # structured output's token bitmasks, one row per sampled row (static: graphs capture them)
+        words = mask_words(self.config.vocab_size)
+        self.masks = {"decode": torch.full((self.decode_buckets[-1], words), -1, dtype=torch.int32, device=self.device),
+                      "prefill": torch.full((self.request_buckets[-1], words), -1, dtype=torch.int32, device=self.device)}
         # The graphs of one kind share a memory pool, owned here: decode graphs one, prefill
         # graphs another. A graph captured later may place its output in memory an earlier one
         # of its pool uses as scratch, which is safe only while one graph of the pool runs per
@@ -247,6 +258,8 @@ class StepGraphs:
     def step(
         self, decode: Sequence[DecodeRow], prefill: Sequence[PrefillChunk], mode: str, k: int | None = None,
         all_rows: bool = False, min_requests: int = 0, min_chunks: int = 0, min_length: int = 0,
+        masked: tuple[bool, bool] = (False, False),
+        masks: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
     ) -> tuple[StepOut | None, StepOut | None]:
         """Launch one step: the decode rows through the decode graph, then the prompt chunks
         through the prefill graph, every input in one host-to-device copy. Sampling ``mode``
@@ -254,16 +267,26 @@ class StepGraphs:
         decode result is row i's; the prefill result has one token per chunk (a chunk that
         samples nothing writes its token to the scratch slot). With ``all_rows`` the prefill
         logits cover every row, chunk c's from ``c * layout.length``. ``min_*``: run buckets for
-        at least that many (padded), as the ranks of a mesh agree."""
+        at least that many (padded), as the ranks of a mesh agree. ``masked``: whether the decode
+        part and the prefill part run their masked sampler (structured output); ``masks`` then
+        returns their host token bitmasks (int32 ``[rows, words]``, pinned on a GPU; the rows in
+        order), called once the step is laid out and its inputs are queued, since it may wait
+        for the previous step (``EngineLoop._feed``)."""
         parts: list[tuple[_Entry, list[int]]] = []
         if decode or min_requests:
             layout = self.decode_layout(max(len(decode), min_requests))
-            parts.append((self._entry(layout, mode, k), self._fill_decode(layout, decode)))
+            parts.append((self._entry(layout, mode, k, masked[0]), self._fill_decode(layout, decode)))
         if prefill or min_chunks:
             length = max([len(ch.ids) for ch in prefill] + [min_length, 1])
             layout = self.prefill_layout(max(len(prefill), min_chunks), length, all_rows)
-            parts.append((self._entry(layout, mode, k), self._fill_prefill(layout, prefill)))
+            parts.append((self._entry(layout, mode, k, masked[1]), self._fill_prefill(layout, prefill)))
         self._copy_inputs(parts)
+        host_masks = masks() if masks is not None and any(masked) else (None, None)
+        for e, _ in parts:
+            host = host_masks[0 if e.layout.kind == "decode" else 1]
+            if host is not None:
+                e.mask[: host.shape[0]].copy_(host, non_blocking=True)
+                e.mask[host.shape[0] :].fill_(-1)  # padding rows: unconstrained
         outs = [self._run(e) for e, _ in parts]
         dec = outs.pop(0) if decode or min_requests else None
         return dec, (outs[0] if outs else None)
@@ -301,7 +324,7 @@ class StepGraphs:
         scratch slot: nothing real is read or written). Returns the seconds it took."""
         t0 = time.perf_counter()
         for layout, mode in keys:
-            e = self._entry(layout, mode, None)
+            e = self._entry(layout, mode, None, False)
             if e.graph is None or not self.graphs:
                 fill = {"decode": self._fill_decode, "prefill": self._fill_prefill, "verify": self._fill_verify}[layout.kind](layout, ())
                 self._copy_inputs([(e, fill)])
@@ -404,21 +427,24 @@ class StepGraphs:
                 e.capture_s = time.perf_counter() - t0
         return out
 
-    def _entry(self, layout: Layout, mode: str, k: int | None) -> _Entry:
-        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k, layout.kept)
+    def _entry(self, layout: Layout, mode: str, k: int | None, masked: bool = False) -> _Entry:
+        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k, layout.kept, masked)
         if key in self._entries:
             return self._entries[key]
         c, params, state, next_token = self.config, self.params, self.state, self.next_token
         base = self._offset(layout.kind)
         dev = self.arena[base : base + layout.size]
+        mask = self.masks[layout.kind][: layout.requests] if masked else None
         model_in, sampling_in = layout.model_part(dev), layout.sampling_part(dev)
         if not self.compile:
             step = {"decode": decode_step, "prefill": prefill_step, "verify": verify_step}[layout.kind]
 
-            def run_eager() -> StepOut:
-                return step(params, state, c, next_token, layout, dev, mode, k, self.vocab_ids)
+            extra = () if mask is None else (mask,)
 
-            e = _Entry(key, layout, dev, run_eager, None)
+            def run_eager() -> StepOut:
+                return step(params, state, c, next_token, layout, dev, mode, k, self.vocab_ids, *extra)
+
+            e = _Entry(key, layout, dev, mask, run_eager, None)
             self._entries[key] = e
             return e
         backend = make_backend(self.accelerator, self.disabled, self.dump_dir, key.model_name, inductor=self.inductor)
@@ -435,14 +461,15 @@ class StepGraphs:
                     logits = forward(params, state, next_token, model_in)
                 return VerifyOut(*acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids), logits)
         else:
-            sampler = self._sampler(mode, k)
+            sampler = self._sampler(mode, k, masked)
+            extra = () if mask is None else (mask,)
 
             def fn() -> StepOut:
                 with swapped(swaps):
                     logits = forward(params, state, next_token, model_in)
-                return StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids), logits)
+                return StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids, *extra), logits)
 
-        e = _Entry(key, layout, dev, fn, backend)
+        e = _Entry(key, layout, dev, mask, fn, backend)
         self._entries[key] = e
         return e
 
@@ -459,20 +486,21 @@ class StepGraphs:
             self._forwards[fkey] = compile_graph(forward, backend)
         return self._forwards[fkey]
 
-    def _sampler(self, mode: str, k: int | None, verify: bool = False) -> Callable:
+    def _sampler(self, mode: str, k: int | None, masked: bool = False, verify: bool = False) -> Callable:
         """The sampler of ``mode`` (``verify``: the draft acceptor, ``spec_accept.accept_rows``):
         its own small graph, compiled once for every bucket (the row count is dynamic), so a new
-        mode costs seconds, not a model compile."""
-        skey = (mode, k, verify)
+        mode costs seconds, not a model compile. ``masked``: the variant that takes a token
+        bitmask (structured output) as a last input."""
+        skey = (mode, k, masked, verify)
         if skey not in self._samplers:
-            name = ("accept-" if verify else "sample-") + mode + (f"-k{k}" if k else "")
+            name = ("accept-" if verify else "sample-") + mode + (f"-k{k}" if k else "") + ("-masked" if masked else "")
             backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
             if verify:
                 def sampler(logits, next_token, token_ids, lens, part, vocab_ids):
                     return accept_rows(logits, next_token, token_ids, lens, part, mode, vocab_ids)
             else:
-                def sampler(logits, next_token, part, vocab_ids):
-                    return sample_rows(logits, next_token, part, mode, k, vocab_ids)
+                def sampler(logits, next_token, part, vocab_ids, mask=None):
+                    return sample_rows(logits, next_token, part, mode, k, vocab_ids, mask)
 
             self._samplers[skey] = compile_graph(sampler, backend, dynamic=None)
         return self._samplers[skey]

@@ -27,6 +27,7 @@ from .request import RequestOutput, Sequence, to_output
 from .runner import ModelRunner, eager_kernel_swaps
 from .sampler import derive_seed
 from .sampling import SamplingParams
+from .structured import GrammarState, Grammars
 from .scheduler import EngineType, Scheduler
 from .spec_config import parse_speculative_config
 from .spec_decode import Speculator
@@ -132,6 +133,7 @@ class LLM:
         self.tokenizer = None
         if self.model.path is not None and (Path(self.model.path) / "tokenizer.json").exists():
             self.tokenizer = load_tokenizer(self.model.path)
+        self._grammars: Grammars | None = None  # built with the first constrained request (xgrammar loads then)
 
         self.max_model_len = min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
         if max_model_len is not None and max_model_len > c.max_position_embeddings:
@@ -212,10 +214,27 @@ class LLM:
         if outside:
             raise ValueError(f"SamplingParams.stop_token_ids {outside} lie outside the model's vocabulary [0, {vocab}); "
                              "no token can match them: drop them")
+        grammar = None if params.so_spec is None else self._grammar(params, where)
         seq_id = self._next_id
         self._next_id += 1
         seed = params.seq_seed if params.seq_seed is not None else derive_seed(self.seed, seq_id)
-        return Sequence(seq_id, text, ids, params, seed)
+        seq = Sequence(seq_id, text, ids, params, seed)
+        seq.grammar = grammar
+        return seq
+
+    def _grammar(self, params: SamplingParams, where: str) -> GrammarState:
+        """A matcher for ``params.so_args``, compiled (once per distinct spec) now, so that a bad
+        regex, schema or grammar fails this request with xgrammar's message before it is queued."""
+        if self.tokenizer is None:
+            raise ValueError(f"{where}: SamplingParams.so_args needs the checkpoint's tokenizer.json (structured output "
+                             "constrains text); this checkpoint has none")
+        if self._grammars is None:
+            c = self.model.config
+            self._grammars = Grammars(self.tokenizer, c.vocab_size, c.eos_token_ids, threads=usable_cores())
+        try:
+            return self._grammars.state(params.so_spec)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     def generate(
         self,
@@ -253,6 +272,8 @@ class LLM:
             seq.seed = int(meta["seed"]) if sp.seq_seed is None else sp.seq_seed
             seq.imported, seq.import_path = True, d
             seq.output_ids.append(int(meta["last_token"]))
+            if seq.grammar is not None and not seq.grammar.accept(seq.output_ids[-1]):
+                raise ValueError(f"{d}: its first token {seq.output_ids[-1]} does not match this request's so_args")
             seq.num_sampled_scheduled = 1
             seqs.append(seq)
         return seqs

@@ -1,10 +1,18 @@
 """The host loop. With overlap on, the host schedules and launches step N+1 before it reads
 step N's results, so the device never waits for the host between steps; results (tokens,
 logprobs) are processed one step late: stop strings, EOS, max_tokens, exports. With overlap off
-the same steps run one at a time. A speculating request's next step needs its previous step's
-tokens (the drafter reads them), so while one waits the loop reads the step in flight before
-scheduling the next. ``LoopStats`` splits the host's time into launching,
-waiting and reading, so that the host's own cost per step can be read off."""
+the same steps run one at a time. ``LoopStats`` splits the host's time into launching,
+waiting and reading, so that the host's own cost per step can be read off.
+
+Speculative decoding: a speculating request's next step needs its previous step's tokens (the
+drafter reads them), so while one waits the loop reads the step in flight before scheduling
+the next.
+
+Structured output: a constrained request's next token mask needs its last token, so when the
+previous step sampled for a constrained request, the launch of the next step (scheduled and
+laid out already) waits for the previous one and feeds its tokens to the matchers (``_feed``)
+before it fills the masks; the rest of the previous step (text, stops, EOS) is read while the
+device runs, as in any turn."""
 
 from __future__ import annotations
 
@@ -16,6 +24,8 @@ from .request import Sequence, Status
 from .runner import ModelRunner, StepHandle
 from .scheduler import EngineType, Scheduler
 from .state_io import StateTransfer
+
+NON_FINITE = "the model's logits for this request were not finite (NaN or inf): check the weights and inputs"
 
 
 @dataclass
@@ -29,6 +39,8 @@ class LoopStats:
     host_launch: float = 0.0  # host seconds scheduling, laying out and launching steps
     host_wait: float = 0.0  # host seconds waiting for a step's results (the device is ahead)
     host_read: float = 0.0  # host seconds turning results into outputs (tokens, text, stops)
+    host_mask: float = 0.0  # of host_launch: filling structured output's token masks
+    synced: int = 0  # launches that waited for the previous step's tokens (structured output)
 
     @property
     def host_us_per_step(self) -> float:
@@ -52,6 +64,7 @@ class EngineLoop:
     stats: LoopStats = field(default_factory=LoopStats)
     _prev: tuple[int, StepHandle, float] | None = None
     _step: int = 0
+    _fed_wait: float = 0.0  # this turn's wait inside the launch for the previous step (_feed)
     _progress: dict[int, Sequence] = field(default_factory=dict)  # this turn's requests that moved, by id
 
     def busy(self) -> bool:
@@ -68,6 +81,13 @@ class EngineLoop:
             self._process(*self._prev)
             self._prev = None
             t0 = now = time.perf_counter()
+        feed = None
+        if self._prev is not None and _needs_tokens(self._prev[1]):
+            prev_handle = self._prev[1]
+
+            def feed() -> None:
+                self._feed(prev_handle)
+        mask_before = self.runner.mask_s
         sched = self.scheduler.schedule(now)
         if self.lockstep is not None and self.lockstep.any(sched is not None) and sched is None:
             self.runner.idle()  # another rank steps: its all-to-alls need this rank too
@@ -75,10 +95,12 @@ class EngineLoop:
         if sched is not None:
             self.events.append(("schedule", self._step))
             importer = None if self.transfer is None else self.transfer.load
-            cur = (self._step, self.runner.launch(sched, importer), now)
+            cur = (self._step, self.runner.launch(sched, importer, feed), now)
             self.events.append(("launch", self._step))
             self._step += 1
-            self.stats.host_launch += time.perf_counter() - t0
+            self.stats.host_launch += time.perf_counter() - now - self._fed_wait  # the wait is host_wait's
+            self._fed_wait = 0.0
+            self.stats.host_mask += self.runner.mask_s - mask_before
             if not self.overlap:
                 self._process(*cur)
                 cur = None
@@ -94,6 +116,27 @@ class EngineLoop:
         while self.busy():
             self.step()
         return self.stats
+
+    def _feed(self, handle: StepHandle) -> None:
+        """Wait for a launched step and hand each constrained request's token to its matcher, so
+        that the next step's masks can be filled before the step is read in full."""
+        t_wait = time.perf_counter()
+        handle.wait()
+        self._fed_wait = time.perf_counter() - t_wait
+        self.stats.host_wait += self._fed_wait
+        self.stats.synced += 1
+        for i, ch in enumerate(handle.sched.chunks):
+            seq = ch.seq
+            if ch.sample and seq.grammar is not None and not seq.finished and seq.error is None:
+                self._accept(seq, handle.token(i))
+                handle.fed.add(i)
+
+    @staticmethod
+    def _accept(seq: Sequence, tok: int) -> None:
+        if tok < 0:
+            seq.error = NON_FINITE
+        elif not seq.grammar.accept(tok):  # the mask allowed only tokens the grammar accepts: an engine defect
+            seq.error = f"SamplingParams.so_args: the grammar rejected sampled token {tok} at output position {len(seq.output_ids)}"
 
     def _process(self, step: int, handle: StepHandle, launched: float) -> None:
         t_wait = time.perf_counter()
@@ -155,8 +198,11 @@ class EngineLoop:
 
     def _append(self, seq: Sequence, tok: int, handle: StepHandle, i: int, now: float) -> None:
         self._progress[seq.id] = seq
-        if tok < 0:
-            seq.error = "the model's logits for this request were not finite (NaN or inf): check the weights and inputs"
+        if seq.error is None and seq.grammar is not None and i not in handle.fed:
+            self._accept(seq, tok)
+        elif tok < 0:
+            seq.error = NON_FINITE
+        if seq.error is not None:  # also set at launch: a grammar that allows no token (runner.DEAD_GRAMMAR)
             self.finish(seq, "error", None, now)
             return
         p = seq.params
@@ -168,6 +214,8 @@ class EngineLoop:
         reason = stop = None
         if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
             reason, stop = "stop", (tok if tok in p.stop_token_ids else None)
+        elif seq.grammar is not None and seq.grammar.terminated:  # the grammar took EOS (ignore_eos or not)
+            reason = "stop"
         if self.detokenize is not None and reason is None:
             searched = len(seq.text)
             seq.text += next_text(self.detokenize, seq.output_ids, seq.text_state)
@@ -197,3 +245,8 @@ class EngineLoop:
         seq.finished_at = now if now is not None else time.perf_counter()
         self._progress[seq.id] = seq
         self.scheduler.release(seq)
+
+
+def _needs_tokens(handle: StepHandle) -> bool:
+    """Whether the next step's masks need this step's tokens: it sampled for a constrained request."""
+    return any(ch.sample and ch.seq.grammar is not None and not ch.seq.finished for ch in handle.sched.chunks)

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from .detok import TextState
 from .sampler import mode_for
@@ -53,6 +54,7 @@ class Sequence:
     emitted_tokens: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed for this request
     num_accepted_tokens: int = 0  # and accepted
+    grammar: Any = None  # structured output: the request's structured.GrammarState (None: unconstrained)
 
     @cached_property
     def controls(self) -> tuple[int, int, int, int, int]:

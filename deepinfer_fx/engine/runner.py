@@ -9,10 +9,15 @@ replay the same graph over the same output buffers, is queued after the copies);
 ``StepHandle.wait`` is the only place the host waits for the device. Verify chunks
 (speculative decoding) run as a third part after decode and prefill; the slot state each one
 may overwrite is saved first, and ``rollback`` restores it after a rejected draft.
+
+Structured output: a step with constrained rows carries one token bitmask per sampled row,
+filled here from each request's matcher (``structured.MaskFiller``) once the loop has fed
+every matcher its request's last token (``before_masks``, ``loop.py``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
@@ -24,6 +29,7 @@ from ..graphs.model import forward_batch
 from ..graphs.swap import swapped
 from ..kernels.triton import register_nvidia_kernels
 from ..passes.manager import build_pipeline
+from ..settings import usable_cores
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
 from .cache import CachePool
@@ -36,6 +42,10 @@ from .scheduler import SchedulerOutputs
 from .spec_decode import restore, snapshot
 from .step_inputs import Layout, SampledRow, fill
 from .steps import StepOut, decode_logits, sample_rows
+from .structured import GrammarState, MaskFiller, mask_words
+
+DEAD_GRAMMAR = ("SamplingParams.so_args: the grammar allows no token of this model's vocabulary at output position {n} "
+                "(a pattern the tokenizer cannot spell?)")
 
 
 @dataclass
@@ -49,10 +59,13 @@ class StepHandle:
     done: torch.cuda.Event | None
     verify: dict[int, tuple[VerifyChunk, int]] = field(default_factory=dict)  # chunk -> (its rows, its row of ``saved``)
     saved: tuple | None = None  # the verify slots' state before the step (``spec_decode.snapshot``)
+    fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
     _tokens: list[list[int]] | None = None
     _accepted: list[int] | None = None
 
     def wait(self) -> None:
+        if self._tokens is not None:
+            return
         if self.done is not None:
             self.done.synchronize()
         self._tokens = [p[0].tolist() for p in self.parts]
@@ -127,6 +140,9 @@ class ModelRunner:
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
         self.async_copy = self.device.type == "cuda"
+        self.mask_words = mask_words(model.config.vocab_size)
+        self.mask_s = 0.0  # host seconds filling structured output's token masks (LoopStats.host_mask)
+        self._filler: MaskFiller | None = None  # made with the first constrained step (xgrammar loads then)
 
     @torch.no_grad()
     def warm_up(self, keys: Seq[tuple[Layout, str]], progress: Callable[[str], None] | None = None) -> float:
@@ -137,7 +153,11 @@ class ModelRunner:
             return self.steps.warm_up(keys, progress)
 
     @torch.no_grad()
-    def launch(self, sched: SchedulerOutputs, importer: Callable[[Sequence], None] | None = None) -> StepHandle:
+    def launch(self, sched: SchedulerOutputs, importer: Callable[[Sequence], None] | None = None,
+               before_masks: Callable[[], None] | None = None) -> StepHandle:
+        """Launch ``sched``'s step. ``before_masks``: called before the token masks of
+        constrained rows are filled, once the step is laid out (the loop feeds the previous
+        step's tokens to the matchers there, so that scheduling and layout overlap it)."""
         for slot in sched.to_zero:
             self.pool.zero(slot)
         for src, dst in sched.to_clone:
@@ -149,8 +169,8 @@ class ModelRunner:
         k = self.logprobs_k if any(s.params.logprobs is not None for s in sampled) else None
         with swapped(self.swaps):
             if self.split is not None:
-                return self._launch_split(sched, mode, k)
-            outs, where, first_row, stride, verify = self._launch_steps(sched, mode, k)
+                return self._launch_split(sched, mode, k, before_masks)
+            outs, where, first_row, stride, verify = self._launch_steps(sched, mode, k, before_masks)
         prompt_lp = {}
         for i, ch in enumerate(sched.chunks):
             p = ch.seq.params
@@ -165,7 +185,7 @@ class ModelRunner:
             prompt_lp[i] = (target, *logprobs(rows_lp, target, p.prompt_logprobs))
         return self._copy_back(sched, where, outs, prompt_lp, verify)
 
-    def _launch_steps(self, sched: SchedulerOutputs | None, mode: str, k: int | None):
+    def _launch_steps(self, sched: SchedulerOutputs | None, mode: str, k: int | None, before_masks: Callable[[], None] | None = None):
         """The decode rows and prompt chunks of ``sched`` (None: an idle rank's padding alone)
         through the step functions, at the sizes this turn's plan agreed."""
         chunks = [] if sched is None else sched.chunks
@@ -190,7 +210,17 @@ class ModelRunner:
                 pre.append(PrefillChunk(seq.slot, ch.start, ids, seq.controls if ch.sample else None, keep_from))
         wants_rows = sched is not None and any(ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device)
         n_dec, n_pre, length, all_rows = self._plan([len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)])
-        d, p = self.steps.step(dec, pre, mode, k, bool(all_rows), min_requests=n_dec, min_chunks=n_pre, min_length=length)
+        # the decode and prefill parts' chunks in row order (verify chunks never carry a grammar: spec_decode.speculates)
+        parts = ([ch for ch in chunks if ch.from_device and not ch.drafts], [ch for ch in chunks if not ch.from_device])
+        masked = tuple(any(ch.sample and ch.seq.grammar is not None for ch in part) for part in parts)
+
+        def masks() -> tuple:
+            if before_masks is not None:
+                before_masks()
+            return tuple(self._masks(part) if m else None for part, m in zip(parts, masked))
+
+        d, p = self.steps.step(dec, pre, mode, k, bool(all_rows), min_requests=n_dec, min_chunks=n_pre, min_length=length,
+                               masked=masked, masks=masks)
         stride = p.logits.shape[0] // self.steps.prefill_layout(max(len(pre), n_pre), 1).requests if p is not None and all_rows else 1
         if not ver:
             return [d, p], where, first_row, stride, ({}, None)
@@ -210,7 +240,29 @@ class ModelRunner:
         with swapped(self.swaps):
             self.steps.step((), chunks, "greedy")
 
-    def _launch_split(self, sched: SchedulerOutputs, mode: str, k: int | None) -> StepHandle:
+    def _masks(self, chunks: Seq) -> torch.Tensor | None:
+        """The token bitmasks of ``chunks``' rows in order (None: no constrained row among them).
+        A request whose grammar allows no token gets ``error`` set here; the loop ends it when
+        this step's token comes back."""
+        states: list[GrammarState | None] = [ch.seq.grammar if ch.sample else None for ch in chunks]
+        if not any(states):
+            return None
+        t0 = time.perf_counter()
+        failed = [i for i, ch in enumerate(chunks) if states[i] is not None and ch.seq.error is not None]
+        for ch, st in zip(chunks, states):
+            # a matcher must have accepted every token sampled so far, or its mask is stale
+            if st is not None and ch.seq.error is None and st.accepted != ch.seq.num_sampled_scheduled - 1:
+                raise RuntimeError(f"request {ch.seq.id}: its grammar is {ch.seq.num_sampled_scheduled - 1 - st.accepted} "
+                                   "token(s) behind; the loop must feed a constrained request's tokens before its next step")
+        if self._filler is None:
+            self._filler = MaskFiller(usable_cores())
+        mask, dead = self._filler.fill(states, self.mask_words, pinned=self.async_copy, skip=failed)
+        for i in dead:
+            chunks[i].seq.error = DEAD_GRAMMAR.format(n=len(chunks[i].seq.output_ids))
+        self.mask_s += time.perf_counter() - t0
+        return mask
+
+    def _launch_split(self, sched: SchedulerOutputs, mode: str, k: int | None, before_masks: Callable[[], None] | None) -> StepHandle:
         """Context parallelism: one packed forward of this rank's share of the chunks, every
         CP rank then samples from every row alike."""
         c, params = self.model
@@ -239,7 +291,11 @@ class ModelRunner:
             logits = context_gather(logits, batch.split)
         layout = Layout("decode", len(sampled))
         buf = torch.tensor(fill(layout, [0] * layout.model_size, sampled, self.pool.slots), device=self.device)
-        out = StepOut(*sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids), logits)
+        if before_masks is not None:
+            before_masks()
+        mask = self._masks([ch for ch in sched.chunks if ch.sample])
+        mask = None if mask is None else mask.to(self.device)
+        out = StepOut(*sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids, mask), logits)
         return self._copy_back(sched, where, [out], {})
 
     @torch.no_grad()

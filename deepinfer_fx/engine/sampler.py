@@ -226,6 +226,14 @@ def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
     return torch.where(greedy, greedy_tok, sampled)
 
 
+def apply_token_mask(logits: Tensor, mask: Tensor, vocab_ids: Tensor) -> Tensor:
+    """``logits`` [B, V] with every token that ``mask`` (int32 [B, ceil(V / 32)], xgrammar's
+    layout: bit i % 32 of word i // 32) leaves out set to -inf. Pure tensor ops, so it fuses into
+    the compiled sampler (one pointwise pass) and needs no kernel of its own on any device."""
+    bits = (mask[:, vocab_ids >> 5] >> (vocab_ids & 31)) & 1
+    return logits.masked_fill(bits == 0, float("-inf"))
+
+
 def logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probabilities as vLLM reports them: from the raw logits (before temperature and
     filters). Returns (logprob of ``tokens`` [B], top-k ids [B, k], top-k logprobs [B, k])."""

@@ -7,16 +7,15 @@ sees a clear error naming the field before anything is scheduled.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .so_args import SO_KEYS, SoSpec, parse_so_args  # noqa: F401  (SO_KEYS: re-exported)
+
 MAX_LOGPROBS = 20  # top-logprob count per token; bounds the static [B, k] buffers of the runner
 SEED_LIMIT = 2**63  # seeds live in an int64 device tensor
-SO_KEYS = ("json_schema", "regex", "choice", "grammar")
 
 
 def _err(name: str, allowed: str, value: Any) -> ValueError:
@@ -71,47 +70,6 @@ def _normalise_stop_ids(v: Any) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _validate_so_args(v: Any) -> dict[str, Any] | None:
-    """Structured-output arguments are enforced by the grammar backend later; checking their
-    shape here turns a late backend failure mid-batch into an immediate error for this request."""
-    if v is None:
-        return None
-    allowed = f"exactly one of {', '.join(SO_KEYS)}"
-    if not isinstance(v, dict):
-        raise _err("so_args", f"None or a dict with {allowed}", v)
-    bad = [k for k in v if k not in SO_KEYS]
-    if bad:
-        raise ValueError(f"SamplingParams.so_args has unknown key {bad[0]!r}; allowed keys: {', '.join(SO_KEYS)}")
-    if len(v) != 1:
-        raise ValueError(f"SamplingParams.so_args must hold {allowed}, got keys {sorted(v)}")
-    (key, val), = v.items()
-    name = f"so_args[{key!r}]"
-    if key == "json_schema":
-        schema = val
-        if isinstance(val, str):
-            try:
-                schema = json.loads(val)
-            except json.JSONDecodeError as e:
-                raise _err(name, f"a dict or a JSON string of an object (not valid JSON: {e})", val) from None
-        if not isinstance(schema, dict):
-            raise _err(name, "a dict or a JSON string of an object", val)
-    elif key == "regex":
-        if not isinstance(val, str):
-            raise _err(name, "a str that compiles as a regular expression", val)
-        try:
-            re.compile(val)
-        except re.error as e:
-            raise _err(name, f"a str that compiles as a regular expression ({e})", val) from None
-    elif key == "choice":
-        if (isinstance(val, str) or not isinstance(val, Sequence) or not val
-                or not all(isinstance(c, str) for c in val)):
-            raise _err(name, "a non-empty list of str", val)
-    elif not isinstance(val, str) or not val.strip():  # grammar
-        raise _err(name, "a non-empty str", val)
-    # A private copy: the caller mutating its dict later must not change a frozen request.
-    return dict(v)
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding controls of one request, spelled as in vLLM.
@@ -120,7 +78,8 @@ class SamplingParams:
     ``prompt_logprobs`` give the number of top alternatives reported per token (0 = only the chosen
     token's). ``seq_seed`` fixes the request's random stream; None lets the engine derive one
     from its own seed and the request index, so runs are reproducible either way. After
-    construction ``stop`` and ``stop_token_ids`` are tuples.
+    construction ``stop`` and ``stop_token_ids`` are tuples. ``so_args``: structured output
+    (``engine/so_args.py``: a regex, a JSON schema or an EBNF grammar the output must match).
     """
 
     temperature: float = 1.0
@@ -157,7 +116,15 @@ class SamplingParams:
         put("prompt_logprobs", _optional_count("prompt_logprobs", self.prompt_logprobs))
         if self.seq_seed is not None and (not _is_int(self.seq_seed) or not 0 <= self.seq_seed < SEED_LIMIT):
             raise _err("seq_seed", "None or an int in [0, 2**63)", self.seq_seed)
-        put("so_args", _validate_so_args(self.so_args))
+        spec = parse_so_args(self.so_args)
+        # a private copy: the caller mutating its dict later must not change a frozen request
+        put("so_args", None if spec is None else dict(self.so_args))
+        object.__setattr__(self, "_so_spec", spec)  # not a field: equality and hash stay on so_args
+
+    @property
+    def so_spec(self) -> SoSpec | None:
+        """The structured-output request normalised (``so_args.SoSpec``), None when unconstrained."""
+        return self._so_spec
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,7 @@ from ..config import ModelConfig
 from ..graphs.batch import Batch, Group
 from ..graphs.model import forward_batch
 from ..graphs.yoco import Replay
-from .sampler import logprobs, sample_mode
+from .sampler import apply_token_mask, logprobs, sample_mode
 from .spec_accept import accept_rows
 from .step_inputs import Layout, sampling_tensors
 
@@ -46,18 +46,24 @@ class StepOut(NamedTuple):
 
 def sample_rows(
     logits: torch.Tensor, next_token: torch.Tensor, sampling: torch.Tensor, mode: str, k: int | None,
-    vocab_ids: torch.Tensor | None = None,
+    vocab_ids: torch.Tensor | None = None, mask: torch.Tensor | None = None,
 ) -> tuple:
     """Sample the rows a sampling part ``[8, R]`` names from ``logits`` in ``mode``
     (``sampler.MODES``), write each token to ``next_token[write slot]`` and return (tokens,
     logprob, top ids, top logprobs); the last three are None unless ``k`` is given. A token is
-    -1 where its row's logits were not finite."""
+    -1 where its row's logits were not finite. ``mask``: structured output's token bitmask
+    ``[R, ceil(V / 32)]`` (``engine/structured.py``), applied before sampling; logprobs stay
+    those of the model's own distribution, as for every other filter."""
     row, write, t = sampling_tensors(sampling)
     picked = logits[row]
     # a row whose logits are not all finite returns -1 (the host ends its request with an
     # error) and feeds token 0 on, so that a step already launched after it stays in range
     finite = torch.isfinite(picked).all(dim=-1)
-    tokens = torch.where(finite, sample_mode(picked, t, mode, vocab_ids), 0)
+    allowed = picked
+    if mask is not None:
+        ids = vocab_ids if vocab_ids is not None else torch.arange(picked.shape[-1], device=picked.device)
+        allowed = apply_token_mask(picked, mask, ids)
+    tokens = torch.where(finite, sample_mode(allowed, t, mode, vocab_ids), 0)
     next_token[write] = tokens
     flagged = torch.where(finite, tokens, -1)
     if k is None:
@@ -84,17 +90,19 @@ def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Ten
 
 
 def decode_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
-                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None) -> StepOut:
+                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> StepOut:
     """One decode step over its input buffer: logits, then the sampled tokens."""
     logits = decode_logits(params, state, c, next_token, *layout.split_model(layout.model_part(buf)))
-    return StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids), logits)
+    return StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
 
 
 def prefill_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
-                 mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None) -> StepOut:
+                 mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> StepOut:
     """One prefill step over its input buffer: logits at its rows, then the sampled tokens."""
     logits = prefill_logits(params, state, c, *layout.split_model(layout.model_part(buf)), kept=layout.kept)
-    return StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids), logits)
+    return StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
 
 
 def decode_logits(

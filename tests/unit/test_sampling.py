@@ -104,10 +104,26 @@ def test_so_args_valid() -> None:
         {"regex": r"\d{3}-[a-z]+"},
         {"choice": ["yes", "no"]},
         {"grammar": 'root ::= "a" | "b"'},
+        {"schema_type": "json", "schema": schema},
+        {"schema_type": "json_schema", "schema": json.dumps(schema)},
+        {"schema_type": "regex", "schema": "a+"},
+        {"schema_type": "ebnf", "schema": 'root ::= "a"'},
     ]:
         p = SamplingParams(so_args=so)
         assert p.so_args == so
 
+
+def test_so_args_forms_normalise_alike() -> None:
+    """DeepInfer's form and vLLM's keys give one spec (the compiled-grammar cache's key)."""
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    json_forms = [{"json_schema": schema}, {"json_schema": json.dumps(schema)}, {"schema_type": "json", "schema": schema},
+                  {"schema_type": "json_schema", "schema": json.dumps(schema)}]
+    specs = {SamplingParams(so_args=so).so_spec for so in json_forms}
+    assert len(specs) == 1 and next(iter(specs)).kind == "json"
+    assert json.loads(next(iter(specs)).text) == schema and list(json.loads(next(iter(specs)).text)["properties"]) == ["b", "a"]
+    assert SamplingParams(so_args={"regex": "x"}).so_spec == SamplingParams(so_args={"schema_type": "regex", "schema": "x"}).so_spec
+    assert SamplingParams(so_args={"choice": ["a", 'q"t']}).so_spec == ("ebnf", 'root ::= "a" | "q\\"t"')
+    assert SamplingParams().so_spec is None
 
 def test_so_args_copy_is_private() -> None:
     so = {"regex": "a+"}
@@ -126,7 +142,7 @@ def test_so_args_copy_is_private() -> None:
         ({"json_schema": "{not json"}, "so_args['json_schema']"),
         ({"json_schema": "[1, 2]"}, "so_args['json_schema']"),
         ({"json_schema": 5}, "so_args['json_schema']"),
-        ({"regex": "(unclosed"}, "so_args['regex']"),
+        ({"regex": ""}, "so_args['regex']"),
         ({"regex": 5}, "so_args['regex']"),
         ({"choice": []}, "so_args['choice']"),
         ({"choice": "yes"}, "so_args['choice']"),
@@ -134,6 +150,11 @@ def test_so_args_copy_is_private() -> None:
         ({"grammar": ""}, "so_args['grammar']"),
         ({"grammar": "   "}, "so_args['grammar']"),
         ({"grammar": None}, "so_args['grammar']"),
+        ({"schema_type": "xml", "schema": "x"}, "so_args['schema_type']"),
+        ({"schema_type": "json"}, "'schema'"),
+        ({"schema_type": "json", "schema": "[1]"}, "so_args['schema']"),
+        ({"schema_type": "regex", "schema": 5}, "so_args['schema']"),
+        ({"schema_type": "ebnf", "schema": "x", "regex": "y"}, "'regex'"),
     ],
 )
 def test_so_args_invalid(so: dict, needle: str) -> None:
@@ -141,7 +162,7 @@ def test_so_args_invalid(so: dict, needle: str) -> None:
         SamplingParams(so_args=so)
     msg = str(e.value)
     assert "SamplingParams.so_args" in msg and needle in msg, (so, msg)
-    if not any(k in SO_KEYS for k in so) or any(k not in SO_KEYS for k in so):
+    if "schema_type" not in so and (not any(k in SO_KEYS for k in so) or any(k not in SO_KEYS for k in so)):
         assert all(k in msg for k in SO_KEYS), msg  # unknown/empty keys: list the allowed ones
 
 

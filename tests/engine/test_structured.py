@@ -1,0 +1,241 @@
+"""Structured output (CPU, fp32, a tiny random checkpoint with its tokenizer): every request that
+finishes with "stop" matches its regex / validates against its JSON schema / parses by its EBNF
+grammar, and one cut by max_tokens is a prefix the grammar accepts, in every sampler mode, mixed
+with unconstrained requests, overlap on and off; unconstrained requests keep their tokens; bad
+specs fail the request naming it and the engine goes on; a grammar no token can follow ends its
+request with an error; the compiled steps enforce it too."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from tiny import tiny_v4
+
+import deepinfer_fx
+from deepinfer_fx import LLM, SamplingParams
+from deepinfer_fx.engine.sampler import apply_token_mask
+from deepinfer_fx.engine.structured import Grammars
+from deepinfer_fx.io.tokenizer import build_demo_tokenizer, save_tokenizer
+
+xgr = pytest.importorskip("xgrammar")
+
+TOKENIZER_VOCAB = 300  # the model's logits are 320 wide: ids 300..319 are padding
+REGEXES = [r"[0-9]{1,3}-[a-z]{2,4}", r"(yes|no|maybe)( [A-Z][a-z]{0,3}){0,2}\."]
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "enum": ["ann", "bob", "cy"]},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -50, "maximum": 50}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "yy"]}, "maxItems": 3},
+        "pos": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+                "required": ["x", "ok"], "additionalProperties": False}},
+     "required": ["id", "tags", "pos"], "additionalProperties": False},
+]
+EBNF = 'root ::= expr\nexpr ::= term (("+" | "*") term){0,3}\nterm ::= [0-9]{1,2} | "(" expr ")"'
+SETTINGS = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.9, top_p=0.9), dict(temperature=0.7, top_k=5)]
+
+
+def _expr_ok(text: str) -> bool:
+    """An independent parser of ``EBNF``'s language (recursive descent)."""
+    def term(i: int) -> int | None:
+        m = re.match(r"[0-9]{1,2}", text[i:])
+        if m:
+            return i + m.end()
+        if text[i:i + 1] == "(":
+            j = expr(i + 1)
+            return j + 1 if j is not None and text[j:j + 1] == ")" else None
+        return None
+
+    def expr(i: int) -> int | None:
+        i = term(i)
+        for _ in range(3):
+            if i is None or text[i:i + 1] not in ("+", "*"):
+                break
+            i = term(i + 1)
+        return i
+
+    return expr(0) == len(text)
+
+
+def _cases() -> list[tuple[str, dict]]:
+    """(name, so_args) in both spellings."""
+    out = [(f"regex{i}", {"schema_type": "regex", "schema": r}) for i, r in enumerate(REGEXES)]
+    out += [(f"json{i}", {"schema_type": "json", "schema": s} if i % 2 else {"json_schema": json.dumps(s)}) for i, s in enumerate(SCHEMAS)]
+    return out + [("ebnf", {"schema_type": "ebnf", "schema": EBNF})]
+
+
+def _valid(name: str, text: str) -> bool:
+    if name.startswith("regex"):
+        return re.fullmatch(REGEXES[int(name[5:])], text) is not None
+    if name.startswith("json"):
+        try:
+            jsonschema.validate(json.loads(text), SCHEMAS[int(name[4:])])
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    return _expr_ok(text)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-so")
+    deepinfer_fx.write_random_checkpoint(path, tiny_v4(vocab_size=320), seed=5)
+    save_tokenizer(build_demo_tokenizer(TOKENIZER_VOCAB), path)  # narrower than the logits
+    return path
+
+
+def make_llm(ckpt, **kw) -> LLM:
+    kw.setdefault("max_model_len", 160)
+    return LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, num_threads=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return make_llm(ckpt, max_num_seqs=32, max_num_batched_tokens=512)
+
+
+def _check(llm: LLM, outs, names, params, tag: str) -> dict[str, int]:
+    """Every constrained output is valid (stop) or a prefix its grammar accepts (length)."""
+    counts = {"stop": 0, "length": 0}
+    for o, name, p in zip(outs, names, params):
+        c = o.outputs[0]
+        if name is None:
+            continue
+        assert c.finish_reason in ("stop", "length"), (tag, name, c.finish_reason, c.error)
+        assert all(t < TOKENIZER_VOCAB for t in c.token_ids), (tag, name, c.token_ids)  # never a padded id
+        counts[c.finish_reason] += 1
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == 1 and _valid(name, c.text), (tag, name, p, c.text)
+        else:
+            m = xgr.GrammarMatcher(llm._grammars.compile(p.so_spec))
+            assert all(m.accept_token(t) for t in c.token_ids), (tag, name, p, c.text)
+    return counts
+
+
+@pytest.mark.parametrize("round_", [0, 1])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_outputs_match_their_grammars(llm, overlap: bool, round_: int) -> None:
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    llm._loop().overlap = overlap
+    names, params = [], []
+    for name, so in _cases():
+        for st in SETTINGS:
+            names.append(name)
+            params.append(SamplingParams(**st, max_tokens=64, seq_seed=rng.randrange(2**40), so_args=so))
+    free = [SamplingParams(temperature=0.8, max_tokens=rng.randint(4, 12), seq_seed=rng.randrange(2**40), ignore_eos=True)
+            for _ in range(4)]
+    order = list(range(len(params) + len(free)))
+    rng.shuffle(order)  # constrained and unconstrained rows interleaved
+    allp = params + free
+    alln = names + [None] * len(free)
+    prompts = [[rng.randrange(3, TOKENIZER_VOCAB) for _ in range(rng.randint(3, 9))] for _ in order]
+    outs = llm.generate(prompts, [allp[i] for i in order])
+    counts = _check(llm, outs, [alln[i] for i in order], [allp[i] for i in order], f"seed={seed} overlap={overlap}")
+    assert counts["stop"] >= len(params) // 2, (seed, counts)
+    if overlap:
+        assert llm.last_stats.synced > 0  # constrained turns read the previous step first
+    # the unconstrained requests sample as they do without constrained neighbours
+    at = [order.index(len(params) + k) for k in range(len(free))]  # where free request k sat in the batch
+    alone = llm.generate([prompts[j] for j in at], free)
+    assert [outs[j].outputs[0].token_ids for j in at] == [o.outputs[0].token_ids for o in alone], seed
+
+
+def test_bad_specs_fail_their_request_and_the_engine_goes_on(llm) -> None:
+    bad = [({"regex": "(unclosed"}, "regular expression"), ({"schema_type": "json", "schema": {"type": "objec"}}, "JSON schema"),
+           ({"grammar": 'root ::= foo'}, "EBNF grammar"), ({"schema_type": "ebnf", "schema": 'root ::= "a" |'}, "EBNF grammar")]
+    for so, what in bad:
+        with pytest.raises(ValueError) as e:
+            llm.add_request([5, 6], SamplingParams(so_args=so))
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("prompt: SamplingParams.so_args: invalid " + what), msg
+        with pytest.raises(ValueError, match=r"^prompts\[1\]: SamplingParams.so_args: invalid"):
+            llm.generate([[5], [6], [7]], [SamplingParams(), SamplingParams(so_args=so), SamplingParams()])
+    assert not llm.has_unfinished_requests()
+    compiles = llm._grammars.compiles
+    ok = SamplingParams(temperature=0, max_tokens=20, so_args={"regex": REGEXES[0]})
+    outs = llm.generate([[5, 6], [7]], [ok, ok])
+    assert llm._grammars.compiles <= compiles + 1  # two requests, one spec: one compile at most
+    outs += llm.generate([[8]], [SamplingParams(temperature=0, max_tokens=20, so_args={"schema_type": "regex", "schema": REGEXES[0]})])
+    assert llm._grammars.compiles <= compiles + 1  # the other spelling, the same spec
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop"] * 3
+    assert all(re.fullmatch(REGEXES[0], o.outputs[0].text) for o in outs)
+
+
+def test_grammar_with_no_spellable_token_ends_with_an_error(ckpt, tmp_path) -> None:
+    """A word-level tokenizer that has no "z": the regex can never start, so the request ends
+    with finish_reason "error" at once, and its neighbour runs on."""
+    for f in Path(ckpt).iterdir():
+        if not f.name.startswith("tokenizer"):
+            (tmp_path / f.name).symlink_to(f)
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    words = ["a", "b", "c", " "]
+    tok = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "<pad>": 2, **{w: 3 + i for i, w in enumerate(words)}}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<pad>")])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    llm = make_llm(tmp_path, max_num_seqs=4, max_num_batched_tokens=64)
+    outs = llm.generate([[3, 4], [3]], [SamplingParams(max_tokens=8, so_args={"regex": "z+"}),
+                                       SamplingParams(temperature=0, max_tokens=8, so_args={"regex": "(a|b)c"})])
+    dead, ok = outs[0].outputs[0], outs[1].outputs[0]
+    assert dead.finish_reason == "error" and "allows no token" in dead.error, dead
+    assert ok.finish_reason == "stop" and ok.token_ids[-1] == 1 and ok.token_ids[1] == 5, ok
+
+
+def test_compiled_steps_enforce_the_grammar(ckpt) -> None:
+    """One request (one decode bucket, one prefill bucket: the fewest compiles)."""
+    llm = make_llm(ckpt, eager=False, warmup=False, max_num_seqs=1, max_num_batched_tokens=16, max_model_len=48)
+    for seed in (3, 4):
+        params = SamplingParams(temperature=0.9, max_tokens=16, seq_seed=seed, so_args={"regex": REGEXES[0]})
+        c = llm.generate([[7, 8, 9]], params)[0].outputs[0]
+        assert c.finish_reason == "stop" and re.fullmatch(REGEXES[0], c.text), c
+    assert {r["graph"].rsplit("-", 2)[-2:] == ["plain", "masked"] for r in llm.runner.steps.report()} == {True}
+
+
+def test_mask_on_the_device_equals_xgrammars() -> None:
+    """``apply_token_mask`` (tensor ops, inside the sampler graph) against xgrammar's own CPU kernel."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 77, generator=g)
+    mask = torch.randint(-2**31, 2**31 - 1, (5, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, mask)
+    assert torch.equal(apply_token_mask(logits, mask, torch.arange(77)), want)
+
+
+def test_draft_masks_hook_rolls_back() -> None:
+    """The speculative-decoding hook: masks for each draft position up to the first rejected
+    token, the matcher left where it was."""
+    grammars = Grammars(build_demo_tokenizer(TOKENIZER_VOCAB), 320, (1,), threads=1)
+    tok = build_demo_tokenizer(TOKENIZER_VOCAB)
+    st = grammars.state(SamplingParams(so_args={"regex": "[0-9]-x"}).so_spec)
+    digit, dash, x, y = (tok.token_to_id(s) for s in ("7", "-", "x", "y"))
+    mask = torch.zeros(4, 10, dtype=torch.int32)
+    assert st.draft_masks([digit, dash, y], mask, 0) == 2  # "y" is refused
+    bit = lambda row, t: bool((mask[row, t // 32] >> (t % 32)) & 1)  # noqa: E731
+    assert bit(0, digit) and not bit(0, dash) and bit(1, dash) and bit(2, x) and not bit(2, y)
+    assert st.accepted == 0 and st.accept(digit) and not st.accept(x)
+
+
+def test_cli_flags_give_so_args(tmp_path) -> None:
+    from deepinfer_fx.generate import _so_args, build_parser
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMAS[0]))
+    grammar = tmp_path / "g.ebnf"
+    grammar.write_text(EBNF)
+    ap = build_parser()
+    for argv, want in ((["--regex", "a+"], {"schema_type": "regex", "schema": "a+"}),
+                       (["--json-schema", str(schema)], {"schema_type": "json", "schema": json.dumps(SCHEMAS[0])}),
+                       (["--grammar", str(grammar)], {"schema_type": "ebnf", "schema": EBNF}), ([], None)):
+        assert _so_args(ap, ap.parse_args(argv)) == want
+    for argv in (["--regex", "a", "--grammar", str(grammar)], ["--json-schema", str(tmp_path / "missing.json")]):
+        with pytest.raises(SystemExit):
+            _so_args(ap, ap.parse_args(argv))
