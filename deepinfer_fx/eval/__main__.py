@@ -10,7 +10,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .errors import EvalError
 from .tasks import TASKS, check_task
@@ -27,7 +27,7 @@ def _count(text: str) -> int:
     return int(text)
 
 
-def _real(low: float, high: float, low_open: bool) -> callable:
+def _real(low: float, high: float, low_open: bool) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             v = float(text)
@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, help="checkpoint directory, or 'demo' (random weights)")
     g.add_argument("--samples", type=_count, default=1, help="samples per item (default 1)")
     g.add_argument("--out", required=True, help="generation JSONL; an existing one is resumed")
-    g.add_argument("--temperature", type=_real(0.0, 1e6, False), default=0.6, help="0 = greedy (default 0.6)")
+    g.add_argument("--temperature", type=_real(0.0, math.inf, False), default=0.6, help="0 = greedy (default 0.6)")
     g.add_argument("--top-p", type=_real(0.0, 1.0, True), default=0.95, help="default 0.95")
     g.add_argument("--max-tokens", type=_count, default=4096, help="per response (default 4096)")
     g.add_argument("--seed", type=_seed, default=0, help="base of every per-sample seed (default 0)")

@@ -35,8 +35,8 @@ def last_boxed(text: str) -> str | None:
 
 
 def normalise_number(text: str) -> int | None:
-    """An AIME answer as an integer: strips ``$``, spaces, thousands commas, ``\\text{}``,
-    a degree sign and ``\\dfrac``-free wrappers; None when what remains is not an integer."""
+    """An AIME answer as an integer: drops ``$``, spaces, thousands commas, ``\\text{}``, a
+    degree sign, outer braces and a ``.0``; None when what remains is not an integer."""
     s = text.strip().strip("$").strip()
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
     s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s)

@@ -70,3 +70,21 @@ def test_concurrent_refreshes_both_land(tmp_path):
     assert len(after[platform]["cpu-tiny-long"]["samples"]) == 2
     for other in set(before) - {platform}:
         assert after[other] == before[other]
+
+
+def test_refresh_waits_for_the_lock(tmp_path):
+    import fcntl
+    import threading
+    import time
+
+    shared = tmp_path / "ppl.json"
+    store(shared, "p", "first", {"samples": []})
+    with open(shared, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another node mid-refresh
+        writer = threading.Thread(target=store, args=(shared, "p", "second", {"samples": []}))
+        writer.start()
+        time.sleep(0.3)
+        assert writer.is_alive() and "second" not in shared.read_text()
+        fcntl.flock(held, fcntl.LOCK_UN)
+    writer.join(timeout=10)
+    assert sorted(json.loads(shared.read_text())["p"]) == ["first", "second"]
