@@ -9,8 +9,8 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from .errors import EvalError
 from .tasks import TASKS, check_task

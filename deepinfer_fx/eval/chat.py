@@ -23,6 +23,12 @@ def _token(value: object) -> str:
     return "" if value is None else str(value)
 
 
+def _raise(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
 class ChatTemplate:
     def __init__(self, model_dir: str | Path) -> None:
         config_file = Path(model_dir) / "tokenizer_config.json"
@@ -32,18 +38,27 @@ class ChatTemplate:
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         self.source = "tokenizer_config" if template else "fallback"
+        self._file = config_file
         self._template = None
         if template:
+            from jinja2 import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # as HF renders them
+            env.globals["raise_exception"] = _raise  # HF templates refuse bad conversations with it
             try:
-                self._template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
-            except Exception as e:  # jinja2's TemplateSyntaxError and friends
+                self._template = env.from_string(template)
+            except TemplateError as e:
                 raise EvalError(f"{config_file}: chat_template does not compile ({e})") from None
 
     def render(self, content: str) -> str:
         """One user turn, ready for the assistant's reply."""
         if self._template is None:
             return FALLBACK.format(bos=self.bos, content=content)
-        return self._template.render(messages=[{"role": "user", "content": content}], add_generation_prompt=True,
-                                     bos_token=self.bos, eos_token=self.eos)
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=[{"role": "user", "content": content}], add_generation_prompt=True,
+                                         bos_token=self.bos, eos_token=self.eos)
+        except TemplateError as e:
+            raise EvalError(f"{self._file}: chat_template failed on a user turn ({e})") from None

@@ -79,3 +79,14 @@ def test_bad_data_one_line(tmp_path, capsys):
     assert "unknown task 'nope'" in capsys.readouterr().err
     assert main(["generate", "--task", "aime", "--data", str(bad), "--out", "x", "--samples", "0", *FAST]) == 2
     assert "--samples" in capsys.readouterr().err
+
+
+def test_chat_template_fallback_and_errors(tmp_path):
+    from deepinfer_fx.eval.chat import ChatTemplate
+    from deepinfer_fx.eval.errors import EvalError
+
+    assert ChatTemplate(tmp_path).render("hi") == "<｜User｜>hi<｜Assistant｜>"  # no tokenizer_config: fallback
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"}, "chat_template": "{{ raise_exception('no user turns here') }}"}))
+    with pytest.raises(EvalError, match="no user turns here"):
+        ChatTemplate(tmp_path).render("hi")

@@ -6,7 +6,12 @@ from __future__ import annotations
 import math
 
 from deepinfer_fx.engine import LLM
-from deepinfer_fx.eval.long_context import INPUT_TOKENS, OUTPUT_TOKENS, TINY_LONG, run_case
+from deepinfer_fx.eval.long_context import (
+    INPUT_TOKENS,
+    OUTPUT_TOKENS,
+    TINY_LONG,
+    run_case,
+)
 from deepinfer_fx.io.writer import write_random_checkpoint
 
 
