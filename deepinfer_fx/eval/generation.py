@@ -15,6 +15,7 @@ from typing import Any
 
 from .chat import ChatTemplate
 from .errors import EvalError
+from .model import prompt_ids
 from .tasks import Loaded, gpqa_choices, shuffle_seed, user_prompt
 
 
@@ -81,7 +82,6 @@ def run(llm: Any, tokenizer: Any, records: list[dict[str, Any]], config: GenConf
     from tqdm import tqdm
 
     from ..engine import SamplingParams
-    from ..io.tokenizer import encode
 
     done = read_done(out, config)
     todo = [r for r in records if (r["id"], r["sample"]) not in done]
@@ -90,8 +90,7 @@ def run(llm: Any, tokenizer: Any, records: list[dict[str, Any]], config: GenConf
                                                     disable=not progress, dynamic_ncols=True) as bar:
         for start in range(0, len(todo), batch):
             part = todo[start:start + batch]
-            # the template writes BOS itself: encoding must not add a second one
-            ids = [encode(tokenizer, r["prompt"], add_bos=False) for r in part]
+            ids = [prompt_ids(tokenizer, r["prompt"]) for r in part]
             params = [SamplingParams(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens,
                                      seq_seed=r["seed"]) for r in part]
             for rec, o in zip(part, llm.generate(ids, params)):

@@ -10,6 +10,16 @@ from .chat import ChatTemplate
 from .errors import EvalError
 
 
+def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered prompt with exactly one BOS: templates write their own, the
+    fallback (or a template without one) gets the tokenizer's."""
+    from ..io.tokenizer import encode
+
+    ids = encode(tokenizer, text, add_bos=False)
+    bos = encode(tokenizer, "", add_bos=True)  # what the post-processor prepends; [] if nothing
+    return ids if ids[:len(bos)] == bos else bos + ids
+
+
 @dataclass
 class Opened:
     path: Path
@@ -20,9 +30,7 @@ class Opened:
         """An ``LLM`` whose context fits the longest prompt plus ``max_tokens``."""
         from ..config import load_config
         from ..engine import LLM
-        from ..io.tokenizer import encode
-
-        longest = max(len(encode(self.tokenizer, r["prompt"], add_bos=False)) for r in records)
+        longest = max(len(prompt_ids(self.tokenizer, r["prompt"])) for r in records)
         limit = load_config(self.path).max_position_embeddings
         if longest + max_tokens > limit:
             raise EvalError(f"{self.path}: the longest prompt ({longest} tokens) + --max-tokens {max_tokens} exceeds "

@@ -90,3 +90,12 @@ def test_chat_template_fallback_and_errors(tmp_path):
         "bos_token": {"content": "<s>"}, "chat_template": "{{ raise_exception('no user turns here') }}"}))
     with pytest.raises(EvalError, match="no user turns here"):
         ChatTemplate(tmp_path).render("hi")
+
+
+def test_one_bos():
+    from deepinfer_fx.eval.model import open_model, prompt_ids
+
+    tok = open_model("demo").tokenizer
+    for text in ("<｜begin▁of▁sentence｜><｜User｜>hi", "<｜User｜>hi"):  # a template's BOS, or none
+        ids = prompt_ids(tok, text)
+        assert ids[0] == 0 and ids.count(0) == 1
