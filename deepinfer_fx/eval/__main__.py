@@ -94,7 +94,9 @@ def _score(a: argparse.Namespace) -> None:
     from .scoring import read_gen, score
 
     result = score(check_task(a.task), read_gen(a.gen, a.task))
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     print(f"{a.task}: pass@1 {result['pass@1']:.4f} ± {result['stderr']:.4f} over {result['items']} items, "
           f"{result['samples']} samples ({result['no_answer']} without an answer)")
 

@@ -37,11 +37,11 @@ def read_gen(path: str | Path, task: str) -> list[dict[str, Any]]:
             raise EvalError(f"{path}:{n}: not a JSON line ({e.msg})") from None
         if not isinstance(rec, dict):
             raise EvalError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+        if rec.get("config", {}).get("task", task) != task:
+            raise EvalError(f"{path}:{n}: generated for task {rec['config']['task']!r}, not {task!r}")
         missing = [f for f in ("id", "sample", "response", *NEEDS[task]) if f not in rec]
         if missing:
             raise EvalError(f"{path}:{n}: missing field(s) {', '.join(map(repr, missing))} for task {task}")
-        if rec.get("config", {}).get("task", task) != task:
-            raise EvalError(f"{path}:{n}: generated for task {rec['config']['task']!r}, not {task!r}")
         records.append(rec)
     if not records:
         raise EvalError(f"{path}: no generation records")
