@@ -1,0 +1,121 @@
+"""The three tasks: their input fields, prompts and multiple-choice shuffles.
+
+Input is JSONL, one item a line, in the fields the upstream sets use (README.md has a converter
+for each). A bad line is an ``EvalError`` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import EvalError
+from .grading import LETTERS
+
+TASKS = ("aime", "gpqa", "hle")
+FIELDS = {
+    "aime": ("id", "problem", "answer"),
+    "gpqa": ("id", "Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"),
+    "hle": ("id", "question", "answer", "answer_type"),
+}
+HLE_TYPES = ("exactMatch", "multipleChoice")
+
+AIME_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+GPQA_PROMPT = (
+    "Answer the following multiple choice question. The last line of your response should be of the form "
+    "'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think step by step before answering.\n\n"
+    "{question}\n\nA) {A}\nB) {B}\nC) {C}\nD) {D}"
+)
+HLE_PROMPT = (
+    "{question}\n\nYour response should be in the following format:\nExplanation: {{your explanation for your answer choice}}\n"
+    "Answer: {{your chosen answer}}\nConfidence: {{your confidence score between 0% and 100% for your answer}}"
+)
+
+
+def check_task(task: str) -> str:
+    if task not in TASKS:
+        raise EvalError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    return task
+
+
+@dataclass
+class Loaded:
+    items: list[dict[str, Any]]
+    skipped_images: int  # HLE questions with an image, left out until the engine has vision
+
+
+def load_items(task: str, path: str | Path) -> Loaded:
+    """Read and check every line of ``path`` before anything runs."""
+    check_task(task)
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise EvalError(f"{path}: cannot read ({e.strerror})") from None
+    items, seen, skipped = [], set(), 0
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{path}:{n}: not a JSON line ({e.msg})") from None
+        if not isinstance(item, dict):
+            raise EvalError(f"{path}:{n}: expected a JSON object, got {type(item).__name__}")
+        missing = [f for f in FIELDS[task] if f not in item]
+        if missing:
+            raise EvalError(f"{path}:{n}: missing field(s) {', '.join(map(repr, missing))} for task {task}")
+        item["id"] = str(item["id"])
+        if item["id"] in seen:
+            raise EvalError(f"{path}:{n}: duplicate id {item['id']!r}")
+        seen.add(item["id"])
+        _check_values(task, item, f"{path}:{n}")
+        if task == "hle" and item.get("image"):
+            skipped += 1
+            continue
+        items.append(item)
+    if not items:
+        raise EvalError(f"{path}: no items to evaluate" + (f" ({skipped} image questions skipped)" if skipped else ""))
+    return Loaded(items, skipped)
+
+
+def _check_values(task: str, item: dict, where: str) -> None:
+    if task == "aime":
+        try:
+            item["answer"] = int(str(item["answer"]).strip())
+        except ValueError:
+            raise EvalError(f"{where}: AIME 'answer' must be an integer, got {item['answer']!r}") from None
+    elif task == "hle" and item["answer_type"] not in HLE_TYPES:
+        raise EvalError(f"{where}: 'answer_type' must be one of {', '.join(HLE_TYPES)}, got {item['answer_type']!r}")
+    for f in FIELDS[task][1:]:
+        if task == "aime" and f == "answer":
+            continue
+        if not isinstance(item[f], str) or not item[f].strip():
+            raise EvalError(f"{where}: field {f!r} must be a non-empty string")
+
+
+def shuffle_seed(seed: int, item_id: str, sample: int) -> int:
+    """A seed per (item, sample), stable across runs and Python versions (no ``hash()``)."""
+    digest = hashlib.sha256(f"{seed}:{item_id}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # < 2**63: fits SamplingParams.seq_seed too
+
+
+def gpqa_choices(item: dict, seed: int) -> tuple[list[str], str]:
+    """The four answers in a seeded order, and the letter the correct one landed on."""
+    answers = [item["Correct Answer"], item["Incorrect Answer 1"], item["Incorrect Answer 2"], item["Incorrect Answer 3"]]
+    order = list(range(4))
+    random.Random(seed).shuffle(order)
+    choices = [answers[i].strip() for i in order]
+    return choices, LETTERS[order.index(0)]
+
+
+def user_prompt(task: str, item: dict, choices: list[str] | None = None) -> str:
+    if task == "aime":
+        return AIME_PROMPT.format(problem=item["problem"].strip())
+    if task == "gpqa":
+        return GPQA_PROMPT.format(question=item["Question"].strip(), **dict(zip(LETTERS, choices)))
+    return HLE_PROMPT.format(question=item["question"].strip())
