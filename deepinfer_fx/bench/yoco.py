@@ -16,7 +16,6 @@ floor on a checkpoint).
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import torch
 
@@ -24,19 +23,19 @@ from ..api import random_model
 from ..config import ModelConfig, load_config
 from ..engine.graph_runner import StepGraphs
 from ..graphs.state import init_state
+from .configs import bench_config
 from .p8 import run_info, write_result
 from .timing import timed
 
 
 def bench_model_config(name: str) -> ModelConfig:
-    """A bench config by name (``bench/configs.py``, where present) or a config.json path."""
+    """A bench config by name (``bench/configs.py``) or a config.json path."""
     if name.endswith(".json"):
         return load_config(name).replace(fake_quant=False)
     try:
-        configs = importlib.import_module("deepinfer_fx.bench.configs")
-    except ImportError as e:
-        raise SystemExit(f"--config {name}: no deepinfer_fx.bench.configs in this tree; pass a config.json path") from e
-    return configs.bench_config(name)
+        return bench_config(name)
+    except ValueError as e:
+        raise SystemExit(f"--config: {e}; or pass a config.json path") from None
 
 
 def run_length(model, length: int, keep: int, iters: int) -> dict:
@@ -58,7 +57,7 @@ def run_length(model, length: int, keep: int, iters: int) -> dict:
             last[mode] = first.logits[0].float().log_softmax(-1).clone()
             s = timed(step, iters)
         out[mode] = {"ms": round(s * 1e3, 3), "tok_s": round(length / s, 1), "compile_s": round(steps.report()[0]["compile_s"], 1)}
-        del steps, state
+        steps = state = None  # free this mode's graphs before the next one compiles
         torch.cuda.empty_cache()
     out["ratio"] = round(out["compact"]["tok_s"] / out["off"]["tok_s"], 3)
     out["drift_max_abs_logprob"] = (last["compact"] - last["off"]).abs().max().item()

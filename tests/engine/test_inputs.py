@@ -30,7 +30,7 @@ def llm(tmp_path_factory) -> LLM:
     [
         ([1.7, 2.2], rf"prompts\[0\] is 1.7 \(float\), not a token id; {IDS}"),
         ([[5, 6], ["5", "6"]], rf"prompts\[1\]\[0\] is '5' \(str\), not a token id; {IDS}"),
-        ([[True, 5]], rf"prompts\[0\]\[0\] is True \(bool\), not a token id"),
+        ([[True, 5]], r"prompts\[0\]\[0\] is True \(bool\), not a token id"),
         ([[5, torch.tensor(2.0)]], r"prompts\[0\]\[1\] is a torch.float32 tensor of shape \[\], not a token id"),
         ([[5, np.float32(3)]], r"prompts\[0\]\[1\] is .*float32.*not a token id"),
         ([[5, b"6"]], r"prompts\[0\]\[1\] is b'6' \(bytes\), not a token id"),
