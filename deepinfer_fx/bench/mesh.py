@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 from ..api import random_model
 from ..config import ModelConfig, config_from_dict
+from ..demo import DEMO_CONFIG
 from ..engine.llm import LLM
 from ..engine.sampling import SamplingParams
-from ..generate import DEMO_CONFIG
 from ..settings import setting
 from ..sharding.eplb import EXTRA_EXPERTS_ENV, ExpertPlacement
 from ..sharding.mesh import MeshSpec, parse_mesh

@@ -122,7 +122,7 @@ class LLM:
             self.model = self.ranks.shard(model)
         else:
             if model == "demo":
-                from ..generate import demo_model_dir
+                from ..demo import demo_model_dir
 
                 model = demo_model_dir()
             if model is None and not self.settings.hf_model_dir:

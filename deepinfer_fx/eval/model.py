@@ -43,7 +43,7 @@ def open_model(model: str) -> Opened:
     from ..io.tokenizer import load_tokenizer
 
     if model == "demo":
-        from ..generate import demo_model_dir
+        from ..demo import demo_model_dir
 
         path = demo_model_dir()
     else:

@@ -82,7 +82,7 @@ def _runtime_error(argv: list[str], capsys) -> str:
     ids=lambda v: " ".join(v)[:40] if isinstance(v, list) else "",
 )
 def test_bad_options(argv, message, capsys, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(generate, "DEMO_DIR", tmp_path / "demo")  # never reached: every case fails first
+    monkeypatch.setenv("DEEPINFER_DEMO_DIR", str(tmp_path / "demo"))  # never reached: every case fails first
     assert _usage_error(argv, capsys).startswith(message)
     assert not (tmp_path / "demo").exists()
 

@@ -21,7 +21,7 @@ def test_demo_cli_in_a_subprocess(tmp_path) -> None:
 
 
 def test_bad_arguments(capsys, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(generate, "DEMO_DIR", tmp_path / "demo")
+    monkeypatch.setenv("DEEPINFER_DEMO_DIR", str(tmp_path / "demo"))
     assert generate.main(["--model", "/nonexistent/dir", "--max-tokens", "2"]) == 2
     assert "no such directory" in capsys.readouterr().err
     for argv, needle in ((["--top-p", "0"], "argument --top-p: must be a float in (0, 1], got 0"), (["--mesh", "xx9"], "bad mesh"),

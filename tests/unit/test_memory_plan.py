@@ -12,12 +12,13 @@ from released import released_config, released_path
 
 from deepinfer_fx import generate
 from deepinfer_fx.config import config_from_dict
+from deepinfer_fx.demo import DEMO_CONFIG
 from deepinfer_fx.engine.memory_plan import GiB, memory_plan
 from deepinfer_fx.sharding.mesh import MeshSpec
 
 # generate's demo model: 4 layers (ratios 0, 4, 128, 4) + one MTP-1 layer, hidden 128, head_dim
 # 128, index_head_dim 64, 8 routed experts of intermediate 64, MXFP4 experts, fp8 blocks of 32.
-TINY = generate.DEMO_CONFIG
+TINY = DEMO_CONFIG
 
 
 def _category(plan, name: str) -> int:
