@@ -7,13 +7,12 @@ re-draw of the questions would show. Everything needed to grade is in the genera
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .errors import EvalError
+from .errors import EvalError, json_objects
 from .grading import grade_aime, grade_hle, grade_letter
 from .tasks import check_task
 
@@ -23,20 +22,8 @@ NEEDS = {"aime": ("answer",), "gpqa": ("correct_letter", "choices"), "hle": ("an
 def read_gen(path: str | Path, task: str) -> list[dict[str, Any]]:
     check_task(task)
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise EvalError(f"{path}: cannot read ({e.strerror})") from None
     records = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EvalError(f"{path}:{n}: not a JSON line ({e.msg})") from None
-        if not isinstance(rec, dict):
-            raise EvalError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+    for n, rec in json_objects(path):
         if rec.get("config", {}).get("task", task) != task:
             raise EvalError(f"{path}:{n}: generated for task {rec['config']['task']!r}, not {task!r}")
         missing = [f for f in ("id", "sample", "response", *NEEDS[task]) if f not in rec]

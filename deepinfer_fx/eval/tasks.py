@@ -7,13 +7,12 @@ for each). A bad line is an ``EvalError`` naming the file and line.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import EvalError
+from .errors import EvalError, json_objects
 from .grading import LETTERS
 
 TASKS = ("aime", "gpqa", "hle")
@@ -52,20 +51,8 @@ def load_items(task: str, path: str | Path) -> Loaded:
     """Read and check every line of ``path`` before anything runs."""
     check_task(task)
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise EvalError(f"{path}: cannot read ({e.strerror})") from None
     items, seen, skipped = [], set(), 0
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EvalError(f"{path}:{n}: not a JSON line ({e.msg})") from None
-        if not isinstance(item, dict):
-            raise EvalError(f"{path}:{n}: expected a JSON object, got {type(item).__name__}")
+    for n, item in json_objects(path):
         missing = [f for f in FIELDS[task] if f not in item]
         if missing:
             raise EvalError(f"{path}:{n}: missing field(s) {', '.join(map(repr, missing))} for task {task}")
