@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     d, inter, top, limit = P8["hidden_size"], P8["moe_intermediate_size"], P8["num_experts_per_tok"], P8["swiglu_limit"]
     e = args.experts
+    tag = "p8" if e == P8["n_routed_experts"] else f"p8_e{e}"  # the expert count in the name when it is not P8's
     torch.manual_seed(0)
     w = {"w1": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
          "w3": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sweep:
         rows = sweep(args.sweep, w, limit, top, args.iters, sh)
         result = {**run_info(argv), "tokens": args.sweep, "shared": args.shared, "rows": rows}
-        write_result("moe_tile_sweep_p8", result, args.out)
+        write_result(f"moe_tile_sweep_{tag}", result, args.out)
         return result
     q = {n: _fp8(v) for n, v in w.items()} if args.fp8 else {}
     rows = []
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(" ".join(f"{r[c]:>14}" for c in cols))
     result = {**run_info(argv), "shape": {"D": d, "I": inter, "E": e, "k": top, "dtype": "bfloat16"}, "rows": rows}
-    write_result("moe_kernel_p8", result, args.out)
+    write_result(f"moe_kernel_{tag}", result, args.out)
     return result
 
 

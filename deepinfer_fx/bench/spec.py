@@ -42,7 +42,8 @@ def cycling(model: Model) -> Model:
     c, params = model
     params = {**params, "embed": params["embed"] * 20}
     t = torch.arange(c.vocab_size, device=params["embed"].device)
-    after = 3 * (t // 3) + (t + 1) % 3
+    # the last vocab_size % 3 ids map to themselves: a cycle of three needs three ids
+    after = torch.where(t < 3 * (c.vocab_size // 3), 3 * (t // 3) + (t + 1) % 3, t)
     inverse = torch.empty_like(after)
     inverse[after] = t
     params["head"] = params["embed"][inverse].contiguous()

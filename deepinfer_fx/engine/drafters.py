@@ -2,7 +2,7 @@
 
 ``NgramDrafter`` is prompt lookup (vLLM's ``ngram``): find the latest earlier occurrence of the
 context's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) and
-propose the tokens that followed it. It needs no weights and runs on the host over the tokens
+propose the tokens that followed it, continued periodically where they reach the context's end. It needs no weights and runs on the host over the tokens
 the host has read back, which is why a speculating request waits for its previous step's
 results before its next step is scheduled (``scheduler.py``).
 """
@@ -34,5 +34,10 @@ class NgramDrafter:
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
                 at = int(hits[-1]) + n
-                return arr[at : at + k].tolist()
+                # past the end the match overlaps the suffix: the continuation repeats with period
+                # len(arr) - at, so a loop of three tokens drafts k, not three
+                out = arr[at : at + k].tolist()
+                while len(out) < k:
+                    out.append(out[at + len(out) - len(arr)])
+                return out
         return []

@@ -164,25 +164,38 @@ def only(mask: torch.Tensor, row: int, token: int) -> None:
 
 class MaskFiller:
     """Fills a step's token bitmasks, the matchers in parallel (xgrammar's batch matcher: each
-    fill is tens of microseconds at a 129k vocabulary, and a step may hold a hundred rows)."""
+    fill is a few to tens of microseconds at a 129k vocabulary, and a step may hold a hundred
+    rows), into host buffers kept from step to step: a fresh megabyte a step (pinned on a GPU)
+    cost more than the fills themselves (docs/decisions.md)."""
 
     def __init__(self, threads: int) -> None:
         self.batch = _xgrammar().BatchGrammarMatcher(max_threads=max(threads, 1))
+        self._buffers: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
+
+    def _buffer(self, rows: int, words: int, pinned: bool) -> torch.Tensor:
+        # two per shape, used in turn: step N+1's mask is filled once step N's token is back, so
+        # step N's copy has run; the older buffer is free by then
+        ring = self._buffers.setdefault((rows, words, pinned), [])
+        if len(ring) < 2:
+            ring.append(torch.empty((rows, words), dtype=torch.int32, pin_memory=pinned))
+        else:
+            ring.reverse()
+        return ring[-1]
 
     def fill(self, states: Sequence[GrammarState | None], words: int, pinned: bool, skip: Sequence[int] = ()) -> tuple[torch.Tensor, list[int]]:
         """The host bitmask ``[len(states), words]`` of one step's sampled rows in order
         (``states``: None for an unconstrained row: all ones). Rows in ``skip`` (requests that
         already failed) and rows whose grammar allows no token get token 0 alone, so the step
         stays well defined; returns the mask and the latter rows (the loop ends their requests
-        with an error)."""
-        mask = torch.full((len(states), words), -1, dtype=torch.int32, pin_memory=pinned)
+        with an error). The mask is valid until the second next call."""
+        mask = self._buffer(len(states), words, pinned).fill_(-1)
         live = [i for i, st in enumerate(states) if st is not None and i not in skip and not st.terminated]
         if live:
             self.batch.batch_fill_next_token_bitmask([states[i].matcher for i in live], mask, live)
         for i, st in enumerate(states):
             if st is not None and (i in skip or st.terminated):
                 only(mask, i, st.stop_ids[0] if st.terminated and i not in skip else 0)
-        dead = [i for i in live if not bool(mask[i].any())]
+        dead = [live[j] for j in torch.nonzero(~mask[live].ne(0).any(1)).flatten().tolist()] if live else []
         for i in dead:
             only(mask, i, 0)
         return mask, dead

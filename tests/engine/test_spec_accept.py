@@ -83,7 +83,8 @@ def test_ngram_drafter() -> None:
     d = NgramDrafter(3, 1, 3)
     assert d.propose([1, 2, 3, 4, 1, 2], 5) == [3, 4, 1]  # the suffix [1, 2] recurs: what followed it
     assert d.propose([1, 2, 3, 4, 1, 2], 2) == [3, 4]
-    assert d.propose([5, 1, 9, 1], 5) == [9, 1]  # the latest earlier match of [1], drafts up to the end
+    assert d.propose([5, 1, 9, 1], 5) == [9, 1, 9]  # the latest earlier match of [1], continued with its period 2
+    assert NgramDrafter(5, 1, 3).propose([4, 6, 7, 8, 6, 7, 8], 9) == [6, 7, 8, 6, 7]  # a loop of three drafts five
     assert d.propose([1, 2, 3], 5) == []
     assert NgramDrafter(3, 2, 3).propose([7, 1, 8, 1], 5) == []  # only [1] recurs, below the minimum
 
