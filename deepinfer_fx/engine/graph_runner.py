@@ -197,9 +197,10 @@ class StepGraphs:
         self.decode_buckets = buckets(max_requests)
         self.request_buckets = buckets(max_requests)
         self.length_buckets = buckets(max_tokens, smallest=min(16, max_tokens))
-        # a verify chunk is a token and 1..max_drafts drafts: exact lengths, since padding a
-        # chunk of 5 rows to 8 would cost most of what the drafts save
-        self.verify_buckets = tuple(range(2, max_drafts + 2))
+        # a verify chunk is a token and 1..max_drafts drafts, padded to one length: a verify of
+        # 2 rows costs 0.96 of one of 4 at batch 1 on an H200, and one bucket a request count
+        # warms up k times fewer graphs (docs/decisions.md)
+        self.verify_buckets = (max_drafts + 1,) if max_drafts else ()
         self.scratch = state["slots"]
         self._entries: dict[GraphKey, _Entry] = {}
         self._forwards: dict[tuple, Callable] = {}  # one compiled model part per bucket, shared by its modes

@@ -4,7 +4,7 @@ first request, so that ``generate`` never stalls on a compile for a shape the wa
 Covered: every decode bucket in every sampler mode, and for each prefill length bucket up to
 ``max_num_batched_tokens`` one chunk, and as many chunks of that bucket as the token budget
 holds (the steps a batch of similar prompts makes), in every mode; with speculative decoding,
-every verify bucket (requests x draft length). Other prefill shapes (a few chunks of mixed
+every verify bucket (a request count, chunks padded to k + 1 rows). Other prefill shapes (a few chunks of mixed
 lengths) still compile on first use.
 
 The caches (Inductor's FX graph and AOT autograd caches, its autotuning results, Triton's
