@@ -75,9 +75,11 @@ class ModelConfig:
     # The official reference's QAT fake-quant points (spec §2.3, §3.3, §3.5). HF transformers'
     # V4 leaves them out, so HF parity runs with this off; real checkpoints were trained with it on.
     fake_quant: bool = True
-    # Routed experts held as the checkpoint stores them, float8_e4m3fn with fp32 block scales
-    # (``*_scale`` params, fp8_block), instead of dequantised: load_model's expert_format decides.
-    fp8_experts: bool = False
+    # Routed experts held as the checkpoint stores them instead of dequantised ("fp8":
+    # float8_e4m3fn with fp32 block scales of fp8_block; "fp4": MXFP4, packed e2m1 bytes with
+    # ue8m0 scales per 32; None: dequantised). The scales are ``*_scale`` params; load_model's
+    # expert_format decides.
+    held_experts: str | None = None
 
     # ---- V4.1 only (spec §1.2). The defaults describe "absent", so V4 configs are unchanged.
     # CSA2 sharing: KV sources own a compressor + compressed cache (and the index keys); index

@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=_int_from(1), default=None,
                    help="longest prompt + output, in tokens (default: the model's limit, at most 8192)")
     e.add_argument("--no-fake-quant", action="store_true", help="skip the official fake-quant points")
-    e.add_argument("--expert-format", choices=["auto", "fp8", "dequant"], default=None,
-                   help="block-FP8 routed experts: keep fp8 or dequantise on load (default: DEEPINFER_EXPERT_FORMAT, auto = fp8 on CUDA)")
+    e.add_argument("--expert-format", choices=["auto", "fp8", "fp4", "dequant"], default=None,
+                   help="routed experts of quantised checkpoints: keep block FP8 (fp8) or MXFP4 (fp4) as stored, or "
+                        "dequantise on load (default: DEEPINFER_EXPERT_FORMAT, auto = fp8 kept on CUDA, MXFP4 dequantised)")
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-method", choices=["ngram", "mtp", "dspark"], default=None,
                     help="draft tokens and verify them in one target forward (ngram: prompt lookup, no weights; "

@@ -96,9 +96,9 @@ VARIABLES: dict[str, Var] = {
     ),
     f"{PREFIX}DEMO_DIR": Var("demo_dir", _text, None, "a directory", "where the built-in demo model is written"),
     f"{PREFIX}EXPERT_FORMAT": Var(
-        "expert_format", _choice("auto", "fp8", "dequant"), "auto", "auto, fp8 or dequant",
-        "routed experts of block-FP8 checkpoints: fp8 keeps them as stored, dequant converts them to the model dtype "
-        "on load, auto keeps them on CUDA only; MXFP4 experts are always dequantised",
+        "expert_format", _choice("auto", "fp8", "fp4", "dequant"), "auto", "auto, fp8, fp4 or dequant",
+        "routed experts of quantised checkpoints: fp8 (block FP8) and fp4 (MXFP4) keep them as stored, dequant "
+        "converts them to the model dtype on load, auto keeps block FP8 on CUDA only and dequantises MXFP4",
     ),
     f"{PREFIX}DIST_TIMEOUT": Var(
         "dist_timeout", _seconds, 300.0, "a positive number of seconds",

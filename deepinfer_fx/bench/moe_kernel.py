@@ -9,7 +9,8 @@ captured in a CUDA graph (as decode runs in the engine) and the replays are time
 events. Reported per token count: ms, weight bandwidth (bytes of the experts that received at
 least one pair, each read once, over the time: the figure that matters for decode) and TFLOP/s
 (6 * pairs * D * I flops, the figure that matters for prefill), plus the max difference from the
-reference relative to its max. ``--fp8`` adds the fp8-weight kernel (block-128 scales);
+reference relative to its max. ``--fp8`` adds the fp8-weight kernel (block-128 scales),
+``--fp4`` the MXFP4 one (the weights quantised, its bandwidth counting packed bytes + scales);
 ``--shared`` the op with the shared expert folded in as expert E (``moe_experts_shared``), whose
 bandwidth counts its weights too: in a P8 decode step at b1 the fold made gate/up and down
 slower per byte (session 10), which this isolates.
@@ -29,7 +30,16 @@ import torch
 from ..graphs.moe import routed_experts, shared_expert
 import triton
 
-from ..kernels.triton.moe import Tiles, choose_tiles, max_blocks, moe_experts_fp8_triton, moe_experts_shared_triton, moe_experts_triton
+from ..io.quant import dequant_mxfp4, quant_mxfp4
+from ..kernels.triton.moe import (
+    Tiles,
+    choose_tiles,
+    max_blocks,
+    moe_experts_fp4_triton,
+    moe_experts_fp8_triton,
+    moe_experts_shared_triton,
+    moe_experts_triton,
+)
 from .p8 import P8, run_info, write_result
 from .timing import graph_ms
 
@@ -132,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--experts", type=int, default=P8["n_routed_experts"])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--fp8", action="store_true", help="also time fp8 weights with block-128 scales")
+    ap.add_argument("--fp4", action="store_true", help="also time MXFP4 weights (ue8m0 scales per 32)")
     ap.add_argument("--shared", action="store_true", help="also time the op with the shared expert folded in")
     ap.add_argument("--sweep", type=int, default=0, metavar="T",
                     help="instead: sweep the tiles of the bf16 kernels at T tokens (prefill tiles above 64)")
@@ -151,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_result(f"moe_tile_sweep_{tag}", result, args.out)
         return result
     q = {n: _fp8(v) for n, v in w.items()} if args.fp8 else {}
+    q4 = {n: tuple(t.view(torch.uint8) for t in quant_mxfp4(v)) for n, v in w.items()} if args.fp4 else {}
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
@@ -180,10 +192,17 @@ def main(argv: list[str] | None = None) -> dict:
             fp8_args = (x, *w8, idx, rw, limit, _BLOCK)
             t_fp8 = graph_ms(lambda: moe_experts_fp8_triton(*fp8_args, out=out), args.iters)
             row.update(_row("fp8", t_fp8, weight_bytes // 2, flops))
+        if q4:
+            w4 = (q4["w1"][0], q4["w1"][1], q4["w3"][0], q4["w3"][1], q4["w2"][0], q4["w2"][1])
+            fp4_args = (x, *w4, idx, rw, limit)
+            t_fp4 = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out), args.iters)
+            ref4 = routed_experts.reference({n: dequant_mxfp4(*q4[n], x.dtype) for n in q4}, limit, x, idx, rw)
+            err4 = ((moe_experts_fp4_triton(*fp4_args) - ref4).abs().max() / ref4.abs().max()).item()
+            row.update(_row("fp4", t_fp4, weight_bytes // 4 + weight_bytes // 64, flops), fp4_max_rel_diff=err4)
         rows.append(row)
         print(row, flush=True)
     cols = ["tokens", "active_experts", "triton_ms", "torch_ms", "speedup", "triton_TBps", "torch_TBps",
-            "triton_TFLOPs", "torch_TFLOPs"] + (["shared_ms", "shared_TBps"] if sh else []) + (["fp8_ms", "fp8_TBps"] if q else [])
+            "triton_TFLOPs", "torch_TFLOPs"] + (["shared_ms", "shared_TBps"] if sh else []) + (["fp8_ms", "fp8_TBps"] if q else []) + (["fp4_ms", "fp4_TBps"] if q4 else [])
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]:>14}" for c in cols))

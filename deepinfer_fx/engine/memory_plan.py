@@ -7,7 +7,7 @@ Formats, as ``io/loader.py`` loads a checkpoint today:
 
 - routed experts: MXFP4 experts (the released V4 and V4.1) are dequantised to the run dtype
   on load; block-FP8 experts (V4 ``-Base``) stay float8_e4m3fn with fp32 block scales on CUDA
-  when ``expert_format`` is ``fp8`` or ``auto`` (``holds_fp8_experts``), else they are
+  when ``expert_format`` keeps them (``held_experts``), else they are
   dequantised too. A GPU holds its EP rank's expert slots (``start_expert_ids``: on a multi-rank
   mesh the routed count plus ``DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS``, rounded up to the EP size);
 - dense weights: FP8 dense weights are dequantised to the run dtype; mHC, sinks, biases and
@@ -37,7 +37,7 @@ import torch
 
 from ..config import ModelConfig
 from ..graphs.params import ParamSpec, param_specs
-from ..io.loader import holds_fp8_experts
+from ..io.loader import held_experts
 from ..sharding.mesh import MeshSpec
 from ..sharding.parallel import start_expert_ids
 from .cache import state_bytes_per_slot
@@ -179,7 +179,7 @@ def memory_plan(
     ``expert_format`` (as ``load_model`` takes it), ``compiled`` (Engram tables on the device),
     ``draft`` (the checkpoint carries ``mtp.*``) and ``extra_experts`` (None:
     ``DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS``; multi-rank meshes only)."""
-    c = c.replace(fp8_experts=holds_fp8_experts(c, expert_format, "cuda"))
+    c = c.replace(held_experts=held_experts(c, expert_format, "cuda"))
     max_len = min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
     sums = {"routed": 0, "dense": 0, "draft": 0, "engram": 0, "engram_host": 0, "released": 0}
     problems = []
@@ -194,14 +194,15 @@ def memory_plan(
                 problems.append(f"compiled steps hold Engram table {s.path} on the device as fp32 ({resident / GiB:.1f} GiB) "
                                 f"and refuse tables above {MAX_RESIDENT_ENGRAM_BYTES / GiB:.0f} GiB: run eagerly (--eager)")
             continue
-        shape = ((_expert_slots(mesh, s, extra_experts),) + s.shape[1:]) if s.stacked else s.shape
+        shape = ((_expert_slots(mesh, s, extra_experts),) + s.held_shape[1:]) if s.stacked else s.held_shape
         key = "draft" if s.path.startswith("mtp.") else ("routed" if s.stacked else "dense")
         sums[key] += _bytes(s, shape, dtype)
-        if key == "routed" and s.held != "fp8_scale":
+        if key == "routed" and s.held != "scale":
             sums["released"] += _released_bytes(c, s, shape[0])
     if c.engram_layer_ids:
         sums["dense"] += c.vocab_size * 8  # the token -> compressed class table, int64
-    held = "block fp8 + fp32 scales" if c.fp8_experts else f"{str(dtype).removeprefix('torch.')} (dequantised on load)"
+    held = {"fp8": "block fp8 + fp32 scales", "fp4": "MXFP4 + ue8m0 scales"}.get(
+        c.held_experts or "", f"{str(dtype).removeprefix('torch.')} (dequantised on load)")
     expert = next(s for s in param_specs(c, mtp=False) if s.stacked)
     released = {"fp4": "MXFP4", "fp8": "block FP8"}.get(_stored(c, expert) or "", "bf16")
     slots = _expert_slots(mesh, expert, extra_experts)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..io.quant import dequant_fp8_block, fp8_block_of
+from ..io.quant import dequant_fp8_block, dequant_mxfp4, fp8_block_of
 from .norm import linear, linear_fp32
 from .params import scale_path
 from .swap import swappable
@@ -20,10 +20,21 @@ from .swap import swappable
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
-def fp8_held(p: dict) -> bool:
-    """Whether routed experts ``p`` are held as stored, float8_e4m3fn with fp32 block scales
-    (``load_model(..., expert_format=...)``), rather than dequantised."""
-    return scale_path("w1") in p
+def held_format(p: dict) -> str | None:
+    """How routed experts ``p`` are held (``load_model(..., expert_format=...)``): "fp8"
+    (float8_e4m3fn with fp32 block scales), "fp4" (MXFP4 bytes with ue8m0 scales) or None
+    (dequantised)."""
+    if scale_path("w1") not in p:
+        return None
+    return "fp8" if p["w1"].dtype == torch.float8_e4m3fn else "fp4"
+
+
+def dequant_experts(p: dict, dtype: torch.dtype) -> dict:
+    """Held experts ``p`` in ``dtype``: the values a load with ``expert_format="dequant"`` holds."""
+    if held_format(p) == "fp8":
+        return {n: dequant_fp8_block(p[n], p[scale_path(n)], fp8_block_of(p[n].shape, p[scale_path(n)].shape), dtype)
+                for n in EXPERT_WEIGHTS}
+    return {n: dequant_mxfp4(p[n], p[scale_path(n)], dtype) for n in EXPERT_WEIGHTS}
 
 
 def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -79,11 +90,11 @@ def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w:
     and no host synchronisation, so the same code runs eagerly, compiled and in CUDA graphs.
     The routing weight scales the hidden activation before w2, as the official reference does;
     each token's k results are summed in a fixed order (no atomics: batch-invariant). Experts
-    held in fp8 are dequantised to the activation dtype on every call, the values a load with
-    ``expert_format="dequant"`` holds; compiled steps run the fp8 kernel instead (``MoEExpertsSwap``)."""
-    if fp8_held(p):
-        p = {n: dequant_fp8_block(p[n], p[scale_path(n)], fp8_block_of(p[n].shape, p[scale_path(n)].shape), x.dtype)
-             for n in EXPERT_WEIGHTS}
+    held as stored (fp8, fp4) are dequantised to the activation dtype on every call
+    (``dequant_experts``); compiled steps on a GPU run the kernel of their format instead
+    (``MoEExpertsSwap``)."""
+    if held_format(p):
+        p = dequant_experts(p, x.dtype)
     t, k = idx.shape
     n_exp = p["w1"].shape[0]
     flat = idx.reshape(-1)

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 
 from ..config import ModelConfig
+from ..io.quant import MXFP4_BLOCK
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ class ParamSpec:
     integer: bool = False
     high: int | None = None  # integer tensors: every value lies in [0, high) (checked at load)
     # Held in memory as stored rather than dequantised: "fp8" (a float8_e4m3fn weight, whose fp32
-    # block scales are the spec at ``scale_path(path)``) or "fp8_scale" (those scales).
+    # block scales are the spec at ``scale_path(path)``), "fp4" (MXFP4: uint8 bytes of two e2m1
+    # codes, the even k in the low nibble, with ue8m0 byte scales per 32 at ``scale_path``) or
+    # "scale" (those scales).
     held: str | None = None
 
     @property
@@ -46,11 +49,18 @@ class ParamSpec:
             return torch.long
         if self.held == "fp8":
             return torch.float8_e4m3fn
+        if self.held == "fp4" or (self.held == "scale" and not self.fp32):
+            return torch.uint8
         return torch.float32 if self.fp32 else run
+
+    @property
+    def held_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor in memory: ``shape`` but for MXFP4's two values a byte."""
+        return (*self.shape[:-1], self.shape[-1] // 2) if self.held == "fp4" else self.shape
 
 
 def scale_path(path: str) -> str:
-    """The tree path of the block scales of a weight held in fp8 (``...experts.w1_scale``)."""
+    """The tree path of the scales of a weight held as stored (``...experts.w1_scale``)."""
     return f"{path}_scale"
 
 
@@ -173,17 +183,22 @@ def _moe(prefix: str, c: ModelConfig, hashed: bool) -> list[ParamSpec]:
         )
     else:
         specs.append(ParamSpec(f"{f}.gate.bias", f"{f}.gate.bias", (e,), ("experts",), init="zeros", fp32=True))
-    if c.fp8_experts and c.fp8_block is None:
-        raise ValueError("fp8_experts needs fp8_block: the block scales' grid is unknown")
+    if c.held_experts not in (None, "fp8", "fp4") or c.held_experts not in (None, xq):
+        raise ValueError(f"held_experts={c.held_experts!r}: the checkpoint's experts are {xq or 'unquantised'}")
+    if c.held_experts == "fp8" and c.fp8_block is None:
+        raise ValueError("held_experts='fp8' needs fp8_block: the block scales' grid is unknown")
     for w, shape, axes in (("w1", (e, i, d), ("experts", "expert_mlp", "embed")),
                            ("w3", (e, i, d), ("experts", "expert_mlp", "embed")),
                            ("w2", (e, d, i), ("experts", "embed", "expert_mlp"))):
         path = f"{f}.experts.{w}"
-        specs.append(ParamSpec(path, f"{f}.experts.{{e}}.{w}.weight", shape, axes, quant=xq, held="fp8" if c.fp8_experts else None))
-        if c.fp8_experts:  # the scales shard with their experts and move with them
+        specs.append(ParamSpec(path, f"{f}.experts.{{e}}.{w}.weight", shape, axes, quant=xq, held=c.held_experts))
+        if c.held_experts == "fp8":  # the scales shard with their experts and move with them
             grid = (e, -(-shape[1] // c.fp8_block), -(-shape[2] // c.fp8_block))
             specs.append(ParamSpec(scale_path(path), f"{f}.experts.{{e}}.{w}.scale", grid, (axes[0], None, None),
-                                   fp32=True, held="fp8_scale"))
+                                   fp32=True, held="scale"))
+        elif c.held_experts == "fp4":  # one ue8m0 byte per 32 values of a row
+            grid = (e, shape[1], shape[2] // MXFP4_BLOCK)
+            specs.append(ParamSpec(scale_path(path), f"{f}.experts.{{e}}.{w}.scale", grid, (axes[0], None, None), held="scale"))
     si = i * c.n_shared_experts
     specs += [
         _linear(f"{f}.shared_experts.w1", si, d, ("mlp", "embed"), "fp8"),
@@ -291,7 +306,7 @@ def count_params(c: ModelConfig, mtp: bool = False, engram: bool = False) -> int
     (``mtp.*``) and V4.1's Engram tables are left out unless asked for: the published
     backbone sizes count neither. Block scales of weights held in fp8 are not parameters."""
     return sum(s.numel for s in param_specs(c, mtp=mtp)
-               if (engram or ".engram." not in s.path) and s.held != "fp8_scale")
+               if (engram or ".engram." not in s.path) and s.held != "scale")
 
 
 # --- trees -------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..io.quant import quant_fp8_block, ue8m0_to_float
+from ..io.quant import quant_fp8_block, quant_mxfp4, ue8m0_to_float
 from .engram import EngramTable
 from .params import build_tree, init_param, param_specs, scale_path
 
@@ -15,17 +15,20 @@ def random_flat(
 ) -> dict[str, torch.Tensor]:
     """Flat ``{tree path: tensor}`` with every parameter drawn from one seeded generator on
     ``device`` (a GPU draws benchmark-sized models in seconds; values differ from the CPU's).
-    Weights held in fp8 are the block quantisation of the value drawn in ``dtype``, so the
+    Weights held as stored (fp8, fp4) are the quantisation of the value drawn in ``dtype``, so the
     generator draws the same values as for the dequantised config."""
     gen = torch.Generator(device=device or "cpu").manual_seed(seed)
     flat: dict[str, torch.Tensor] = {}
     for s in param_specs(c, mtp=mtp):
-        if s.held == "fp8_scale":
+        if s.held == "scale":
             continue  # made with its weight
         value = init_param(s, gen, dtype, c.n_routed_experts)
         if s.held == "fp8":
             value, scale = quant_fp8_block(value, c.fp8_block)
             flat[scale_path(s.path)] = ue8m0_to_float(scale)
+        elif s.held == "fp4":
+            value, scale = quant_mxfp4(value)
+            value, flat[scale_path(s.path)] = value.view(torch.uint8), scale.view(torch.uint8)
         flat[s.path] = value
     return flat
 

@@ -336,6 +336,19 @@ class CheckpointReader:
         self._fp8_block(key, w, scale)
         return w, ue8m0_to_float(scale)
 
+    def get_mxfp4(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MXFP4 weight as stored, for kernels that decode tile by tile: uint8 ``[N, K/2]`` (two
+        e2m1 codes a byte, the even k in the low nibble) and its ue8m0 scales as uint8 ``[N, K/32]``."""
+        w, scale = self._stored(key)
+        ws = list(w.shape)
+        if scale is None or w.dtype not in (torch.int8, torch.uint8):
+            what = "no scale" if scale is None else "a scale"
+            raise CheckpointError(f"{self.location(key)}: '{key}' is {w.dtype} with {what}, not an MXFP4 weight")
+        if list(scale.shape) != [ws[0], ws[1] // 16] or ws[1] % 16 or scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+            raise CheckpointError(f"{self.location(key)}: packed FP4 weight {ws} needs ue8m0 scale [N, K/32] = "
+                                  f"[{ws[0]}, {ws[1] // 16}], got {scale.dtype} {list(scale.shape)}")
+        return w.view(torch.uint8), scale.view(torch.uint8)
+
     def _stored(self, key: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tensor of ``key`` as stored and its quantisation scale (None: not quantised)."""
         e = self._entry(key)

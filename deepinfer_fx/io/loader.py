@@ -1,8 +1,8 @@
 """Checkpoint -> parameter tree, driven by the parameter specs.
 
 Each spec names the tensor it needs; the reader finds it under any of the accepted key
-spellings and dequantises it (routed experts held in fp8, ``holds_fp8_experts``, come as stored
-with their block scales). Shapes are checked against the config before any data is read, so a
+spellings and dequantises it (routed experts held as stored, ``held_experts``, come with their
+scales). Shapes are checked against the config before any data is read, so a
 checkpoint that does not match its config fails at once with the file and tensor named.
 """
 
@@ -19,6 +19,7 @@ from ..graphs.engram import EngramTable
 from ..graphs.engram_hash import compressed_vocab
 from ..settings import argument
 from .checkpoint import CheckpointError, CheckpointReader, resolve_model_dir
+from .quant import ue8m0_to_float
 from .tokenizer import load_tokenizer
 
 EXPERT_FORMAT = "DEEPINFER_EXPERT_FORMAT"
@@ -30,7 +31,7 @@ def _expected(spec: ParamSpec) -> tuple[int, ...]:
 
 
 def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, device, experts: ExpertIds | None = None) -> dict:
-    """``{tree path: value}`` of one spec; a weight held in fp8 brings its scales along."""
+    """``{tree path: value}`` of one spec; a weight held as stored brings its scales along."""
     if spec.quant == "engram":  # ~98 GB tables: memory-mapped, rows read on lookup
         if tuple(reader.shape(spec.key)) != spec.shape:
             raise CheckpointError(
@@ -51,11 +52,11 @@ def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, dev
             raise CheckpointError(
                 f"{reader.location(key)}: tensor '{key}' has shape {list(got)}, the config expects {list(_expected(spec))}"
             )
-    if spec.held == "fp8":  # as stored; the reader checks each scale grid against fp8_block
-        weights, scales = zip(*(reader.get_fp8(key) for key in keys))
+    if spec.held in ("fp8", "fp4"):  # as stored; the reader checks each scale grid
+        weights, scales = zip(*((reader.get_fp8 if spec.held == "fp8" else reader.get_mxfp4)(key) for key in keys))
         w, s = torch.stack(weights).to(device), torch.stack(scales).to(device)
         _check_values(reader, spec, keys, w)
-        _check_values(reader, spec, keys, s, "the block scales of tensor")
+        _check_values(reader, spec, keys, s if spec.held == "fp8" else ue8m0_to_float(s), "the block scales of tensor")
         return {spec.path: w, scale_path(spec.path): s}
     target = spec.dtype(dtype)
     parts = [reader.get(key, dtype=target) for key in keys]
@@ -118,7 +119,7 @@ def load_params(
         specs = specs + extra
     if c.tie_word_embeddings and "head.weight" not in reader:
         specs = [s for s in specs if s.path != "head"]
-    flat = {path: value for s in specs if s.held != "fp8_scale"  # scales come with their weights
+    flat = {path: value for s in specs if s.held != "scale"  # scales come with their weights
             for path, value in _load_one(reader, s, dtype, device, experts).items()}
     if "head" not in flat:
         flat["head"] = flat["embed"]
@@ -154,20 +155,23 @@ def engram_vocab(model_dir, c: ModelConfig) -> torch.Tensor:
     return table[: c.vocab_size]
 
 
-def holds_fp8_experts(c: ModelConfig, expert_format: str | None, device=None) -> bool:
-    """Whether the routed experts of checkpoint config ``c`` stay as stored (float8_e4m3fn + fp32
-    block scales) on ``device``. ``expert_format`` (None: ``DEEPINFER_EXPERT_FORMAT``): "fp8"
-    keeps them, "dequant" converts them to the model dtype, "auto" keeps them on CUDA, where the
-    compiled steps run them through the fp8 kernel at half the bytes, and converts them elsewhere,
-    where every eager call would dequantise them again. Only block-FP8 experts can stay; MXFP4
-    ones are always dequantised."""
+def held_experts(c: ModelConfig, expert_format: str | None, device=None) -> str | None:
+    """How the routed experts of checkpoint config ``c`` are held on ``device``: "fp8" (float8_e4m3fn
+    + fp32 block scales) or "fp4" (MXFP4 bytes + ue8m0 scales) as stored, or None (dequantised to
+    the model dtype). ``expert_format`` (None: ``DEEPINFER_EXPERT_FORMAT``): "fp8" / "fp4" keep
+    experts stored in that format (another format is an error), "dequant" converts them, "auto"
+    keeps block FP8 on CUDA, where the compiled steps run the fp8 kernel at half the bytes, and
+    converts everything else (every eager call would dequantise again; MXFP4 stays dequantised
+    until its kernel is measured on a GPU: docs/decisions.md)."""
     fmt = argument(EXPERT_FORMAT, expert_format)
-    fp8 = c.expert_dtype == "fp8" and c.fp8_block is not None
-    if fmt == "fp8" and not fp8:
-        stored = "unquantised" if c.fp8_block is None or c.expert_dtype == "bf16" else "MXFP4"
-        raise CheckpointError(f"expert_format='fp8' keeps block-FP8 routed experts, but this checkpoint's are {stored}; "
-                              f"use 'auto' or 'dequant'")
-    return fp8 and (fmt == "fp8" or (fmt == "auto" and torch.device(device or "cpu").type == "cuda"))
+    stored = None if c.fp8_block is None or c.expert_dtype == "bf16" else ("fp8" if c.expert_dtype == "fp8" else "fp4")
+    if fmt in ("fp8", "fp4") and fmt != stored:
+        names = {"fp8": "block-FP8", "fp4": "MXFP4", None: "unquantised"}
+        raise CheckpointError(f"expert_format={fmt!r} keeps {names[fmt]} routed experts, but this checkpoint's are "
+                              f"{names[stored]}; use 'auto' or 'dequant'")
+    if fmt == "auto":
+        return stored if stored == "fp8" and torch.device(device or "cpu").type == "cuda" else None
+    return None if fmt == "dequant" else stored
 
 
 def load_checkpoint(
@@ -175,12 +179,12 @@ def load_checkpoint(
     expert_format: str | None = None,
 ):
     """-> (config, params, model_dir). ``fake_quant`` overrides the config's switch; ``experts``
-    as in ``load_params``; ``expert_format`` as in ``holds_fp8_experts``."""
+    as in ``load_params``; ``expert_format`` as in ``held_experts``."""
     model_dir = resolve_model_dir(path)
     c = load_config(model_dir)
     if fake_quant is not None:
         c = c.replace(fake_quant=fake_quant)
-    c = c.replace(fp8_experts=holds_fp8_experts(c, expert_format, device))
+    c = c.replace(held_experts=held_experts(c, expert_format, device))
     reader = CheckpointReader(model_dir, fp8_block=c.fp8_block)
     try:
         params = load_params(reader, c, dtype, device, experts=experts)

@@ -1,11 +1,15 @@
-"""Ops over fp8 weights with DeepSeek's block scales, so released checkpoints run without
-dequantising them on load (``load_model(..., expert_format="fp8")`` keeps them so).
+"""Ops over expert weights kept as the checkpoint stores them, so released checkpoints run
+without dequantising them on load (``load_model(..., expert_format="fp8" | "fp4")``).
 
 ``deepinfer::moe_experts_fp8`` is ``deepinfer::moe_experts`` with each stacked expert weight
 given as float8_e4m3fn ``[E, out, in]`` plus fp32 scales ``[E, cdiv(out, block), cdiv(in,
 block)]``: the dequantised weight is ``w.float() * scale`` expanded over each ``block x block``
 square, rounded to the activation dtype. The reference does exactly that and then runs the
 bf16 math of ``graphs/moe.py``; the Triton kernel dequantises each tile as it loads it.
+
+``deepinfer::moe_experts_fp4`` takes MXFP4 experts: uint8 ``[E, out, in / 2]`` (two e2m1 codes
+a byte, the even k in the low nibble) with ue8m0 byte scales ``[E, out, in / 32]``; the
+reference is ``io.quant.dequant_mxfp4`` then the same math.
 
 No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
@@ -15,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..graphs.moe import routed_experts
-from ..io.quant import dequant_fp8_block
+from ..io.quant import dequant_fp8_block, dequant_mxfp4
 from .ops import NAMESPACE
 
 # The fp8 expert kernels' k tile is the largest power of two dividing the scale block; tl.dot takes >= 16.
@@ -66,5 +70,43 @@ def _moe_experts_fp8_fake(
     weight: torch.Tensor,
     limit: float,
     block: int,
+) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_experts_fp4", mutates_args=())
+def moe_experts_fp4(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """``moe_experts`` with MXFP4 expert weights (see the module docstring)."""
+    experts = {
+        "w1": dequant_mxfp4(w1, w1_scale, x.dtype),
+        "w3": dequant_mxfp4(w3, w3_scale, x.dtype),
+        "w2": dequant_mxfp4(w2, w2_scale, x.dtype),
+    }
+    return getattr(routed_experts, "reference", routed_experts)(experts, limit, x, idx, weight)
+
+
+@moe_experts_fp4.register_fake
+def _moe_experts_fp4_fake(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
 ) -> torch.Tensor:
     return x.new_empty(x.shape, dtype=torch.float32)

@@ -35,7 +35,7 @@ import torch
 import torch.fx
 
 from ..graphs.mhc import hc_head, mhc_site, sinkhorn
-from ..graphs.moe import EXPERT_WEIGHTS, expert_parallel, experts_with_shared, fp8_held, route_weights, routed_experts
+from ..graphs.moe import EXPERT_WEIGHTS, expert_parallel, experts_with_shared, held_format, route_weights, routed_experts
 from ..graphs.norm import project, project_blocks
 from ..graphs.params import scale_path
 from ..graphs.swap import active, reference
@@ -111,8 +111,11 @@ class KernelSwap(GraphPass):
 
 
 def _moe_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if fp8_held(p):  # experts kept as the checkpoint stores them: the kernel dequantises tile by tile
+    held = held_format(p)  # experts kept as the checkpoint stores them: the kernel dequantises tile by tile
+    if held:
         s1, s3, s2 = (p[scale_path(n)] for n in EXPERT_WEIGHTS)
+        if held == "fp4":
+            return torch.ops.deepinfer.moe_experts_fp4(x, p["w1"], s1, p["w3"], s3, p["w2"], s2, idx, w, limit)
         block = fp8_block_of(p["w1"].shape, s1.shape)
         return torch.ops.deepinfer.moe_experts_fp8(x, p["w1"], s1, p["w3"], s3, p["w2"], s2, idx, w, limit, block)
     return torch.ops.deepinfer.moe_experts(x, p["w1"], p["w3"], p["w2"], idx, w, limit)
@@ -120,9 +123,10 @@ def _moe_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: t
 
 @register_pass
 class MoEExpertsSwap(KernelSwap):
-    """``moe.routed_experts`` => ``deepinfer.moe_experts``, or ``deepinfer.moe_experts_fp8`` for
-    experts held in fp8 (Triton grouped GEMMs with fused SwiGLU-with-clamp on NVIDIA). Reached
-    where ``moe_shared_fused_kernel`` is off or falls back (fp8 experts, expert parallelism)."""
+    """``moe.routed_experts`` => ``deepinfer.moe_experts``, or ``deepinfer.moe_experts_fp8`` /
+    ``deepinfer.moe_experts_fp4`` for experts held as stored (Triton grouped GEMMs with fused
+    SwiGLU-with-clamp on NVIDIA). Reached where ``moe_shared_fused_kernel`` is off or falls back
+    (held experts, expert parallelism)."""
 
     name: ClassVar[str] = "moe_experts_kernel"
     accelerators: ClassVar[frozenset[str]] = _SERVED
@@ -132,7 +136,7 @@ class MoEExpertsSwap(KernelSwap):
         return _moe_experts
 
     def unserved(self, p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> str | None:
-        if not fp8_held(p):
+        if held_format(p) != "fp8":  # MXFP4's blocks of 32 always fit the k tiles
             return None
         return fp8_block_unserved(fp8_block_of(p["w1"].shape, p[scale_path("w1")].shape))
 
@@ -140,7 +144,8 @@ class MoEExpertsSwap(KernelSwap):
         return (*super().sources(), fp8_block_unserved)
 
     def targets(self) -> tuple[Any, ...]:
-        return (torch.ops.deepinfer.moe_experts.default, torch.ops.deepinfer.moe_experts_fp8.default)  # by the experts' storage
+        return (torch.ops.deepinfer.moe_experts.default, torch.ops.deepinfer.moe_experts_fp8.default,
+                torch.ops.deepinfer.moe_experts_fp4.default)  # by the experts' storage
 
 
 # The most tokens a step folds the shared expert in for: decode batches. A prefill chunk's shared
@@ -153,11 +158,11 @@ FOLD_MAX_TOKENS = 64
 def _experts_with_shared(
     pe: dict, ps: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor
 ) -> torch.Tensor:
-    # fp8-held experts keep their own kernel (one weight format a launch); under expert
+    # held experts (fp8, fp4) keep their own kernel (one weight format a launch); under expert
     # parallelism the routed experts are the EP region, which must run; a shared expert wider
     # than a routed one (n_shared_experts > 1) is no extra expert of the stack. All static.
     foldable = all(ps[n].shape == pe[n].shape[1:] and ps[n].dtype == pe[n].dtype for n in EXPERT_WEIGHTS)
-    if fp8_held(pe) or expert_parallel.place in active() or not foldable or x.shape[0] > FOLD_MAX_TOKENS:  # type: ignore[attr-defined]
+    if held_format(pe) or expert_parallel.place in active() or not foldable or x.shape[0] > FOLD_MAX_TOKENS:  # type: ignore[attr-defined]
         return experts_with_shared.reference(pe, ps, limit, x, idx, w, real)  # type: ignore[attr-defined]
     return torch.ops.deepinfer.moe_experts_shared(x, pe["w1"], pe["w3"], pe["w2"], ps["w1"], ps["w3"], ps["w2"], idx, w, limit)
 
@@ -169,7 +174,7 @@ class MoESharedSwap(KernelSwap):
     launches (at decode its own two skinny GEMVs and SwiGLU were three launches a layer, the
     GEMVs slower than the grouped GEMMs' weight streaming). With it in force ``moe.routed_experts``
     is inside the op, so ``moe_experts_kernel`` counts rewrites only where this swap falls back
-    to the reference: experts held in fp8, expert parallelism in force, a shared expert of
+    to the reference: experts held as stored, expert parallelism in force, a shared expert of
     another width than a routed one, or more than ``FOLD_MAX_TOKENS`` tokens (prefill)."""
 
     name: ClassVar[str] = "moe_shared_fused_kernel"

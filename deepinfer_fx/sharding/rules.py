@@ -102,8 +102,8 @@ def global_shape(spec: ParamSpec, experts: ExpertPlacement | None = None) -> tup
     """The shape of the whole (DTensor) parameter: stacked experts have ``n_physical`` rows when
     redundant experts are on."""
     if experts is None or not spec.stacked:
-        return spec.shape
-    return (experts.n_physical,) + spec.shape[1:]
+        return spec.held_shape
+    return (experts.n_physical,) + spec.held_shape[1:]
 
 
 def local_shape(spec: ParamSpec, mesh: MeshLike, coord: Coord = None, experts: ExpertPlacement | None = None) -> tuple[int, ...]:

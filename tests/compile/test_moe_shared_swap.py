@@ -37,7 +37,7 @@ def _seed() -> int:
 def _layer(seed: int, fp8: bool = False, t: int = T) -> tuple:
     """(config, the layer's FFN params, x, token ids, real rows) of a tiny V4 in fp32."""
     c = config_from_dict(tiny_v4(**(FP8_EXPERTS if fp8 else {})))
-    c, params = random_model(c.replace(fp8_experts=fp8), seed=seed)
+    c, params = random_model(c.replace(held_experts="fp8" if fp8 else None), seed=seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, c.hidden_size, generator=g)
     ids = torch.randint(3, c.vocab_size, (t,), generator=g)

@@ -51,7 +51,7 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
     # state-equivalence tests); here the paths must agree to fp32 precision. Block-FP8 experts
     # are held as stored, as a CUDA load does.
     c = config_from_dict(cfg).replace(fake_quant=False)
-    model = random_model(c.replace(fp8_experts=c.expert_dtype == "fp8"), seed=seed, device=device)
+    model = random_model(c.replace(held_experts="fp8" if c.expert_dtype == "fp8" else None), seed=seed, device=device)
     c, params = model
     slots = 3
     state = init_state(c, 64, torch.float32, device=device, mtp=False, slots=slots)

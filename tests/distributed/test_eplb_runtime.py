@@ -34,7 +34,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 def _worker(rank: int, init_file: str, seed: int, fp8: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
-        c = config_from_dict(tiny_v4(**FP8_EXPERTS) if fp8 else tiny_v4()).replace(fake_quant=False, fp8_experts=fp8)
+        c = config_from_dict(tiny_v4(**FP8_EXPERTS) if fp8 else tiny_v4()).replace(fake_quant=False, held_experts="fp8" if fp8 else None)
         full = random_model(c, seed=seed).params
         spec = MeshSpec(ep=2)
         start = eplb.default_placement(c.n_routed_experts, eplb.num_physical_experts(c.n_routed_experts, 2, 4), 2)

@@ -49,7 +49,7 @@ def _workload(seed: int, n_requests: int, vocab: int) -> Workload:
 
 def _model(which: str, seed: int) -> Model:
     c = config_from_dict(CONFIGS[which]()).replace(fake_quant=False)
-    return random_model(c.replace(fp8_experts=c.expert_dtype == "fp8"), seed=seed)
+    return random_model(c.replace(held_experts="fp8" if c.expert_dtype == "fp8" else None), seed=seed)
 
 
 @torch.no_grad()

@@ -55,7 +55,7 @@ def _compile_for_sm90(out_dir: str, *names: str) -> None:
     done: dict[tuple, dict] = {}
     rows, declined = [], {}
     for variant, (cases, disabled, fp8) in VARIANTS.items():
-        c = base.replace(expert_dtype="fp8", fp8_experts=True) if fp8 else base
+        c = base.replace(expert_dtype="fp8", held_experts="fp8") if fp8 else base
         found = model_launches(c, cases, disabled)
         declined.update({f"{variant}: {swap}": whys for swap, whys in found.declined.items()})
         for key, (launch, case, op) in found.launches.items():

@@ -39,6 +39,7 @@ import torch
 import triton
 
 from .. import ops, ops_fp8  # noqa: F401  (declare the ops before we register for them)
+from ...io.quant import MXFP4_BLOCK
 from .buffers import out_buffer
 from .moe_kernels import combine_kernel, count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel, sort_pairs_one_kernel
 from .pdl import pdl_args
@@ -186,18 +187,23 @@ def run_experts(
     tiles: tuple[Tiles, Tiles] | None = None,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The five launches for bf16/fp32 weights (``scales`` None) or fp8 weights with fp32
-    block ``scales`` of ``qblock``; shared by the ``moe_experts``, ``moe_experts_fp8`` and
-    ``moe_experts_shared`` ops. ``shared`` (w1, w3, w2 of the shared expert, bf16/fp32 weights
+    """The five launches for bf16/fp32 weights (``scales`` None), fp8 weights with fp32 block
+    ``scales`` of ``qblock``, or MXFP4 weights (uint8, two codes a byte) with ue8m0 byte
+    ``scales`` per 32; shared by the ``moe_experts``, ``moe_experts_fp8``, ``moe_experts_fp4``
+    and ``moe_experts_shared`` ops. ``shared`` (w1, w3, w2 of the shared expert, bf16/fp32 weights
     only) adds it to every token as expert E with weight 1, after the routed sum.
     ``tiles`` (gate/up, down) overrides ``choose_tiles``: the tile sweep of ``bench/moe_kernel.py``."""
     w1, w3, w2 = weights
     t, top = idx.shape
     n_exp, inter, dim = w1.shape
+    fp4 = scales is not None and w1.dtype == torch.uint8
+    fp8 = scales is not None and not fp4
+    held = scales is not None
+    dim *= 1 + fp4  # MXFP4 rows hold two values a byte
     out = out_buffer(out, (t, dim), torch.float32, x.device, "moe_experts")
     if shared is not None:
         if scales is not None:
-            raise ValueError("moe_experts: the shared expert folds into bf16/fp32 experts only, not fp8 ones")
+            raise ValueError("moe_experts: the shared expert folds into bf16/fp32 experts only, not fp8 or fp4 ones")
         _check_shared(shared, weights)
     fold = shared is not None
     slots = top + fold  # pairs per token
@@ -210,7 +216,6 @@ def run_experts(
         raise ValueError(f"moe_experts: half-height tiles need bm >= 32 (tl.dot takes >= 16 rows), got {tiles}")
     s1, s3, s2 = scales if scales is not None else (w1, w3, w2)  # placeholders, never read
     sw1, sw3, sw2 = shared if fold else (w1, w3, w2)  # placeholders, never read
-    fp8 = scales is not None
     pairs, ends = sort_pairs(idx, n_exp, fold)
     rw = weight.reshape(-1).contiguous()
     experts = n_exp + fold
@@ -222,24 +227,26 @@ def run_experts(
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     sizes = (x.element_size(), w1.element_size())
     g = tiles[0] if tiles else choose_tiles(p, experts, inter, dim, True, qblock if fp8 else 0, *sizes)
+    d = tiles[1] if tiles else choose_tiles(p, experts, dim, inter, False, qblock if fp8 else 0, *sizes)
+    if fp4 and (g.bk % MXFP4_BLOCK or d.bk % MXFP4_BLOCK):
+        raise ValueError(f"moe_experts_fp4: the k tiles ({g.bk}, {d.bk}) must be multiples of {MXFP4_BLOCK}")
     n_blocks = max_blocks(p, experts, g.bm)
     gate_up_kernel[(n_blocks * triton.cdiv(inter, g.bn),)](
         x, w1, w3, sw1, sw3, s1, s3, h, pairs, rw, ends,
         n_blocks, n_exp, inter, float(limit),
-        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0,
-        K=dim, TOPK=top, SHARED=fold, E_P=e_p, BM=g.bm, BN=g.bn, BK=g.bk, GROUP_M=g.group_m, FP8=fp8, QBLOCK=qb,
+        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0) if held else 0, s1.stride(1) if held else 0,
+        K=dim, TOPK=top, SHARED=fold, E_P=e_p, BM=g.bm, BN=g.bn, BK=g.bk, GROUP_M=g.group_m, FP8=fp8, FP4=fp4, QBLOCK=qb,
         CLAMP=bool(limit), EVEN=inter % g.bn == 0 and dim % g.bk == 0, PREC=prec, HALF=g.half,
         num_warps=g.warps, num_stages=g.stages, **pdl,
     )
 
     y = torch.empty(p, dim, dtype=x.dtype, device=x.device)
-    d = tiles[1] if tiles else choose_tiles(p, experts, dim, inter, False, qblock if fp8 else 0, *sizes)
     n_blocks = max_blocks(p, experts, d.bm)
     down_kernel[(n_blocks * triton.cdiv(dim, d.bn),)](
         h, w2, sw2, s2, y, pairs, ends,
         n_blocks, n_exp, dim,
-        w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-        K=inter, SHARED=fold, E_P=e_p, BM=d.bm, BN=d.bn, BK=d.bk, GROUP_M=d.group_m, FP8=fp8, QBLOCK=qb,
+        w2.stride(0), w2.stride(1), s2.stride(0) if held else 0, s2.stride(1) if held else 0,
+        K=inter, SHARED=fold, E_P=e_p, BM=d.bm, BN=d.bn, BK=d.bk, GROUP_M=d.group_m, FP8=fp8, FP4=fp4, QBLOCK=qb,
         EVEN=dim % d.bn == 0 and inter % d.bk == 0, PREC=prec, HALF=d.half,
         num_warps=d.warps, num_stages=d.stages, **pdl,
     )
@@ -292,6 +299,30 @@ def moe_experts_fp8_triton(
     return run_experts(x, (w1, w3, w2), scales, block, idx, weight, limit, out)
 
 
+def moe_experts_fp4_triton(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``deepinfer::moe_experts_fp4``: MXFP4 weights, uint8 ``[E, out, in / 2]`` with ue8m0 byte
+    scales ``[E, out, in / 32]``, each tile decoded as it is loaded, so decode streams about a
+    quarter of the bytes of bf16 weights; otherwise as ``moe_experts_triton``."""
+    for w, s in zip((w1, w3, w2), (w1_scale, w3_scale, w2_scale)):
+        want = (w.shape[0], w.shape[1], 2 * w.shape[2] // MXFP4_BLOCK)
+        if w.dtype != torch.uint8 or tuple(s.shape) != want or s.dtype != torch.uint8 or not s.is_contiguous():
+            raise ValueError(f"moe_experts_fp4: weights must be uint8 with contiguous uint8 scales {want}, "
+                             f"got {w.dtype} {tuple(w.shape)} and {s.dtype} {tuple(s.shape)}")
+    return run_experts(x, (w1, w3, w2), (w1_scale, w3_scale, w2_scale), 1, idx, weight, limit, out)
+
+
 def moe_experts_shared_triton(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -315,3 +346,4 @@ def moe_experts_shared_triton(
 torch.library.register_kernel("deepinfer::moe_experts", "cuda", moe_experts_triton)
 torch.library.register_kernel("deepinfer::moe_experts_shared", "cuda", moe_experts_shared_triton)
 torch.library.register_kernel("deepinfer::moe_experts_fp8", "cuda", moe_experts_fp8_triton)
+torch.library.register_kernel("deepinfer::moe_experts_fp4", "cuda", moe_experts_fp4_triton)

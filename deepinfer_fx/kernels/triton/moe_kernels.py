@@ -17,7 +17,9 @@ routed expert's slice) instead of ``w + E * stride``.
 Weights are ``[E, out, in]`` (the checkpoint's linear layout). ``FP8`` means float8_e4m3fn
 weights with fp32 scales per ``QBLOCK x QBLOCK`` block ``[E, cdiv(out, QBLOCK), cdiv(in,
 QBLOCK)]``; each tile is dequantised to the activation dtype as it is loaded (``BK`` divides
-``QBLOCK``, so a tile's k range has one scale per output column).
+``QBLOCK``, so a tile's k range has one scale per output column). ``FP4`` means MXFP4 weights:
+uint8 ``[E, out, in / 2]`` (two e2m1 codes a byte, the even k in the low nibble) with ue8m0
+byte scales ``[E, out, in / 32]``, each tile decoded as it is loaded (``BK`` a multiple of 32).
 """
 
 from __future__ import annotations
@@ -175,6 +177,33 @@ def _weight_tile(w_ptrs, s_ptrs, nmask, kmask, dtype, FP8: tl.constexpr, EVEN: t
 
 
 @triton.jit
+def _e2m1(code):
+    """e2m1 code (int32, 0..15; bit 3 the sign) -> its float32 value: 0, 0.5 (subnormal), then
+    (1 + m / 2) * 2^(e - 1) for exponent e in 1..3."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    return tl.where(code >= 8, -v, v)
+
+
+@triton.jit
+def _fp4_tile(w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK: tl.constexpr, BN: tl.constexpr):
+    """A ``[BK, BN]`` tile from k0 of an MXFP4 weight (bytes ``[N, K / 2]``, ue8m0 scales
+    ``[N, K / 32]``): codes decoded, times their block's power of two, rounded to ``dtype``, the
+    values of ``io.quant.dequant_mxfp4`` (products of powers of two: exact in fp32)."""
+    kb = k0 // 2 + tl.arange(0, BK // 2)
+    rows = offs_n[None, :].to(tl.int64)
+    b = tl.load(w_ptr + rows * stride_wn + kb[:, None], mask=(kb < K // 2)[:, None] & nmask[None, :], other=0).to(tl.int32)
+    # [BK / 2, BN] low and high nibbles -> [BK / 2, 2, BN] -> row 2i + j holds k = 2i + j
+    v = tl.reshape(tl.permute(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (0, 2, 1)), (BK, BN))
+    ks = k0 // 32 + tl.arange(0, BK // 32)
+    e = tl.load(s_ptr + rows * stride_sn + ks[:, None], mask=(ks < K // 32)[:, None] & nmask[None, :], other=127)
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127) from its exponent bits
+    scale = tl.reshape(tl.broadcast_to(tl.reshape(scale, (BK // 32, 1, BN)), (BK // 32, 32, BN)), (BK, BN))
+    return (v * scale).to(dtype)
+
+
+@triton.jit
 def _row_tile(a_ptrs, rmask, kmask, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
@@ -187,8 +216,8 @@ def _gate_up_rows(
     row0, row_end, tile_n, N, limit,
     stride_x, stride_wn, stride_sn,
     K: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    FP8: tl.constexpr, QBLOCK: tl.constexpr, CLAMP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8: tl.constexpr, FP4: tl.constexpr, QBLOCK: tl.constexpr, CLAMP: tl.constexpr, EVEN: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """``gate_up_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``);
     the weight and scale pointers are the block's expert's."""
@@ -207,8 +236,12 @@ def _gate_up_rows(
     for k0 in range(0, K, BK):
         kmask = offs_k < K - k0
         a = _row_tile(a_ptrs, rmask, kmask, EVEN)
-        b1 = _weight_tile(w1_ptr + w_off, s1_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
-        b3 = _weight_tile(w3_ptr + w_off, s3_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
+        if FP4:
+            b1 = _fp4_tile(w1_ptr, s1_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
+            b3 = _fp4_tile(w3_ptr, s3_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
+        else:
+            b1 = _weight_tile(w1_ptr + w_off, s1_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
+            b3 = _weight_tile(w3_ptr + w_off, s3_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
         acc1 = tl.dot(a, b1, acc1, input_precision=PREC)
         acc3 = tl.dot(a, b3, acc3, input_precision=PREC)
         a_ptrs += BK
@@ -232,8 +265,9 @@ def gate_up_kernel(
     n_blocks, E, N, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn,
     K: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr,
-    CLAMP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr,
+    QBLOCK: tl.constexpr, CLAMP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight, for the
     sorted rows of one block and BN columns of I; GEMM results are rounded to the activation
@@ -247,13 +281,13 @@ def gate_up_kernel(
         return
     w1 = _expert_weight(w1_ptr, sw1_ptr, e, E, stride_we, SHARED)
     w3 = _expert_weight(w3_ptr, sw3_ptr, e, E, stride_we, SHARED)
-    s1, s3 = s1_ptr + e.to(tl.int64) * stride_se, s3_ptr + e.to(tl.int64) * stride_se  # fp8 only, never shared
+    s1, s3 = s1_ptr + e.to(tl.int64) * stride_se, s3_ptr + e.to(tl.int64) * stride_se  # fp8 / fp4 only, never shared
     if HALF and row_end - row0 <= BM // 2:
         _gate_up_rows(x_ptr, w1, w3, s1, s3, h_ptr, pairs_ptr, rw_ptr, row0, row_end, tile_n, N, limit,
-                      stride_x, stride_wn, stride_sn, K, TOPK, SHARED, BM // 2, BN, BK, FP8, QBLOCK, CLAMP, EVEN, PREC, PDL)
+                      stride_x, stride_wn, stride_sn, K, TOPK, SHARED, BM // 2, BN, BK, FP8, FP4, QBLOCK, CLAMP, EVEN, PREC, PDL)
     else:
         _gate_up_rows(x_ptr, w1, w3, s1, s3, h_ptr, pairs_ptr, rw_ptr, row0, row_end, tile_n, N, limit,
-                      stride_x, stride_wn, stride_sn, K, TOPK, SHARED, BM, BN, BK, FP8, QBLOCK, CLAMP, EVEN, PREC, PDL)
+                      stride_x, stride_wn, stride_sn, K, TOPK, SHARED, BM, BN, BK, FP8, FP4, QBLOCK, CLAMP, EVEN, PREC, PDL)
 
 
 @triton.jit
@@ -261,7 +295,8 @@ def _down_rows(
     h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, row0, row_end, tile_n, N,
     stride_wn, stride_sn,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    FP8: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, FP4: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``down_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``); the
     weight and scale pointers are the block's expert's."""
@@ -278,7 +313,10 @@ def _down_rows(
     for k0 in range(0, K, BK):
         kmask = offs_k < K - k0
         a = _row_tile(a_ptrs, rmask, kmask, EVEN)
-        b = _weight_tile(w2_ptr + w_off, s2_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
+        if FP4:
+            b = _fp4_tile(w2_ptr, s2_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
+        else:
+            b = _weight_tile(w2_ptr + w_off, s2_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
         acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BK
         w_off += BK
@@ -294,8 +332,8 @@ def down_kernel(
     n_blocks, E, N,
     stride_we, stride_wn, stride_se, stride_sn,
     K: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
-    HALF: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr,
+    PREC: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[pair] = h[row] w2^T for one row block and BN columns of D, rounded to the activation
     dtype (the reference's grouped GEMM returns it so) and written at the pair's own (unsorted)
@@ -307,13 +345,13 @@ def down_kernel(
     if e >= E + SHARED:
         return
     w2 = _expert_weight(w2_ptr, sw2_ptr, e, E, stride_we, SHARED)
-    s2 = s2_ptr + e.to(tl.int64) * stride_se  # fp8 only, never shared
+    s2 = s2_ptr + e.to(tl.int64) * stride_se  # fp8 / fp4 only, never shared
     if HALF and row_end - row0 <= BM // 2:
         _down_rows(h_ptr, w2, s2, y_ptr, pairs_ptr, row0, row_end, tile_n, N,
-                   stride_wn, stride_sn, K, BM // 2, BN, BK, FP8, QBLOCK, EVEN, PREC, PDL)
+                   stride_wn, stride_sn, K, BM // 2, BN, BK, FP8, FP4, QBLOCK, EVEN, PREC, PDL)
     else:
         _down_rows(h_ptr, w2, s2, y_ptr, pairs_ptr, row0, row_end, tile_n, N,
-                   stride_wn, stride_sn, K, BM, BN, BK, FP8, QBLOCK, EVEN, PREC, PDL)
+                   stride_wn, stride_sn, K, BM, BN, BK, FP8, FP4, QBLOCK, EVEN, PREC, PDL)
 
 
 @triton.jit
