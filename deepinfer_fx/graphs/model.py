@@ -148,7 +148,7 @@ def hidden_streams(
         check_room(state, ch.slot, ch.start, ch.length)
     if batch.embeds is None:
         X = embed(params, c, batch.token_ids, params["norm"].dtype)
-    else:  # merged text and image-span embeddings (vision.encode.input_embeddings)
+    else:  # merged text and image-span embeddings (vision.merge.input_embeddings)
         X = batch.embeds.to(params["norm"].dtype)[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
     pre = None
     if c.is_v41:  # the first site collapses stream 0 alone

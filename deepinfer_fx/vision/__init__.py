@@ -10,8 +10,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "preprocess": "processor", "resize_plan": "processor", "VisionConfig": "config", "encode": "encode",
-    "input_embeddings": "encode", "span_ids": "spans", "span_length": "spans", "expand_placeholders": "spans",
+    "preprocess": "processor", "resize_plan": "processor", "VisionConfig": "config", "encode": "merge",
+    "input_embeddings": "merge", "span_ids": "spans", "span_length": "spans", "expand_placeholders": "spans",
 }
 
 

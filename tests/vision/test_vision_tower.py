@@ -17,7 +17,7 @@ from deepinfer_fx.vision import (
     input_embeddings,
     preprocess,
 )
-from deepinfer_fx.vision.encode import token_grids
+from deepinfer_fx.vision.merge import token_grids
 from deepinfer_fx.vision.spans import END, IMAGE, NEWLINE, START, span_kinds
 
 pytest.importorskip("PIL")

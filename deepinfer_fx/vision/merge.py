@@ -1,4 +1,4 @@
-"""From images to the text model's input embeddings: ViT, aligner, span layout, merge."""
+"""From images to the text model's input embeddings: ViT, aligner, span layout, merge (``encode``, ``input_embeddings``)."""
 
 from __future__ import annotations
 
