@@ -109,7 +109,8 @@ def test_a_batch_of_images_is_each_alone(model) -> None:
     together = encode(model, *preprocess(images, c))
     for im, got in zip(images, together):
         alone = encode(model, *preprocess([im], c))[0]
-        torch.testing.assert_close(got, alone, rtol=1e-6, atol=1e-6)
+        # the packed projections' GEMMs block differently by row count: equal to fp32 rounding
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
 
 
 def test_span_layout_and_input_embeddings(model) -> None:
