@@ -210,7 +210,7 @@ class LLM:
         if not laid_out:
             ids, mm = prepare(self.model, ids, images, where)
         if mm is not None:
-            self._check_images(params, where)
+            self._check_images(where)
         need = len(ids) + (1 if self.engine_type is EngineType.PROMPT else params.max_tokens)
         if need > self.max_model_len:
             raise ValueError(
@@ -233,7 +233,7 @@ class LLM:
         seq.images = mm
         return seq
 
-    def _check_images(self, params: SamplingParams, where: str) -> None:
+    def _check_images(self, where: str) -> None:
         """Images go through an eager prefill step of their own (``ModelRunner.launch``); what
         that step does not serve yet is refused here, by name."""
         if self.ranks.multi:
@@ -241,8 +241,6 @@ class LLM:
                              "run one rank")
         if self.speculative is not None:
             raise ValueError(f"{where}: images with speculative decoding are not built yet; drop speculative_config")
-        if params.prompt_logprobs is not None:
-            raise ValueError(f"{where}: prompt_logprobs of a prompt with images are not built yet; drop prompt_logprobs")
 
     def _grammar(self, params: SamplingParams, where: str) -> GrammarState:
         """A matcher for ``params.so_args``, compiled (once per distinct spec) now, so that a bad

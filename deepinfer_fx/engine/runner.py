@@ -173,19 +173,25 @@ class ModelRunner:
             if self.split is not None or any(ch.seq.images is not None and not ch.from_device for ch in sched.chunks):
                 return self._launch_host(sched, mode, k, before_masks)
             outs, where, first_row, stride, verify = self._launch_steps(sched, mode, k, before_masks)
+        prompt_lp = self._prompt_logprobs(sched, outs[1].logits if outs[1] is not None else None,
+                                          [r * stride for r in first_row])
+        return self._copy_back(sched, where, outs, prompt_lp, verify)
+
+    def _prompt_logprobs(self, sched: SchedulerOutputs, logits: torch.Tensor | None, first_row: Seq[int]) -> dict:
+        """Prompt logprobs of the chunks that ask for them: chunk i's rows start at
+        ``first_row[i]`` of ``logits``; each row predicts the next prompt token."""
         prompt_lp = {}
         for i, ch in enumerate(sched.chunks):
             p = ch.seq.params
             if p.prompt_logprobs is None or ch.from_device:
                 continue
-            # rows predicting the next prompt token inside the prompt
             n = min(ch.length, ch.seq.prompt_len - 1 - ch.start)
             if n <= 0:
                 continue
             target = torch.tensor(ch.seq.prompt_ids[ch.start + 1 : ch.start + 1 + n], device=self.device)
-            rows_lp = outs[1].logits[first_row[i] * stride : first_row[i] * stride + n]
+            rows_lp = logits[first_row[i] : first_row[i] + n]
             prompt_lp[i] = (target, *logprobs(rows_lp, target, p.prompt_logprobs))
-        return self._copy_back(sched, where, outs, prompt_lp, verify)
+        return prompt_lp
 
     def _launch_steps(self, sched: SchedulerOutputs | None, mode: str, k: int | None, before_masks: Callable[[], None] | None = None):
         """The decode rows and prompt chunks of ``sched`` (None: an idle rank's padding alone)
@@ -311,7 +317,7 @@ class ModelRunner:
         mask = self._masks([ch for ch in sched.chunks if ch.sample])
         mask = None if mask is None else mask.to(self.device)
         out = StepOut(*sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids, mask), logits)
-        return self._copy_back(sched, where, [out], {})
+        return self._copy_back(sched, where, [out], self._prompt_logprobs(sched, logits, [ch.offset for ch in chunks]))
 
     @torch.no_grad()
     def idle(self) -> None:

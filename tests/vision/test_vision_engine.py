@@ -32,15 +32,16 @@ def model() -> Model:
 
 
 def reference(model: Model, ids: list[int], images: list, out: list[int]) -> torch.Tensor:
-    """Log-probs of every generated position: one teacher-forced forward of the laid-out prompt
-    plus the generated tokens, with the merged embeddings."""
+    """Log-probs at every position from the prompt's last on: one teacher-forced forward of the
+    laid-out prompt plus the generated tokens, with the merged embeddings (``prompt=True``: from
+    the first position)."""
     c, params = model
     seq = ids + out[:-1]
     emb = input_embeddings(model, seq, images)
     batch = dataclasses.replace(make_batch([seq], [0], [0]), embeds=emb, image_rows=torch.tensor(seq) == IMAGE_TOKEN)
     state = init_state(c, len(seq) + 1, torch.float32, "cpu", mtp=False)
     logits, _ = forward_batch(params, state, c, batch)
-    return logits[len(ids) - 1:].log_softmax(-1)
+    return logits.log_softmax(-1)
 
 
 def laid_out(model: Model, ids: list[int], images: list) -> list[int]:
@@ -48,10 +49,10 @@ def laid_out(model: Model, ids: list[int], images: list) -> list[int]:
     return expand_placeholders(ids, token_grids(model.config, grids), IMAGE_TOKEN)[0]
 
 
-def run(model: Model, prompts: list, budget: int) -> list:
+def run(model: Model, prompts: list, budget: int, prompt_logprobs: int | None = None) -> list:
     llm = LLM(model=model, max_num_batched_tokens=budget, max_num_seqs=4, memory_budget=64 << 20)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
-    return [o.outputs[0] for o in llm.generate(prompts, params)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+    return llm.generate(prompts, params)
 
 
 def test_generate_with_images_matches_input_embeddings(model) -> None:
@@ -62,14 +63,22 @@ def test_generate_with_images_matches_input_embeddings(model) -> None:
         [11, 12, 13],  # a text request in the same steps
         {"prompt": [IMAGE_TOKEN, 21], "multi_modal_data": {"image": images[1]}},
     ]
-    outs = run(model, prompts, budget=512)
-    for prompt, out in zip(prompts, outs):
+    results = run(model, prompts, budget=512, prompt_logprobs=0)
+    for prompt, res in zip(prompts, results):
+        out = res.outputs[0]
         ids, ims = (prompt["prompt"], prompt["multi_modal_data"]["image"]) if isinstance(prompt, dict) else (prompt, [])
         ims = ims if isinstance(ims, list) else [ims]
-        ref = reference(model, laid_out(model, ids, ims) if ims else ids, ims, out.token_ids)
-        assert out.token_ids == ref.argmax(-1).tolist()
+        full = laid_out(model, ids, ims) if ims else ids
+        ref = reference(model, full, ims, out.token_ids)
+        gen = ref[len(full) - 1:]
+        assert out.token_ids == gen.argmax(-1).tolist()
         got = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
-        want = ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        want = gen.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        # every prompt position's logprob of the next prompt token, spans included
+        assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(full)
+        got = torch.tensor([lp[t] for lp, t in zip(res.prompt_logprobs[1:], full[1:])])
+        want = ref[: len(full) - 1].gather(1, torch.tensor(full[1:])[:, None])[:, 0]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -79,8 +88,8 @@ def test_chunked_prefill_through_a_span_is_one_shot(model) -> None:
     prompt = {"prompt": [5, 6, IMAGE_TOKEN, 7], "multi_modal_data": {"image": image}}
     span = len(laid_out(model, prompt["prompt"], [image])) - 3
     assert span > 7
-    one = run(model, [prompt], budget=512)[0]
-    chunked = run(model, [prompt], budget=5)[0]  # chunks of 5 cut the span at 3, 8, ...
+    one = run(model, [prompt], budget=512)[0].outputs[0]
+    chunked = run(model, [prompt], budget=5)[0].outputs[0]  # chunks of 5 cut the span at 3, 8, ...
     assert chunked.token_ids == one.token_ids
     for a, b in zip(chunked.logprobs, one.logprobs):
         assert a.keys() == b.keys()
