@@ -116,3 +116,22 @@ def test_bad_image_inputs_are_one_line_errors(model) -> None:
     with pytest.raises(ValueError, match=r"prompts\[0\]: 1 image\(s\) given, but the model has no vision tower") as e:
         text_only.generate([{"prompt": [3], "multi_modal_data": {"image": [image]}}], SamplingParams(max_tokens=1))
     assert "\n" not in str(e.value)
+
+
+def test_compiled_decode_after_an_image_prefill(model) -> None:
+    """The prompt ends in a span, so the compiled decode steps hash n-grams whose history is
+    DEAD; they give the eager engine's tokens."""
+    image = random_image(60, 60, fresh_seed())
+    prompt = {"prompt": [5, IMAGE_TOKEN], "multi_modal_data": {"image": image}}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    outs = []
+    for eager in (True, False):
+        llm = LLM(model=model, eager=eager, warmup=False, max_num_batched_tokens=64, max_num_seqs=1,
+                  memory_budget=32 << 20)
+        outs.append(llm.generate([prompt], params)[0].outputs[0])
+        assert llm.options.steps.compiled == (not eager)
+        if not eager:
+            assert any(r["graph"].startswith("decode") for r in llm.runner.steps.report())
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(*(o.logprobs for o in outs)):
+        torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())), rtol=1e-4, atol=1e-4)
