@@ -12,7 +12,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .demo import demo_model_dir
 from .settings import EngineConfig, usable_cores
@@ -209,9 +209,9 @@ def _so_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict | No
     return None
 
 
-def _with_images(llm, prompt: str, files: list[str]) -> dict:
+def _with_images(llm: Any, prompt: str, files: list[str]) -> dict:
     """The prompt with its images in vLLM's shape: its token ids, with one placeholder per
-    image in front of them unless the text already holds the placeholders."""
+    image after the BOS unless the text already holds the placeholders."""
     image_token = llm.model.config.image_token_id
     if llm.tokenizer is None or image_token is None:
         raise ValueError("--image needs a V4.1 checkpoint with a vision tower and its tokenizer.json")
@@ -219,7 +219,9 @@ def _with_images(llm, prompt: str, files: list[str]) -> dict:
 
     ids = encode(llm.tokenizer, prompt)
     if image_token not in ids:
-        ids = [image_token] * len(files) + ids
+        bos = encode(llm.tokenizer, "")  # what the post-processor puts first; [] if nothing
+        head = len(bos) if ids[: len(bos)] == bos else 0
+        ids = ids[:head] + [image_token] * len(files) + ids[head:]
     return {"prompt": ids, "multi_modal_data": {"image": list(files)}}
 
 

@@ -17,8 +17,8 @@ every matcher its request's last token (``before_masks``, ``loop.py``).
 
 from __future__ import annotations
 
-import time
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 

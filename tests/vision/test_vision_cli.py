@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tiny_vision import fresh_seed, random_image, tiny_vision_config
+from tiny_vision import IMAGE_TOKEN, fresh_seed, random_image, tiny_vision_config
 
 import deepinfer_fx
 from deepinfer_fx.generate import main
@@ -26,6 +26,18 @@ def test_image_flag_generates(checkpoint, tmp_path, capsys) -> None:
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "--- request 0 (length)" in out and "prefill:" in out
+
+
+def test_placeholders_go_after_the_bos(checkpoint) -> None:
+    from deepinfer_fx import LLM
+    from deepinfer_fx.generate import _with_images
+    from deepinfer_fx.io.tokenizer import encode
+
+    llm = LLM(model=str(checkpoint), eager=True, max_num_seqs=1, memory_budget=16 << 20)
+    got = _with_images(llm, "look", ["a.png", "b.png"])
+    text = encode(llm.tokenizer, "look", add_bos=False)
+    bos = encode(llm.tokenizer, "")
+    assert got["prompt"] == bos + [IMAGE_TOKEN, IMAGE_TOKEN] + text and got["multi_modal_data"]["image"] == ["a.png", "b.png"]
 
 
 def test_image_flag_errors(checkpoint, tmp_path, capsys) -> None:
