@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config_fields import ConfigError  # noqa: F401  (callers catch it from here)
+from .vision.config import VisionConfig
 
 V41 = "deepseek_v41"  # ModelConfig.model_type of every V4.1 config, composite or bare text config
 
@@ -109,6 +110,7 @@ class ModelConfig:
     dspark_num_experts_per_tok: int = 0
     gate_temp: float = 1.0  # router logits are divided by it before the score function
     image_token_id: int | None = None
+    vision: VisionConfig | None = None  # the composite config's vision_config (None: text only)
     # Spec §11.1: True reproduces the official reference's index-key publishing quirk (ratio-2
     # index sources score against the last published keys while their group is open); False is
     # the intended behaviour (each owner scores against its own keys). Not in config.json.

@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from .config_fields import ConfigError, _num
+from .vision.config import parse_vision
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -17,7 +18,7 @@ COMPOSITE_KEYS = ("eos_token_id", "bos_token_id", "image_token_id", "quantizatio
 
 def _unwrap_composite(d: dict, where: str) -> tuple[dict, str]:
     """The text model's fields of a composite ``deepseek_v41`` config, with the top-level keys
-    that describe it (eos ids, image token, quantization) folded in; ``vision_config`` is ignored."""
+    that describe it (eos ids, image token, quantization) folded in, and ``vision_config`` beside them."""
     text = d.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{where}: model_type 'deepseek_v41' is a composite config and needs a 'text_config' object")
@@ -27,6 +28,7 @@ def _unwrap_composite(d: dict, where: str) -> tuple[dict, str]:
     flat = dict(text)
     # The released file states eos [1, 2] only at the top level: the outer value wins.
     flat.update({k: d[k] for k in COMPOSITE_KEYS if d.get(k) is not None})
+    flat["vision_config"] = d.get("vision_config")
     return flat, f"{where} (text_config)"
 
 
@@ -71,6 +73,7 @@ def _v41_fields(d: dict, where: str) -> dict[str, Any]:
         engram_compressed_vocab_size=_num(d, "engram_compressed_vocab_size", where, int, None),
         gate_temp=_num(d, "gate_temp", where, float, 1.0),
         image_token_id=_num(d, "image_token_id", where, int, None),
+        vision=parse_vision(d.get("vision_config"), where),
     )
 
 
@@ -165,6 +168,8 @@ def _validate_v41(c: ModelConfig, where: str) -> None:
             bad("engram_compressed_vocab_size", "must be positive")
     # image_token_id is not range-checked: HF-written tiny configs keep the released id (129264)
     # beside a small vocabulary.
+    if c.vision is not None and c.image_token_id is None:
+        bad("image_token_id", "is missing; a model with a vision tower lays its images out on spans of that id")
     if not math.isfinite(c.gate_temp) or c.gate_temp <= 0:
         bad("gate_temp", "must be a positive number")
 

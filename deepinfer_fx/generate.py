@@ -12,7 +12,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .demo import demo_model_dir
 from .settings import EngineConfig, usable_cores
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="checkpoint directory or hub repo id (default: $DEEPINFER_HF_MODEL_DIR, else the tiny demo)")
     ap.add_argument("--prompt", action="append", help="a prompt (repeatable; default: one demo prompt)")
     ap.add_argument("--prompts-file", help="a UTF-8 text file with one prompt per line (blank lines skipped)")
+    ap.add_argument("--image", action="append", metavar="FILE",
+                    help="an image for the prompt (repeatable, in order; V4.1 with its vision tower; one placeholder "
+                         "token per image is put before the prompt unless the prompt already holds them)")
     s = ap.add_argument_group("sampling")
     s.add_argument("--temperature", type=_float_in(lambda v: v >= 0, "a finite float >= 0"), default=0.0,
                    help="sampling temperature, 0 = greedy (default: %(default)s, greedy, so the CLI's output is reproducible; "
@@ -173,6 +176,8 @@ def _check_combinations(ap: argparse.ArgumentParser, args: argparse.Namespace) -
         ap.error("argument --num-speculative-tokens: needs --speculative-method")
     if args.stream and args.prompts_file is not None or args.stream and len(args.prompt or []) > 1:
         ap.error("argument --stream: streams one request; give a single --prompt")
+    if args.image and (args.prompts_file is not None or len(args.prompt or []) > 1):
+        ap.error("argument --image: the images go with one prompt; give a single --prompt")
     if args.eager:
         compiled = [d for d in COMPILED_OPTIONS if d in given]
         if compiled:
@@ -203,6 +208,22 @@ def _so_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict | No
             except (OSError, UnicodeDecodeError) as e:
                 ap.error(f"argument {_flag(flag)}: cannot read {path}: {e}")
     return None
+
+
+def _with_images(llm: Any, prompt: str, files: list[str]) -> dict:
+    """The prompt with its images in vLLM's shape: its token ids, with one placeholder per
+    image after the BOS unless the text already holds the placeholders."""
+    image_token = llm.model.config.image_token_id
+    if llm.tokenizer is None or image_token is None:
+        raise ValueError("--image needs a V4.1 checkpoint with a vision tower and its tokenizer.json")
+    from .io.tokenizer import encode
+
+    ids = encode(llm.tokenizer, prompt)
+    if image_token not in ids:
+        bos = encode(llm.tokenizer, "")  # what the post-processor puts first; [] if nothing
+        head = len(bos) if ids[: len(bos)] == bos else 0
+        ids = ids[:head] + [image_token] * len(files) + ids[head:]
+    return {"prompt": ids, "multi_modal_data": {"image": list(files)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,8 +276,11 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         speculative_config=None if args.speculative_method is None else {
             "method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens or 3},
     )
+    texts = list(prompts)
+    if args.image:
+        prompts = [_with_images(llm, prompts[0], args.image)]
     if args.stream:
-        print(prompts[0], end="", flush=True)
+        print(texts[0], end="", flush=True)
         llm.add_request(prompts[0], params)
         while llm.has_unfinished_requests():
             for o in llm.step():
@@ -268,7 +292,7 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params, use_tqdm=True)
         for o in outs:
             print(f"--- request {o.request_id} ({o.outputs[0].finish_reason})")
-            print((o.prompt or "") + o.outputs[0].text)
+            print((o.prompt or texts[0]) + o.outputs[0].text)  # a prompt with images went in as ids
         st = llm.last_stats
     plan = llm.plan
     if llm.speculator is not None:

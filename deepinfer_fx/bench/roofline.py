@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
 from ..graphs.params import param_specs
+from ..vision.params import is_vision_path
 
 COPY_BYTES_PER_S = 4.26e12
 BF16_FLOPS = 785e12
@@ -46,7 +47,7 @@ def _weights(c: ModelConfig) -> tuple[float, float, float]:
     """(dense weight elements, one routed expert's elements, head elements) of the backbone."""
     dense = expert = head = 0.0
     for s in param_specs(c, mtp=False):
-        if s.path.endswith(_GATHERED):
+        if s.path.endswith(_GATHERED) or is_vision_path(s.path):  # the vision tower runs once per image, not per step
             continue
         if s.stacked:
             expert += s.numel / s.shape[0] / c.num_hidden_layers

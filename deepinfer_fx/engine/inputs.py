@@ -20,7 +20,8 @@ from ..passes.manager import parse_pass_list, resolve_disabled
 from ..sharding.mesh import parse_mesh
 
 PROMPT = "a str or a list of token ids (ints)"
-PROMPTS = "a str, a list of token ids (ints), or a list of those"
+PROMPTS = ("a str, a list of token ids (ints), a dict {'prompt': ..., 'multi_modal_data': {'image': ...}}, "
+           "or a list of those")
 TOKEN_IDS = "token ids are ints (Python, NumPy or torch integer scalars; not bool, float, str or bytes)"
 DEVICES = "'cpu', 'cuda', 'cuda:N' or 'npu' (Ascend, with torch_npu)"
 
@@ -53,7 +54,7 @@ def _not_a_list(v: Any, where: str, kinds: str = PROMPT) -> ValueError | None:
 
 def _prompt_shaped(v: Any) -> bool:
     """Whether ``v`` is (meant as) one prompt rather than one token id."""
-    return v is None or isinstance(v, (str, bytes, bytearray, Sequence, np.ndarray)) or (isinstance(v, torch.Tensor) and v.dim() > 0)
+    return v is None or isinstance(v, (str, bytes, bytearray, Sequence, np.ndarray, dict)) or (isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 def prompt_list(prompts: Any) -> tuple[list, list[str]]:
@@ -61,7 +62,7 @@ def prompt_list(prompts: Any) -> tuple[list, list[str]]:
     a list of token ids is one prompt, a list of those is several."""
     if prompts is None:
         raise ValueError(f"generate() needs prompts: {PROMPTS} (None is only for a COMPLETION engine)")
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):  # a dict is one prompt with its images (vLLM's shape)
         return [prompts], ["prompts"]
     err = _not_a_list(prompts, "prompts", PROMPTS)
     if err is not None:

@@ -17,6 +17,7 @@ from ..api import Model, load_model
 from ..io.checkpoint import ENV_MODEL_DIR
 from ..settings import EngineConfig, usable_cores
 from ..io.tokenizer import decode, encode, load_tokenizer
+from ..vision.requests import prepare, split_prompt
 from . import inputs
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
 from .loop import EngineLoop, LoopStats
@@ -199,8 +200,17 @@ class LLM:
             return prompt, encode(self.tokenizer, prompt)
         return None, inputs.token_ids(prompt, where, self.model.config.vocab_size)
 
-    def _make_seq(self, prompt, params: SamplingParams, where: str = "prompt") -> Sequence:
+    def _make_seq(self, prompt, params: SamplingParams, where: str = "prompt", laid_out: bool = False) -> Sequence:
+        """``laid_out``: the ids already hold their image spans (a COMPLETION engine's import)."""
+        images: list = []
+        if isinstance(prompt, dict):
+            prompt, images = split_prompt(prompt, where)
         text, ids = self._tokens(prompt, where)
+        mm = None
+        if not laid_out:
+            ids, mm = prepare(self.model, ids, images, where)
+        if mm is not None:
+            self._check_images(where)
         need = len(ids) + (1 if self.engine_type is EngineType.PROMPT else params.max_tokens)
         if need > self.max_model_len:
             raise ValueError(
@@ -220,7 +230,17 @@ class LLM:
         seed = params.seq_seed if params.seq_seed is not None else derive_seed(self.seed, seq_id)
         seq = Sequence(seq_id, text, ids, params, seed)
         seq.grammar = grammar
+        seq.images = mm
         return seq
+
+    def _check_images(self, where: str) -> None:
+        """Images go through an eager prefill step of their own (``ModelRunner.launch``); what
+        that step does not serve yet is refused here, by name."""
+        if self.ranks.multi:
+            raise ValueError(f"{where}: images on a multi-rank mesh are not built yet (the ranks' steps would differ); "
+                             "run one rank")
+        if self.speculative is not None:
+            raise ValueError(f"{where}: images with speculative decoding are not built yet; drop speculative_config")
 
     def _grammar(self, params: SamplingParams, where: str) -> GrammarState:
         """A matcher for ``params.so_args``, compiled (once per distinct spec) now, so that a bad
@@ -238,11 +258,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Seq[str] | Seq[Seq[int]] | None = None,
+        prompts: str | dict | Seq[str] | Seq[Seq[int]] | Seq[dict] | None = None,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in prompt order.
+        """Generate for every prompt (strings or token-id lists, or vLLM's dicts with images:
+        ``{"prompt": ..., "multi_modal_data": {"image": PIL image or a list}}``, one
+        ``image_token_id`` placeholder in the prompt per image); outputs in prompt order.
         A COMPLETION engine takes ``prompts=None`` and continues every state in ``state_dir``."""
         if self.engine_type is EngineType.COMPLETION:
             seqs = self._imported_seqs(sampling_params)
@@ -267,7 +289,7 @@ class LLM:
         seqs = []
         for d, sp in zip(dirs, plist):
             meta = read_meta(d)
-            seq = self._make_seq(list(meta["prompt_token_ids"]), sp)
+            seq = self._make_seq(list(meta["prompt_token_ids"]), sp, laid_out=True)
             seq.prompt = meta.get("prompt")
             seq.seed = int(meta["seed"]) if sp.seq_seed is None else sp.seq_seed
             seq.imported, seq.import_path = True, d
@@ -288,7 +310,7 @@ class LLM:
         return self._engine_loop
 
     # --- step-level API (what generate() is built on)
-    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt: str | Seq[int] | dict, params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Invalid input raises before anything is queued."""
         if self.engine_type is EngineType.COMPLETION:
             raise ValueError("a COMPLETION engine takes its requests from state_dir: call generate()")

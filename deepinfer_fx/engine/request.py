@@ -55,6 +55,7 @@ class Sequence:
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed for this request
     num_accepted_tokens: int = 0  # and accepted
     grammar: Any = None  # structured output: the request's structured.GrammarState (None: unconstrained)
+    images: Any = None  # vision.requests.ImageInputs of a prompt with images (None: text only)
 
     @cached_property
     def controls(self) -> tuple[int, int, int, int, int]:

@@ -17,6 +17,7 @@ every matcher its request's last token (``before_masks``, ``loop.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
@@ -43,6 +44,7 @@ from .spec_decode import restore, snapshot
 from .step_inputs import Layout, SampledRow, fill
 from .steps import StepOut, decode_logits, sample_rows
 from .structured import GrammarState, MaskFiller, mask_words
+from ..vision.requests import batch_embeddings, encode_requests
 
 DEAD_GRAMMAR = ("SamplingParams.so_args: the grammar allows no token of this model's vocabulary at output position {n} "
                 "(a pattern the tokenizer cannot spell?)")
@@ -168,22 +170,28 @@ class ModelRunner:
         mode = step_mode(sampled)
         k = self.logprobs_k if any(s.params.logprobs is not None for s in sampled) else None
         with swapped(self.swaps):
-            if self.split is not None:
-                return self._launch_split(sched, mode, k, before_masks)
+            if self.split is not None or any(ch.seq.images is not None and not ch.from_device for ch in sched.chunks):
+                return self._launch_host(sched, mode, k, before_masks)
             outs, where, first_row, stride, verify = self._launch_steps(sched, mode, k, before_masks)
+        prompt_lp = self._prompt_logprobs(sched, outs[1].logits if outs[1] is not None else None,
+                                          [r * stride for r in first_row])
+        return self._copy_back(sched, where, outs, prompt_lp, verify)
+
+    def _prompt_logprobs(self, sched: SchedulerOutputs, logits: torch.Tensor | None, first_row: Seq[int]) -> dict:
+        """Prompt logprobs of the chunks that ask for them: chunk i's rows start at
+        ``first_row[i]`` of ``logits``; each row predicts the next prompt token."""
         prompt_lp = {}
         for i, ch in enumerate(sched.chunks):
             p = ch.seq.params
             if p.prompt_logprobs is None or ch.from_device:
                 continue
-            # rows predicting the next prompt token inside the prompt
             n = min(ch.length, ch.seq.prompt_len - 1 - ch.start)
             if n <= 0:
                 continue
             target = torch.tensor(ch.seq.prompt_ids[ch.start + 1 : ch.start + 1 + n], device=self.device)
-            rows_lp = outs[1].logits[first_row[i] * stride : first_row[i] * stride + n]
+            rows_lp = logits[first_row[i] : first_row[i] + n]
             prompt_lp[i] = (target, *logprobs(rows_lp, target, p.prompt_logprobs))
-        return self._copy_back(sched, where, outs, prompt_lp, verify)
+        return prompt_lp
 
     def _launch_steps(self, sched: SchedulerOutputs | None, mode: str, k: int | None, before_masks: Callable[[], None] | None = None):
         """The decode rows and prompt chunks of ``sched`` (None: an idle rank's padding alone)
@@ -262,9 +270,11 @@ class ModelRunner:
         self.mask_s += time.perf_counter() - t0
         return mask
 
-    def _launch_split(self, sched: SchedulerOutputs, mode: str, k: int | None, before_masks: Callable[[], None] | None) -> StepHandle:
-        """Context parallelism: one packed forward of this rank's share of the chunks, every
-        CP rank then samples from every row alike."""
+    def _launch_host(self, sched: SchedulerOutputs, mode: str, k: int | None, before_masks: Callable[[], None] | None) -> StepHandle:
+        """One eager packed forward of a batch built on the host: context parallelism (this
+        rank's share of the chunks; every CP rank then samples from every row alike), or a step
+        with image spans, whose rows take their merged embeddings (the requests' images are
+        encoded here, at their first prefill step, all in one pass)."""
         c, params = self.model
         ids, pos, dev_rows, dev_slots, chunks, sampled, where = [], [], [], [], [], [], []
         offset = 0
@@ -285,18 +295,29 @@ class ModelRunner:
         token_ids = torch.tensor(ids, device=self.device)
         if dev_rows:
             token_ids[torch.tensor(dev_rows, device=self.device)] = self.next_token[torch.tensor(dev_slots, device=self.device)]
-        batch = self.split(Batch(token_ids, torch.tensor(pos, device=self.device), group_chunks(chunks, self.device), tuple(chunks)))
+        batch = Batch(token_ids, torch.tensor(pos, device=self.device), group_chunks(chunks, self.device), tuple(chunks))
+        spans = [(chunks[i].offset, ch.start, ch.length, ch.seq.images) for i, ch in enumerate(sched.chunks)
+                 if ch.seq.images is not None and not ch.from_device]
+        if spans:
+            encode_requests(self.model, [item for *_, item in spans])
+            embeds, image_rows = batch_embeddings(self.model, token_ids, spans)
+            batch = dataclasses.replace(batch, embeds=embeds, image_rows=image_rows)
+            for ch in sched.chunks:
+                if ch.seq.images is not None and ch.start + ch.length >= ch.seq.images.positions()[-1][1]:
+                    ch.seq.images = None  # past its last span: its later chunks are text, the features are dropped
+        if self.split is not None:
+            batch = self.split(batch)
         logits, _ = forward_batch(params, self.pool.state, c, batch)
         if batch.split is not None:  # this step's chunks were split: gather every row
             logits = context_gather(logits, batch.split)
         layout = Layout("decode", len(sampled))
-        buf = torch.tensor(fill(layout, [0] * layout.model_size, sampled, self.pool.slots), device=self.device)
+        buf = torch.tensor(fill(layout, [0] * layout.model_size, sampled, self.pool.slots), dtype=torch.long, device=self.device)
         if before_masks is not None:
             before_masks()
         mask = self._masks([ch for ch in sched.chunks if ch.sample])
         mask = None if mask is None else mask.to(self.device)
         out = StepOut(*sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids, mask), logits)
-        return self._copy_back(sched, where, [out], {})
+        return self._copy_back(sched, where, [out], self._prompt_logprobs(sched, logits, [ch.offset for ch in chunks]))
 
     @torch.no_grad()
     def idle(self) -> None:

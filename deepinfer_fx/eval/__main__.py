@@ -79,14 +79,15 @@ def _generate(a: argparse.Namespace) -> None:
     from .model import open_model
     from .tasks import load_items
 
-    loaded = load_items(check_task(a.task), a.data)
-    if loaded.skipped_images:
-        print(f"skipped {loaded.skipped_images} image question(s) (no vision yet)", file=sys.stderr)
-    config = GenConfig(a.task, a.model, a.temperature, a.top_p, a.max_tokens, a.seed)
     opened = open_model(a.model)
+    loaded = load_items(check_task(a.task), a.data, vision=opened.vision)
+    if loaded.skipped_images:
+        print(f"skipped {loaded.skipped_images} image question(s) (the model has no vision tower)", file=sys.stderr)
+    config = GenConfig(a.task, a.model, a.temperature, a.top_p, a.max_tokens, a.seed)
     records = plan(loaded, config, a.samples, opened.template)
     llm = opened.engine(records, a.max_tokens, a.batch_size, a.num_threads)
-    n = run(llm, opened.tokenizer, records, config, Path(a.out), a.batch_size, progress=not a.no_progress)
+    images = {item["id"]: item["image"] for item in loaded.items if item.get("image")}
+    n = run(llm, opened.tokenizer, records, config, Path(a.out), a.batch_size, progress=not a.no_progress, images=images)
     print(f"{a.out}: {n} new, {len(records) - n} already there ({len(loaded.items)} items x {a.samples} samples)")
 
 

@@ -7,6 +7,8 @@ most one batch; a torn last line is cut off on resume. Each pair samples with it
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -16,7 +18,7 @@ from typing import Any
 from .chat import ChatTemplate
 from .errors import EvalError
 from .model import prompt_ids
-from .tasks import Loaded, gpqa_choices, shuffle_seed, user_prompt
+from .tasks import IMAGE_MARKER, Loaded, gpqa_choices, shuffle_seed, user_prompt
 
 
 @dataclass(frozen=True)
@@ -70,15 +72,37 @@ def plan(loaded: Loaded, config: GenConfig, samples: int, template: ChatTemplate
                 rec["answer"] = item["answer"]
             if config.task == "hle":
                 rec["answer_type"] = item["answer_type"]
+                if item.get("image"):
+                    rec["has_image"] = True
             rec["prompt"] = template.render(user_prompt(config.task, item, choices))
             rec["chat_template"] = template.source
             records.append(rec)
     return records
 
 
+def image_bytes(value: str, where: str) -> bytes:
+    """An HLE ``image`` field: a data URI (``data:image/png;base64,...``) or bare base64."""
+    payload = value.split(",", 1)[1] if value.startswith("data:") else value
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise EvalError(f"{where}: its image is neither a base64 data URI nor base64") from None
+
+
+def image_prompt_ids(tokenizer: Any, text: str, image_token_id: int) -> list[int]:
+    """Token ids of a rendered prompt that holds ``IMAGE_MARKER``: the text on either side
+    tokenized apart and ``image_token_id`` between, whether or not the tokenizer knows the
+    marker as one token."""
+    from ..io.tokenizer import encode
+
+    before, after = text.split(IMAGE_MARKER, 1)
+    return prompt_ids(tokenizer, before) + [image_token_id] + encode(tokenizer, after, add_bos=False)
+
+
 def run(llm: Any, tokenizer: Any, records: list[dict[str, Any]], config: GenConfig, out: Path, batch: int,
-        progress: bool = True) -> int:
-    """Generate the records not in ``out`` yet, appending them; returns how many were written."""
+        progress: bool = True, images: dict[str, str] | None = None) -> int:
+    """Generate the records not in ``out`` yet, appending them; returns how many were written.
+    ``images``: item id -> its image field, for the records with ``has_image``."""
     from tqdm import tqdm
 
     from ..engine import SamplingParams
@@ -90,7 +114,7 @@ def run(llm: Any, tokenizer: Any, records: list[dict[str, Any]], config: GenConf
                                                     disable=not progress, dynamic_ncols=True) as bar:
         for start in range(0, len(todo), batch):
             part = todo[start:start + batch]
-            ids = [prompt_ids(tokenizer, r["prompt"]) for r in part]
+            ids = [_prompt(llm, tokenizer, r, images or {}) for r in part]
             params = [SamplingParams(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens,
                                      seq_seed=r["seed"]) for r in part]
             for rec, o in zip(part, llm.generate(ids, params)):
@@ -101,3 +125,13 @@ def run(llm: Any, tokenizer: Any, records: list[dict[str, Any]], config: GenConf
             os.fsync(f.fileno())
             bar.update(len(part))
     return len(todo)
+
+
+def _prompt(llm: Any, tokenizer: Any, rec: dict[str, Any], images: dict[str, str]) -> Any:
+    """A record's engine prompt: its token ids, or with an image vLLM's dict around them."""
+    if not rec.get("has_image"):
+        return prompt_ids(tokenizer, rec["prompt"])
+    if rec["id"] not in images:
+        raise EvalError(f"item {rec['id']!r}: an image question without its image field")
+    ids = image_prompt_ids(tokenizer, rec["prompt"], llm.model.config.image_token_id)
+    return {"prompt": ids, "multi_modal_data": {"image": image_bytes(images[rec["id"]], f"item {rec['id']!r}")}}

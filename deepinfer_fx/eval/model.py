@@ -26,12 +26,22 @@ class Opened:
     tokenizer: Any
     template: ChatTemplate
 
+    @property
+    def vision(self) -> bool:
+        """Whether the checkpoint's config has a vision tower (then image questions run)."""
+        from ..config import load_config
+
+        return load_config(self.path).vision is not None
+
     def engine(self, records: list[dict[str, Any]], max_tokens: int, batch: int, num_threads: int | None = None) -> Any:
         """An ``LLM`` whose context fits the longest prompt plus ``max_tokens``."""
         from ..config import load_config
         from ..engine import LLM
-        longest = max(len(prompt_ids(self.tokenizer, r["prompt"])) for r in records)
-        limit = load_config(self.path).max_position_embeddings
+        c = load_config(self.path)
+        # an image's span takes at most max_image_tokens positions in place of its placeholder
+        span = c.vision.max_image_tokens if c.vision is not None else 0
+        longest = max(len(prompt_ids(self.tokenizer, r["prompt"])) + (span if r.get("has_image") else 0) for r in records)
+        limit = c.max_position_embeddings
         if longest + max_tokens > limit:
             raise EvalError(f"{self.path}: the longest prompt ({longest} tokens) + --max-tokens {max_tokens} exceeds "
                             f"the model's {limit} positions; lower --max-tokens")

@@ -22,6 +22,9 @@ FIELDS = {
     "hle": ("id", "question", "answer", "answer_type"),
 }
 HLE_TYPES = ("exactMatch", "multipleChoice")
+# The released tokenizer's image placeholder; an image question's prompt holds it before the
+# question, and its token ids carry the config's image_token_id there (generation.image_prompt_ids).
+IMAGE_MARKER = "<｜deepseek_image｜>"
 
 AIME_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 GPQA_PROMPT = (
@@ -44,11 +47,12 @@ def check_task(task: str) -> str:
 @dataclass
 class Loaded:
     items: list[dict[str, Any]]
-    skipped_images: int  # HLE questions with an image, left out until the engine has vision
+    skipped_images: int  # HLE questions with an image, left out when the model has no vision tower
 
 
-def load_items(task: str, path: str | Path) -> Loaded:
-    """Read and check every line of ``path`` before anything runs."""
+def load_items(task: str, path: str | Path, vision: bool = False) -> Loaded:
+    """Read and check every line of ``path`` before anything runs. ``vision``: the model has a
+    vision tower, so HLE's image questions are kept (else skipped and counted)."""
     check_task(task)
     path = Path(path)
     items, seen, skipped = [], set(), 0
@@ -61,7 +65,7 @@ def load_items(task: str, path: str | Path) -> Loaded:
             raise EvalError(f"{path}:{n}: duplicate id {item['id']!r}")
         seen.add(item["id"])
         _check_values(task, item, f"{path}:{n}")
-        if task == "hle" and item.get("image"):
+        if task == "hle" and item.get("image") and not vision:
             skipped += 1
             continue
         items.append(item)
@@ -105,4 +109,5 @@ def user_prompt(task: str, item: dict, choices: list[str] | None = None) -> str:
         return AIME_PROMPT.format(problem=item["problem"].strip())
     if task == "gpqa":
         return GPQA_PROMPT.format(question=item["Question"].strip(), **dict(zip(LETTERS, choices)))
-    return HLE_PROMPT.format(question=item["question"].strip())
+    text = HLE_PROMPT.format(question=item["question"].strip())
+    return f"{IMAGE_MARKER}\n{text}" if item.get("image") else text

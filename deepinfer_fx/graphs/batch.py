@@ -90,6 +90,11 @@ class Batch:
     groups: tuple[Group, ...]
     chunks: tuple[Chunk, ...] = ()  # host-side view; empty inside compiled steps
     split: ContextSplit | QuerySubset | None = None  # a context-parallel rank's share, or a subset of the queries
+    # Image spans (V4.1 vision, eager steps only): ``embeds`` ``[N, D]`` replaces the token
+    # embeddings of every row; ``image_rows`` ``[N]`` bool marks the span rows, which route with
+    # ``bias_vl`` and are DEAD for Engram. None: a text-only batch (every compiled step).
+    embeds: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
 
     @property
     def keys(self) -> Batch:

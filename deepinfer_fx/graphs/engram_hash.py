@@ -28,6 +28,7 @@ from tokenizers import Regex, Tokenizer, normalizers
 from deepinfer_fx.config import ConfigError, ModelConfig
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
+DEAD = -1  # the history's class id of an image-span position (spec §7.7: image tokens are DEAD)
 _SEED_PER_LAYER = 10007  # layer ℓ's multipliers come from numpy default_rng(10007 * ℓ)
 # Private-use character standing in for a single space while the key is stripped.
 _SPACE_SENTINEL = "\ue000"
@@ -222,7 +223,8 @@ def engram_history_after(comp_ids: torch.Tensor, history: torch.Tensor) -> torch
     return torch.cat([history, comp_ids], dim=-1)[..., -history.shape[-1] :]
 
 
-def engram_hash(comp_ids: torch.Tensor, history: torch.Tensor, layout: EngramLayout, layer_index: int) -> torch.Tensor:
+def engram_hash(comp_ids: torch.Tensor, history: torch.Tensor, layout: EngramLayout, layer_index: int,
+                pad_class: int | torch.Tensor | None = None) -> torch.Tensor:
     """Table row ids of Engram layer ``layout.layer_ids[layer_index]`` for a chunk.
 
     ``comp_ids``: int64 ``[..., T]`` compressed class ids; ``history``: int64 ``[..., N - 1]`` the
@@ -234,7 +236,8 @@ def engram_hash(comp_ids: torch.Tensor, history: torch.Tensor, layout: EngramLay
 
     Products are int64 with two's-complement wraparound and ``mod`` is floor-mod (torch
     semantics, the same as numpy's); for class ids below ``compressed_vocab_size`` nothing
-    overflows (see ``hash_multipliers``).
+    overflows (see ``hash_multipliers``). With ``pad_class``, an id of ``DEAD`` (an image-span
+    position) is a barrier: it and every older id of the window read as the pad class.
     """
     n = layout.max_ngram_size
     if history.shape[-1] != n - 1:
@@ -246,6 +249,9 @@ def engram_hash(comp_ids: torch.Tensor, history: torch.Tensor, layout: EngramLay
     seq = torch.cat([history.to(device=device, dtype=torch.int64), comp_ids.to(torch.int64)], dim=-1)
     # back[..., t, k] = c_{t-k}: each window of N consecutive ids, newest first.
     back = seq.unfold(-1, n, 1).flip(-1)
+    if pad_class is not None:
+        dead = (back == DEAD).int().cummax(-1).values.bool()
+        back = torch.where(dead, torch.as_tensor(pad_class, dtype=torch.int64, device=device), back)
     products = back * multipliers
     rho = products[..., 0]
     columns = []

@@ -21,7 +21,7 @@ from ..config import ModelConfig
 from .attention import attention
 from .batch import Batch, gather_rows, make_batch, scatter_rows
 from .engram import engram_apply
-from .engram_hash import EngramLayout, engram_hash, engram_layout
+from .engram_hash import DEAD, EngramLayout, engram_hash, engram_layout
 from .mhc import hc_head, mhc_collapse, mhc_expand, mhc_site
 from .moe import moe
 from .norm import linear_fp32, rms_norm
@@ -66,7 +66,7 @@ def block(
         X, pre_a, post, comb = X[rows], pre_a[rows], post[rows], comb[rows]
     X = mhc_expand(X, a, post, comb)
     pre_f, post, comb, u = _site(lp, "ffn", c, X, None if pre_prev is None else pre_a)
-    f = moe(lp["ffn"], c, rms_norm(u, lp["ffn_norm"], eps), batch.token_ids, batch.real_rows)
+    f = moe(lp["ffn"], c, rms_norm(u, lp["ffn_norm"], eps), batch.token_ids, batch.real_rows, batch.image_rows)
     return mhc_expand(X, f, post, comb), pre_f
 
 
@@ -84,9 +84,14 @@ def cached_engram_layout(c: ModelConfig) -> EngramLayout:
 
 def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> list[torch.Tensor]:
     """Hash ids ``[N, columns]`` of every Engram layer for the packed batch, computed once per
-    forward; each slot's history (the last N-1 compressed ids) is read and advanced."""
+    forward; each slot's history (the last N-1 compressed ids) is read and advanced. Image-span
+    rows (``batch.image_rows``) enter it as DEAD (-1): no n-gram reaches across them."""
     layout = cached_engram_layout(c)
-    comp = params["engram_vocab"][batch.token_ids]
+    if batch.image_rows is None:
+        comp = params["engram_vocab"][batch.token_ids]
+    else:  # span rows carry image_token_id, which may lie past a tiny model's vocabulary
+        comp = params["engram_vocab"][torch.where(batch.image_rows, 0, batch.token_ids)]
+        comp = torch.where(batch.image_rows, DEAD, comp)
     pad = params["engram_vocab"][c.engram_pad_token_id]
     hist_pool = state["engram"]["history"]
     n_hist = layout.max_ngram_size - 1
@@ -95,7 +100,7 @@ def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> li
         ids = gather_rows(comp, g)
         hist = torch.where((g.starts > 0)[:, None], hist_pool[g.slots], pad)
         for i in range(len(c.engram_layer_ids)):
-            scatter_rows(out[i], g, engram_hash(ids, hist, layout, i))
+            scatter_rows(out[i], g, engram_hash(ids, hist, layout, i, pad))
         # the last n_hist ids before each chunk's end (the history the next chunk starts from)
         seq = torch.cat([hist, ids], 1)
         hist_pool[g.slots] = seq.gather(1, g.lens[:, None] + torch.arange(n_hist, device=seq.device))
@@ -112,10 +117,11 @@ def run_layers(
     ``captured`` (a dict of layer -> None) get their input streams (after Engram) stored
     there: the DSpark drafter reads them."""
     first_decoder = c.decoder_layers[0] if kept is not None else None
+    live = None if batch.image_rows is None else ~batch.image_rows  # Engram leaves span rows as they are
     for layer in layers:
         lp = params["layers"][layer]
         if "engram" in lp:
-            X = engram_apply(lp["engram"], X, hashes[c.engram_layer_ids.index(layer)], c.rms_norm_eps)
+            X = engram_apply(lp["engram"], X, hashes[c.engram_layer_ids.index(layer)], c.rms_norm_eps, live)
         if captured is not None and layer in captured:
             captured[layer] = X
         if layer == first_decoder:
@@ -140,7 +146,10 @@ def hidden_streams(
         raise ValueError("compact prefill with DSpark capture or context parallelism is not built; run these forwards exact")
     for ch in batch.keys.chunks:
         check_room(state, ch.slot, ch.start, ch.length)
-    X = embed(params, c, batch.token_ids, params["norm"].dtype)
+    if batch.embeds is None:
+        X = embed(params, c, batch.token_ids, params["norm"].dtype)
+    else:  # merged text and image-span embeddings (vision.merge.input_embeddings)
+        X = batch.embeds.to(params["norm"].dtype)[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
     pre = None
     if c.is_v41:  # the first site collapses stream 0 alone
         pre = torch.zeros(X.shape[:-1], dtype=torch.float32, device=X.device)

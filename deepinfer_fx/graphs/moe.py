@@ -45,15 +45,23 @@ def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def route(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> expert ids ``[T, k]`` and routing weights ``[T, k]`` (fp32)."""
+def route(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor,
+          image_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> expert ids ``[T, k]`` and routing weights ``[T, k]`` (fp32). ``image_rows`` ``[T]``
+    bool (V4.1): those rows choose their experts with ``bias_vl`` instead of ``bias``."""
     gate = p["gate"]
     logits = linear_fp32(x, gate["weight"])
     if "tid2eid" in gate:
         return route_weights(logits, None, gate["tid2eid"][token_ids].long(), c.num_experts_per_tok, c.scoring_func,
                              c.gate_temp, c.norm_topk_prob, c.routed_scaling_factor)
-    return route_weights(logits, gate["bias"], None, c.num_experts_per_tok, c.scoring_func, c.gate_temp,
-                         c.norm_topk_prob, c.routed_scaling_factor)
+    args = (c.num_experts_per_tok, c.scoring_func, c.gate_temp, c.norm_topk_prob, c.routed_scaling_factor)
+    idx, w = route_weights(logits, gate["bias"], None, *args)
+    if image_rows is None:
+        return idx, w
+    # two selections rather than a per-row bias: route_weights (and its kernel) takes one bias vector
+    idx_vl, w_vl = route_weights(logits, gate["bias_vl"], None, *args)
+    pick = image_rows[:, None]
+    return torch.where(pick, idx_vl, idx), torch.where(pick, w_vl, w)
 
 
 @swappable
@@ -151,7 +159,8 @@ def experts_with_shared(
     return expert_parallel(pe, limit, x, idx, w, real) + shared_expert(ps, limit, x).float()
 
 
-def moe(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """The FFN sublayer; ``real`` as in ``expert_parallel``."""
-    idx, w = route(p, c, x, token_ids)
+def moe(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor, real: torch.Tensor,
+        image_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The FFN sublayer; ``real`` as in ``expert_parallel``, ``image_rows`` as in ``route``."""
+    idx, w = route(p, c, x, token_ids, image_rows)
     return experts_with_shared(p["experts"], p["shared_experts"], c.swiglu_limit, x, idx, w, real).to(x.dtype)

@@ -298,15 +298,22 @@ def dspark_specs(c: ModelConfig) -> list[ParamSpec]:
 
 
 def param_specs(c: ModelConfig, mtp: bool = True) -> list[ParamSpec]:
-    return backbone_specs(c) + (mtp_specs(c) if mtp else [])
+    """Every spec of ``c``: the backbone, the draft layers (``mtp``) and the vision path (last,
+    so that a seeded random tree draws the same text weights with or without it)."""
+    from ..vision.params import vision_specs
+
+    return backbone_specs(c) + (mtp_specs(c) if mtp else []) + vision_specs(c)
 
 
-def count_params(c: ModelConfig, mtp: bool = False, engram: bool = False) -> int:
+def count_params(c: ModelConfig, mtp: bool = False, engram: bool = False, vision: bool = False) -> int:
     """Parameters of a config, counted from the specs without allocating. The draft layers
-    (``mtp.*``) and V4.1's Engram tables are left out unless asked for: the published
-    backbone sizes count neither. Block scales of weights held in fp8 are not parameters."""
+    (``mtp.*``), V4.1's Engram tables and its vision path are left out unless asked for: the
+    published backbone sizes count none of them. Block scales of weights held in fp8 are not
+    parameters."""
+    from ..vision.params import is_vision_path
+
     return sum(s.numel for s in param_specs(c, mtp=mtp)
-               if (engram or ".engram." not in s.path) and s.held != "scale")
+               if (engram or ".engram." not in s.path) and (vision or not is_vision_path(s.path)) and s.held != "scale")
 
 
 # --- trees -------------------------------------------------------------------------------------

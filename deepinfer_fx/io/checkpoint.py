@@ -87,6 +87,8 @@ class CheckpointError(ValueError):
 def canonical_name(stored: str) -> str:
     """Map a stored tensor name of any supported scheme to DeepSeek's name."""
     name = stored[len("model."):] if stored.startswith("model.") else stored
+    if name.startswith(("vision.", "aligner.")):  # the vision tower's names are its own (`.mlp.` is no text FFN)
+        return name
     for pattern, repl in _RENAME_RES:
         name = pattern.sub(repl, name)
     return name

@@ -15,6 +15,7 @@ import torch
 
 from ..config import ModelConfig, load_config
 from ..graphs.params import ParamSpec, backbone_specs, build_tree, mtp_specs, scale_path
+from ..vision.params import vision_specs
 from ..graphs.engram import EngramTable
 from ..graphs.engram_hash import compressed_vocab
 from ..settings import argument
@@ -108,7 +109,8 @@ def load_params(
     experts: ExpertIds | None = None,
 ) -> dict:
     """The parameter tree of ``c`` from ``reader``. ``mtp=None`` loads the draft layers when the
-    checkpoint carries them (HF-written checkpoints drop ``mtp.*``). ``experts`` maps a stacked
+    checkpoint carries them (HF-written checkpoints drop ``mtp.*``); the vision path
+    (``vision.*``, ``aligner.*``, ``image_*``) loads when the config and the checkpoint have it. ``experts`` maps a stacked
     expert spec to the expert ids this rank holds, in slot order (``sharding.rules.expert_ids``);
     None loads every expert."""
     specs = backbone_specs(c)
@@ -117,6 +119,9 @@ def load_params(
         mtp = bool(extra) and extra[0].key.replace("{e}", "0") in reader
     if mtp:
         specs = specs + extra
+    vision = vision_specs(c)
+    if vision and vision[0].key in reader:  # a checkpoint without the tower loads as a text-only model
+        specs = specs + vision
     if c.tie_word_embeddings and "head.weight" not in reader:
         specs = [s for s in specs if s.path != "head"]
     flat = {path: value for s in specs if s.held != "scale"  # scales come with their weights

@@ -1,0 +1,87 @@
+"""The V4.1 vision path at the released widths (32-layer ViT, width 1024, aligner into 5120),
+random bf16 weights: preprocessing one image on the host, then encoding it on the GPU.
+
+    python -m deepinfer_fx.bench.vision      # 1374 x 1260: 90 x 99 patches, 990 image tokens, a 1022-position span
+    python -m deepinfer_fx.bench.vision --width 1920 --height 1080 --batch 4 --out vision_1080p
+
+The image is random noise of ``--width x --height`` pixels; the resize plan decides its patch
+grid (at most 1024 span positions). ``--batch`` images of that size are encoded in one call
+(each attends only to itself). Reports ms per call, patches and image tokens per second, and
+the peak memory of the call; writes ``bench/results/<out>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from ..config import load_config
+from ..configs import released_config
+from ..graphs.params import build_tree, init_param
+from ..vision.merge import encode, token_grids
+from ..vision.params import vision_specs
+from ..vision.processor import preprocess
+from ..vision.spans import span_length
+from .p8 import run_info, write_result
+from .timing import timed
+
+
+def vision_params(c, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
+    """Random weights of the vision path alone (the text model is not built)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return build_tree({s.path: init_param(s, gen, dtype, c.n_routed_experts) for s in vision_specs(c)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deepinfer_fx.bench.vision", description=__doc__.split("\n\n")[0])
+    # the default nearly fills the 1024-position budget: 30 x 33 aligner tokens, 1022 with newlines and ends
+    ap.add_argument("--width", type=int, default=1374)
+    ap.add_argument("--height", type=int, default=1260)
+    ap.add_argument("--batch", type=int, default=1, help="images per encode call (default: %(default)s)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--out", default="vision_v41_released", help="result name under bench/results (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.vision runs on a CUDA GPU")
+    dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    c = load_config(released_config("deepseek_v41_flash"))
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (args.height, args.width, 3), dtype=np.uint8), "RGB")
+              for _ in range(args.batch)]
+    t0 = time.perf_counter()
+    pixel_values, grids = preprocess(images, c)
+    host_s = time.perf_counter() - t0
+    model = (c, vision_params(c, dtype, dev))
+    pixels = pixel_values.to(dev, non_blocking=False)
+    (h, w), = set(token_grids(c, grids))
+    with torch.no_grad():
+        torch.cuda.reset_peak_memory_stats(dev)
+        s = timed(lambda: encode(model, pixels, grids), args.iters)
+        peak = torch.cuda.max_memory_allocated(dev)
+    patches, tokens = pixel_values.shape[0], args.batch * h * w
+    result = {
+        "run": run_info(argv),
+        "image": {"width": args.width, "height": args.height, "batch": args.batch, "patch_grid": list(grids[0]),
+                  "token_grid": [h, w], "span_positions": span_length(h, w)},
+        "vit": {"layers": c.vision.num_hidden_layers, "hidden": c.vision.hidden_size, "heads": c.vision.num_attention_heads,
+                "mlp": c.vision.intermediate_size, "dtype": args.dtype},
+        "preprocess_ms": round(host_s * 1e3, 2),
+        "encode_ms": round(s * 1e3, 3),
+        "patches_per_s": round(patches / s, 1),
+        "image_tokens_per_s": round(tokens / s, 1),
+        "peak_memory_gib": round(peak / 2**30, 3),
+    }
+    path = write_result(args.out, result)
+    print(f"{args.batch} x {args.width}x{args.height}: {patches} patches -> {tokens} image tokens; encode "
+          f"{result['encode_ms']} ms ({result['image_tokens_per_s']} tok/s), preprocess {result['preprocess_ms']} ms; {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
