@@ -2,7 +2,8 @@
 
     python -m deepinfer_fx.bench.spec --batches 1,8,64 --drafts 1,2,3,4,5 --name spec_s31
 
-Verify cost: for each batch b and draft count k, the captured verify step of b chunks of k + 1
+Verify cost: for each draft count k (an engine built with ``num_speculative_tokens=k``, whose
+verify chunks are padded to k + 1 rows) and batch b, the captured verify step of b chunks of k + 1
 rows against the plain captured decode step of b rows and of b * (k + 1) rows (the issue's
 target: verify <= 1.1x decode of b * (k + 1) rows), plus the rollback's parts (the slots'
 state snapshot, and the prompt-chunk re-run of 1 + accepted rows that a rejection costs).
@@ -50,32 +51,30 @@ def cycling(model: Model) -> Model:
     return Model(c, params)
 
 
-def verify_rows(llm: LLM, batch: int, drafts: list[int], prompt_len: int, iters: int) -> list[dict]:
+def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> dict:
     c = llm.model.config
     prompts = _prompts(batch, prompt_len, c.vocab_size, seed=batch)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # states to read
     probe = Sequence(-1, None, [0], SamplingParams(temperature=0.0), 7)
-    steps, rows = llm.runner.steps, []
+    steps = llm.runner.steps
 
     def decode(n: int) -> float:
         dec = [DecodeRow(i % batch, prompt_len, probe.controls) for i in range(n)]
         return timed(lambda: steps.step(dec, (), "greedy"), iters) * 1e3
 
     base = decode(batch)
-    for k in drafts:
-        chunks = [VerifyChunk(s, prompt_len, [5] * (k + 1), probe.controls) for s in range(batch)]
-        verify = timed(lambda chunks=chunks: steps.verify(chunks, "greedy"), iters) * 1e3
-        wide = decode(batch * (k + 1))
-        snap = timed(lambda: snapshot(llm.pool, list(range(batch))), iters) * 1e3
-        # a rejection's re-run: every request rejecting half-way (1 + k // 2 rows each)
-        rerun_chunks = [PrefillChunk(s, prompt_len, [5] * (1 + k // 2)) for s in range(batch)]
-        rerun = timed(lambda rerun_chunks=rerun_chunks: steps.step((), rerun_chunks, "greedy"), iters) * 1e3
-        row = {"batch": batch, "drafts": k, "verify_ms": round(verify, 3), "decode_ms": round(base, 3),
-               "decode_wide_ms": round(wide, 3), "verify_over_decode_wide": round(verify / wide, 3),
-               "verify_over_decode": round(verify / base, 3), "snapshot_ms": round(snap, 3), "rerun_ms": round(rerun, 3)}
-        print(row, flush=True)
-        rows.append(row)
-    return rows
+    chunks = [VerifyChunk(s, prompt_len, [5] * (k + 1), probe.controls) for s in range(batch)]
+    verify = timed(lambda: steps.verify(chunks, "greedy"), iters) * 1e3
+    wide = decode(batch * (k + 1))
+    snap = timed(lambda: snapshot(llm.pool, list(range(batch))), iters) * 1e3
+    # a rejection's re-run: every request rejecting half-way (1 + k // 2 rows each)
+    rerun_chunks = [PrefillChunk(s, prompt_len, [5] * (1 + k // 2)) for s in range(batch)]
+    rerun = timed(lambda: steps.step((), rerun_chunks, "greedy"), iters) * 1e3
+    row = {"batch": batch, "drafts": k, "verify_ms": round(verify, 3), "decode_ms": round(base, 3),
+           "decode_wide_ms": round(wide, 3), "verify_over_decode_wide": round(verify / wide, 3),
+           "verify_over_decode": round(verify / base, 3), "snapshot_ms": round(snap, 3), "rerun_ms": round(rerun, 3)}
+    print(row, flush=True)
+    return row
 
 
 def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, seqs: int) -> dict:
@@ -135,13 +134,16 @@ def main(argv: list[str] | None = None) -> dict:
     result = {**run_info(argv), "model": f"P8 random weights, {args.layers} layers, bf16"}
     batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",")]
     model = _model(args.layers)
-    wide = max(batches) * (max(drafts) + 1)
-    llm = LLM(model=model, max_num_seqs=wide, max_num_batched_tokens=4096, max_model_len=args.prompt_len + 64, warmup=False,
-              speculative_config={"method": "ngram", "num_speculative_tokens": max(drafts)})
-    result["verify"] = [row for b in batches for row in verify_rows(llm, b, drafts, args.prompt_len, args.iters)]
-    result["graphs"] = llm.runner.steps.report()
-    del llm
-    torch.cuda.empty_cache()
+    result["verify"], result["graphs"] = [], []
+    for k in drafts:  # one engine a draft count: its verify chunks are padded to k + 1 rows
+        llm = LLM(model=model, max_num_seqs=max(batches) * (k + 1), max_num_batched_tokens=4096,
+                  max_model_len=args.prompt_len + 64, warmup=False, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        for b in batches:
+            result["verify"].append(verify_rows(llm, b, k, args.prompt_len, args.iters))
+            write_result(args.name, result, args.out)  # what is measured survives a stop
+        result["graphs"] += llm.runner.steps.report()
+        del llm
+        torch.cuda.empty_cache()
     e2e_batches = [int(b) for b in args.e2e_batches.split(",")]
     if args.model is None:
         e2e_model = cycling(model)
@@ -152,7 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
         e2e_model, prompts = probe.model, [args.prompt] * max(e2e_batches)
         result["e2e_workload"] = f"{args.model}, prompt {args.prompt!r}"
         del probe
-    result["e2e"] = [e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches)) for b in e2e_batches]
+    result["e2e"] = []
+    for b in e2e_batches:
+        result["e2e"].append(e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches)))
+        write_result(args.name, result, args.out)
     print(f"wrote {write_result(args.name, result, args.out)}")
     return result
 
