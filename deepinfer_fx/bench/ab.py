@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--bench", default=_BENCH)
     ap.add_argument("--name", default="ab")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(own)
     try:
         variants = dict(parse_variant(v) for v in args.variant)

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-ring", action="store_true",
                     help="also time ring_mqa (keys read in place) against gathered keys, per kind of layer")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     result = {**run_info(argv), "heads": H, "head_dim": D, "prefill": [], "decode": []}
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--no-inductor", action="store_true", help="our passes on aot_eager instead of Inductor")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     c = p8_config(num_hidden_layers=args.layers, compress_ratios=[0, 0, 4, 128, 4, 128, 4, 128][: args.layers])

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--max-num-seqs", type=int, default=64, help="start-up: decode buckets up to this")
     ap.add_argument("--budget", type=int, default=4096, help="start-up: prefill buckets up to this (max_num_batched_tokens)")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default=None, help="result file name (default e2e or e2e_startup)")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)

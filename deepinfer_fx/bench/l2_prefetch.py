@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--spins", default="0,2000,6000", help="FMA chain lengths of the stand-in latency stretch")
     ap.add_argument("--fractions", default="0.25,0.5,0.75,1.0")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     d, q = P8["hidden_size"], P8["q_lora_rank"]
     shapes = {"wo_b": (d, P8["o_groups"] * P8["o_lora_rank"]), "wq_b": (P8["num_attention_heads"] * P8["head_dim"], q)}

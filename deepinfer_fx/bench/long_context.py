@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=8, help="P8 layers kept (default all 8)")
     ap.add_argument("--input-tokens", type=int, default=INPUT_TOKENS)
     ap.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default="long_context_p8")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)

@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--steps-mode", choices=("auto", "eager", "compiled"), default="auto",
                     help="auto: compiled on GPUs, eager on the CPU; cp meshes step eagerly either way for now")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     return ap.parse_args(argv)
 
 

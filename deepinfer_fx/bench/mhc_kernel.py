@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--config", choices=sorted(BENCH_CONFIGS), default="p8", help="the bench model whose widths to take")
     ap.add_argument("--rounds", type=int, default=None,
                     help="Sinkhorn rounds (the config's by default; fewer times what the rounds cost)")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     c = bench_config(args.config)
     n, d = c.hc_mult, c.hidden_size

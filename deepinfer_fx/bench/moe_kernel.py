@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shared", action="store_true", help="also time the op with the shared expert folded in")
     ap.add_argument("--sweep", type=int, default=0, metavar="T",
                     help="instead: sweep the tiles of the bf16 kernels at T tokens (prefill tiles above 64)")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     d, inter, top, limit = P8["hidden_size"], P8["moe_intermediate_size"], P8["num_experts_per_tok"], P8["swiglu_limit"]
     e = args.experts

@@ -89,7 +89,7 @@ def run_info(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
 
-def write_result(name: str, result: dict[str, Any], out_dir: str | os.PathLike = "bench/results") -> Path:
+def write_result(name: str, result: dict[str, Any], out_dir: str | os.PathLike = "bench/results/latest") -> Path:
     path = Path(out_dir) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-hf", action="store_true", help="skip the peer (our engine and the roofline only)")
     ap.add_argument("--random-weights", action="store_true", help="our own random init, no HF model at all (fast set-up; implies --no-hf)")
     ap.add_argument("--check-fp32", action="store_true", help="also compare both engines with HF run in fp32 (the bf16 noise floor)")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     segments = set(args.segments.split(","))
     batches = [int(b) for b in args.batches.split(",")]

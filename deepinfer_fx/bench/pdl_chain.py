@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--launches", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     device = torch.cuda.current_device()
     if torch.cuda.get_device_capability(device)[0] < 9:

@@ -2,7 +2,7 @@
 batch size, one curve per engine and context) and prefill tok/s/GPU and latency against chunk
 size; this engine, HF transformers and the roofline on the same axes.
 
-    python -m deepinfer_fx.bench.plots bench/results/sweep/run*/*.json --out bench/results/sweep
+    python -m deepinfer_fx.bench.plots bench/results/sweep/run*/*.json --out bench/results/latest/sweep
 
 Needs matplotlib (``pip install -e '.[bench]'``).
 """
@@ -47,7 +47,7 @@ def prefill_curves(results: list[dict]) -> dict[str, list[tuple[int, float, floa
 def main(argv: list[str] | None = None) -> list[Path]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     import matplotlib
 

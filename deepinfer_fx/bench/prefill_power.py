@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--replays", type=int, default=40)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prefill_power times CUDA graphs: it needs an NVIDIA GPU")

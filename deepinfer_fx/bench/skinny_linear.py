@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fp32-out", action="store_true", help="fp32 results (linear_fp32) instead of bf16")
     ap.add_argument("--sweep", action="store_true", help="also search tilings per weight")
     ap.add_argument("--iters", type=int, default=20, help="graph replays per timing")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     rows_list = [int(v) for v in args.rows.split(",")]
     shapes = p8_weights(args.head)

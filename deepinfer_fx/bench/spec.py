@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workload", choices=["cycling"], default="cycling")
     ap.add_argument("--model", default=None, help="a checkpoint for the end-to-end part (default: P8 random, cycling)")
     ap.add_argument("--prompt", default="1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4,", help="with --model: the repeated prompt")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default="spec")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="alternating free / mixed rounds (medians reported)")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default="structured")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)

@@ -2,9 +2,9 @@
 as ``p8_vs_hf`` takes it): decode over batch sizes and contexts, prefill over chunk sizes, each
 point against HF and the roofline, then the plots.
 
-    python -m deepinfer_fx.bench.sweep --out bench/results/sweep
+    python -m deepinfer_fx.bench.sweep --out bench/results/latest/sweep
     python -m deepinfer_fx.bench.sweep --random-weights --contexts 4096 --batches 1,4,16,64,256
-    python -m deepinfer_fx.bench.sweep --config v41 --random-weights --out bench/results/sweep_v41
+    python -m deepinfer_fx.bench.sweep --config v41 --random-weights --out bench/results/latest/sweep_v41
 
 Each segment runs as its own process (a fresh CUDA context and its own JSON), so a point that
 runs out of memory or time loses only its segment. ``--random-weights`` skips building HF's
@@ -48,7 +48,7 @@ def commands(out: str, contexts: list[str], hf: bool, random_weights: bool = Fal
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench/results/sweep")
+    ap.add_argument("--out", default="bench/results/latest/sweep")
     ap.add_argument("--config", choices=sorted(BENCH_CONFIGS), default="p8", help="the bench model (bench/configs.py)")
     ap.add_argument("--contexts", default="512,4096,32768")
     ap.add_argument("--batches", default=DECODE_BATCHES, help=f"decode batch sizes (above {LONG_CONTEXT} context only those <= {LONG_MAX_BATCH})")

@@ -7,7 +7,7 @@ random bf16 weights: preprocessing one image on the host, then encoding it on th
 The image is random noise of ``--width x --height`` pixels; the resize plan decides its patch
 grid (at most 1024 span positions). ``--batch`` images of that size are encoded in one call
 (each attends only to itself). Reports ms per call, patches and image tokens per second, and
-the peak memory of the call; writes ``bench/results/<out>.json``.
+the peak memory of the call; writes ``bench/results/latest/<out>.json``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="images per encode call (default: %(default)s)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--out", default="vision_v41_released", help="result name under bench/results (default: %(default)s)")
+    ap.add_argument("--out", default="vision_v41_released", help="result name under bench/results/latest (default: %(default)s)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.vision runs on a CUDA GPU")
