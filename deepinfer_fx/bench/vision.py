@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..config import load_config
-from ..configs import released_config
+from ..config import released_config
 from ..graphs.params import build_tree, init_param
 from ..vision.merge import encode, token_grids
 from ..vision.params import vision_specs

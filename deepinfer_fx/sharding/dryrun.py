@@ -37,7 +37,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..api import Model
 from ..config import ModelConfig, load_config
-from ..configs import released_config
+from ..config import released_config
 from ..engine.graph_runner import StepGraphs
 from ..graphs.engram import EngramTable
 from ..graphs.params import build_tree, param_specs

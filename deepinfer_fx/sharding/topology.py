@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config_fields import read_json_object
+from ..config.fields import read_json_object
 from ..settings import setting
 
 TOPOLOGY_ENV = "DEEPINFER_TOPOLOGY_FILE"

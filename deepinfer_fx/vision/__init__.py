@@ -1,8 +1,8 @@
 """The V4.1 vision path: image processor, ViT, aligner and image spans (pure functions over
 the ``vision``, ``aligner`` and ``image_*`` entries of the parameter tree).
 
-Names load on first use (PEP 562): ``config.py`` imports ``vision.config`` while the CLI's
-``--help`` must answer before torch and PIL load."""
+Names load on first use (PEP 562): the CLI's ``--help`` must answer before torch and PIL load.
+The tower's configuration is ``config.VisionConfig``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "preprocess": "processor", "resize_plan": "processor", "VisionConfig": "config", "encode": "merge",
+    "preprocess": "processor", "resize_plan": "processor", "encode": "merge",
     "input_embeddings": "merge", "span_ids": "spans", "span_length": "spans", "expand_placeholders": "spans",
 }
 
@@ -23,5 +23,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["VisionConfig", "encode", "expand_placeholders", "input_embeddings", "preprocess", "resize_plan",
+__all__ = ["encode", "expand_placeholders", "input_embeddings", "preprocess", "resize_plan",
            "span_ids", "span_length"]

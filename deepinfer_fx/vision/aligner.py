@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .config import VisionConfig
+from ..config import VisionConfig
 from .vit import _linear, image_bounds
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import VisionConfig
+from ..config import VisionConfig
 from .spans import span_length
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..graphs.norm import rms_norm
-from .config import VisionConfig
+from ..config import VisionConfig
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from deepinfer_fx import generate
 from deepinfer_fx.config import config_from_dict
-from deepinfer_fx.configs import released_config
+from deepinfer_fx.config import released_config
 from deepinfer_fx.sharding.dryrun import DEFAULT_CONFIG, NOT_REAL, dry_run, summary
 from deepinfer_fx.sharding.mesh import parse_mesh
 

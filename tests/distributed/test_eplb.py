@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepinfer_fx.config import load_config
-from deepinfer_fx.configs import released_config
+from deepinfer_fx.config import released_config
 from deepinfer_fx.sharding import eplb
 from deepinfer_fx.sharding.topology import TOPOLOGY_ENV, Topology, from_env, load_topology
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deepinfer_fx.config import load_config
-from deepinfer_fx.configs import released_config
+from deepinfer_fx.config import released_config
 from deepinfer_fx.graphs.params import ParamSpec, param_specs
 from deepinfer_fx.sharding import eplb, rules
 from deepinfer_fx.sharding.mesh import MeshSpec, parse_mesh

@@ -1,12 +1,12 @@
 """The released models' configs as tests name them: short ids over the packaged files
-(``deepinfer_fx/configs/released``), read with the project's own parser."""
+(``deepinfer_fx/config/released``), read with the project's own parser."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from deepinfer_fx.config import ModelConfig, load_config
-from deepinfer_fx.configs import released_config as packaged
+from deepinfer_fx.config import released_config as packaged
 
 # Test ids -> stems of the packaged released configs (HF config.json form).
 RELEASED: dict[str, str] = {

@@ -15,7 +15,7 @@ from tiny import tiny_v4, tiny_v41
 import deepinfer_fx
 from deepinfer_fx import random_model
 from deepinfer_fx.config import load_config
-from deepinfer_fx.configs import released_config
+from deepinfer_fx.config import released_config
 from deepinfer_fx.graphs import fake_quant as fq
 from deepinfer_fx.graphs.batch import make_batch
 from deepinfer_fx.graphs.dspark import dspark_capture, dspark_context, dspark_draft, dspark_propose

@@ -12,7 +12,7 @@ from tiny import tiny_v4
 
 from deepinfer_fx import random_model
 from deepinfer_fx.config import config_from_dict, load_config  # noqa: E402
-from deepinfer_fx.configs import released_config  # noqa: E402
+from deepinfer_fx.config import released_config  # noqa: E402
 from deepinfer_fx.engine.cache import CachePool, iter_tensors, plan_capacity, state_bytes_per_slot  # noqa: E402
 from deepinfer_fx.engine.state_io import META_FILE, STATE_FILE, export_slot, import_slot  # noqa: E402
 from deepinfer_fx.graphs.model import forward  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 
 import deepinfer_fx
 from deepinfer_fx.config import ConfigError, ModelConfig, Yarn, config_from_dict, load_config
-from deepinfer_fx.configs import RELEASED, released_config
+from deepinfer_fx.config import RELEASED, released_config
 
 ALL_FILES = [released_config(name) for name in RELEASED]
 

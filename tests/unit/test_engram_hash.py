@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 from deepinfer_fx.config import ConfigError, ModelConfig, config_from_dict, load_config
-from deepinfer_fx.configs import released_config
+from deepinfer_fx.config import released_config
 from deepinfer_fx.graphs.engram_hash import (
     check_engram_rows,
     compressed_vocab,

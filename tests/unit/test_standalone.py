@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer_fx.config import load_config
-from deepinfer_fx.configs import RELEASED, RELEASED_DIR, released_config
+from deepinfer_fx.config import RELEASED, released_config
+from deepinfer_fx.config.releases import RELEASED_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 SCANNED = (".py", ".toml", ".md")
@@ -52,7 +53,7 @@ def test_released_configs_are_package_data() -> None:
     assert load_config(released_config("deepseek_v41_flash")).model_type.startswith("deepseek_v41")
     # what `pip install` and a wheel copy: the package-data globs must cover every packaged file
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    globs = data["deepinfer_fx.configs"]
+    globs = data["deepinfer_fx.config"]
     base = RELEASED_DIR.parent
     assert {p for g in globs for p in base.glob(g)} == set(RELEASED_DIR.glob("*.json"))
 

@@ -6,7 +6,7 @@ import pytest
 from tiny_vision import tiny_vision_config
 
 from deepinfer_fx.config import ConfigError, config_from_dict, load_config
-from deepinfer_fx.configs import released_config
+from deepinfer_fx.config import released_config
 from deepinfer_fx.graphs.params import count_params, param_specs
 
 

@@ -11,7 +11,7 @@ import torch
 from tiny_vision import fresh_seed, random_image
 
 from deepinfer_fx.config import load_config
-from deepinfer_fx.configs import released_config
+from deepinfer_fx.config import released_config
 from deepinfer_fx.vision import preprocess, resize_plan
 from deepinfer_fx.vision.processor import pad_offsets
 from deepinfer_fx.vision.spans import span_length

@@ -1,5 +1,4 @@
-"""Model configuration: one frozen dataclass, parsed from an HF ``config.json`` by
-``config_parse.py`` (``config_from_dict`` and ``load_config`` are re-exported here).
+"""Model configuration: one frozen dataclass, parsed from an HF ``config.json`` by ``parse.py``.
 
 Two generations share the dataclass. DeepSeek-V4 (``model_type: deepseek_v4``) and
 DeepSeek-V4.1 (``deepseek_v41``: a composite config whose ``text_config`` is a
@@ -14,8 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .config_fields import ConfigError  # noqa: F401  (callers catch it from here)
-from .vision.config import VisionConfig
+from .vision import VisionConfig
 
 V41 = "deepseek_v41"  # ModelConfig.model_type of every V4.1 config, composite or bare text config
 
@@ -218,6 +216,3 @@ def _last_at_or_before(sorted_ids: tuple[int, ...], layer: int) -> int | None:
     before = [i for i in sorted_ids if i <= layer]
     return before[-1] if before else None
 
-
-# Parsing builds the dataclass above, so it is imported after it; callers import both from here.
-from .config_parse import config_from_dict, load_config  # noqa: E402,F401

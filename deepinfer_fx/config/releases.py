@@ -1,4 +1,4 @@
-"""The released configs, shipped as package data (``configs/released/*.json``).
+"""The released configs, shipped as package data (``config/released/*.json``).
 
 ``released_config("deepseek_v41_flash")`` is the path of DeepSeek's ``config.json`` for that
 release, as published: V4-Flash, V4-Pro, V4-Flash-0731 (DSpark drafter), V4.1-Flash, and the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config_fields import ConfigError, _num
+from .fields import ConfigError, _num
 
 # HF DeepseekV41VisionConfig's defaults, which are the released model's values (spec §1.2).
 RELEASED = {"num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 2816,

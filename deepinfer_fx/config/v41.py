@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from .config_fields import ConfigError, _num
-from .vision.config import parse_vision
+from .fields import ConfigError, _num
+from .vision import parse_vision
 
 if TYPE_CHECKING:
-    from .config import ModelConfig
+    from .model import ModelConfig
 
 # Keys of the composite V4.1 config that live beside text_config and describe the text model.
 COMPOSITE_KEYS = ("eos_token_id", "bos_token_id", "image_token_id", "quantization_config")

@@ -1,11 +1,11 @@
-"""Parsing an HF-style ``config.json`` into ``config.ModelConfig``.
+"""Parsing an HF-style ``config.json`` into ``ModelConfig`` (``model.py``).
 
 Two spellings of the same config reach us: DeepSeek's released files (``compress_ratios``,
 ``num_hash_layers``, ``rope_scaling``, ``qk_rope_head_dim``) and what HF transformers writes
 with ``save_pretrained`` (``layer_types`` + ``compress_rates``, ``mlp_layer_types``, nested
 ``rope_parameters``, ``partial_rotary_factor``). Both are normalised here, once, so the model
 code only ever sees per-layer compression ratios and plain numbers. The V4.1 and DSpark fields
-are read by ``config_v41.py``.
+are read by ``v41.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import math
 import os
 from pathlib import Path
 
-from .config import V41, ModelConfig, Yarn
-from .config_fields import ConfigError, _need, _num, read_json_object
-from .config_v41 import _dspark_fields, _unwrap_composite, _v41_fields, _validate_dspark, _validate_v41
+from .fields import ConfigError, _need, _num, read_json_object
+from .model import V41, ModelConfig, Yarn
+from .v41 import _dspark_fields, _unwrap_composite, _v41_fields, _validate_dspark, _validate_v41
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v41_text")
 # V4's CSA ratio. V4.1 has no CSA layer (its ratios are 0/2/1): its csa_ratio keeps this value,
