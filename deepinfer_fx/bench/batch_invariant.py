@@ -2,6 +2,7 @@
 decode batches 1, 8 and 64 and a 4096-token prefill.
 
     python -m deepinfer_fx.bench.batch_invariant --rows 1,8,64,4096 --out bench/results
+    python -m deepinfer_fx.bench.batch_invariant --cpu --out bench/results   # the CPU cost (docs/decisions.md)
 
 The engine refuses ``batch_invariant=True`` on CUDA until attention, the expert GEMMs, mHC and
 the indexer have batch-invariant kernels (``engine/options.py::check_batch_invariant``); the
@@ -14,11 +15,18 @@ step. Reported per weight and summed over a step (P8's layers x the per-layer we
 head once): us, the on/off ratio, the largest difference from the off result relative to its
 max, and whether every row of the on result equals the same row computed alone (M = 1).
 Also written: the row counts, the command, the GPU and ``DEEPINFER_COMMIT``.
+
+``--cpu``: what the flag costs where it is built. The fixed-order matmul against torch's (MKL)
+at a few widths and row counts, one thread, and the demo model's (a tiny V4, ``demo.py``) ``generate`` (eager, 16 requests of
+8-40 prompt tokens and 16 new ones) with the flag off and on, fp32 and bf16; each the fastest of
+``--repeats`` runs (the CPU may be shared).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import time
 from collections.abc import Callable
 
 import torch
@@ -62,13 +70,67 @@ def _time_us(call: Callable[[torch.Tensor], object], weights: list[torch.Tensor]
     return graph_ms(lambda: [call(w) for w in weights], iters) * 1e3 / len(weights)
 
 
+def _best_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+@torch.no_grad()
+def cpu_cost(repeats: int) -> dict:
+    """The CPU numbers of ``docs/decisions.md`` (batch invariance)."""
+    from ..api import random_model
+    from ..config import config_from_dict
+    from ..demo import DEMO_CONFIG
+    from ..engine.llm import LLM
+    from ..engine.sampling import SamplingParams
+    from ..graphs.batch_invariant import fixed_order_matmul
+
+    torch.set_num_threads(1)
+    matmul = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, k, ms in ((300, 64, (1, 64, 512)), (1024, 1024, (1, 8, 64)), (4096, 4096, (1, 8))):
+            w = torch.randn(n, k).to(dtype)
+            for m in ms:
+                x = torch.randn(m, k).to(dtype)
+                ref = _best_ms(lambda x=x, w=w: x @ w.T, repeats)
+                fixed = _best_ms(lambda x=x, w=w: fixed_order_matmul(x, w, False), repeats)
+                matmul.append({"dtype": str(dtype)[6:], "N": n, "K": k, "M": m, "torch_ms": round(ref, 3), "fixed_ms": round(fixed, 3),
+                               "ratio": round(fixed / ref, 1)})
+                print(matmul[-1], flush=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(8, 40))] for _ in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = random_model(config_from_dict(DEMO_CONFIG).replace(fake_quant=False), seed=0, dtype=dtype)
+        times = {}
+        for on in (False, True):
+            llm = LLM(model, device="cpu", eager=True, max_model_len=96, num_threads=1, batch_invariant=on)
+            times[on] = _best_ms(lambda llm=llm: llm.generate(prompts, params), repeats)
+        engine.append({"dtype": str(dtype)[6:], "off_ms": round(times[False], 1), "on_ms": round(times[True], 1),
+                       "slower_pct": round(100 * (times[True] / times[False] - 1), 1)})
+        print(engine[-1], flush=True)
+    return {"threads": 1, "matmul": matmul, "tiny_v4_generate": engine}
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,8,64,4096", help="decode batches and the prefill chunk")
     ap.add_argument("--iters", type=int, default=20, help="graph replays per timing")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--cpu", action="store_true", help="the CPU cost instead (no GPU needed)")
+    ap.add_argument("--repeats", type=int, default=3, help="--cpu: runs per timing, the fastest kept")
     args = ap.parse_args(argv)
+    if args.cpu:
+        result = {**run_info(argv), **cpu_cost(args.repeats)}
+        write_result("batch_invariant_cpu", result, args.out)
+        return result
     if not register_nvidia_kernels():
         raise SystemExit("needs Triton and a CUDA GPU")
     rows_list = [int(v) for v in args.rows.split(",")]

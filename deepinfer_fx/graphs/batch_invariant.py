@@ -29,22 +29,28 @@ from .params import scale_path
 from .rope import apply_rope
 from .window import ring_positions, window_bias
 
-# Elements of the fp32 product a fixed-order matmul or attention materialises at once (256 MiB).
-PRODUCT_BUDGET = 1 << 26
+# Elements of an fp32 product materialised at once (4 MiB: it stays in cache, where 256 MiB blocks
+# ran 3-8x slower, docs/decisions.md); blocks split rows, and a matmul's weight rows beyond that.
+PRODUCT_BLOCK = 1 << 20
 
 
 def _rows_per_block(per_row: int) -> int:
-    return max(1, PRODUCT_BUDGET // max(1, per_row))
+    return max(1, PRODUCT_BLOCK // max(1, per_row))
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def fixed_order_matmul(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
     """x ``[M, K]`` @ w ``[N, K]``.T, each output the fp32 sum over K of exact fp32 products (a
-    bf16 product is exact in fp32) in one order for every M; rows in blocks within the budget."""
+    bf16 product is exact in fp32) in one order for every M, in blocks of rows and columns."""
     wf = w.float()
     n, k = w.shape
-    step = _rows_per_block(n * k)
-    parts = [(x[s : s + step].float()[:, None, :] * wf[None]).sum(-1) for s in range(0, x.shape[0], step)]
-    y = torch.cat(parts) if len(parts) != 1 else parts[0]
+    cols = min(n, _rows_per_block(k))
+    rows = _rows_per_block(cols * k)
+    y = _cat([_cat([(x[s : s + rows].float()[:, None, :] * wf[j : j + cols][None]).sum(-1) for j in range(0, n, cols)], -1)
+              for s in range(0, x.shape[0], rows)], 0)
     return y if out_fp32 else y.to(x.dtype)
 
 
@@ -98,10 +104,9 @@ def route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Te
 
 def _expert_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     """Row p of ``x`` ``[P, in]`` times ``w[expert[p]].T`` (``w`` ``[E, out, in]``), fixed order, in x's dtype."""
-    out, inner = w.shape[1:]
-    step = _rows_per_block(out * inner)
+    step = _rows_per_block(w.shape[1] * w.shape[2])
     parts = [(x[s : s + step].float()[:, None, :] * w[expert[s : s + step]].float()).sum(-1) for s in range(0, x.shape[0], step)]
-    return (torch.cat(parts) if len(parts) != 1 else parts[0]).to(x.dtype)
+    return _cat(parts, 0).to(x.dtype)
 
 
 def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -173,7 +178,7 @@ def attend(
         denom = e.cumsum(-1)[..., -1] + torch.exp(sk - m)
         probs = e / denom[..., None]
         outs.append((probs[..., None, :] * kc.transpose(-1, -2)[:, :, None]).cumsum(-1)[..., -1])
-    o = torch.cat(outs, 1) if len(outs) != 1 else outs[0]
+    o = _cat(outs, 1)
     return apply_rope(o.to(q.dtype), cos, sin, inverse=True)
 
 
