@@ -160,12 +160,12 @@ class LLM:
             dump_graphs=dump_graphs, disable_passes=disable_passes, keep=keep,
         )
         self.options = opts
-        check_batch_invariant(self.settings, self.model.device, c, mesh=self.ranks.multi, speculative=self.speculative is not None,
+        check_batch_invariant(self.settings, self.model.device, c, cp=split is not None, speculative=self.speculative is not None,
                               compiled=opts.steps.compiled, inductor=opts.steps.inductor)
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
         swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
-        if split is not None and asked_eager is None:
+        if split is not None and asked_eager is None and not self.settings.batch_invariant:
             # cp steps eagerly because it must, not because eager math was asked for: the
             # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
             # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU)

@@ -127,8 +127,8 @@ class ModelRunner:
         self.model = model
         self.split = split
         self.lockstep = lockstep
-        # batch-invariant forms win over every other replacement, eager or compiled
-        invariant = batch_invariant_swaps() if options.batch_invariant else {}
+        # batch-invariant forms win over every replacement but the sharding's, eager or compiled
+        invariant = batch_invariant_swaps(sharded=swaps or {}) if options.batch_invariant else {}
         self.swaps = {**(swaps or {}), **invariant}
         self.pool = pool
         self.device = model.device

@@ -92,10 +92,11 @@ def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
                   temp: float, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe.route_weights`` with ties to the lower expert id (the place's own math otherwise;
+    """``moe.route_weights`` with ties to the lower expert id and each token's experts listed
+    in ascending id, the order every later sum over them takes (the place's own math otherwise;
     its scores go through the pointwise places)."""
     scores = _score(logits / temp, kind)
-    idx = ids if ids is not None else _top_k(scores + bias.float(), k)
+    idx = (ids if ids is not None else _top_k(scores + bias.float(), k)).sort(-1).values
     w = scores.gather(1, idx)
     if norm:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)

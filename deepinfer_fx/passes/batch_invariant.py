@@ -6,11 +6,14 @@ form (``graphs/batch_invariant.py``; the dense projections through ``deepinfer::
 everywhere else the reference itself, so that no kernel swap (whose kernels were built for speed,
 not for one reduction order) stands in while the flag is on. The step runner installs the table
 innermost, over the pipeline's kernel swaps (``engine/graph_runner.py``): the flag declines them.
+On a mesh, the sharding's places keep their replacement: expert parallelism's dispatch runs the
+routed experts' form on the received pairs, and the form's routing lists each token's experts in
+ascending id, so the combine's k order (``sharding/ep.py``) is the one process's expert order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -47,8 +50,10 @@ FORMS: dict[str, Callable[..., Any]] = {
 assert set(FORMS) <= set(places()), sorted(set(FORMS) - set(places()))
 
 
-def batch_invariant_swaps() -> dict[str, Callable[..., Any]]:
-    """Every place: its batch-invariant form, else its reference."""
+def batch_invariant_swaps(sharded: Iterable[str] = ()) -> dict[str, Callable[..., Any]]:
+    """Every place but ``sharded`` (those a mesh's sharding replaces: expert parallelism's
+    dispatch, which runs the routed experts' form on each rank): its batch-invariant form, else
+    its reference."""
     table = {name: reference(name) for name in places()}
     table.update(FORMS)
-    return table
+    return {name: f for name, f in table.items() if name not in set(sharded)}
