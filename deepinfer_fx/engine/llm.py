@@ -90,7 +90,7 @@ class LLM:
         ``DEEPINFER_BATCH_INVARIANT``, off): every op that could depend on the batch takes its
         batch-invariant form (``passes/batch_invariant.py``), so a request's logprobs and, with a
         fixed ``seq_seed``, its sampled tokens are the same bits alone or in any batch, chunking,
-        overlap setting and eager or compiled step; built for the CPU (``docs/architecture.md``),
+        overlap setting, eager or compiled step and mesh shape; built for the CPU (``docs/architecture.md``),
         elsewhere it refuses."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             inputs.count(name, value)
@@ -160,7 +160,7 @@ class LLM:
             dump_graphs=dump_graphs, disable_passes=disable_passes, keep=keep,
         )
         self.options = opts
-        check_batch_invariant(self.settings, self.model.device, c, cp=split is not None, speculative=self.speculative is not None,
+        check_batch_invariant(self.settings, self.model.device, c, speculative=self.speculative is not None,
                               compiled=opts.steps.compiled, inductor=opts.steps.inductor)
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
@@ -168,7 +168,7 @@ class LLM:
         if split is not None and asked_eager is None and not self.settings.batch_invariant:
             # cp steps eagerly because it must, not because eager math was asked for: the
             # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
-            # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU)
+            # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU); batch invariance declines them
             swaps = {**eager_kernel_swaps(self.settings.accelerator, self.model.device, opts.steps.disabled_passes), **swaps}
         self.runner = ModelRunner(self.model, self.pool, opts.steps, {**swaps, **cp_swap}, split, lockstep=self.ranks.lockstep,
                                   max_drafts=max_drafts)

@@ -15,11 +15,11 @@ from ..graphs.yoco import min_keep_tokens
 from ..settings import PREFIX, EngineConfig
 
 
-def check_batch_invariant(settings: EngineConfig, device: torch.device, c: ModelConfig, *, cp: bool, speculative: bool,
-                          compiled: bool, inductor: bool) -> None:
+def check_batch_invariant(settings: EngineConfig, device: torch.device, c: ModelConfig, *, speculative: bool, compiled: bool,
+                          inductor: bool) -> None:
     """Batch-invariant inference (``passes/batch_invariant.py``) is built for V4 on the CPU, in
-    one process or on ep / dp meshes, eagerly or on aot_eager; asked for anywhere else it
-    refuses, naming what is missing."""
+    one process or on any mesh, eagerly or on aot_eager; asked for anywhere else it refuses,
+    naming what is missing."""
     if not settings.batch_invariant:
         return
     asked = f"batch_invariant=True / {PREFIX}BATCH_INVARIANT=1"
@@ -27,8 +27,6 @@ def check_batch_invariant(settings: EngineConfig, device: torch.device, c: Model
     if device.type != "cpu":
         missing.append(f"on {device.type}: only the dense matmul kernel is built (kernels/triton/batch_invariant.py); "
                        "attention, the expert GEMMs, mHC and the indexer have no batch-invariant kernels yet")
-    if cp:
-        missing.append("on a context-parallel mesh: its split attention is not checked for it")
     if speculative:
         missing.append("with speculative decoding: verify steps are not checked for it")
     if c.is_v41:

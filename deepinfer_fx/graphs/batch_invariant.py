@@ -39,6 +39,7 @@ def _rows_per_block(per_row: int) -> int:
 
 
 def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat`` (callers start their block loops at 0 even for no rows, so parts is never empty)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
@@ -50,7 +51,7 @@ def fixed_order_matmul(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torc
     cols = min(n, _rows_per_block(k))
     rows = _rows_per_block(cols * k)
     y = _cat([_cat([(x[s : s + rows].float()[:, None, :] * wf[j : j + cols][None]).sum(-1) for j in range(0, n, cols)], -1)
-              for s in range(0, x.shape[0], rows)], 0)
+              for s in range(0, max(1, x.shape[0]), rows)], 0)
     return y if out_fp32 else y.to(x.dtype)
 
 
@@ -106,7 +107,7 @@ def route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Te
 def _expert_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     """Row p of ``x`` ``[P, in]`` times ``w[expert[p]].T`` (``w`` ``[E, out, in]``), fixed order, in x's dtype."""
     step = _rows_per_block(w.shape[1] * w.shape[2])
-    parts = [(x[s : s + step].float()[:, None, :] * w[expert[s : s + step]].float()).sum(-1) for s in range(0, x.shape[0], step)]
+    parts = [(x[s : s + step].float()[:, None, :] * w[expert[s : s + step]].float()).sum(-1) for s in range(0, max(1, x.shape[0]), step)]
     return _cat(parts, 0).to(x.dtype)
 
 
@@ -165,7 +166,7 @@ def attend(
     rank = torch.where(at < nw, torch.nn.functional.pad(k_pos, (0, n - nw)), at + (1 << 40))  # entries after any position
     step = _rows_per_block(c * h * n * d)
     outs = []
-    for s in range(0, t, step):
+    for s in range(0, max(1, t), step):  # one (empty) block where a rank has no queries
         b = bias[:, s : s + step]
         seen = b == 0
         order = torch.where(seen, rank[:, None, :], 1 << 62).argsort(dim=-1, stable=True)  # [C, T', N]

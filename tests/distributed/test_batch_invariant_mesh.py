@@ -1,6 +1,6 @@
 """Batch invariance across mesh shapes (CPU, gloo, tiny V4, fp32): with
-``DEEPINFER_BATCH_INVARIANT=1`` in every rank, ``LLM(mesh=...)`` on ep2, dp2 and dp2,ep2 (also
-after an EPLB rebalance, and ep2 with compiled steps) gives the tokens and logprobs of one
+``DEEPINFER_BATCH_INVARIANT=1`` in every rank, ``LLM(mesh=...)`` on ep2, dp2, cp2, ep4, dp2,ep2
+and cp2,ep2 (also after an EPLB rebalance, and ep2 with compiled steps) gives the tokens and logprobs of one
 process bit for bit, where that process runs other batch sizes and chunk splits. The ranks run
 ``llm_mesh_job.py`` (``test_llm_mesh.py``'s job) under torchrun."""
 
@@ -33,7 +33,8 @@ def _requests(rng: random.Random) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("ranks,meshes", [(2, ["ep2", "dp2", "ep2@compiled"]), (4, ["dp2,ep2"])], ids=["2ranks", "4ranks"])
+@pytest.mark.parametrize("ranks,meshes", [(2, ["ep2", "dp2", "cp2", "ep2@compiled"]), (4, ["ep4", "dp2,ep2", "cp2,ep2"])],
+                         ids=["2ranks", "4ranks"])
 def test_mesh_equals_one_process_bit_for_bit(tmp_path: Path, ranks: int, meshes: list[str]) -> None:
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)

@@ -151,14 +151,12 @@ def test_switch_from_env_and_argument(monkeypatch) -> None:
 
 def test_unbuilt_settings_refuse() -> None:
     on, c, cpu = EngineConfig(batch_invariant=True), config_from_dict(tiny_v4()), torch.device("cpu")
-    check_batch_invariant(on, cpu, c, cp=False, speculative=False, compiled=True, inductor=False)
-    check_batch_invariant(EngineConfig(), torch.device("cuda"), c, cp=True, speculative=True, compiled=True, inductor=True)
-    with pytest.raises(ValueError, match="not built on a context-parallel mesh"):
-        check_batch_invariant(on, cpu, c, cp=True, speculative=False, compiled=False, inductor=False)
+    check_batch_invariant(on, cpu, c, speculative=False, compiled=True, inductor=False)
+    check_batch_invariant(EngineConfig(), torch.device("cuda"), c, speculative=True, compiled=True, inductor=True)
     with pytest.raises(ValueError, match="not built on cuda: only the dense matmul kernel"):
-        check_batch_invariant(on, torch.device("cuda"), c, cp=False, speculative=False, compiled=False, inductor=False)
+        check_batch_invariant(on, torch.device("cuda"), c, speculative=False, compiled=False, inductor=False)
     with pytest.raises(ValueError, match="not built for deepseek_v41"):
-        check_batch_invariant(on, cpu, config_from_dict(tiny_v41()), cp=False, speculative=False, compiled=False, inductor=False)
+        check_batch_invariant(on, cpu, config_from_dict(tiny_v41()), speculative=False, compiled=False, inductor=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
