@@ -160,7 +160,7 @@ class LLM:
             dump_graphs=dump_graphs, disable_passes=disable_passes, keep=keep,
         )
         self.options = opts
-        check_batch_invariant(self.settings, self.model.device, c, speculative=self.speculative is not None,
+        check_batch_invariant(self.settings, self.model.device, speculative=self.speculative is not None,
                               compiled=opts.steps.compiled, inductor=opts.steps.inductor)
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)

@@ -15,11 +15,10 @@ from ..graphs.yoco import min_keep_tokens
 from ..settings import PREFIX, EngineConfig
 
 
-def check_batch_invariant(settings: EngineConfig, device: torch.device, c: ModelConfig, *, speculative: bool, compiled: bool,
-                          inductor: bool) -> None:
-    """Batch-invariant inference (``passes/batch_invariant.py``) is built for V4 on the CPU, in
-    one process or on any mesh, eagerly or on aot_eager; asked for anywhere else it refuses,
-    naming what is missing."""
+def check_batch_invariant(settings: EngineConfig, device: torch.device, *, speculative: bool, compiled: bool, inductor: bool) -> None:
+    """Batch-invariant inference (``passes/batch_invariant.py``) is built for V4 and V4.1 on the
+    CPU, in one process or on any mesh, eagerly or on aot_eager; asked for anywhere else it
+    refuses, naming what is missing."""
     if not settings.batch_invariant:
         return
     asked = f"batch_invariant=True / {PREFIX}BATCH_INVARIANT=1"
@@ -29,8 +28,6 @@ def check_batch_invariant(settings: EngineConfig, device: torch.device, c: Model
                        "attention, the expert GEMMs, mHC and the indexer have no batch-invariant kernels yet")
     if speculative:
         missing.append("with speculative decoding: verify steps are not checked for it")
-    if c.is_v41:
-        missing.append(f"for {c.model_type}: V4.1's shared-cache selection (csa2) and Engram are not checked for it")
     if compiled and inductor:
         missing.append("under Inductor, whose generated loops choose their own reduction order (inductor=False runs aot_eager)")
     if missing:

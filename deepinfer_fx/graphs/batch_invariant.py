@@ -141,6 +141,12 @@ def index_scores(
     return (dots * head_w.float()[..., None]).sum(-2).masked_fill(~visible, float("-inf"))
 
 
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``indexer.top_k`` with ties to the lower index."""
+    idx = _top_k(scores, k)
+    return scores.gather(-1, idx), idx
+
+
 def score_topk(
     q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int, slots: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Batch-invariant inference on the CPU (tiny V4, fp32 and bf16): with the flag on, a request's
+"""Batch-invariant inference on the CPU (tiny V4, fp32 and bf16; tiny V4.1): with the flag on, a request's
 logprobs and seeded samples are the same bits alone, in batches of other sizes and compositions,
 under other chunk splits, with overlap on or off, eagerly or compiled (aot_eager); with it off
 they are not. Each test draws fresh seeds and names them in its failures."""
@@ -98,6 +98,20 @@ def test_same_bits_in_any_batch(model, kind: str) -> None:
             assert g == w, f"seed={seed} {kw} {how}: request {i} (prompt of {len(prompts[i])}) differs from alone"
 
 
+def test_same_bits_v41_compact_prefill() -> None:
+    """V4.1 (shared-cache selections, Engram) with compact prefill keeping 12 rows (the prompts
+    run to 40): greedy and seeded rows, alone against two batch layouts (fp32)."""
+    model = deepinfer_fx.random_model(config_from_dict(tiny_v41()).replace(fake_quant=False), seed=5)
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    prompts = _prompts(rng, 6)
+    params = [g if i % 2 else s for i, (g, s) in enumerate(zip(_greedy(rng, 6), _sampled(rng, 6)))]
+    want = _alone(make_llm(model, max_num_seqs=1, yoco_keep_tokens=12), prompts, params)
+    for kw, how in LAYOUTS[:2]:
+        got = _together(model, {**kw, "yoco_keep_tokens": 12}, how, prompts, params, rng)
+        assert got == want, f"seed={seed} {kw} {how}"
+
+
 def test_same_bits_in_large_decode_groups(model) -> None:
     """66 requests decode together: decode groups of >= 64 chunks read the ring in place
     (``attention.RING_MIN_CHUNKS``), a path of its own; a few of them against alone."""
@@ -150,13 +164,11 @@ def test_switch_from_env_and_argument(monkeypatch) -> None:
 
 
 def test_unbuilt_settings_refuse() -> None:
-    on, c, cpu = EngineConfig(batch_invariant=True), config_from_dict(tiny_v4()), torch.device("cpu")
-    check_batch_invariant(on, cpu, c, speculative=False, compiled=True, inductor=False)
-    check_batch_invariant(EngineConfig(), torch.device("cuda"), c, speculative=True, compiled=True, inductor=True)
+    on, cpu, cuda = EngineConfig(batch_invariant=True), torch.device("cpu"), torch.device("cuda")
+    check_batch_invariant(on, cpu, speculative=False, compiled=True, inductor=False)
+    check_batch_invariant(EngineConfig(), cuda, speculative=True, compiled=True, inductor=True)
     with pytest.raises(ValueError, match="not built on cuda: only the dense matmul kernel"):
-        check_batch_invariant(on, torch.device("cuda"), c, speculative=False, compiled=False, inductor=False)
-    with pytest.raises(ValueError, match="not built for deepseek_v41"):
-        check_batch_invariant(on, cpu, config_from_dict(tiny_v41()), speculative=False, compiled=False, inductor=False)
+        check_batch_invariant(on, cuda, speculative=False, compiled=False, inductor=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
