@@ -2,17 +2,19 @@
 depends on nothing but that element's own operands, so a token's bits do not depend on how many
 rows, chunks or keys share its step, nor on whether it is prefilled or decoded.
 
-Three rules make it so on the CPU (``docs/decisions.md``, batch invariance, has the measurements):
+The rules on the CPU (``docs/decisions.md``, batch invariance, has the measurements):
 
 - a sum over a fixed-length last dim (``Tensor.sum(-1)``) is reduced alike for every row count,
-  where MKL's GEMM changes its reduction with M (below 16 rows, and between M = 2 and M = 8);
-  so a matmul is an fp32 elementwise product summed over K (``fixed_order_matmul``);
+  where MKL's GEMM changes its reduction with M (M = 1, 2..15 and >= 16 each differ); so a matmul
+  is an fp32 elementwise product summed over K (``fixed_order_matmul``);
 - a sum over a length that differs with the layout (the keys of a query: a prefill chunk's ring
   then its own rows, or a decode ring) is a ``cumsum`` (a sequential scan, trailing zeros add
   nothing) over the keys sorted into one canonical order: window keys by position, then the
   compressed entries in ascending order;
-- top-k ties go to the lower index (a stable sort), and each token's experts are combined in
-  ascending expert id.
+- top-k ties go to the lower index (a stable sort); a token's experts are listed, and so
+  combined, in ascending expert id (in one process and by expert parallelism's combine alike);
+- pointwise functions and softmaxes are built from ops whose vector, scalar and compiled forms
+  agree (``graphs/pointwise.py`` says why).
 
 The passes module ``passes/batch_invariant.py`` installs these at their places, with every
 other place held to its reference (no kernel swap stands in).
