@@ -179,15 +179,18 @@ class StepGraphs:
         self, model: Model, state: dict, next_token: torch.Tensor, *, max_requests: int, max_tokens: int,
         accelerator: str | None = None, graphs: bool | None = None, inductor: bool = False,
         dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True, max_drafts: int = 0,
-        keep: int | None = None,
+        keep: int | None = None, over: dict | None = None,
     ) -> None:
-        """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps)."""
+        """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps).
+        ``over``: ``graphs.swap`` replacements that win over the pipeline's kernel swaps in the
+        compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``)."""
         self.config, self.params = model
         self.state = state
         self.next_token = next_token
         self.device = model.device
         self.compile = compile
         self.keep = keep  # V4.1 compact prefill's KEEP (engine/options.py checked it); None: exact prefill
+        self.over = dict(over or {})
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
         has_graphs = self.device.type in GRAPH_DEVICES
         if graphs and not (has_graphs and compile):
@@ -451,24 +454,24 @@ class StepGraphs:
         backend = make_backend(self.accelerator, self.disabled, self.dump_dir, key.model_name, inductor=self.inductor)
         # kernel swaps are in force whenever the compiled function runs: it is traced on its
         # first call, and Dynamo's guards see the same replacements on every later call
-        swaps = backend.pipeline.swaps()
+        swaps = {**backend.pipeline.swaps(), **self.over}
         forward = self._forward(layout, backend)
         if layout.kind == "verify":
             acceptor = self._sampler(mode, None, verify=True)
             token_ids, lens = model_in[: layout.tokens], layout.split_model(model_in)[3]
 
             def fn() -> VerifyOut:
-                with swapped(swaps):
+                with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
                     logits = forward(params, state, next_token, model_in)
-                return VerifyOut(*acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids), logits)
+                    return VerifyOut(*acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids), logits)
         else:
             sampler = self._sampler(mode, k, masked)
             extra = () if mask is None else (mask,)
 
             def fn() -> StepOut:
-                with swapped(swaps):
+                with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
                     logits = forward(params, state, next_token, model_in)
-                return StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids, *extra), logits)
+                    return StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids, *extra), logits)
 
         e = _Entry(key, layout, dev, mask, fn, backend)
         self._entries[key] = e

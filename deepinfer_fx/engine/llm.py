@@ -21,7 +21,7 @@ from ..vision.requests import prepare, split_prompt
 from . import inputs
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
 from .loop import EngineLoop, LoopStats
-from .options import build_options, compact_keep
+from .options import build_options, check_batch_invariant, compact_keep
 from .warmup import use_cache_dir, warm_up
 from .ranks import Ranks
 from .request import RequestOutput, Sequence, to_output
@@ -65,6 +65,7 @@ class LLM:
         speculative_config: dict | None = None,
         yoco_mode: str | None = None,
         yoco_keep_tokens: int | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
         """``eager``: None compiles the steps on GPUs and runs them eagerly on the CPU (there the
         compile time outweighs the gain); True never compiles; False always does. Compiled runs
@@ -86,7 +87,12 @@ class LLM:
         ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE``, else compact for V4.1 models) and
         ``yoco_keep_tokens`` (default ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, 140): V4.1's compact
         prefill, whose decoder replays only each prompt's last KEEP rows (``graphs/yoco.py``;
-        prompt-logprob requests replay every row)."""
+        prompt-logprob requests replay every row). ``batch_invariant`` (default
+        ``DEEPINFER_BATCH_INVARIANT``, off): every op that could depend on the batch takes its
+        batch-invariant form (``passes/batch_invariant.py``), so a request's logprobs and, with a
+        fixed ``seq_seed``, its sampled tokens are the same bits alone or in any batch, chunking,
+        overlap setting, eager or compiled step and mesh shape; built for the CPU (``docs/architecture.md``),
+        elsewhere it refuses."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             inputs.count(name, value)
         inputs.count("max_model_len", max_model_len, optional=True)
@@ -95,13 +101,13 @@ class LLM:
         inputs.count("seed", seed, low=0)
         inputs.flag("overlap", overlap)
         for name, value in (("eager", eager), ("fake_quant", fake_quant), ("cuda_graphs", cuda_graphs), ("inductor", inductor),
-                            ("warmup", warmup)):
+                            ("warmup", warmup), ("batch_invariant", batch_invariant)):
             inputs.flag(name, value, optional=True)
         eager = inputs.eager_setting(eager, mesh, cuda_graphs=cuda_graphs, inductor=inductor, dump_graphs=dump_graphs,
                                      disable_passes=disable_passes)
         inputs.check_pass_names(disable_passes)
         inputs.check_launch(mesh)
-        self.settings = EngineConfig.from_env()
+        self.settings = EngineConfig.from_env(batch_invariant=batch_invariant)
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
         if self.engine_type is not EngineType.NORMAL and state_dir is None:
             raise ValueError(f"engine_type={self.engine_type.value!r} needs state_dir (where request states are exported/imported)")
@@ -155,13 +161,15 @@ class LLM:
             dump_graphs=dump_graphs, disable_passes=disable_passes, keep=keep,
         )
         self.options = opts
+        check_batch_invariant(self.settings, self.model.device, speculative=self.speculative is not None,
+                              compiled=opts.steps.compiled, inductor=opts.steps.inductor)
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
         swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
-        if split is not None and asked_eager is None:
+        if split is not None and asked_eager is None and not self.settings.batch_invariant:
             # cp steps eagerly because it must, not because eager math was asked for: the
             # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
-            # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU)
+            # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU); batch invariance declines them
             swaps = {**eager_kernel_swaps(self.settings.accelerator, self.model.device, opts.steps.disabled_passes), **swaps}
         self.runner = ModelRunner(self.model, self.pool, opts.steps, {**swaps, **cp_swap}, split, lockstep=self.ranks.lockstep,
                                   max_drafts=max_drafts)

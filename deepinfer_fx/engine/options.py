@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
@@ -15,17 +15,23 @@ from ..graphs.yoco import min_keep_tokens
 from ..settings import PREFIX, EngineConfig
 
 
-def refuse_unbuilt(settings: EngineConfig, environ: Mapping[str, str] = os.environ) -> None:
-    """Settings of DeepInfer's features that this engine does not have yet: asked for, they
-    refuse to start rather than being read by nothing (their off values are what runs).
-    Speculative decoding's variables are checked with ``speculative_config`` (``spec_config``)."""
-    asked = {
-        f"{PREFIX}BATCH_INVARIANT": (settings.batch_invariant, "batch-invariant inference"),
-    }
-    for name, (on, feature) in asked.items():
-        if on:
-            raise ValueError(f"{name}={environ.get(name)!r} asks for {feature}, which is not built yet; "
-                             f"unset {name} (or set its off value) to run without it")
+def check_batch_invariant(settings: EngineConfig, device: torch.device, *, speculative: bool, compiled: bool, inductor: bool) -> None:
+    """Batch-invariant inference (``passes/batch_invariant.py``) is built for V4 and V4.1 on the
+    CPU, in one process or on any mesh, eagerly or on aot_eager; asked for anywhere else it
+    refuses, naming what is missing."""
+    if not settings.batch_invariant:
+        return
+    asked = f"batch_invariant=True / {PREFIX}BATCH_INVARIANT=1"
+    missing = []
+    if device.type != "cpu":
+        missing.append(f"on {device.type}: only the dense matmul kernel is built (kernels/triton/batch_invariant.py); "
+                       "attention, the expert GEMMs, mHC and the indexer have no batch-invariant kernels yet")
+    if speculative:
+        missing.append("with speculative decoding: verify steps are not checked for it")
+    if compiled and inductor:
+        missing.append("under Inductor, whose generated loops choose their own reduction order (inductor=False runs aot_eager)")
+    if missing:
+        raise ValueError(f"{asked} is not built " + "; ".join(missing))
 
 
 def compact_keep(
@@ -74,6 +80,7 @@ class StepOptions:
     dump_dir: str | None = None
     disabled_passes: tuple[str, ...] = ()
     keep: int | None = None  # V4.1 compact prefill's KEEP (rows the decoder replays); None: exact prefill
+    batch_invariant: bool = False  # passes/batch_invariant.py's table at every place
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,6 @@ def build_options(
 ) -> EngineOptions:
     """Resolve the arguments together (``engine/inputs.py`` has checked each one). ``eager``
     None compiles on GPUs; ``warmup`` None warms up compiled steps."""
-    refuse_unbuilt(settings)
     names = disable_passes.split(",") if isinstance(disable_passes, str) else list(disable_passes or ())
     disabled = tuple(n.strip() for n in names if n.strip())
     compiled = device.type != "cpu" if eager is None else not eager
@@ -110,6 +116,7 @@ def build_options(
         compiled=compiled, max_requests=max_num_seqs, max_tokens=max_num_batched_tokens, accelerator=settings.accelerator,
         cuda_graphs=cuda_graphs, inductor=device.type == "cuda" if inductor is None else inductor,
         dump_dir=None if dump_graphs is None else str(dump_graphs), disabled_passes=disabled, keep=keep,
+        batch_invariant=settings.batch_invariant,
     )
     return EngineOptions(steps, settings, max_num_seqs, max_num_batched_tokens, overlap,
                          compiled if warmup is None else warmup, default_cache_dir(settings))

@@ -28,6 +28,7 @@ from ..api import Model
 from ..graphs.batch import Batch, Chunk, context_gather, group_chunks
 from ..graphs.model import forward_batch
 from ..graphs.swap import swapped
+from ..passes.batch_invariant import batch_invariant_swaps
 from ..kernels.triton import register_nvidia_kernels
 from ..passes.manager import build_pipeline
 from ..settings import usable_cores
@@ -128,7 +129,9 @@ class ModelRunner:
         self.model = model
         self.split = split
         self.lockstep = lockstep
-        self.swaps = dict(swaps or {})
+        # batch-invariant forms win over every replacement but the sharding's, eager or compiled
+        invariant = batch_invariant_swaps(sharded=swaps or {}) if options.batch_invariant else {}
+        self.swaps = {**(swaps or {}), **invariant}
         self.pool = pool
         self.device = model.device
         # one entry per slot plus the scratch slot that padded rows read and write
@@ -137,7 +140,7 @@ class ModelRunner:
             model, pool.state, self.next_token, max_requests=options.max_requests, max_tokens=options.max_tokens,
             accelerator=options.accelerator, graphs=options.cuda_graphs, inductor=options.inductor,
             dump_dir=options.dump_dir, disabled=options.disabled_passes, compile=options.compiled, max_drafts=max_drafts,
-            keep=options.keep,
+            keep=options.keep, over=invariant,
         )
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..graphs.pointwise import log_softmax, softmax
 from .sampling import SamplingParams
 
 _M64 = (1 << 64) - 1
@@ -171,7 +172,7 @@ def sample_mode(logits: Tensor, t: SamplingTensors, mode: str, vocab_ids: Tensor
     logits = logits.float()
     greedy = t.temperature == 0
     temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
-    probs = torch.softmax(logits / temp.unsqueeze(-1), dim=-1)
+    probs = softmax(logits / temp.unsqueeze(-1), -1)
     keep = probs >= t.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
     if vocab_ids is None:
         vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
@@ -196,7 +197,7 @@ def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
     # Greedy rows still flow through the arithmetic (fixed shapes); a dummy temperature of 1
     # keeps them finite and torch.where discards their result.
     temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
-    probs = torch.softmax(logits / temp.unsqueeze(-1), dim=-1)
+    probs = softmax(logits / temp.unsqueeze(-1), -1)
 
     # One sort serves top-k and top-p; stable so equal probabilities order by vocab id and a
     # row's outcome cannot depend on the sort's treatment of its neighbours.
@@ -240,7 +241,7 @@ def logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Te
     V = logits.shape[-1]
     if not 0 <= k <= V:
         raise ValueError(f"logprobs: k must be in [0, {V}], got {k}")
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    lp = log_softmax(logits.float(), -1)
     token_lp = lp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     top_lp, top_ids = lp.topk(k, dim=-1)
     return token_lp, top_ids, top_lp

@@ -92,6 +92,19 @@ def mqa_ring(
     return mqa_with_sink(q, keys, bias, sink, cos, sin)
 
 
+@swappable
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """``mqa_with_sink`` over a group's keys whose first ``k_pos.shape[-1]`` are window keys at
+    positions ``k_pos`` ``[..., Nw]`` (negative = empty) and the rest compressed entries in
+    ascending order. The positions say which key is which whatever the layout (a prefill
+    chunk's ring then its own rows, a decode ring), which batch-invariant inference needs to
+    sum the keys in one order (``graphs/batch_invariant.py``); the reference does not read them."""
+    return mqa_with_sink(q, keys, bias, sink, cos, sin)
+
+
 def _mqa_rows(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     scale = q.shape[-1] ** -0.5
     logits = torch.einsum("...thd,...nd->...thn", q.float(), keys.float()) * scale + bias[..., :, None, :]
@@ -165,7 +178,7 @@ def attention(
                 entries, chosen = selected_entries(entries, chosen, c.index_topk)
             keys = torch.cat([keys, entries.to(keys.dtype)], 1)
             bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], -1)
-        o = mqa_with_sink(gather_rows(q, qs), keys, bias, p["attn_sink"], gather_rows(cos, qs), gather_rows(sin, qs))
+        o = attend(gather_rows(q, qs), keys, k_pos, bias, p["attn_sink"], gather_rows(cos, qs), gather_rows(sin, qs))
         outs.append((qs, o))
     return grouped_output(rows_to_packed(outs, q.shape[0]), p["wo_a"], p["wo_b"], c.o_groups)
 

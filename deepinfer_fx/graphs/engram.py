@@ -20,6 +20,7 @@ import torch
 from deepinfer_fx.io.checkpoint import CheckpointError, CheckpointReader, RawTensor
 from deepinfer_fx.io.quant import ue8m0_to_float
 from deepinfer_fx.graphs.norm import linear
+from deepinfer_fx.graphs.pointwise import sigmoid
 
 __all__ = ["EngramTable", "engram_apply"]
 
@@ -186,7 +187,7 @@ def engram_apply(p: dict[str, Any], X: torch.Tensor, hash_ids: torch.Tensor, eps
     r = torch.rsqrt(xf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)  # [N, hc]
     dot = (xf * weight * key).sum(-1) * r / math.sqrt(d)
     # Signed square root compresses large logits; the floor keeps the sqrt's gradient finite at 0.
-    gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
+    gate = sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
     out = xf + gate.unsqueeze(-1) * value.unsqueeze(1)
     if token_mask is not None:
         if token_mask.shape != (n,) or token_mask.dtype != torch.bool:

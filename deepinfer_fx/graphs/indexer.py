@@ -70,3 +70,12 @@ def index_scores(
         keys = keys[slots]
     dots = torch.relu(torch.einsum("...thd,...nd->...thn", q.float(), keys.float())) * dot_scale
     return (dots * head_w.float()[..., None]).sum(-2).masked_fill(~visible, float("-inf"))
+
+
+@swappable
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values and indices of the ``k`` largest of each row (``Tensor.topk``): V4.1's
+    selections (``csa2.py``); a place so that batch-invariant inference can send ties to the
+    lower index."""
+    top = scores.topk(k, dim=-1)
+    return top.values, top.indices

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .norm import project
+from .pointwise import sigmoid, softmax
 from .swap import swappable
 
 
@@ -18,7 +20,7 @@ def _mixes(X: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
     never written (at a 4096-token P8 prefill, ~0.5 GB per site by the shapes)."""
     flat = X.flatten(-2).float()
     r = torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
-    return (flat @ fn.float().T) * r
+    return project(flat, fn, True) * r  # the place batch invariance swaps (the same GEMM otherwise)
 
 
 def mhc_coeffs(
@@ -30,8 +32,8 @@ def mhc_coeffs(
     m_pre, m_post, m_comb = m.split([n, n, n * n], dim=-1)
     b_pre, b_post, b_comb = base.float().split([n, n, n * n])
     s = scale.float()
-    pre = torch.sigmoid(m_pre * s[0] + b_pre) + hc_eps
-    post = 2 * torch.sigmoid(m_post * s[1] + b_post)
+    pre = sigmoid(m_pre * s[0] + b_pre) + hc_eps
+    post = 2 * sigmoid(m_post * s[1] + b_post)
     return pre, post, sinkhorn((m_comb * s[2] + b_comb).unflatten(-1, (n, n)), hc_eps, iters)
 
 
@@ -39,7 +41,7 @@ def mhc_coeffs(
 def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
     """``[..., n, n]`` logits -> a doubly-stochastic mixing matrix: softmax over rows plus eps,
     a column normalisation, then ``iters - 1`` rounds of row and column normalisation (fp32)."""
-    comb = torch.softmax(logits.float(), dim=-1) + eps
+    comb = softmax(logits.float(), -1) + eps
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
@@ -83,5 +85,5 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     """Final learned collapse of the streams before the output norm: X ``[T, N, D]``, fn
     ``[N, N*D]``, base ``[N]``, scale ``[1]`` -> ``[T, D]`` in X's dtype. A swap place, so a kernel
     can run the mixing GEMV, ``pre`` and the collapse as ``mhc_site`` does (``passes/swaps.py``)."""
-    pre = torch.sigmoid(_mixes(X, fn, rms_eps) * scale.float() + base.float()) + hc_eps
+    pre = sigmoid(_mixes(X, fn, rms_eps) * scale.float() + base.float()) + hc_eps
     return mhc_collapse(X, pre)

@@ -9,12 +9,12 @@ replaces with its dispatch and combine)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..io.quant import dequant_fp8_block, dequant_mxfp4, fp8_block_of
 from .norm import linear, linear_fp32
 from .params import scale_path
+from .pointwise import sigmoid, silu, softmax, softplus
 from .swap import swappable
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -39,10 +39,10 @@ def dequant_experts(p: dict, dtype: torch.dtype) -> dict:
 
 def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
+        return softplus(logits).sqrt()
     if kind == "sigmoid":
-        return torch.sigmoid(logits)
-    return torch.softmax(logits, dim=-1)
+        return sigmoid(logits)
+    return softmax(logits, -1)
 
 
 def route(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor,
@@ -85,7 +85,7 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tens
     if limit:
         g = g.clamp(max=limit)
         u = u.clamp(-limit, limit)
-    return F.silu(g) * u
+    return silu(g) * u
 
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:

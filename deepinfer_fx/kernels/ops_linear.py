@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from ..graphs.batch_invariant import fixed_order_matmul
 from ..graphs.norm import project, project_blocks
 from .ops import NAMESPACE
 
@@ -84,3 +85,17 @@ def skinny_linear_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch
 @skinny_linear_blocks.register_fake
 def _skinny_linear_blocks_fake(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bi_matmul", mutates_args=())
+def bi_matmul(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    """x ``[M, K]`` @ w ``[N, K]``.T with a reduction order that does not depend on M
+    (batch-invariant inference: ``passes/batch_invariant.py``), in x's dtype or fp32. The CPU
+    kernel is ``graphs/batch_invariant.py::fixed_order_matmul``; CUDA's is
+    ``kernels/triton/batch_invariant.py`` (fixed tiles, no split-K)."""
+    return fixed_order_matmul(x, w, out_fp32)
+
+
+@bi_matmul.register_fake
+def _bi_matmul_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype)

@@ -13,7 +13,7 @@ import importlib
 
 # One module per op family; importing a module registers its kernels.
 _MODULES: tuple[str, ...] = ("norm", "swiglu", "sinkhorn", "moe", "attention", "ring_attention", "compressor", "indexer", "linear", "rope", "rope_table", "mhc",
-                             "router")
+                             "router", "batch_invariant")
 
 _registered = False
 
