@@ -173,14 +173,15 @@ class MaskFiller:
         self._buffers: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
 
     def _buffer(self, rows: int, words: int, pinned: bool) -> torch.Tensor:
-        # two per shape, used in turn: step N+1's mask is filled once step N's token is back, so
-        # step N's copy has run; the older buffer is free by then
-        ring = self._buffers.setdefault((rows, words, pinned), [])
+        # two per power-of-two row count (a few MiB in all), used in turn: step N+1's mask is
+        # filled once step N's token is back, so step N's copy has run; the older one is free
+        cap = 1 << (rows - 1).bit_length()
+        ring = self._buffers.setdefault((cap, words, pinned), [])
         if len(ring) < 2:
-            ring.append(torch.empty((rows, words), dtype=torch.int32, pin_memory=pinned))
+            ring.append(torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned))
         else:
             ring.reverse()
-        return ring[-1]
+        return ring[-1][:rows]
 
     def fill(self, states: Sequence[GrammarState | None], words: int, pinned: bool, skip: Sequence[int] = ()) -> tuple[torch.Tensor, list[int]]:
         """The host bitmask ``[len(states), words]`` of one step's sampled rows in order

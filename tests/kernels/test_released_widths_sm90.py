@@ -106,6 +106,12 @@ def test_every_kernel_compiles_at_the_released_width(name: str, sm90_results: Pa
     assert result["declined"] == {}, f"kernel swaps that decline calls at a released width: {result['declined']}"
 
 
+# Kernels no step of a released config launches yet, and why.
+OUTSIDE_STEPS = {
+    "_bi_matmul_kernel": "batch-invariant steps are refused on CUDA until attention and the experts have such kernels",
+}
+
+
 def test_every_launched_kernel_is_covered(sm90_results: Path) -> None:
     """Every kernel of ``kernels/triton`` that a launcher launches (a JIT function no other JIT
     function calls) is launched by some released config in some variant: a new kernel, or one a
@@ -125,4 +131,4 @@ def test_every_launched_kernel_is_covered(sm90_results: Path) -> None:
                 jitted[obj.fn.__name__] = inspect.getsource(obj.fn)
     helpers = {f for f in jitted if any(f"{f}(" in src for g, src in jitted.items() if g != f)}
     launched = {r["kernel"] for f in sm90_results.glob("*.json") for r in json.loads(f.read_text())["launches"]}
-    assert set(jitted) - helpers - launched == set() and launched <= set(jitted)
+    assert set(jitted) - helpers - launched - set(OUTSIDE_STEPS) == set() and launched <= set(jitted)

@@ -231,7 +231,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                           "sw2_ptr", "s2_ptr", "y_ptr"), "*bf16")
     types = {**bf16, "pairs_ptr": "*i32", "rw_ptr": "*fp32", "ends_ptr": "*i32", "limit": "fp32", "idx_ptr": "*i64",
              "hist_ptr": "*i32", "cursor_ptr": "*i32"}
-    common = {"E_P": 128, "FP8": False, "QBLOCK": 1, "EVEN": True, "PREC": "tf32", "PDL": True}
+    common = {"E_P": 128, "FP8": False, "FP4": False, "QBLOCK": 1, "EVEN": True, "PREC": "tf32", "PDL": True}
     for shared in (False, True):
         for kind, (g, d) in _P8_TILES.items():
             emit(gate_up_kernel, f"gate_up-{kind}-{shared}", types,
