@@ -218,6 +218,7 @@ def _compile_for_sm90(out_dir: str) -> None:
     of the pair sort and the combine, with and without the shared expert, into ``out_dir`` (run in a child
     process without the interpreter, see ``sm90_ptxas.compile_in_subprocess``). Pointers,
     strides and widths carry the 16-divisibility a real launch at these sizes specialises on."""
+    from deepinfer_fx.kernels.triton.moe import Tiles, fp4_tiles
     from deepinfer_fx.kernels.triton.moe_kernels import (combine_kernel, count_pairs_kernel, down_kernel, gate_up_kernel,
                                                          place_pairs_kernel, sort_pairs_one_kernel)
 
@@ -240,12 +241,34 @@ def _compile_for_sm90(out_dir: str) -> None:
             emit(down_kernel, f"down-{kind}-{shared}", types,
                  {**common, "K": 2048, "SHARED": shared, "BM": d[0], "BN": d[1], "BK": d[2], "GROUP_M": d[3], "HALF": d[6]},
                  d[4], d[5])
+            if not shared:  # MXFP4 weights (uint8 codes and ue8m0 scales) at the tiles moe.py picks for them
+                fp4 = {**types, **dict.fromkeys(("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr"), "*u8")}
+                g4, d4 = fp4_tiles(Tiles(*g), Tiles(*d))
+                emit(gate_up_kernel, f"fp4-gate_up-{kind}", fp4,
+                     {**common, "FP4": True, "K": 4096, "TOPK": 6, "SHARED": False, "BM": g4[0], "BN": g4[1], "BK": g4[2],
+                      "GROUP_M": g4[3], "CLAMP": True, "HALF": g4[6]}, g4[4], g4[5])
+                emit(down_kernel, f"fp4-down-{kind}", fp4,
+                     {**common, "FP4": True, "K": 2048, "SHARED": False, "BM": d4[0], "BN": d4[1], "BK": d4[2], "GROUP_M": d4[3],
+                      "HALF": d4[6]}, d4[4], d4[5])
         sort = {"TOPK": 6, "SHARED": shared, "E_P": 128, "CHUNK": 256, "PDL": True}
         emit(count_pairs_kernel, f"count-{shared}", types, sort, 4, 3)
         emit(place_pairs_kernel, f"place-{shared}", types, {**sort, "G_P": 64, "G_ROWS": 32}, 4, 3)  # moe.py's rule at E_P 128
         emit(sort_pairs_one_kernel, f"sort_one-{shared}", types, sort, 4, 3)
         # each token's k (+ the shared) bf16 expert rows summed into fp32, as moe.py launches it at D 4096
         emit(combine_kernel, f"combine-{shared}", {**types, "out_ptr": "*fp32"}, {"TOPK": 6 + shared, "BD": 1024, "PDL": True}, 4, 3)
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("kind", list(_P8_TILES))
+@pytest.mark.parametrize("kernel", ["gate_up", "down"])
+def test_fp4_kernels_compile_for_sm90_without_spills(kernel: str, kind: str, sm90_ptx: Path) -> None:
+    """The MXFP4 path decodes its weight tiles in registers: at the tiles moe.py picks for it
+    (narrower than bf16's where those spilled) it compiles for the H200 with no spills, on
+    tensor cores."""
+    ptx = (sm90_ptx / f"fp4-{kernel}-{kind}.ptx").read_text()
+    spills, registers, log = ptxas_report(ptx)
+    assert spills == [0, 0] and registers <= 255, log
+    assert "mma" in ptx
 
 
 @pytest.fixture(scope="module")

@@ -133,6 +133,12 @@ def choose_tiles(pairs: int, experts: int, n: int, k: int, gated: bool, qblock: 
     return t
 
 
+def fp4_tiles(gate_up: Tiles, down: Tiles) -> tuple[Tiles, Tiles]:
+    """The tiles for MXFP4 weights from the bf16 ones: a decoded weight tile lives in registers,
+    and at bf16's widest tiles (gate/up k 128 at n 128, down n 256) the kernels spilled on sm_90."""
+    return (gate_up._replace(bk=min(gate_up.bk, 64)) if gate_up.bn >= 128 else gate_up), down._replace(bn=min(down.bn, 128))
+
+
 def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (pair ids grouped by expert ``[T*k]``, each expert's end row ``[E]``), both int32;
     with ``shared``, ``[T*(k+1)]`` and ``[E+1]``: each token's pair k is the shared expert E.
@@ -228,6 +234,8 @@ def run_experts(
     sizes = (x.element_size(), w1.element_size())
     g = tiles[0] if tiles else choose_tiles(p, experts, inter, dim, True, qblock if fp8 else 0, *sizes)
     d = tiles[1] if tiles else choose_tiles(p, experts, dim, inter, False, qblock if fp8 else 0, *sizes)
+    if fp4 and not tiles:
+        g, d = fp4_tiles(g, d)
     if fp4 and (g.bk % MXFP4_BLOCK or d.bk % MXFP4_BLOCK):
         raise ValueError(f"moe_experts_fp4: the k tiles ({g.bk}, {d.bk}) must be multiples of {MXFP4_BLOCK}")
     n_blocks = max_blocks(p, experts, g.bm)
