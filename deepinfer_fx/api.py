@@ -47,8 +47,9 @@ def load_model(
     """Load a checkpoint directory (or hub repo id; ``None`` reads ``DEEPINFER_HF_MODEL_DIR``).
     ``fake_quant`` switches the official fake-quant points (default: on). ``experts`` maps a
     stacked expert spec to the expert ids to load (an EP rank's share); default all.
-    ``expert_format`` ("auto", "fp8", "dequant"; None reads ``DEEPINFER_EXPERT_FORMAT``, default
-    auto): whether block-FP8 routed experts stay fp8 with fp32 block scales (auto: on CUDA)."""
+    ``expert_format`` ("auto", "fp8", "fp4", "dequant"; None reads ``DEEPINFER_EXPERT_FORMAT``,
+    default auto): whether routed experts stay as stored, block FP8 or MXFP4, or are dequantised
+    (``io.loader.held_experts``; auto: block FP8 kept on CUDA)."""
     c, params, model_dir = load_checkpoint(path, dtype, device, fake_quant, experts, expert_format)
     return Model(c, params, model_dir)
 

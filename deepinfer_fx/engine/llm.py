@@ -75,7 +75,7 @@ class LLM:
         added to ``DEEPINFER_DISABLE_PASSES``); asking for any of these asks for compiled steps
         (on the CPU too), so with ``eager=True`` they are an error. ``expert_format``: as in
         ``load_model`` (default ``DEEPINFER_EXPERT_FORMAT``, auto: block-FP8 routed experts stay
-        fp8 on CUDA). ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; default on
+        fp8 on CUDA; fp4 keeps MXFP4 experts as stored). ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; default on
         the CPU: ``OMP_NUM_THREADS`` where set, as torchrun sets it, else the cores this process
         may use). ``warmup`` (default: on wherever steps are compiled): compile and capture every
         decode bucket and the prefill buckets up to ``max_num_batched_tokens`` now, with a
