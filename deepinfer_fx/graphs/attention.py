@@ -80,16 +80,26 @@ def mqa_ring(
     ``entry_rows[c]`` of them (``[C, K]``) if given, with their bias ``entry_bias`` ``[C, 1, K]``.
     ``mqa_with_sink`` over those keys; the kernel reads the pools where they lie, where this
     reference gathers (a copy of every key a step: 64 MiB at a 64-request P8 decode)."""
+    keys, _, bias = ring_keys(ring, slots, pos, entries, entry_rows, entry_bias)
+    return mqa_with_sink(q, keys, bias, sink, cos, sin)
+
+
+def ring_keys(
+    ring: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, entries: Optional[torch.Tensor],
+    entry_rows: Optional[torch.Tensor], entry_bias: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``mqa_ring``'s keys gathered: the window ring's rows then the chosen entries ``[C, W + K, d]``,
+    the ring rows' positions ``[C, W]`` and the bias of every key."""
     w = ring.shape[1]
-    keys = ring[slots]
-    bias = window_bias(pos[:, None], ring_positions(pos, w), w)
+    keys, k_pos = ring[slots], ring_positions(pos, w)
+    bias = window_bias(pos[:, None], k_pos, w)
     if entries is not None:
         chosen = entries[slots]
         if entry_rows is not None:
             chosen = chosen.gather(1, entry_rows[..., None].expand(-1, -1, chosen.shape[-1]))
         keys = torch.cat([keys, chosen.to(keys.dtype)], 1)
         bias = torch.cat([bias, entry_bias], -1)
-    return mqa_with_sink(q, keys, bias, sink, cos, sin)
+    return keys, k_pos, bias
 
 
 @swappable

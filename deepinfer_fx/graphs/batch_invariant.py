@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from .attention import ring_keys
 from .moe import _score, dequant_experts, held_format, swiglu_act
 from .norm import project
 from .rope import apply_rope
-from .window import ring_positions, window_bias
 
 # Elements of an fp32 product materialised at once (4 MiB: it stays in cache, where 256 MiB blocks
 # ran 3-8x slower, docs/decisions.md); blocks split rows, and a matmul's weight rows beyond that.
@@ -194,13 +194,5 @@ def mqa_ring(
     entry_rows: torch.Tensor | None, entry_bias: torch.Tensor | None, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor:
     """``attention.mqa_ring``'s gathered keys, attended by ``attend``."""
-    w = ring.shape[1]
-    keys, k_pos = ring[slots], ring_positions(pos, w)
-    bias = window_bias(pos[:, None], k_pos, w)
-    if entries is not None:
-        chosen = entries[slots]
-        if entry_rows is not None:
-            chosen = chosen.gather(1, entry_rows[..., None].expand(-1, -1, chosen.shape[-1]))
-        keys = torch.cat([keys, chosen.to(keys.dtype)], 1)
-        bias = torch.cat([bias, entry_bias], -1)
+    keys, k_pos, bias = ring_keys(ring, slots, pos, entries, entry_rows, entry_bias)
     return attend(q, keys, k_pos, bias, sink, cos, sin)

@@ -57,21 +57,12 @@ def moe_experts_fp8(
     return getattr(routed_experts, "reference", routed_experts)(experts, limit, x, idx, weight)
 
 
-@moe_experts_fp8.register_fake
-def _moe_experts_fp8_fake(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w1_scale: torch.Tensor,
-    w3: torch.Tensor,
-    w3_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    idx: torch.Tensor,
-    weight: torch.Tensor,
-    limit: float,
-    block: int,
-) -> torch.Tensor:
+def _experts_fake(x: torch.Tensor, *weights_and_routing: object) -> torch.Tensor:
+    """Both ops' fake: fp32 rows of x's shape."""
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+moe_experts_fp8.register_fake(_experts_fake)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::moe_experts_fp4", mutates_args=())
@@ -96,17 +87,4 @@ def moe_experts_fp4(
     return getattr(routed_experts, "reference", routed_experts)(experts, limit, x, idx, weight)
 
 
-@moe_experts_fp4.register_fake
-def _moe_experts_fp4_fake(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w1_scale: torch.Tensor,
-    w3: torch.Tensor,
-    w3_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    idx: torch.Tensor,
-    weight: torch.Tensor,
-    limit: float,
-) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=torch.float32)
+moe_experts_fp4.register_fake(_experts_fake)

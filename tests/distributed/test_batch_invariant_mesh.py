@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mesh_requests import mesh_requests
 from tiny import tiny_v4
 
 import deepinfer_fx
@@ -23,16 +24,6 @@ JOB = Path(__file__).with_name("llm_mesh_job.py")
 REPO = Path(deepinfer_fx.__file__).resolve().parents[1]
 
 
-def _requests(rng: random.Random) -> list[dict]:
-    out = []
-    for i in range(5):
-        sampled = i % 2 == 1
-        params = {"temperature": 0.8 if sampled else 0.0, "max_tokens": rng.randint(1, 8), "ignore_eos": True, "logprobs": 2,
-                  "seq_seed": rng.randrange(2**31) if sampled else None}
-        out.append({"prompt": [rng.randrange(3, 300) for _ in range(rng.randint(1, 30))], "params": params})
-    return out
-
-
 @pytest.mark.parametrize("ranks,meshes", [(2, ["ep2", "dp2", "cp2", "ep2@compiled"]), (4, ["ep4", "dp2,ep2", "cp2,ep2"])],
                          ids=["2ranks", "4ranks"])
 def test_mesh_equals_one_process_bit_for_bit(tmp_path: Path, ranks: int, meshes: list[str]) -> None:
@@ -40,7 +31,7 @@ def test_mesh_equals_one_process_bit_for_bit(tmp_path: Path, ranks: int, meshes:
     rng = random.Random(seed)
     ckpt = tmp_path / "ckpt"
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=seed)
-    reqs = _requests(rng)
+    reqs = mesh_requests(rng)
     (tmp_path / "requests.json").write_text(json.dumps(reqs))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
            "DEEPINFER_BATCH_INVARIANT": "1"}

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mesh_requests import mesh_requests
 from tiny import tiny_v4
 
 import deepinfer_fx
@@ -24,24 +25,13 @@ JOB = Path(__file__).with_name("llm_mesh_job.py")
 REPO = Path(deepinfer_fx.__file__).resolve().parents[1]
 
 
-def _requests(seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(5):
-        sampled = i % 2 == 1
-        params = {"temperature": 0.8 if sampled else 0.0, "max_tokens": rng.randint(1, 8), "ignore_eos": True, "logprobs": 2,
-                  "seq_seed": rng.randrange(2**31) if sampled else None}
-        out.append({"prompt": [rng.randrange(3, 300) for _ in range(rng.randint(1, 30))], "params": params})
-    return out
-
-
 def _meshes_equal_one_process(tmp_path: Path, meshes: list[str]) -> dict:
     """Launch ``llm_mesh_job.py`` on two ranks over ``meshes``; each mesh's outputs (before and
     after its EPLB rebalance) == one eager process: tokens equal, logprobs within 1e-5."""
     seed = random.SystemRandom().randrange(2**31)
     ckpt = tmp_path / "ckpt"
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=seed)
-    reqs = _requests(seed)
+    reqs = mesh_requests(random.Random(seed))
     (tmp_path / "requests.json").write_text(json.dumps(reqs))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB), str(ckpt),

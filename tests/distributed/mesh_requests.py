@@ -1,0 +1,17 @@
+"""The requests the mesh tests send (``llm_mesh_job.py`` runs them on every mesh)."""
+
+from __future__ import annotations
+
+import random
+
+
+def mesh_requests(rng: random.Random) -> list[dict]:
+    """Five requests of 1-30 random prompt tokens, greedy and seeded-sampled in turn, asking for
+    logprobs, as the job's JSON takes them."""
+    out = []
+    for i in range(5):
+        sampled = i % 2 == 1
+        params = {"temperature": 0.8 if sampled else 0.0, "max_tokens": rng.randint(1, 8), "ignore_eos": True, "logprobs": 2,
+                  "seq_seed": rng.randrange(2**31) if sampled else None}
+        out.append({"prompt": [rng.randrange(3, 300) for _ in range(rng.randint(1, 30))], "params": params})
+    return out
