@@ -2,7 +2,9 @@
 add up to the routed pairs, a rebalance by those loads changes the placement and moves the
 expert weights to exactly the new layout, and a tiny model keeps the one-process logits through
 the shuffle mid-run (prefill before it, decode steps after it); experts held in fp8 move with
-their block scales."""
+their block scales. In float64: in float32 one CI run failed at seed 1991544978 (45% of a rank's
+logits off by up to 1.6e-3) that passes on the development machine, as 40 other seeds do; a routing
+near-tie that the two CPUs' matmuls round apart is the likely cause, and float64 leaves no such margin."""
 
 from __future__ import annotations
 
@@ -35,14 +37,14 @@ def _worker(rank: int, init_file: str, seed: int, fp8: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
         c = config_from_dict(tiny_v4(**FP8_EXPERTS) if fp8 else tiny_v4()).replace(fake_quant=False, held_experts="fp8" if fp8 else None)
-        full = random_model(c, seed=seed).params
+        full = random_model(c, seed=seed, dtype=torch.float64).params
         spec = MeshSpec(ep=2)
         start = eplb.default_placement(c.n_routed_experts, eplb.num_physical_experts(c.n_routed_experts, 2, 4), 2)
         group = ep_group(start, 3 * 48, c.num_experts_per_tok, dist.group.WORLD)
         params = rank_params(full, c, rank_expert_ids(spec, rank, start))
         rng = random.Random(seed + rank)  # each rank serves its own requests
         steps = [[[rng.randrange(3, c.vocab_size) for _ in range(rng.randint(20, 48))] for _ in range(3)]] + [[[rng.randrange(3, c.vocab_size)] for _ in range(3)]] * 3
-        ref_state, state = (init_state(c, 128, torch.float32, "cpu", mtp=False, slots=3) for _ in range(2))
+        ref_state, state = (init_state(c, 128, torch.float64, "cpu", mtp=False, slots=3) for _ in range(2))
         starts, pairs = [0, 0, 0], 0
         for i, step in enumerate(steps):
             batch = make_batch(step, [0, 1, 2], starts)
