@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "dequantise on load (default: DEEPINFER_EXPERT_FORMAT, auto = fp8 kept on CUDA, MXFP4 dequantised)")
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-method", choices=["ngram", "mtp", "dspark"], default=None,
-                    help="draft tokens and verify them in one target forward (ngram: prompt lookup, no weights; "
-                         "default: off)")
+                    help="draft tokens and verify them in one target forward (ngram: prompt lookup, no weights; mtp: the "
+                         "checkpoint's MTP-1 block, V4-Flash and V4-Pro; dspark: not built yet; default: off)")
     sp.add_argument("--num-speculative-tokens", type=_int_from(1), default=None,
                     help="drafts per verify step (default: 3; DEEPINFER_USE_NEXTN_DECODE caps it)")
     return ap

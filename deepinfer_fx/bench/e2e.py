@@ -43,9 +43,10 @@ from .timing import timed
 SETTINGS = {"greedy": dict(temperature=0.0), "top_p": dict(temperature=0.7, top_p=0.95)}
 
 
-def _model(layers: int):
-    c = p8_config(num_hidden_layers=layers, compress_ratios=P8["compress_ratios"][:layers],
-                  num_hash_layers=min(P8["num_hash_layers"], layers))
+def _model(layers: int, mtp: bool = False):
+    """P8 random weights, ``layers`` deep (``mtp``: with V4's MTP-1 block, a window-only layer)."""
+    c = p8_config(num_hidden_layers=layers, compress_ratios=P8["compress_ratios"][:layers] + [0] * mtp,
+                  num_hash_layers=min(P8["num_hash_layers"], layers), num_nextn_predict_layers=int(mtp))
     return random_model(c, seed=0, dtype=torch.bfloat16, device="cuda")
 
 

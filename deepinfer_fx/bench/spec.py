@@ -1,21 +1,24 @@
-"""Speculative decoding on one GPU: the verify step's cost, and n-gram drafting end to end.
+"""Speculative decoding on one GPU: the verify step's cost, and drafting end to end.
 
     python -m deepinfer_fx.bench.spec --batches 1,8,64 --drafts 1,2,3,4,5 --name spec_s31
+    python -m deepinfer_fx.bench.spec --method mtp --name spec_mtp
 
 Verify cost: for each draft count k (an engine built with ``num_speculative_tokens=k``, whose
 verify chunks are padded to k + 1 rows) and batch b, the captured verify step of b chunks of k + 1
 rows against the plain captured decode step of b rows and of b * (k + 1) rows (the issue's
 target: verify <= 1.1x decode of b * (k + 1) rows), plus the rollback's parts (the slots'
 state snapshot, and the prompt-chunk re-run of 1 + accepted rows that a rejection costs).
-The drafter's own step is not in these numbers (n-gram drafting runs on the host; MTP-1 and
-DSpark are not built yet).
+With ``--method ngram`` the drafter is not in these numbers (it runs on the host); with
+``--method mtp`` the verify step carries the MTP-1 drafter (``steps.mtp_drafts``), timed with
+and without it (``verify_ms`` / ``verify_no_drafter_ms``), and the decode baselines run without it.
 
-End to end: ``generate`` with and without ``speculative_config={"method": "ngram"}`` on a
+End to end: ``generate`` with and without ``speculative_config={"method": ...}`` on a
 repetitive workload, tokens/s of each and the measured acceptance. Random weights never
 repeat themselves, so ``--workload cycling`` (the default) gives the model a head that follows
 each token t by 3 * (t // 3) + (t + 1) % 3 (its greedy text cycles, as in the tests), and the
-prompts a pattern that is not that cycle; ``--model`` runs a real checkpoint on ``--prompt``
-text instead. Both DeepInfer's formula (steps/s x batch x (1 + nextn) / cp: full acceptance)
+prompts a pattern that is not that cycle; for ``mtp`` the MTP block's next-token embedding
+path is scaled up so that it drafts that cycle (``drafting``: a synthetic drafter, as in
+``tests/engine/test_spec_mtp.py``); ``--model`` runs a real checkpoint on ``--prompt`` text instead. Both DeepInfer's formula (steps/s x batch x (1 + nextn) / cp: full acceptance)
 and the measured rate are reported, named as such.
 """
 
@@ -51,6 +54,16 @@ def cycling(model: Model) -> Model:
     return Model(c, params)
 
 
+def drafting(model: Model) -> Model:
+    """``cycling(model)`` whose MTP block drafts the cycle: its next-token embedding path scaled
+    up (``e_proj`` 20 I), its streams path off."""
+    c, params = cycling(model)
+    e = params["mtp"][0]["e_proj"]
+    mp = {**params["mtp"][0], "e_proj": torch.eye(c.hidden_size, dtype=e.dtype, device=e.device) * 20,
+          "h_proj": torch.zeros_like(params["mtp"][0]["h_proj"])}
+    return Model(c, {**params, "mtp": [mp]})
+
+
 def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> dict:
     c = llm.model.config
     prompts = _prompts(batch, prompt_len, c.vocab_size, seed=batch)
@@ -58,29 +71,32 @@ def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> di
     probe = Sequence(-1, None, [0], SamplingParams(temperature=0.0), 7)
     steps = llm.runner.steps
 
-    def decode(n: int) -> float:
+    def decode(n: int) -> float:  # plain decode: without the MTP drafter
         dec = [DecodeRow(i % batch, prompt_len, probe.controls) for i in range(n)]
-        return timed(lambda: steps.step(dec, (), "greedy"), iters) * 1e3
+        return timed(lambda: steps.step(dec, (), "greedy", draft=False), iters) * 1e3
 
     base = decode(batch)
     chunks = [VerifyChunk(s, prompt_len, [5] * (k + 1), probe.controls) for s in range(batch)]
     verify = timed(lambda: steps.verify(chunks, "greedy"), iters) * 1e3
+    bare = timed(lambda: steps.verify(chunks, "greedy", draft=False), iters) * 1e3 if steps.n_drafts else verify
     wide = decode(batch * (k + 1))
     snap = timed(lambda: snapshot(llm.pool, list(range(batch))), iters) * 1e3
     # a rejection's re-run: every request rejecting half-way (1 + k // 2 rows each)
     rerun_chunks = [PrefillChunk(s, prompt_len, [5] * (1 + k // 2)) for s in range(batch)]
-    rerun = timed(lambda: steps.step((), rerun_chunks, "greedy"), iters) * 1e3
+    rerun = timed(lambda: steps.step((), rerun_chunks, "greedy", draft=False), iters) * 1e3
     row = {"batch": batch, "drafts": k, "verify_ms": round(verify, 3), "decode_ms": round(base, 3),
            "decode_wide_ms": round(wide, 3), "verify_over_decode_wide": round(verify / wide, 3),
            "verify_over_decode": round(verify / base, 3), "snapshot_ms": round(snap, 3), "rerun_ms": round(rerun, 3)}
+    if steps.n_drafts:
+        row["verify_no_drafter_ms"] = round(bare, 3)
     print(row, flush=True)
     return row
 
 
-def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, seqs: int) -> dict:
+def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, seqs: int, method: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    out = {"batch": batch, "nextn": k}
-    for name, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k})):
+    out = {"batch": batch, "nextn": k, "method": method}
+    for name, spec in (("plain", None), ("spec", {"method": method, "num_speculative_tokens": k})):
         llm = LLM(model=model, max_num_seqs=seqs, max_num_batched_tokens=4096, max_model_len=2048, warmup=False,
                   speculative_config=spec)
         llm.generate(prompts[:batch], params)  # compiles and captures what the timed run replays
@@ -106,7 +122,7 @@ def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, s
         out[name] = row
         del llm
         torch.cuda.empty_cache()
-    out["speedup_measured"] = round(out["ngram"]["measured_tok_s"] / out["plain"]["measured_tok_s"], 3)
+    out["speedup_measured"] = round(out["spec"]["measured_tok_s"] / out["plain"]["measured_tok_s"], 3)
     print(out, flush=True)
     return out
 
@@ -116,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--drafts", default="1,2,3,4,5")
+    ap.add_argument("--method", choices=["ngram", "mtp"], default="ngram", help="the drafter (mtp: the model's MTP-1 block)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
@@ -131,13 +148,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.spec times CUDA graphs: it needs a GPU")
-    result = {**run_info(argv), "model": f"P8 random weights, {args.layers} layers, bf16"}
+    result = {**run_info(argv), "model": f"P8 random weights, {args.layers} layers"
+              + (" and an MTP-1 block" if args.method == "mtp" else "") + ", bf16"}
     batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",")]
-    model = _model(args.layers)
+    model = _model(args.layers, mtp=args.method == "mtp")
+    result["method"] = args.method
     result["verify"], result["graphs"] = [], []
     for k in drafts:  # one engine a draft count: its verify chunks are padded to k + 1 rows
         llm = LLM(model=model, max_num_seqs=max(batches) * (k + 1), max_num_batched_tokens=4096,
-                  max_model_len=args.prompt_len + 64, warmup=False, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+                  max_model_len=args.prompt_len + 64, warmup=False, speculative_config={"method": args.method, "num_speculative_tokens": k})
         for b in batches:
             result["verify"].append(verify_rows(llm, b, k, args.prompt_len, args.iters))
             write_result(args.name, result, args.out)  # what is measured survives a stop
@@ -146,9 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.empty_cache()
     e2e_batches = [int(b) for b in args.e2e_batches.split(",")]
     if args.model is None:
-        e2e_model = cycling(model)
+        e2e_model = cycling(model) if args.method == "ngram" else drafting(model)
         prompts = [([5, 6, 7, 8] * 32 + [7]) for _ in range(max(e2e_batches))]
-        result["e2e_workload"] = "P8 random weights with the cycling head; prompts [5, 6, 7, 8] * 32 + [7]"
+        result["e2e_workload"] = ("P8 random weights with the cycling head" + (" and a drafting MTP block" if args.method == "mtp" else "")
+                                  + "; prompts [5, 6, 7, 8] * 32 + [7]")
     else:
         probe = LLM(args.model, max_model_len=2048, warmup=False)
         e2e_model, prompts = probe.model, [args.prompt] * max(e2e_batches)
@@ -156,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         del probe
     result["e2e"] = []
     for b in e2e_batches:
-        result["e2e"].append(e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches)))
+        result["e2e"].append(e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches), args.method))
         write_result(args.name, result, args.out)
     print(f"wrote {write_result(args.name, result, args.out)}")
     return result

@@ -17,6 +17,11 @@ runs the compiled functions (which compiles them: ``warm_up`` does it ahead of t
 padding) and captures the graph right after. ``compile=False`` runs the same step functions
 eagerly at the exact sizes (the CPU engine and the tests' eager twin).
 
+With the MTP drafter (``n_drafts`` > 0) a step's key carries its draft count: the model part
+also returns the final streams and a third compiled piece, ``steps.mtp_drafts`` (the MTP block
+over the step's rows), follows the sampler inside the same graph. A rollback's replay of
+accepted drafts runs keys without it (``draft=False``): the drafter already saw those rows.
+
 A step with structured-output rows (``masked``) runs a sampler variant that reads a token bitmask
 per sampled row from a static device buffer (``masks``, filled by one copy before the step);
 every other step runs the unmasked sampler, so unconstrained batches pay nothing for it.
@@ -42,7 +47,8 @@ from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
 from .step_inputs import Layout, SampledRow, fill, float_bits
 from .spec_accept import accept_rows
-from .steps import StepOut, VerifyOut, decode_logits, decode_step, prefill_logits, prefill_step, sample_rows, verify_step
+from .steps import (StepOut, VerifyOut, decode_logits, decode_step, mtp_drafts, prefill_logits, prefill_step, sample_rows,
+                    verify_step)
 from .structured import mask_words
 
 # Engram tables are memory-mapped on the host in eager runs; a compiled step needs them resident.
@@ -74,16 +80,18 @@ class GraphKey:
     k: int | None = None  # top logprobs returned
     kept: int = 0  # prefill: rows per chunk the decoder replays (V4.1 compact prefill; 0: every row)
     masked: bool = False  # the sampler applies structured output's token bitmask
+    drafts: int = 0  # MTP drafts the step proposes after sampling (0: none)
 
     @property
     def model_name(self) -> str:
         """The model part's name, shared by every sampler mode of the bucket."""
         return graph_name(self.kind, t=self.tokens, r=self.requests) + ("-all" if self.all_rows else "") + (
-            f"-kept{self.kept}" if self.kept else "")
+            f"-kept{self.kept}" if self.kept else "") + ("-streams" if self.drafts else "")
 
     @property
     def name(self) -> str:
-        return f"{self.model_name}-{self.mode}" + (f"-k{self.k}" if self.k is not None else "") + ("-masked" if self.masked else "")
+        return f"{self.model_name}-{self.mode}" + (f"-k{self.k}" if self.k is not None else "") + (
+            "-masked" if self.masked else "") + (f"-mtp{self.drafts}" if self.drafts else "")
 
 
 class GraphWrapper(Protocol):
@@ -179,9 +187,10 @@ class StepGraphs:
         self, model: Model, state: dict, next_token: torch.Tensor, *, max_requests: int, max_tokens: int,
         accelerator: str | None = None, graphs: bool | None = None, inductor: bool = False,
         dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True, max_drafts: int = 0,
-        keep: int | None = None, over: dict | None = None,
+        keep: int | None = None, over: dict | None = None, n_drafts: int = 0,
     ) -> None:
         """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps).
+        ``n_drafts``: MTP drafts every step proposes (speculative decoding's ``mtp`` method; 0: none).
         ``over``: ``graphs.swap`` replacements that win over the pipeline's kernel swaps in the
         compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``)."""
         self.config, self.params = model
@@ -190,6 +199,9 @@ class StepGraphs:
         self.device = model.device
         self.compile = compile
         self.keep = keep  # V4.1 compact prefill's KEEP (engine/options.py checked it); None: exact prefill
+        if n_drafts and keep is not None:
+            raise ValueError("the MTP drafter reads every prompt row's streams; compact prefill (yoco) replays only some")
+        self.n_drafts = n_drafts
         self.over = dict(over or {})
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
         has_graphs = self.device.type in GRAPH_DEVICES
@@ -208,6 +220,7 @@ class StepGraphs:
         self._entries: dict[GraphKey, _Entry] = {}
         self._forwards: dict[tuple, Callable] = {}  # one compiled model part per bucket, shared by its modes
         self._samplers: dict[tuple, Callable] = {}  # one compiled sampler per (mode, k, masked), every bucket
+        self._drafters: dict[tuple, Callable] = {}  # one compiled MTP drafter per bucket
         # Every step's inputs live in one device arena: decode at offset 0, prefill after the
         # largest decode region, so a mixed step's inputs reach the device in one copy; verify
         # chunks (speculative decoding) after the largest prefill region.
@@ -263,7 +276,7 @@ class StepGraphs:
         self, decode: Sequence[DecodeRow], prefill: Sequence[PrefillChunk], mode: str, k: int | None = None,
         all_rows: bool = False, min_requests: int = 0, min_chunks: int = 0, min_length: int = 0,
         masked: tuple[bool, bool] = (False, False),
-        masks: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+        masks: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None, draft: bool = True,
     ) -> tuple[StepOut | None, StepOut | None]:
         """Launch one step: the decode rows through the decode graph, then the prompt chunks
         through the prefill graph, every input in one host-to-device copy. Sampling ``mode``
@@ -271,7 +284,8 @@ class StepGraphs:
         decode result is row i's; the prefill result has one token per chunk (a chunk that
         samples nothing writes its token to the scratch slot). With ``all_rows`` the prefill
         logits cover every row, chunk c's from ``c * layout.length``. ``min_*``: run buckets for
-        at least that many (padded), as the ranks of a mesh agree. ``masked``: whether the decode
+        at least that many (padded), as the ranks of a mesh agree. ``draft``: False runs the steps
+        without the MTP drafter (a rollback's replay). ``masked``: whether the decode
         part and the prefill part run their masked sampler (structured output); ``masks`` then
         returns their host token bitmasks (int32 ``[rows, words]``, pinned on a GPU; the rows in
         order), called once the step is laid out and its inputs are queued, since it may wait
@@ -279,11 +293,11 @@ class StepGraphs:
         parts: list[tuple[_Entry, list[int]]] = []
         if decode or min_requests:
             layout = self.decode_layout(max(len(decode), min_requests))
-            parts.append((self._entry(layout, mode, k, masked[0]), self._fill_decode(layout, decode)))
+            parts.append((self._entry(layout, mode, k, masked[0], draft), self._fill_decode(layout, decode)))
         if prefill or min_chunks:
             length = max([len(ch.ids) for ch in prefill] + [min_length, 1])
             layout = self.prefill_layout(max(len(prefill), min_chunks), length, all_rows)
-            parts.append((self._entry(layout, mode, k, masked[1]), self._fill_prefill(layout, prefill)))
+            parts.append((self._entry(layout, mode, k, masked[1], draft), self._fill_prefill(layout, prefill)))
         self._copy_inputs(parts)
         host_masks = masks() if masks is not None and any(masked) else (None, None)
         for e, _ in parts:
@@ -295,12 +309,13 @@ class StepGraphs:
         dec = outs.pop(0) if decode or min_requests else None
         return dec, (outs[0] if outs else None)
 
-    def verify(self, chunks: Sequence[VerifyChunk], mode: str) -> VerifyOut:
+    def verify(self, chunks: Sequence[VerifyChunk], mode: str, draft: bool = True) -> VerifyOut:
         """Launch one verify step (after ``step``'s parts, in its own copy): every chunk's rows
         scored in one target forward, drafts accepted on the device (``spec_accept``), each
-        bonus token written to ``next_token[slot]``. Sampling ``mode`` must serve every chunk."""
+        bonus token written to ``next_token[slot]``. Sampling ``mode`` must serve every chunk;
+        ``draft`` False: without the MTP drafter (benches)."""
         layout = self.verify_layout(len(chunks), max(len(ch.ids) for ch in chunks))
-        e = self._entry(layout, mode, None)
+        e = self._entry(layout, mode, None, False, draft)
         self._copy_inputs([(e, self._fill_verify(layout, chunks))])
         return self._run(e)
 
@@ -323,12 +338,13 @@ class StepGraphs:
         stride = out.logits.shape[0] // self.prefill_layout(max(len(chunks), min_chunks), 1).requests if all_rows else 1
         return out, [i * stride for i in range(len(chunks))]
 
-    def warm_up(self, keys: Sequence[tuple[Layout, str]], progress: Callable[[str], None] | None = None) -> float:
-        """Compile and capture the steps of ``keys`` (layout, sampler mode) on padding alone (the
-        scratch slot: nothing real is read or written). Returns the seconds it took."""
+    def warm_up(self, keys: Sequence[tuple], progress: Callable[[str], None] | None = None) -> float:
+        """Compile and capture the steps of ``keys`` (layout, sampler mode[, with the MTP drafter:
+        default True]) on padding alone (the scratch slot: nothing real is read or written).
+        Returns the seconds it took."""
         t0 = time.perf_counter()
-        for layout, mode in keys:
-            e = self._entry(layout, mode, None, False)
+        for layout, mode, *draft in keys:
+            e = self._entry(layout, mode, None, False, *draft)
             if e.graph is None or not self.graphs:
                 fill = {"decode": self._fill_decode, "prefill": self._fill_prefill, "verify": self._fill_verify}[layout.kind](layout, ())
                 self._copy_inputs([(e, fill)])
@@ -346,6 +362,7 @@ class StepGraphs:
         self._entries.clear()
         self._forwards.clear()
         self._samplers.clear()
+        self._drafters.clear()
         self._pools.clear()
 
     # -- inputs -----------------------------------------------------------------------------
@@ -431,8 +448,10 @@ class StepGraphs:
                 e.capture_s = time.perf_counter() - t0
         return out
 
-    def _entry(self, layout: Layout, mode: str, k: int | None, masked: bool = False) -> _Entry:
-        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k, layout.kept, masked)
+    def _entry(self, layout: Layout, mode: str, k: int | None, masked: bool = False, draft: bool = True) -> _Entry:
+        n_drafts = self.n_drafts if draft else 0
+        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k, layout.kept, masked,
+                       n_drafts)
         if key in self._entries:
             return self._entries[key]
         c, params, state, next_token = self.config, self.params, self.state, self.next_token
@@ -443,10 +462,10 @@ class StepGraphs:
         if not self.compile:
             step = {"decode": decode_step, "prefill": prefill_step, "verify": verify_step}[layout.kind]
 
-            extra = () if mask is None else (mask,)
+            extra = {} if mask is None else {"mask": mask}
 
             def run_eager() -> StepOut:
-                return step(params, state, c, next_token, layout, dev, mode, k, self.vocab_ids, *extra)
+                return step(params, state, c, next_token, layout, dev, mode, k, self.vocab_ids, n_drafts=n_drafts, **extra)
 
             e = _Entry(key, layout, dev, mask, run_eager, None)
             self._entries[key] = e
@@ -455,40 +474,68 @@ class StepGraphs:
         # kernel swaps are in force whenever the compiled function runs: it is traced on its
         # first call, and Dynamo's guards see the same replacements on every later call
         swaps = {**backend.pipeline.swaps(), **self.over}
-        forward = self._forward(layout, backend)
+        forward = self._forward(layout, backend, streams=bool(n_drafts))
+        drafter = self._drafter(layout, n_drafts) if n_drafts else None
+
+        def drafted(out, X: torch.Tensor | None):
+            """``out`` with the MTP drafts after it (``steps.with_drafts``, compiled)."""
+            if drafter is None:
+                return out
+            accepted = out.accepted if isinstance(out, VerifyOut) else None
+            return out._replace(drafts=drafter(params, state, dev, X, out.tokens, accepted))
+
+        def run_forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            out = forward(params, state, next_token, model_in)
+            return out if n_drafts else (out, None)
+
         if layout.kind == "verify":
             acceptor = self._sampler(mode, None, verify=True)
             token_ids, lens = model_in[: layout.tokens], layout.split_model(model_in)[3]
 
             def fn() -> VerifyOut:
                 with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
-                    logits = forward(params, state, next_token, model_in)
-                    return VerifyOut(*acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids), logits)
+                    logits, X = run_forward()
+                    return drafted(VerifyOut(*acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids), logits), X)
         else:
             sampler = self._sampler(mode, k, masked)
             extra = () if mask is None else (mask,)
 
             def fn() -> StepOut:
                 with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
-                    logits = forward(params, state, next_token, model_in)
-                    return StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids, *extra), logits)
+                    logits, X = run_forward()
+                    return drafted(StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids, *extra), logits), X)
 
         e = _Entry(key, layout, dev, mask, fn, backend)
         self._entries[key] = e
         return e
 
-    def _forward(self, layout: Layout, backend: DeepinferBackend) -> Callable:
-        fkey = (layout.kind, layout.requests, layout.length, layout.all_rows, layout.kept)
+    def _forward(self, layout: Layout, backend: DeepinferBackend, streams: bool = False) -> Callable:
+        """The model part of ``layout``'s bucket (``streams``: it also returns the final streams)."""
+        fkey = (layout.kind, layout.requests, layout.length, layout.all_rows, layout.kept, streams)
         if fkey not in self._forwards:
             c = self.config
             if layout.kind == "decode":
                 def forward(params, state, next_token, part):
-                    return decode_logits(params, state, c, next_token, *layout.split_model(part))
+                    return decode_logits(params, state, c, next_token, *layout.split_model(part), streams=streams)
             else:
                 def forward(params, state, next_token, part):
-                    return prefill_logits(params, state, c, *layout.split_model(part), kept=layout.kept)
+                    return prefill_logits(params, state, c, *layout.split_model(part), kept=layout.kept, streams=streams)
             self._forwards[fkey] = compile_graph(forward, backend)
         return self._forwards[fkey]
+
+    def _drafter(self, layout: Layout, n_drafts: int) -> Callable:
+        """The MTP drafter after ``layout``'s steps (``steps.mtp_drafts``), compiled once per bucket."""
+        dkey = (layout.kind, layout.requests, layout.length, n_drafts)
+        if dkey not in self._drafters:
+            c = self.config
+            name = graph_name(f"mtp-{layout.kind}", t=layout.tokens or layout.requests, r=layout.requests)
+            backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
+
+            def drafter(params, state, buf, X, tokens, accepted):
+                return mtp_drafts(params, state, c, layout, buf, X, tokens, n_drafts, accepted)
+
+            self._drafters[dkey] = compile_graph(drafter, backend)
+        return self._drafters[dkey]
 
     def _sampler(self, mode: str, k: int | None, masked: bool = False, verify: bool = False) -> Callable:
         """The sampler of ``mode`` (``verify``: the draft acceptor, ``spec_accept.accept_rows``):

@@ -62,9 +62,11 @@ class StepHandle:
     done: torch.cuda.Event | None
     verify: dict[int, tuple[VerifyChunk, int]] = field(default_factory=dict)  # chunk -> (its rows, its row of ``saved``)
     saved: tuple | None = None  # the verify slots' state before the step (``spec_decode.snapshot``)
+    part_drafts: list[torch.Tensor | None] = field(default_factory=list)  # per part: host copies of its MTP drafts
     fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
     _tokens: list[list[int]] | None = None
     _accepted: list[int] | None = None
+    _drafts: list[list[list[int]] | None] | None = None  # per part: each row's MTP drafts (None: no drafter)
 
     def wait(self) -> None:
         if self._tokens is not None:
@@ -74,6 +76,13 @@ class StepHandle:
         self._tokens = [p[0].tolist() for p in self.parts]
         if self.verify:
             self._accepted = self.parts[VERIFY][1].tolist()
+        self._drafts = [None if d is None else d.tolist() for d in self.part_drafts]
+
+    def drafts(self, i: int) -> tuple[int, ...]:
+        """The MTP drafts chunk i's step proposed for its request's next step (none: no drafter)."""
+        part, row = self.where[i]
+        got = self._drafts[part] if part < len(self._drafts) else None
+        return () if got is None else tuple(got[row])
 
     def verified(self, i: int) -> tuple[list[int], int]:
         """Verify chunk i's emitted tokens (accepted drafts, then the bonus) and its accepted count."""
@@ -116,6 +125,7 @@ class ModelRunner:
     def __init__(
         self, model: Model, pool: CachePool, options: StepOptions, swaps: dict | None = None,
         split: Callable[[Batch], Batch] | None = None, lockstep: LockStep | None = None, max_drafts: int = 0,
+        mtp_drafts: int = 0,
     ) -> None:
         """``options``: how steps run (compiled or eager, graphs, passes, buckets). ``swaps``:
         ``graphs.swap`` replacements in force around every forward (a multi-rank mesh: the
@@ -123,7 +133,8 @@ class ModelRunner:
         a step's batch -> this rank's share (``sharding.cp.split_batch``), which steps eagerly
         on a host-built batch. ``lockstep``: a multi-rank mesh, whose ranks agree on each
         turn's step sizes (``_plan``) so that the all-to-alls inside them pair up. ``max_drafts``:
-        the longest draft of speculative decoding (0: off), which sizes the verify buckets."""
+        the longest draft of speculative decoding (0: off), which sizes the verify buckets.
+        ``mtp_drafts``: the MTP drafts every step proposes (speculative decoding's ``mtp`` method)."""
         if options.compiled and split is not None:
             raise ValueError("context parallelism steps eagerly for now (its split is built on the host per step)")
         self.model = model
@@ -140,7 +151,7 @@ class ModelRunner:
             model, pool.state, self.next_token, max_requests=options.max_requests, max_tokens=options.max_tokens,
             accelerator=options.accelerator, graphs=options.cuda_graphs, inductor=options.inductor,
             dump_dir=options.dump_dir, disabled=options.disabled_passes, compile=options.compiled, max_drafts=max_drafts,
-            keep=options.keep, over=invariant,
+            keep=options.keep, over=invariant, n_drafts=mtp_drafts,
         )
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
@@ -150,7 +161,7 @@ class ModelRunner:
         self._filler: MaskFiller | None = None  # made with the first constrained step (xgrammar loads then)
 
     @torch.no_grad()
-    def warm_up(self, keys: Seq[tuple[Layout, str]], progress: Callable[[str], None] | None = None) -> float:
+    def warm_up(self, keys: Seq[tuple], progress: Callable[[str], None] | None = None) -> float:
         """Compile and capture the steps of ``keys`` with this runner's swaps in force (the EP
         dispatch on a mesh: a step traced without it would be the one-rank MoE); every rank of a
         mesh warms up the same keys in the same order, so the all-to-alls inside pair up."""
@@ -249,7 +260,7 @@ class ModelRunner:
         chunks = [PrefillChunk(handle.verify[i][0].slot, handle.verify[i][0].start, handle.verify[i][0].ids[: n + 1])
                   for i, n in rejected]
         with swapped(self.swaps):
-            self.steps.step((), chunks, "greedy")
+            self.steps.step((), chunks, "greedy", draft=False)
 
     def _masks(self, chunks: Seq) -> torch.Tensor | None:
         """The token bitmasks of ``chunks``' rows in order (None: no constrained row among them).
@@ -348,9 +359,10 @@ class ModelRunner:
         parts = [tuple(host(t) for t in out[:4]) if out is not None else (torch.empty(0, dtype=torch.long),) for out in outs[:VERIFY]]
         if len(outs) > VERIFY:
             parts.append((host(outs[VERIFY].tokens), host(outs[VERIFY].accepted)))
+        drafts = [None if out is None or getattr(out, "drafts", None) is None else host(out.drafts) for out in outs]
         lp = {i: tuple(host(x) for x in v) for i, v in prompt_lp.items()}
         done = None
         if self.async_copy:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
-        return StepHandle(sched, where, parts, lp, done, *verify)
+        return StepHandle(sched, where, parts, lp, done, *verify, part_drafts=drafts)

@@ -56,8 +56,8 @@ def parse_speculative_config(
     if cfg is None:
         if nextn_set and settings.nextn_decode > 0:
             raise ValueError(f"{NEXTN}={environ[NEXTN]!r} caps the draft length of speculative decoding, which is off: pass "
-                             "LLM(speculative_config={'method': 'ngram', 'num_speculative_tokens': k}) (the model's own "
-                             f"drafters, mtp and dspark, are not built yet), or unset {NEXTN}")
+                             "LLM(speculative_config={'method': 'ngram' or 'mtp', 'num_speculative_tokens': k}), or unset "
+                             f"{NEXTN}")
         return None
     if not isinstance(cfg, Mapping):
         raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 3}}, got {cfg!r}")
@@ -77,8 +77,14 @@ def parse_speculative_config(
         k = min(k, settings.nextn_decode)
     if method in ("mtp", "dspark"):
         _check_draft_weights(method, c, params)
-        raise ValueError(f"speculative_config method {method!r} is not built yet (its draft step and draft-state rollback); "
+    if method == "dspark":
+        raise ValueError("speculative_config method 'dspark' is not built yet (its draft step after each target step); "
                          "use method 'ngram'")
+    if method == "mtp":
+        if k > c.sliding_window:
+            raise ValueError(f"speculative_config['num_speculative_tokens'] = {k}: the MTP drafter chains at most the "
+                             f"block's window ({c.sliding_window}) drafts")
+        return SpeculativeConfig(method, k)
     lo = _int(cfg, "prompt_lookup_min", 1, 1)
     hi = _int(cfg, "prompt_lookup_max", max(lo, 4), 1)
     if hi < lo:

@@ -67,7 +67,9 @@ class SpecStats:
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.drafter = None
+        if config.method == "ngram":
+            self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecStats()
 
     @staticmethod
@@ -75,15 +77,19 @@ class Speculator:
         return seq.params.logprobs is None and seq.grammar is None
 
     def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """Drafts for ``seq``'s next step (its tokens so far all read back), at most ``limit``."""
+        """Drafts for ``seq``'s next step (its tokens so far all read back), at most ``limit``:
+        prompt lookup's, or those the MTP drafter proposed in ``seq``'s last step."""
+        if self.drafter is None:
+            return seq.mtp_drafts[: max(limit, 0)]
         return tuple(self.drafter.propose(seq.prompt_ids + seq.output_ids, limit))
 
 
 def snapshot(pool: CachePool, slots: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Copies of ``slots``' fixed-size state, which a verify step's rejected rows may overwrite:
-    one gather per state tensor for all the step's verify slots (not one copy per slot)."""
+    one gather per state tensor for all the step's verify slots (not one copy per slot). The
+    MTP drafter's state is not among them: it holds verified positions only (``graphs/mtp.py``)."""
     index = torch.tensor(slots, device=pool.state["layers"][0]["window"].device)
-    return index, {p: t[index] for p, t in iter_tensors(pool.state) if not p.endswith(GROWING_KEYS)}
+    return index, {p: t[index] for p, t in iter_tensors(pool.state) if not p.endswith(GROWING_KEYS) and not p.startswith("mtp.")}
 
 
 def restore(pool: CachePool, saved: tuple[torch.Tensor, dict[str, torch.Tensor]], rows: list[int]) -> None:

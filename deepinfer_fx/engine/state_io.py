@@ -15,7 +15,8 @@ same state dtype) imports it into one of its own slots and continues decoding at
       before a later step writes them, so they are not stored (and import zeroes them).
     - ``layers.{i}.index.*`` (CSA layers): the indexer compressor, the same three tensors with
       ``index_head_dim`` (entries again ``n_tokens // ratio`` rows).
-    - ``mtp.{j}.window``: the MTP blocks' window rings.
+    - ``mtp.{j}.window``: the MTP blocks' window rings; ``mtp.{j}.pending`` ``[hc, hidden]``: the
+      target's streams that wait for the drafter's next row (``graphs/mtp.py``).
 
 ``meta.json`` (an object)
     - ``format``: ``"deepinfer_fx.state"``; ``version``: ``FORMAT_VERSION`` (an integer,
@@ -51,7 +52,7 @@ from ..config import ModelConfig
 from .cache import CachePool
 
 FORMAT = "deepinfer_fx.state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: mtp.{j}.pending
 STATE_FILE = "state.safetensors"
 META_FILE = "meta.json"
 _OWN_KEYS = ("format", "version", "model_type", "config_fingerprint", "dtype")

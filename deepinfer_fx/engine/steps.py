@@ -15,6 +15,9 @@ padding rows of a chunk sit past its length (``graphs/batch.py`` says why both a
   from ``keep_from`` on, ``kept`` of them at most.
 - ``verify_step``: speculative decoding's step: ``prefill_logits`` over chunks of a request's
   last token and its drafts (exact, every row's logits), then ``spec_accept.accept_rows``.
+- ``n_drafts`` > 0 (speculative decoding's ``mtp`` method): after sampling or acceptance,
+  ``mtp_drafts`` runs the MTP block over the step's rows whose next token is now known and
+  returns each chunk's next drafts (``StepOut.drafts``), so the drafter costs no step of its own.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from ..config import ModelConfig
 from ..graphs.batch import Batch, Group
 from ..graphs.model import forward_batch
+from ..graphs.mtp import mtp_draft
 from ..graphs.yoco import Replay
 from .sampler import apply_token_mask, logprobs, sample_mode
 from .spec_accept import accept_rows
@@ -42,6 +46,7 @@ class StepOut(NamedTuple):
     top_ids: torch.Tensor | None  # [R, k]
     top_logprobs: torch.Tensor | None  # [R, k]
     logits: torch.Tensor  # [rows, vocab] fp32
+    drafts: torch.Tensor | None = None  # [R, n_drafts]: each row's (chunk's) next MTP drafts
 
 
 def sample_rows(
@@ -78,58 +83,104 @@ class VerifyOut(NamedTuple):
     tokens: torch.Tensor
     accepted: torch.Tensor
     logits: torch.Tensor  # [C * L, vocab] fp32
+    drafts: torch.Tensor | None = None  # [C, n_drafts]: each chunk's next MTP drafts
 
 
 def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
-                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None) -> VerifyOut:
+                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None, n_drafts: int = 0) -> VerifyOut:
     """One verify step over its input buffer: every row's logits, then acceptance (``k`` unused:
     requests that ask for logprobs are not speculated)."""
     token_ids, slots, starts, lens, rows, _ = layout.split_model(layout.model_part(buf))
-    logits = prefill_logits(params, state, c, token_ids, slots, starts, lens, rows)
-    return VerifyOut(*accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids), logits)
+    logits, X = prefill_logits(params, state, c, token_ids, slots, starts, lens, rows, streams=True)
+    out = VerifyOut(*accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids), logits)
+    return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
 
 
 def decode_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
                 mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> StepOut:
+                mask: torch.Tensor | None = None, n_drafts: int = 0) -> StepOut:
     """One decode step over its input buffer: logits, then the sampled tokens."""
-    logits = decode_logits(params, state, c, next_token, *layout.split_model(layout.model_part(buf)))
-    return StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
+    logits, X = decode_logits(params, state, c, next_token, *layout.split_model(layout.model_part(buf)), streams=True)
+    out = StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
+    return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
 
 
 def prefill_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
                  mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None) -> StepOut:
+                 mask: torch.Tensor | None = None, n_drafts: int = 0) -> StepOut:
     """One prefill step over its input buffer: logits at its rows, then the sampled tokens."""
-    logits = prefill_logits(params, state, c, *layout.split_model(layout.model_part(buf)), kept=layout.kept)
-    return StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
+    logits, X = prefill_logits(params, state, c, *layout.split_model(layout.model_part(buf)), kept=layout.kept, streams=True)
+    out = StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
+    return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
+
+
+def with_drafts(out, params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, X: torch.Tensor, n_drafts: int):
+    """``out`` with its ``drafts`` (``n_drafts`` 0: unchanged)."""
+    if not n_drafts:
+        return out
+    accepted = out.accepted if isinstance(out, VerifyOut) else None
+    return out._replace(drafts=mtp_drafts(params, state, c, layout, buf, X, out.tokens, n_drafts, accepted))
+
+
+def mtp_drafts(
+    params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, X: torch.Tensor, tokens: torch.Tensor,
+    n_drafts: int, accepted: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MTP drafter after a step of ``layout`` (``graphs/mtp.mtp_draft``): ``X`` the step's
+    final streams, ``tokens`` its sampled tokens (verify: every row's target token, and
+    ``accepted``). Returns drafts ``[R, n_drafts]``, one row per decode row or chunk. A row's
+    next token is known up to: a decode row's sample; a prompt chunk's last prompt token, or
+    its sample where it samples; a verify chunk's accepted drafts and its bonus token."""
+    model = layout.split_model(layout.model_part(buf))
+    no = torch.zeros_like(model[1 if layout.kind != "decode" else 0], dtype=torch.bool)
+    if layout.kind == "decode":
+        slots, starts, lens = model
+        nexts = tokens.clamp(min=0)[:, None]
+        return mtp_draft(params, state, c, X, slots, starts, lens, nexts[:, 0], nexts, lens, no, n_drafts)
+    token_ids, slots, starts, lens = model[:4]
+    ids = token_ids.view(slots.shape[0], -1)
+    if layout.kind == "verify":
+        known = torch.minimum(accepted + 1, lens)
+        return mtp_draft(params, state, c, X, slots, starts, lens, ids[:, 0], tokens.clamp(min=0), known, no, n_drafts)
+    _, write, _ = sampling_tensors(layout.sampling_part(buf))
+    samples = (write != state["slots"]).long()  # a chunk that samples nothing writes to the scratch slot
+    last = (lens - 1).clamp(min=0)[:, None]
+    nexts = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).scatter(1, last, tokens.clamp(min=0)[:, None])
+    known = (lens - 1 + samples).clamp(min=0)
+    return mtp_draft(params, state, c, X, slots, starts, lens, ids[:, 0], nexts, known, starts > 0, n_drafts)
 
 
 def decode_logits(
-    params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor
-) -> torch.Tensor:
-    """Logits ``[B, vocab]`` of one decode token for each of ``B`` requests at positions ``starts``."""
+    params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+    streams: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[B, vocab]`` of one decode token for each of ``B`` requests at positions ``starts``
+    (``streams``: and the final streams ``[B, hc, D]``, the MTP drafter's input)."""
     index = torch.arange(slots.shape[0], device=slots.device)[:, None]
     batch = Batch(next_token[slots], starts, (Group(index, slots, starts, lens, packed=True),))
-    return forward_batch(params, state, c, batch)[0]
+    out = forward_batch(params, state, c, batch)
+    return out if streams else out[0]
 
 
 def prefill_logits(
     params: dict, state: dict, c: ModelConfig, token_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-    lens: torch.Tensor, rows: torch.Tensor, keep_from: torch.Tensor | None = None, kept: int = 0,
-) -> torch.Tensor:
+    lens: torch.Tensor, rows: torch.Tensor, keep_from: torch.Tensor | None = None, kept: int = 0, streams: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logits ``[R, vocab]`` at packed ``rows`` for ``C`` prompt chunks packed ``[C * L]``; with
     ``kept``, compact prefill from each chunk's ``keep_from`` (a row before it has no logits:
-    its result is that chunk's first kept row's, which nothing reads)."""
+    its result is that chunk's first kept row's, which nothing reads). ``streams``: and the
+    final streams of every row ``[C * L, hc, D]`` (of the kept rows with ``kept``)."""
     n_chunks = slots.shape[0]
     length = token_ids.shape[0] // n_chunks
     index = torch.arange(n_chunks * length, device=slots.device).view(n_chunks, length)
     group = Group(index, slots, starts, lens, packed=True)
     batch = Batch(token_ids, group.positions.reshape(-1), (group,))
     if not kept:
-        return forward_batch(params, state, c, batch, rows=rows)[0]
+        out = forward_batch(params, state, c, batch, rows=rows)
+        return out if streams else out[0]
     # packed row r = c * L + j -> kept row c * kept + j - (first kept position - start)
     chunk = torch.div(rows, length, rounding_mode="floor")
     skipped = (torch.minimum(torch.maximum(starts, keep_from), starts + lens) - starts)[chunk]
     kept_rows = chunk * kept + (rows - chunk * length - skipped).clamp(min=0, max=kept - 1)
-    return forward_batch(params, state, c, batch, rows=kept_rows, replay=Replay((keep_from,), (kept,)))[0]
+    out = forward_batch(params, state, c, batch, rows=kept_rows, replay=Replay((keep_from,), (kept,)))
+    return out if streams else out[0]

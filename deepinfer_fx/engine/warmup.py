@@ -58,7 +58,10 @@ def warmup_layouts(steps: StepGraphs, opts: EngineOptions) -> list[Layout]:
 
 def warm_up(runner: ModelRunner, opts: EngineOptions, show: bool = True) -> float:
     """Compile and capture the warm-up's steps; prints progress and the total on stderr."""
-    keys = [(layout, mode) for layout in warmup_layouts(runner.steps, opts) for mode in MODES]
+    steps = runner.steps
+    keys = [(layout, mode) for layout in warmup_layouts(steps, opts) for mode in MODES]
+    if steps.n_drafts:  # a rollback replays accepted drafts as greedy prompt chunks without the drafter
+        keys += [(steps.prefill_layout(r, steps.verify_buckets[-1]), "greedy", False) for r in steps.request_buckets]
     t0 = time.perf_counter()
     bar = None
     if show:

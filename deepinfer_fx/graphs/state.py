@@ -20,6 +20,9 @@ scatter with no host decision. Nothing real ever reads the scratch slot.
 - V4.1: only KV-source layers hold ``comp`` (with ``index_keys`` beside ``entries``); the
   other layers read their source's. ``engram.history`` holds, per slot, the compressed ids of
   the last ``engram_max_ngram_size - 1`` tokens (pad class before the sequence start).
+- ``mtp`` (configs with MTP-1 blocks): the block's ``window`` ring, and ``pending``
+  ``[hc, hidden]``: the target's final streams at the last position of the slot's latest
+  chunk, which the drafter (``graphs/mtp.mtp_draft``) runs once the token after it is known.
 - ``dspark`` (configs with a DSpark drafter): one ``{"window": [slots, sliding_window, head_dim]}``
   per stage. It holds context derived from the target's states at verified positions only
   (``graphs/dspark.py``): drafting reads it and never writes it, so a rejected draft leaves
@@ -72,7 +75,8 @@ def init_state(
         "max_len": max_len,
         "slots": slots,
         "layers": [layer_state(c, r, max_len, dtype, device, rows, i) for i, r in enumerate(c.compress_ratios)],
-        "mtp": [layer_state(c, 0, max_len, dtype, device, rows) for _ in range(n_mtp)],
+        "mtp": [{**layer_state(c, 0, max_len, dtype, device, rows),
+                 "pending": torch.zeros(rows, c.hc_mult, c.hidden_size, dtype=dtype, device=device)} for _ in range(n_mtp)],
     }
     if mtp and c.dspark_stages:  # the drafter's per-stage context windows (window-only blocks)
         state["dspark"] = [layer_state(c, 0, max_len, dtype, device, rows) for _ in range(c.dspark_stages)]

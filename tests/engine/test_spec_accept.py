@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chi2
+from test_dspark import v41_dspark
 from tiny import tiny_v4, tiny_v41
 
 import deepinfer_fx
@@ -101,7 +102,8 @@ def v4():
     ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens.*int >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown key.*draft_model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is not built yet"),
+    ({"method": "mtp", "num_speculative_tokens": 9}, "chains at most the block's window"),  # tiny window: 8
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "unknown key.*prompt_lookup_max"),
     ({"method": "dspark", "num_speculative_tokens": 1}, "needs a DSpark drafter"),
     ("ngram", "must be a dict"),
 ])
@@ -118,6 +120,9 @@ def test_missing_draft_weights_are_named() -> None:
     v41 = deepinfer_fx.random_model(config_from_dict(tiny_v41()), seed=1)
     with pytest.raises(ValueError, match="'mtp' needs.*no mtp"):
         LLM(v41, device="cpu", eager=True, max_model_len=32, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    dspark = deepinfer_fx.random_model(config_from_dict(v41_dspark()), seed=1)
+    with pytest.raises(ValueError, match="'dspark' is not built yet"):
+        LLM(dspark, device="cpu", eager=True, max_model_len=32, speculative_config={"method": "dspark", "num_speculative_tokens": 1})
 
 
 def test_deepinfer_variables(v4, monkeypatch) -> None:
