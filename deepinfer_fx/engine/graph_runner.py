@@ -17,9 +17,10 @@ runs the compiled functions (which compiles them: ``warm_up`` does it ahead of t
 padding) and captures the graph right after. ``compile=False`` runs the same step functions
 eagerly at the exact sizes (the CPU engine and the tests' eager twin).
 
-With the MTP drafter (``n_drafts`` > 0) a step's key carries its draft count: the model part
-also returns the final streams and a third compiled piece, ``steps.mtp_drafts`` (the MTP block
-over the step's rows), follows the sampler inside the same graph. A rollback's replay of
+With the model's drafter (``n_drafts`` > 0: MTP-1 or DSpark) a step's key carries its draft
+count: the model part also returns what the drafter reads (the final streams, or DSpark's
+target layers' streams) and a third compiled piece, ``steps.propose_drafts``, follows the
+sampler inside the same graph. A rollback's replay of
 accepted drafts runs keys without it (``draft=False``): the drafter already saw those rows.
 
 A step with structured-output rows (``masked``) runs a sampler variant that reads a token bitmask
@@ -47,7 +48,7 @@ from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
 from .step_inputs import Layout, SampledRow, fill, float_bits
 from .spec_accept import accept_rows
-from .steps import (StepOut, VerifyOut, decode_logits, decode_step, mtp_drafts, prefill_logits, prefill_step, sample_rows,
+from .steps import (StepOut, VerifyOut, decode_logits, decode_step, prefill_logits, prefill_step, propose_drafts, sample_rows,
                     verify_step)
 from .structured import mask_words
 
@@ -80,7 +81,7 @@ class GraphKey:
     k: int | None = None  # top logprobs returned
     kept: int = 0  # prefill: rows per chunk the decoder replays (V4.1 compact prefill; 0: every row)
     masked: bool = False  # the sampler applies structured output's token bitmask
-    drafts: int = 0  # MTP drafts the step proposes after sampling (0: none)
+    drafts: int = 0  # drafts the model's drafter proposes after sampling (0: none)
 
     @property
     def model_name(self) -> str:
@@ -91,7 +92,7 @@ class GraphKey:
     @property
     def name(self) -> str:
         return f"{self.model_name}-{self.mode}" + (f"-k{self.k}" if self.k is not None else "") + (
-            "-masked" if self.masked else "") + (f"-mtp{self.drafts}" if self.drafts else "")
+            "-masked" if self.masked else "") + (f"-draft{self.drafts}" if self.drafts else "")
 
 
 class GraphWrapper(Protocol):
@@ -190,7 +191,7 @@ class StepGraphs:
         keep: int | None = None, over: dict | None = None, n_drafts: int = 0,
     ) -> None:
         """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps).
-        ``n_drafts``: MTP drafts every step proposes (speculative decoding's ``mtp`` method; 0: none).
+        ``n_drafts``: drafts the model's drafter proposes after every step (``mtp`` / ``dspark``; 0: none).
         ``over``: ``graphs.swap`` replacements that win over the pipeline's kernel swaps in the
         compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``)."""
         self.config, self.params = model
@@ -200,7 +201,7 @@ class StepGraphs:
         self.compile = compile
         self.keep = keep  # V4.1 compact prefill's KEEP (engine/options.py checked it); None: exact prefill
         if n_drafts and keep is not None:
-            raise ValueError("the MTP drafter reads every prompt row's streams; compact prefill (yoco) replays only some")
+            raise ValueError("the model's drafter reads every prompt row's streams; compact prefill (yoco) replays only some")
         self.n_drafts = n_drafts
         self.over = dict(over or {})
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
@@ -220,7 +221,7 @@ class StepGraphs:
         self._entries: dict[GraphKey, _Entry] = {}
         self._forwards: dict[tuple, Callable] = {}  # one compiled model part per bucket, shared by its modes
         self._samplers: dict[tuple, Callable] = {}  # one compiled sampler per (mode, k, masked), every bucket
-        self._drafters: dict[tuple, Callable] = {}  # one compiled MTP drafter per bucket
+        self._drafters: dict[tuple, Callable] = {}  # one compiled drafter per bucket
         # Every step's inputs live in one device arena: decode at offset 0, prefill after the
         # largest decode region, so a mixed step's inputs reach the device in one copy; verify
         # chunks (speculative decoding) after the largest prefill region.
@@ -285,7 +286,7 @@ class StepGraphs:
         samples nothing writes its token to the scratch slot). With ``all_rows`` the prefill
         logits cover every row, chunk c's from ``c * layout.length``. ``min_*``: run buckets for
         at least that many (padded), as the ranks of a mesh agree. ``draft``: False runs the steps
-        without the MTP drafter (a rollback's replay). ``masked``: whether the decode
+        without the drafter (a rollback's replay). ``masked``: whether the decode
         part and the prefill part run their masked sampler (structured output); ``masks`` then
         returns their host token bitmasks (int32 ``[rows, words]``, pinned on a GPU; the rows in
         order), called once the step is laid out and its inputs are queued, since it may wait
@@ -313,7 +314,7 @@ class StepGraphs:
         """Launch one verify step (after ``step``'s parts, in its own copy): every chunk's rows
         scored in one target forward, drafts accepted on the device (``spec_accept``), each
         bonus token written to ``next_token[slot]``. Sampling ``mode`` must serve every chunk;
-        ``draft`` False: without the MTP drafter (benches)."""
+        ``draft`` False: without the drafter (benches)."""
         layout = self.verify_layout(len(chunks), max(len(ch.ids) for ch in chunks))
         e = self._entry(layout, mode, None, False, draft)
         self._copy_inputs([(e, self._fill_verify(layout, chunks))])
@@ -339,7 +340,7 @@ class StepGraphs:
         return out, [i * stride for i in range(len(chunks))]
 
     def warm_up(self, keys: Sequence[tuple], progress: Callable[[str], None] | None = None) -> float:
-        """Compile and capture the steps of ``keys`` (layout, sampler mode[, with the MTP drafter:
+        """Compile and capture the steps of ``keys`` (layout, sampler mode[, with the drafter:
         default True]) on padding alone (the scratch slot: nothing real is read or written).
         Returns the seconds it took."""
         t0 = time.perf_counter()
@@ -478,7 +479,7 @@ class StepGraphs:
         drafter = self._drafter(layout, n_drafts) if n_drafts else None
 
         def drafted(out, X: torch.Tensor | None):
-            """``out`` with the MTP drafts after it (``steps.with_drafts``, compiled)."""
+            """``out`` with the drafts after it (``steps.with_drafts``, compiled)."""
             if drafter is None:
                 return out
             accepted = out.accepted if isinstance(out, VerifyOut) else None
@@ -524,15 +525,15 @@ class StepGraphs:
         return self._forwards[fkey]
 
     def _drafter(self, layout: Layout, n_drafts: int) -> Callable:
-        """The MTP drafter after ``layout``'s steps (``steps.mtp_drafts``), compiled once per bucket."""
+        """The model's drafter after ``layout``'s steps (``steps.propose_drafts``), compiled once per bucket."""
         dkey = (layout.kind, layout.requests, layout.length, n_drafts)
         if dkey not in self._drafters:
             c = self.config
-            name = graph_name(f"mtp-{layout.kind}", t=layout.tokens or layout.requests, r=layout.requests)
+            name = graph_name(f"draft-{layout.kind}", t=layout.tokens or layout.requests, r=layout.requests)
             backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
 
             def drafter(params, state, buf, X, tokens, accepted):
-                return mtp_drafts(params, state, c, layout, buf, X, tokens, n_drafts, accepted)
+                return propose_drafts(params, state, c, layout, buf, X, tokens, n_drafts, accepted)
 
             self._drafters[dkey] = compile_graph(drafter, backend)
         return self._drafters[dkey]

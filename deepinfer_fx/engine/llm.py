@@ -171,12 +171,16 @@ class LLM:
             # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
             # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU); batch invariance declines them
             swaps = {**eager_kernel_swaps(self.settings.accelerator, self.model.device, opts.steps.disabled_passes), **swaps}
-        mtp = max_drafts if self.speculative is not None and self.speculative.method == "mtp" else 0
-        if mtp and self.engine_type is not EngineType.NORMAL:
-            raise ValueError(f"speculative_config method 'mtp' with engine_type={self.engine_type.value!r}: the drafter's "
+        method = None if self.speculative is None else self.speculative.method
+        model_drafts = max_drafts if method in ("mtp", "dspark") else 0
+        if model_drafts and self.engine_type is not EngineType.NORMAL:
+            raise ValueError(f"speculative_config method {method!r} with engine_type={self.engine_type.value!r}: the drafter's "
                              "state does not travel between PROMPT and COMPLETION engines yet; use method 'ngram' or engine_type='normal'")
+        if model_drafts and keep is not None:
+            raise ValueError(f"speculative_config method {method!r} reads every prompt row's streams, and compact prefill "
+                             "replays only the last ones: pass yoco_mode='off' (or DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off)")
         self.runner = ModelRunner(self.model, self.pool, opts.steps, {**swaps, **cp_swap}, split, lockstep=self.ranks.lockstep,
-                                  max_drafts=max_drafts, mtp_drafts=mtp)
+                                  max_drafts=max_drafts, model_drafts=model_drafts)
         self.transfer = None
         if self.engine_type is not EngineType.NORMAL:
             self.transfer = StateTransfer(self.pool, c, self.state_dir, self.runner.next_token)

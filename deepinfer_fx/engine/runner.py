@@ -62,11 +62,11 @@ class StepHandle:
     done: torch.cuda.Event | None
     verify: dict[int, tuple[VerifyChunk, int]] = field(default_factory=dict)  # chunk -> (its rows, its row of ``saved``)
     saved: tuple | None = None  # the verify slots' state before the step (``spec_decode.snapshot``)
-    part_drafts: list[torch.Tensor | None] = field(default_factory=list)  # per part: host copies of its MTP drafts
+    part_drafts: list[torch.Tensor | None] = field(default_factory=list)  # per part: host copies of its drafts
     fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
     _tokens: list[list[int]] | None = None
     _accepted: list[int] | None = None
-    _drafts: list[list[list[int]] | None] | None = None  # per part: each row's MTP drafts (None: no drafter)
+    _drafts: list[list[list[int]] | None] | None = None  # per part: each row's drafts (None: no model drafter)
 
     def wait(self) -> None:
         if self._tokens is not None:
@@ -79,7 +79,7 @@ class StepHandle:
         self._drafts = [None if d is None else d.tolist() for d in self.part_drafts]
 
     def drafts(self, i: int) -> tuple[int, ...]:
-        """The MTP drafts chunk i's step proposed for its request's next step (none: no drafter)."""
+        """The drafts the model's drafter proposed after chunk i for its request's next step (none: no drafter)."""
         part, row = self.where[i]
         got = self._drafts[part] if part < len(self._drafts) else None
         return () if got is None else tuple(got[row])
@@ -125,7 +125,7 @@ class ModelRunner:
     def __init__(
         self, model: Model, pool: CachePool, options: StepOptions, swaps: dict | None = None,
         split: Callable[[Batch], Batch] | None = None, lockstep: LockStep | None = None, max_drafts: int = 0,
-        mtp_drafts: int = 0,
+        model_drafts: int = 0,
     ) -> None:
         """``options``: how steps run (compiled or eager, graphs, passes, buckets). ``swaps``:
         ``graphs.swap`` replacements in force around every forward (a multi-rank mesh: the
@@ -134,7 +134,8 @@ class ModelRunner:
         on a host-built batch. ``lockstep``: a multi-rank mesh, whose ranks agree on each
         turn's step sizes (``_plan``) so that the all-to-alls inside them pair up. ``max_drafts``:
         the longest draft of speculative decoding (0: off), which sizes the verify buckets.
-        ``mtp_drafts``: the MTP drafts every step proposes (speculative decoding's ``mtp`` method)."""
+        ``model_drafts``: the drafts the model's drafter proposes after every step (speculative
+        decoding's ``mtp`` and ``dspark`` methods)."""
         if options.compiled and split is not None:
             raise ValueError("context parallelism steps eagerly for now (its split is built on the host per step)")
         self.model = model
@@ -151,7 +152,7 @@ class ModelRunner:
             model, pool.state, self.next_token, max_requests=options.max_requests, max_tokens=options.max_tokens,
             accelerator=options.accelerator, graphs=options.cuda_graphs, inductor=options.inductor,
             dump_dir=options.dump_dir, disabled=options.disabled_passes, compile=options.compiled, max_drafts=max_drafts,
-            keep=options.keep, over=invariant, n_drafts=mtp_drafts,
+            keep=options.keep, over=invariant, n_drafts=model_drafts,
         )
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)

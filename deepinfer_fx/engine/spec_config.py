@@ -77,13 +77,13 @@ def parse_speculative_config(
         k = min(k, settings.nextn_decode)
     if method in ("mtp", "dspark"):
         _check_draft_weights(method, c, params)
-    if method == "dspark":
-        raise ValueError("speculative_config method 'dspark' is not built yet (its draft step after each target step); "
-                         "use method 'ngram'")
-    if method == "mtp":
-        if k > c.sliding_window:
-            raise ValueError(f"speculative_config['num_speculative_tokens'] = {k}: the MTP drafter chains at most the "
-                             f"block's window ({c.sliding_window}) drafts")
+    if method == "dspark" and k > c.dspark_block_size:
+        raise ValueError(f"speculative_config['num_speculative_tokens'] = {k}: DSpark drafts blocks of {c.dspark_block_size} "
+                         f"tokens; ask for at most {c.dspark_block_size}")
+    if method == "mtp" and k > c.sliding_window:
+        raise ValueError(f"speculative_config['num_speculative_tokens'] = {k}: the MTP drafter chains at most the "
+                         f"block's window ({c.sliding_window}) drafts")
+    if method in ("mtp", "dspark"):
         return SpeculativeConfig(method, k)
     lo = _int(cfg, "prompt_lookup_min", 1, 1)
     hi = _int(cfg, "prompt_lookup_max", max(lo, 4), 1)

@@ -78,18 +78,18 @@ class Speculator:
 
     def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
         """Drafts for ``seq``'s next step (its tokens so far all read back), at most ``limit``:
-        prompt lookup's, or those the MTP drafter proposed in ``seq``'s last step."""
+        prompt lookup's, or those the model's drafter (MTP-1, DSpark) proposed in ``seq``'s last step."""
         if self.drafter is None:
-            return seq.mtp_drafts[: max(limit, 0)]
+            return seq.model_drafts[: max(limit, 0)]
         return tuple(self.drafter.propose(seq.prompt_ids + seq.output_ids, limit))
 
 
 def snapshot(pool: CachePool, slots: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Copies of ``slots``' fixed-size state, which a verify step's rejected rows may overwrite:
     one gather per state tensor for all the step's verify slots (not one copy per slot). The
-    MTP drafter's state is not among them: it holds verified positions only (``graphs/mtp.py``)."""
+    drafters' state (``mtp.*``, ``dspark.*``) is not among them: it holds verified positions only."""
     index = torch.tensor(slots, device=pool.state["layers"][0]["window"].device)
-    return index, {p: t[index] for p, t in iter_tensors(pool.state) if not p.endswith(GROWING_KEYS) and not p.startswith("mtp.")}
+    return index, {p: t[index] for p, t in iter_tensors(pool.state) if not p.endswith(GROWING_KEYS) and not p.startswith(("mtp.", "dspark."))}
 
 
 def restore(pool: CachePool, saved: tuple[torch.Tensor, dict[str, torch.Tensor]], rows: list[int]) -> None:

@@ -15,9 +15,11 @@ padding rows of a chunk sit past its length (``graphs/batch.py`` says why both a
   from ``keep_from`` on, ``kept`` of them at most.
 - ``verify_step``: speculative decoding's step: ``prefill_logits`` over chunks of a request's
   last token and its drafts (exact, every row's logits), then ``spec_accept.accept_rows``.
-- ``n_drafts`` > 0 (speculative decoding's ``mtp`` method): after sampling or acceptance,
-  ``mtp_drafts`` runs the MTP block over the step's rows whose next token is now known and
-  returns each chunk's next drafts (``StepOut.drafts``), so the drafter costs no step of its own.
+- ``n_drafts`` > 0 (speculative decoding with the model's drafter): after sampling or
+  acceptance, ``propose_drafts`` runs the drafter over the step's rows and returns each chunk's
+  next drafts (``StepOut.drafts``), so the drafter costs no step of its own: the MTP-1 block
+  (V4) over the rows whose next token is now known, or DSpark (V4.1, V4-Flash-0731) writing its
+  context for the verified rows and drafting a block after each chunk's newest token.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from ..config import ModelConfig
 from ..graphs.batch import Batch, Group
+from ..graphs.dspark import context_rows, draft_blocks, dspark_capture
 from ..graphs.model import forward_batch
 from ..graphs.mtp import mtp_draft
 from ..graphs.yoco import Replay
@@ -46,7 +49,7 @@ class StepOut(NamedTuple):
     top_ids: torch.Tensor | None  # [R, k]
     top_logprobs: torch.Tensor | None  # [R, k]
     logits: torch.Tensor  # [rows, vocab] fp32
-    drafts: torch.Tensor | None = None  # [R, n_drafts]: each row's (chunk's) next MTP drafts
+    drafts: torch.Tensor | None = None  # [R, n_drafts]: each row's (chunk's) next drafts
 
 
 def sample_rows(
@@ -83,7 +86,7 @@ class VerifyOut(NamedTuple):
     tokens: torch.Tensor
     accepted: torch.Tensor
     logits: torch.Tensor  # [C * L, vocab] fp32
-    drafts: torch.Tensor | None = None  # [C, n_drafts]: each chunk's next MTP drafts
+    drafts: torch.Tensor | None = None  # [C, n_drafts]: each chunk's next drafts
 
 
 def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
@@ -119,7 +122,37 @@ def with_drafts(out, params: dict, state: dict, c: ModelConfig, layout: Layout, 
     if not n_drafts:
         return out
     accepted = out.accepted if isinstance(out, VerifyOut) else None
-    return out._replace(drafts=mtp_drafts(params, state, c, layout, buf, X, out.tokens, n_drafts, accepted))
+    return out._replace(drafts=propose_drafts(params, state, c, layout, buf, X, out.tokens, n_drafts, accepted))
+
+
+def propose_drafts(
+    params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, feats, tokens: torch.Tensor,
+    n_drafts: int, accepted: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The model's drafter after a step of ``layout``: ``feats`` what the step's forward kept
+    for it (``drafter_features``), ``tokens`` its sampled tokens (verify: every row's target
+    token, and ``accepted``). Returns drafts ``[R, n_drafts]``, one row per decode row or chunk."""
+    if c.dspark_stages:
+        return dspark_drafts(params, state, c, layout, buf, feats, tokens, n_drafts, accepted)
+    return mtp_drafts(params, state, c, layout, buf, feats, tokens, n_drafts, accepted)
+
+
+def dspark_drafts(
+    params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, captured: tuple, tokens: torch.Tensor,
+    n_drafts: int, accepted: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DSpark after a step: the context of every verified row (a decode row, every prompt row,
+    a verify chunk's token and accepted drafts), then a block drafted greedily after each
+    chunk's newest token (its sample, or its bonus token), of which the first ``n_drafts``."""
+    model = layout.split_model(layout.model_part(buf))
+    slots, starts, lens = model if layout.kind == "decode" else model[1:4]
+    C = slots.shape[0]
+    group = Group(torch.arange(C * layout.length, device=slots.device).view(C, layout.length), slots, starts, lens, packed=True)
+    verified = lens if accepted is None else torch.minimum(accepted + 1, lens)
+    context_rows(params, state, c, dict(zip(c.dspark_target_layer_ids, captured)), group, verified)
+    newest = tokens if accepted is None else tokens.gather(1, accepted[:, None]).squeeze(1)
+    draft = draft_blocks(params, state, c, newest.clamp(min=0), starts + verified, slots, verified > 0, lambda z: z.argmax(-1))
+    return draft.tokens[:, :n_drafts]
 
 
 def mtp_drafts(
@@ -127,10 +160,9 @@ def mtp_drafts(
     n_drafts: int, accepted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MTP drafter after a step of ``layout`` (``graphs/mtp.mtp_draft``): ``X`` the step's
-    final streams, ``tokens`` its sampled tokens (verify: every row's target token, and
-    ``accepted``). Returns drafts ``[R, n_drafts]``, one row per decode row or chunk. A row's
-    next token is known up to: a decode row's sample; a prompt chunk's last prompt token, or
-    its sample where it samples; a verify chunk's accepted drafts and its bonus token."""
+    final streams. A row's next token is known up to: a decode row's sample; a prompt chunk's
+    last prompt token, or its sample where it samples; a verify chunk's accepted drafts and its
+    bonus token."""
     model = layout.split_model(layout.model_part(buf))
     no = torch.zeros_like(model[1 if layout.kind != "decode" else 0], dtype=torch.bool)
     if layout.kind == "decode":
@@ -158,8 +190,17 @@ def decode_logits(
     (``streams``: and the final streams ``[B, hc, D]``, the MTP drafter's input)."""
     index = torch.arange(slots.shape[0], device=slots.device)[:, None]
     batch = Batch(next_token[slots], starts, (Group(index, slots, starts, lens, packed=True),))
-    out = forward_batch(params, state, c, batch)
-    return out if streams else out[0]
+    return _forward(params, state, c, batch, streams)
+
+
+def _forward(params: dict, state: dict, c: ModelConfig, batch: Batch, streams: bool, **kw):
+    """``forward_batch``'s logits, and with ``streams`` what the model's drafter reads of the
+    step (``propose_drafts``): the final streams (MTP-1), or DSpark's target layers' input streams."""
+    captured = dspark_capture(c) if streams and c.dspark_stages else None
+    logits, X = forward_batch(params, state, c, batch, captured=captured, **kw)
+    if not streams:
+        return logits
+    return logits, (tuple(captured[layer] for layer in c.dspark_target_layer_ids) if captured is not None else X)
 
 
 def prefill_logits(
@@ -176,11 +217,9 @@ def prefill_logits(
     group = Group(index, slots, starts, lens, packed=True)
     batch = Batch(token_ids, group.positions.reshape(-1), (group,))
     if not kept:
-        out = forward_batch(params, state, c, batch, rows=rows)
-        return out if streams else out[0]
+        return _forward(params, state, c, batch, streams, rows=rows)
     # packed row r = c * L + j -> kept row c * kept + j - (first kept position - start)
     chunk = torch.div(rows, length, rounding_mode="floor")
     skipped = (torch.minimum(torch.maximum(starts, keep_from), starts + lens) - starts)[chunk]
     kept_rows = chunk * kept + (rows - chunk * length - skipped).clamp(min=0, max=kept - 1)
-    out = forward_batch(params, state, c, batch, rows=kept_rows, replay=Replay((keep_from,), (kept,)))
-    return out if streams else out[0]
+    return _forward(params, state, c, batch, streams, rows=kept_rows, replay=Replay((keep_from,), (kept,)))

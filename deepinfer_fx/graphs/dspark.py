@@ -59,12 +59,13 @@ import torch
 
 from ..config import ModelConfig
 from .attention import grouped_output, latent_kv, mqa_with_sink, query
-from .batch import Batch, make_batch
+from .batch import Batch, Group
 from .mhc import hc_head, mhc_collapse
 from .model import block, embed
 from .norm import linear, linear_fp32, rms_norm
 from .params import dspark_stage_config
 from .rope import cos_sin, inv_freq
+from .state import write_rows
 
 # Drafted-token picker: fp32 logits ``[B, vocab]`` (U_k + b_k) -> token ids ``[B]``.
 Sampler = Callable[[torch.Tensor], torch.Tensor]
@@ -107,61 +108,67 @@ def dspark_context(
     ``forward_batch(..., captured=dspark_capture(c))``). ``verified[i]``: how many leading rows
     of chunk i hold verified tokens (default: all; after a verify pass, the accepted drafts plus
     the token they followed). Rows past it are never written, so the windows hold target-derived
-    context of verified positions only. Only the last ``sliding_window`` verified rows of a chunk
-    can survive in the ring, so only those are projected."""
+    context of verified positions only. The host's form of ``context_rows`` (one call per group)."""
     _check_drafter(params, state, c)
     missing = [layer for layer in c.dspark_target_layer_ids if captured.get(layer) is None]
     if missing:
         raise ValueError(f"captured has no streams for target layers {missing}; run forward_batch with captured=dspark_capture(c)")
-    w = c.sliding_window
-    device = batch.positions.device
-    rows, slots = [], []
+    by_slot = {}
     for i, ch in enumerate(batch.chunks):
         n = ch.length if verified is None else int(verified[i])
         if not 0 <= n <= ch.length:
             raise ValueError(f"chunk {i} (slot {ch.slot}) has {ch.length} rows; verified={n} is outside 0..{ch.length}")
-        first = max(0, n - w)
-        rows.append(torch.arange(ch.offset + first, ch.offset + n, device=device))
-        slots.append(torch.full((n - first,), ch.slot, dtype=torch.long, device=device))
-    idx = torch.cat(rows)
-    if idx.numel() == 0:
-        return
-    slot_of = torch.cat(slots)
+        by_slot[ch.slot] = n
+    for g in batch.groups:
+        known = torch.tensor([by_slot[s] for s in g.slots.tolist()], device=g.slots.device)
+        context_rows(params, state, c, captured, g, known)
+
+
+def context_rows(params: dict, state: dict, c: ModelConfig, captured: dict[int, torch.Tensor], group: Group,
+                 known: torch.Tensor) -> None:
+    """``dspark_context`` for one group ``[C, L]``: chunk c's first ``known[c]`` rows are
+    verified. Only the last ``sliding_window`` of them can survive in the ring, so exactly
+    that many rows a chunk are projected (the missing ones, before a chunk's start, are
+    written to the scratch slot), which keeps one shape for every step."""
+    w = c.sliding_window
+    L = group.index.shape[1]
+    j = known[:, None] - w + torch.arange(w, device=known.device)  # [C, w] chunk rows
+    real = j >= 0
+    idx = group.index.gather(1, j.clamp(0, L - 1))
     dtype = captured[c.dspark_target_layer_ids[0]].dtype
     h = torch.cat([captured[layer][idx].float().mean(-2) for layer in c.dspark_target_layer_ids], dim=-1).to(dtype)
     m0 = params["mtp"][0]
     main_x = rms_norm(linear(h, m0["main_proj"]), m0["main_norm"], c.rms_norm_eps)
-    positions = batch.positions[idx]
+    positions = group.starts[:, None] + j
     cos, sin = cos_sin(positions, _window_freq(c))
     for s in range(c.dspark_stages):
         ring = state["dspark"][s]["window"]
-        ring[slot_of, torch.remainder(positions, w)] = latent_kv(params["mtp"][s]["attn"], c, main_x, cos, sin).to(ring.dtype)
-
-
-def _context_keys(ring: torch.Tensor, kv: torch.Tensor, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys of a draft block whose context ends at position ``last``: the ring (positions
-    ``last-window+1 .. last``; slots before position 0 are empty) then the block's own kv, and
-    the ``[block, keys]`` bias: every block query sees every real key (no causal mask)."""
-    w = ring.shape[0]
-    held = last - torch.remainder(last - torch.arange(w, device=kv.device), w)
-    ok = torch.cat([held >= 0, torch.ones(kv.shape[0], dtype=torch.bool, device=kv.device)])
-    bias = torch.zeros(ok.shape, device=kv.device).masked_fill(~ok, float("-inf"))
-    return torch.cat([ring.to(kv.dtype), kv]), bias.expand(kv.shape[0], -1)
+        kv = latent_kv(params["mtp"][s]["attn"], c, main_x, cos, sin)
+        write_rows(ring, group.slots, torch.remainder(positions, w), kv, real)
 
 
 def _stage_attention(
     p: dict, states: list, c: ModelConfig, x: torch.Tensor, batch: Batch, layer: int, ratio: int, ctx: dict
 ) -> torch.Tensor:
     """A stage's attention sublayer (``block``'s ``attn``): the backbone's projections, keys from
-    the stage's context window (read only) plus the block itself. ``layer`` is the stage index."""
+    the stage's context window (read only) plus the block itself, every block query seeing
+    every real key (no causal mask). A chunk's context ends at the position before its start:
+    the ring holds positions ``start - window .. start - 1`` there (slots before position 0 are
+    empty). ``layer`` is the stage index; the batch is one packed group of blocks ``[C, k]``."""
+    g = batch.groups[0]
+    C, k = g.index.shape
     cos, sin = cos_sin(batch.positions, _window_freq(c))
     _, q = query(p, c, x, cos, sin)
-    kv = latent_kv(p, c, x, cos, sin)
-    o = torch.empty_like(q)
-    for ch in batch.chunks:
-        keys, bias = _context_keys(states[layer]["window"][ch.slot], kv[ch.rows], ch.start - 1)
-        o[ch.rows] = mqa_with_sink(q[ch.rows], keys, bias, p["attn_sink"], cos[ch.rows], sin[ch.rows])
-    return grouped_output(o, p["wo_a"], p["wo_b"], c.o_groups)
+    kv = latent_kv(p, c, x, cos, sin).view(C, k, -1)
+    ring = states[layer]["window"][g.slots].to(kv.dtype)  # [C, w, d]
+    w = ring.shape[1]
+    last = (g.starts - 1)[:, None]
+    held = last - torch.remainder(last - torch.arange(w, device=kv.device), w)  # the position each ring slot holds
+    ok = torch.cat([held >= 0, torch.ones(C, k, dtype=torch.bool, device=kv.device)], dim=1)
+    bias = torch.zeros(ok.shape, device=kv.device).masked_fill(~ok, float("-inf"))[:, None].expand(C, k, w + k)
+    o = mqa_with_sink(q.view(C, k, *q.shape[1:]), torch.cat([ring, kv], dim=1), bias, p["attn_sink"],
+                      cos.view(C, k, -1), sin.view(C, k, -1))
+    return grouped_output(o.reshape(q.shape), p["wo_a"], p["wo_b"], c.o_groups)
 
 
 def _temperature_sampler(temperature: float, generator: torch.Generator | None) -> Sampler:
@@ -180,9 +187,10 @@ def dspark_propose(
     """Draft one block for each of B requests. ``last_token`` ``[B]``: the target's newest token
     ``x_{p+1}``; ``positions`` ``[B]``: its position ``p+1`` (context written up to p);
     ``slots``: each request's state slot. ``sampler`` (fp32 logits ``[B, vocab]`` -> ids ``[B]``)
-    overrides ``temperature``. Reads the drafter windows, writes nothing."""
+    overrides ``temperature``. Reads the drafter windows, writes nothing. The checked host form
+    of ``draft_blocks``."""
     _check_drafter(params, state, c)
-    k, vocab = c.dspark_block_size, c.vocab_size
+    vocab = c.vocab_size
     if not 0 <= c.dspark_noise_token_id < vocab:
         raise ValueError(f"dspark_noise_token_id {c.dspark_noise_token_id} is not a token id below vocab_size {vocab}")
     last_token = torch.as_tensor(last_token, dtype=torch.long).reshape(-1)
@@ -192,10 +200,26 @@ def dspark_propose(
         raise ValueError(f"dspark_propose needs one position and one slot per request; got {n} tokens, {positions.numel()} positions, {len(slots)} slots")
     if int(positions.min()) < 1:
         raise ValueError("a draft needs context: positions (of x_{p+1}) must be >= 1")
+    if len(set(slots)) != n:
+        raise ValueError(f"dspark_propose drafts one block per state slot; got slots {list(slots)}")
     device = params["norm"].device
-    ids = torch.full((n, k), c.dspark_noise_token_id, dtype=torch.long)
-    ids[:, 0] = last_token.cpu()
-    batch = make_batch(list(ids), list(slots), positions.tolist(), device)
+    return draft_blocks(params, state, c, last_token.to(device), positions.to(device), torch.tensor(list(slots), device=device),
+                        torch.ones(n, dtype=torch.bool, device=device), sampler or _temperature_sampler(temperature, generator))
+
+
+def draft_blocks(
+    params: dict, state: dict, c: ModelConfig, last_token: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    live: torch.Tensor, pick: Sampler,
+) -> Draft:
+    """``dspark_propose`` on tensors (the engine's steps call it inside their graphs): one block
+    ``[x_{p+1}, noise, ...]`` per slot at ``positions``; ``live`` False for padding blocks
+    (their rows are no chunk's tokens)."""
+    k, vocab = c.dspark_block_size, c.vocab_size
+    n = last_token.shape[0]
+    device = last_token.device
+    ids = torch.cat([last_token[:, None], torch.full((n, k - 1), c.dspark_noise_token_id, dtype=torch.long, device=device)], 1)
+    group = Group(torch.arange(n * k, device=device).view(n, k), slots, positions, live.long() * k, packed=True)
+    batch = Batch(ids.reshape(-1), group.positions.reshape(-1), (group,))
     stage_c = dspark_stage_config(c)
 
     X = embed(params, c, batch.token_ids, params["norm"].dtype)
@@ -215,9 +239,8 @@ def dspark_propose(
     base = linear_fp32(rms_norm(h, last["norm"], c.rms_norm_eps), params["head"]).view(n, k, vocab)
     h = h.view(n, k, -1)
 
-    pick = sampler or _temperature_sampler(temperature, generator)
     markov = last["markov_head"]
-    y = last_token.to(device)
+    y = last_token
     tokens, embeds, logits = [], [], []
     for j in range(k):  # sequential: each step's bias depends on the token picked before it
         e = markov["embed"][y].float()

@@ -121,8 +121,11 @@ def test_missing_draft_weights_are_named() -> None:
     with pytest.raises(ValueError, match="'mtp' needs.*no mtp"):
         LLM(v41, device="cpu", eager=True, max_model_len=32, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     dspark = deepinfer_fx.random_model(config_from_dict(v41_dspark()), seed=1)
-    with pytest.raises(ValueError, match="'dspark' is not built yet"):
+    with pytest.raises(ValueError, match="'dspark' reads every prompt row.*yoco_mode='off'"):  # V4.1's default compact prefill
         LLM(dspark, device="cpu", eager=True, max_model_len=32, speculative_config={"method": "dspark", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="DSpark drafts blocks of 5 tokens"):
+        LLM(dspark, device="cpu", eager=True, max_model_len=32, yoco_mode="off",
+            speculative_config={"method": "dspark", "num_speculative_tokens": 6})
 
 
 def test_deepinfer_variables(v4, monkeypatch) -> None:

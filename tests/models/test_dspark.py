@@ -240,8 +240,8 @@ def test_chunked_context_equals_one_shot(family: str) -> None:
     nxt_one = _prefill(model, one, [ids], [0])
     nxt_chunked = _prefill(model, chunked, [ids], [0], chunks=[[10, 1, 3, 9, 4]])
     assert nxt_one == nxt_chunked, f"seed={seed}"
-    for a, b in zip(one["dspark"], chunked["dspark"]):
-        torch.testing.assert_close(a["window"], b["window"], rtol=1e-5, atol=1e-5, msg=f"seed={seed}")
+    for a, b in zip(one["dspark"], chunked["dspark"]):  # slot 0 (the scratch slot takes short chunks' missing rows)
+        torch.testing.assert_close(a["window"][0], b["window"][0], rtol=1e-5, atol=1e-5, msg=f"seed={seed}")
     d1 = dspark_propose(params, one, c, nxt_one, torch.tensor([n]), [0])
     d2 = dspark_propose(params, chunked, c, nxt_one, torch.tensor([n]), [0])
     assert torch.equal(d1.tokens, d2.tokens), f"seed={seed}: {d1.tokens} vs {d2.tokens}"
