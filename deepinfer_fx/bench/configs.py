@@ -9,7 +9,7 @@ one H200 in bf16 (random weights, no fake-quant, as P8).
   7 and 9 (7 and 9 reindex over layer 5's keys within its candidates), Engram on layers 1 and 6
   with tables of ~1.6M rows (primes from 65536, where the released tables are 384M rows: each
   fits the device as the compiled steps hold them), 64 experts top-6 of intermediate 2304, and a
-  3-stage DSpark head (64 experts top-3) present, not driven (nothing in the engine drafts yet).
+  3-stage DSpark head (64 experts top-3), which `bench.spec --method dspark` drafts with.
   No HF peer (transformers has no V4.1).
 - ``pro``: V4-Pro widths, 6 layers: hidden 7168, 128 heads x 512, q LoRA 1536, 16 output groups,
   indexer 64 x 128 top-1024, intermediate 3072, V4-Pro's schedule (two HCA layers, then CSA and

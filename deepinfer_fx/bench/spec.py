@@ -2,6 +2,7 @@
 
     python -m deepinfer_fx.bench.spec --batches 1,8,64 --drafts 1,2,3,4,5 --name spec_s31
     python -m deepinfer_fx.bench.spec --method mtp --name spec_mtp
+    python -m deepinfer_fx.bench.spec --method dspark --name spec_dspark   # the V4.1-width bench model
 
 Verify cost: for each draft count k (an engine built with ``num_speculative_tokens=k``, whose
 verify chunks are padded to k + 1 rows) and batch b, the captured verify step of b chunks of k + 1
@@ -9,16 +10,18 @@ rows against the plain captured decode step of b rows and of b * (k + 1) rows (t
 target: verify <= 1.1x decode of b * (k + 1) rows), plus the rollback's parts (the slots'
 state snapshot, and the prompt-chunk re-run of 1 + accepted rows that a rejection costs).
 With ``--method ngram`` the drafter is not in these numbers (it runs on the host); with
-``--method mtp`` the verify step carries the MTP-1 drafter (``steps.mtp_drafts``), timed with
-and without it (``verify_ms`` / ``verify_no_drafter_ms``), and the decode baselines run without it.
+``--method mtp`` (P8 with an MTP-1 block) or ``dspark`` (``bench/configs.py``'s V4.1 widths,
+exact prefill) the verify step carries the model's drafter (``steps.propose_drafts``), timed
+with and without it (``verify_ms`` / ``verify_no_drafter_ms``); the decode baselines run without it.
 
 End to end: ``generate`` with and without ``speculative_config={"method": ...}`` on a
 repetitive workload, tokens/s of each and the measured acceptance. Random weights never
 repeat themselves, so ``--workload cycling`` (the default) gives the model a head that follows
 each token t by 3 * (t // 3) + (t + 1) % 3 (its greedy text cycles, as in the tests), and the
 prompts a pattern that is not that cycle; for ``mtp`` the MTP block's next-token embedding
-path is scaled up so that it drafts that cycle (``drafting``: a synthetic drafter, as in
-``tests/engine/test_spec_mtp.py``); ``--model`` runs a real checkpoint on ``--prompt`` text instead. Both DeepInfer's formula (steps/s x batch x (1 + nextn) / cp: full acceptance)
+path, for ``dspark`` the Markov head, is set to draft that cycle (``drafting``: a synthetic
+drafter, as in ``tests/engine/test_spec_drafters.py``); ``--model`` runs a real checkpoint on
+``--prompt`` text instead. Both DeepInfer's formula (steps/s x batch x (1 + nextn) / cp: full acceptance)
 and the measured rate are reported, named as such.
 """
 
@@ -30,12 +33,13 @@ import time
 
 import torch
 
-from ..api import Model
+from ..api import Model, random_model
 from ..engine.graph_runner import DecodeRow, PrefillChunk, VerifyChunk
 from ..engine.llm import LLM
 from ..engine.request import Sequence
 from ..engine.sampling import SamplingParams
 from ..engine.spec_decode import SpecStats, snapshot
+from .configs import bench_config
 from .e2e import _model, _prompts
 from .p8 import run_info, write_result
 from .timing import timed
@@ -55,13 +59,36 @@ def cycling(model: Model) -> Model:
 
 
 def drafting(model: Model) -> Model:
-    """``cycling(model)`` whose MTP block drafts the cycle: its next-token embedding path scaled
-    up (``e_proj`` 20 I), its streams path off."""
+    """``cycling(model)`` whose drafter drafts the cycle: MTP-1's next-token embedding path scaled
+    up (``e_proj`` 20 I) and its streams path off; DSpark's Markov head scoring the cycle's next
+    token at 1000 (unit embeddings, so a token's own row scores highest)."""
     c, params = cycling(model)
-    e = params["mtp"][0]["e_proj"]
-    mp = {**params["mtp"][0], "e_proj": torch.eye(c.hidden_size, dtype=e.dtype, device=e.device) * 20,
-          "h_proj": torch.zeros_like(params["mtp"][0]["h_proj"])}
-    return Model(c, {**params, "mtp": [mp]})
+    if not c.dspark_stages:
+        e = params["mtp"][0]["e_proj"]
+        mp = {**params["mtp"][0], "e_proj": torch.eye(c.hidden_size, dtype=e.dtype, device=e.device) * 20,
+              "h_proj": torch.zeros_like(params["mtp"][0]["h_proj"])}
+        return Model(c, {**params, "mtp": [mp]})
+    last = dict(params["mtp"][-1])
+    E = last["markov_head"]["embed"]
+    t = torch.arange(c.vocab_size, device=E.device)
+    after = torch.where(t < 3 * (c.vocab_size // 3), 3 * (t // 3) + (t + 1) % 3, t)
+    inverse = torch.empty_like(after)
+    inverse[after] = t
+    unit = torch.nn.functional.normalize(E.float(), dim=-1).to(E.dtype)
+    last["markov_head"] = {"embed": unit, "head": unit[inverse] * 1000}
+    return Model(c, {**params, "mtp": params["mtp"][:-1] + [last]})
+
+
+def bench_model(method: str, layers: int) -> Model:
+    """P8 (with an MTP-1 block for ``mtp``), or the V4.1-width bench model with its DSpark head."""
+    if method != "dspark":
+        return _model(layers, mtp=method == "mtp")
+    return random_model(bench_config("v41"), seed=0, dtype=torch.bfloat16, device="cuda")
+
+
+def exact(model: Model) -> dict:
+    """``LLM`` arguments for exact prefill on V4.1 (its model drafters refuse compact prefill)."""
+    return {"yoco_mode": "off"} if model.config.is_v41 else {}
 
 
 def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> dict:
@@ -98,7 +125,7 @@ def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, s
     out = {"batch": batch, "nextn": k, "method": method}
     for name, spec in (("plain", None), ("spec", {"method": method, "num_speculative_tokens": k})):
         llm = LLM(model=model, max_num_seqs=seqs, max_num_batched_tokens=4096, max_model_len=2048, warmup=False,
-                  speculative_config=spec)
+                  speculative_config=spec, **exact(model))
         llm.generate(prompts[:batch], params)  # compiles and captures what the timed run replays
         if llm.speculator is not None:
             llm.speculator.stats = SpecStats()  # the timed run's acceptance only
@@ -132,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--drafts", default="1,2,3,4,5")
-    ap.add_argument("--method", choices=["ngram", "mtp"], default="ngram", help="the drafter (mtp: the model's MTP-1 block)")
+    ap.add_argument("--method", choices=["ngram", "mtp", "dspark"], default="ngram",
+                    help="the drafter (mtp: P8's MTP-1 block; dspark: the V4.1-width model's DSpark head)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
@@ -148,15 +176,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.spec times CUDA graphs: it needs a GPU")
-    result = {**run_info(argv), "model": f"P8 random weights, {args.layers} layers"
-              + (" and an MTP-1 block" if args.method == "mtp" else "") + ", bf16"}
+    result = {**run_info(argv), "model": {"ngram": f"P8 random weights, {args.layers} layers, bf16",
+                                          "mtp": f"P8 random weights, {args.layers} layers and an MTP-1 block, bf16",
+                                          "dspark": "bench_config('v41') random weights with its DSpark head, bf16, exact prefill"}[args.method]}
     batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",")]
-    model = _model(args.layers, mtp=args.method == "mtp")
+    model = bench_model(args.method, args.layers)
     result["method"] = args.method
     result["verify"], result["graphs"] = [], []
     for k in drafts:  # one engine a draft count: its verify chunks are padded to k + 1 rows
         llm = LLM(model=model, max_num_seqs=max(batches) * (k + 1), max_num_batched_tokens=4096,
-                  max_model_len=args.prompt_len + 64, warmup=False, speculative_config={"method": args.method, "num_speculative_tokens": k})
+                  max_model_len=args.prompt_len + 64, warmup=False, speculative_config={"method": args.method, "num_speculative_tokens": k},
+                  **exact(model))
         for b in batches:
             result["verify"].append(verify_rows(llm, b, k, args.prompt_len, args.iters))
             write_result(args.name, result, args.out)  # what is measured survives a stop
@@ -167,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model is None:
         e2e_model = cycling(model) if args.method == "ngram" else drafting(model)
         prompts = [([5, 6, 7, 8] * 32 + [7]) for _ in range(max(e2e_batches))]
-        result["e2e_workload"] = ("P8 random weights with the cycling head" + (" and a drafting MTP block" if args.method == "mtp" else "")
+        result["e2e_workload"] = (result["model"] + ", the cycling head" + (", a drafting " + args.method if args.method != "ngram" else "")
                                   + "; prompts [5, 6, 7, 8] * 32 + [7]")
     else:
         probe = LLM(args.model, max_model_len=2048, warmup=False)
