@@ -49,7 +49,7 @@ from ..passes.dump import graph_name
 from .step_inputs import Layout, SampledRow, fill, float_bits
 from .spec_accept import accept_rows
 from .steps import (StepOut, VerifyOut, decode_logits, decode_step, prefill_logits, prefill_step, propose_drafts, sample_rows,
-                    verify_step)
+                    verify_out, verify_step)
 from .structured import mask_words
 
 # Engram tables are memory-mapped on the host in eager runs; a compiled step needs them resident.
@@ -310,13 +310,13 @@ class StepGraphs:
         dec = outs.pop(0) if decode or min_requests else None
         return dec, (outs[0] if outs else None)
 
-    def verify(self, chunks: Sequence[VerifyChunk], mode: str, draft: bool = True) -> VerifyOut:
+    def verify(self, chunks: Sequence[VerifyChunk], mode: str, draft: bool = True, k: int | None = None) -> VerifyOut:
         """Launch one verify step (after ``step``'s parts, in its own copy): every chunk's rows
         scored in one target forward, drafts accepted on the device (``spec_accept``), each
         bonus token written to ``next_token[slot]``. Sampling ``mode`` must serve every chunk;
-        ``draft`` False: without the drafter (benches)."""
+        ``draft`` False: without the drafter (benches); ``k``: every row's top logprobs too."""
         layout = self.verify_layout(len(chunks), max(len(ch.ids) for ch in chunks))
-        e = self._entry(layout, mode, None, False, draft)
+        e = self._entry(layout, mode, k, False, draft)
         self._copy_inputs([(e, self._fill_verify(layout, chunks))])
         return self._run(e)
 
@@ -490,13 +490,13 @@ class StepGraphs:
             return out if n_drafts else (out, None)
 
         if layout.kind == "verify":
-            acceptor = self._sampler(mode, None, verify=True)
+            acceptor = self._sampler(mode, k, verify=True)
             token_ids, lens = model_in[: layout.tokens], layout.split_model(model_in)[3]
 
             def fn() -> VerifyOut:
                 with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
                     logits, X = run_forward()
-                    return drafted(VerifyOut(*acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids), logits), X)
+                    return drafted(verify_out(acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids), logits), X)
         else:
             sampler = self._sampler(mode, k, masked)
             extra = () if mask is None else (mask,)
@@ -549,7 +549,7 @@ class StepGraphs:
             backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
             if verify:
                 def sampler(logits, next_token, token_ids, lens, part, vocab_ids):
-                    return accept_rows(logits, next_token, token_ids, lens, part, mode, vocab_ids)
+                    return accept_rows(logits, next_token, token_ids, lens, part, mode, vocab_ids, k)
             else:
                 def sampler(logits, next_token, part, vocab_ids, mask=None):
                     return sample_rows(logits, next_token, part, mode, k, vocab_ids, mask)

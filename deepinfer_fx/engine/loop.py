@@ -189,16 +189,17 @@ class EngineLoop:
         self.scheduler.speculator.stats.record(len(ch.drafts), n)
         seq.num_draft_tokens += len(ch.drafts)
         seq.num_accepted_tokens += n
-        for tok in tokens:
+        for j, tok in enumerate(tokens):
             self.stats.decode_tokens += 1
-            self._append(seq, tok, handle, i, now)
+            self._append(seq, tok, handle, i, now, at=j)
             if seq.finished:
                 return None
         seq.num_scheduled = ch.start + n + 1
         seq.num_sampled_scheduled += n
         return n
 
-    def _append(self, seq: Sequence, tok: int, handle: StepHandle, i: int, now: float) -> None:
+    def _append(self, seq: Sequence, tok: int, handle: StepHandle, i: int, now: float, at: int = 0) -> None:
+        """Append chunk i's token ``tok`` (a verify chunk's row ``at``) to ``seq`` and finish it where it stops."""
         self._progress[seq.id] = seq
         if seq.error is None and seq.grammar is not None and i not in handle.fed:
             self._accept(seq, tok)
@@ -212,7 +213,7 @@ class EngineLoop:
         if seq.first_token is None:
             seq.first_token = now
         if p.logprobs is not None:
-            seq.logprobs.append(handle.logprobs(i, p.logprobs))
+            seq.logprobs.append(handle.logprobs(i, p.logprobs, at))
         reason = stop = None
         if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
             reason, stop = "stop", (tok if tok in p.stop_token_ids else None)

@@ -95,8 +95,15 @@ class StepHandle:
         part, row = self.where[i]
         return self._tokens[part][row]
 
-    def logprobs(self, i: int, k: int) -> dict[int, float]:
+    def logprobs(self, i: int, k: int, at: int = 0) -> dict[int, float]:
+        """Chunk i's sampled token's logprob and the top ``k`` (a verify chunk's: its row ``at``'s)."""
         part, row = self.where[i]
+        if part == VERIFY:
+            tokens, _, lp, ids, top = self.parts[VERIFY]
+            r = row * tokens.shape[1] + at
+            entry = {int(t): float(v) for t, v in zip(ids[r, :k].tolist(), top[r, :k].tolist())}
+            entry[int(tokens[row, at])] = float(lp[r])
+            return entry
         _, lp, ids, top = self.parts[part]
         entry = {int(t): float(v) for t, v in zip(ids[row, :k].tolist(), top[row, :k].tolist())}
         entry[self.token(i)] = float(lp[row])
@@ -250,7 +257,8 @@ class ModelRunner:
         # saved before the verify forward writes the rows a rejected draft must not leave behind
         saved = snapshot(self.pool, [v.slot for v in ver])
         verify = {i: (ver[w[1]], w[1]) for i, w in enumerate(where) if w is not None and w[0] == VERIFY}
-        return [d, p, self.steps.verify(ver, mode)], where, first_row, stride, (verify, saved)
+        k_ver = self.logprobs_k if any(ch.seq.params.logprobs is not None for ch in chunks if ch.drafts) else None
+        return [d, p, self.steps.verify(ver, mode, k=k_ver)], where, first_row, stride, (verify, saved)
 
     @torch.no_grad()
     def rollback(self, handle: StepHandle, rejected: Seq[tuple[int, int]]) -> None:
@@ -359,7 +367,8 @@ class ModelRunner:
 
         parts = [tuple(host(t) for t in out[:4]) if out is not None else (torch.empty(0, dtype=torch.long),) for out in outs[:VERIFY]]
         if len(outs) > VERIFY:
-            parts.append((host(outs[VERIFY].tokens), host(outs[VERIFY].accepted)))
+            v = outs[VERIFY]
+            parts.append(tuple(host(t) for t in (v.tokens, v.accepted, v.logprob, v.top_ids, v.top_logprobs) if t is not None))
         drafts = [None if out is None or getattr(out, "drafts", None) is None else host(out.drafts) for out in outs]
         lp = {i: tuple(host(x) for x in v) for i, v in prompt_lp.items()}
         done = None

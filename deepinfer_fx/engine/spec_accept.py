@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .sampler import SamplingTensors, exponentials, hash_bits, row_key, sample_mode
+from .sampler import SamplingTensors, exponentials, hash_bits, logprobs, row_key, sample_mode
 from .step_inputs import sampling_tensors
 
 
@@ -50,13 +50,15 @@ def accept(p: Tensor, q: Tensor, draft: Tensor, seed: Tensor, position: Tensor, 
 
 def accept_rows(
     logits: Tensor, next_token: Tensor, token_ids: Tensor, lens: Tensor, sampling: Tensor, mode: str,
-    vocab_ids: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    vocab_ids: Tensor | None = None, k: int | None = None,
+) -> tuple[Tensor, ...]:
     """Point-mass drafts of ``C`` verify chunks of ``L`` rows: ``logits`` ``[C * L, V]``,
     ``token_ids`` ``[C * L]`` (row 0 of a chunk its last token, rows 1.. its drafts), ``lens``
     ``[C]``, a sampling part ``[8, C]``. Returns (tokens ``[C, L]``: row j's target token, -1
-    where its logits are not finite; accepted ``[C]``: how many drafts survive) and writes each
-    chunk's bonus token (row ``accepted``'s) to ``next_token[write slot]``."""
+    where its logits are not finite; accepted ``[C]``: how many drafts survive; with ``k``, every
+    row's target token's logprob ``[C * L]``, top ``k`` ids and logprobs ``[C * L, k]``,
+    ``sampler.logprobs``) and writes each chunk's bonus token (row ``accepted``'s) to
+    ``next_token[write slot]``."""
     C = lens.shape[0]
     L = token_ids.shape[0] // C
     _, write, t = sampling_tensors(sampling)
@@ -75,4 +77,6 @@ def accept_rows(
     accepted = match.long().cumprod(dim=1).sum(dim=1)
     bonus = target.gather(1, accepted[:, None]).squeeze(1)
     next_token[write] = bonus.clamp_min(0)  # a non-finite row feeds token 0 on; the host ends it
-    return target, accepted
+    if k is None:
+        return target, accepted
+    return (target, accepted, *logprobs(logits, target.view(-1).clamp_min(0), k))

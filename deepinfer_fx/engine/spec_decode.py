@@ -1,8 +1,9 @@
 """Speculative decoding's engine side: who speculates, drafts per step, and rollback.
 
-A speculating request (every request but those asking for logprobs, whose verify rows would
-need every row's logprobs, and those with a grammar, whose verify rows would need a mask per
-draft position: ``structured.GrammarState.draft_masks`` is the hook, not yet wired) runs verify steps instead of decode steps once its prompt is done:
+A speculating request (every request but those with a grammar, whose verify rows would need a
+mask per draft position: ``structured.GrammarState.draft_masks`` is the hook, not yet wired;
+one asking for logprobs gets every verify row's, and keeps the emitted tokens') runs verify
+steps instead of decode steps once its prompt is done:
 its last token and up to k drafts at positions ``start .. start + m`` go through one target
 forward (``StepGraphs.verify``); the device accepts a prefix of the drafts and writes the bonus
 token to ``next_token[slot]``. A step with no drafts (nothing to look up) is a plain decode row.
@@ -74,7 +75,7 @@ class Speculator:
 
     @staticmethod
     def speculates(seq: Sequence) -> bool:
-        return seq.params.logprobs is None and seq.grammar is None
+        return seq.grammar is None
 
     def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
         """Drafts for ``seq``'s next step (its tokens so far all read back), at most ``limit``:

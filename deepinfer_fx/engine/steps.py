@@ -14,7 +14,8 @@ padding rows of a chunk sit past its length (``graphs/batch.py`` says why both a
   ``kept`` (V4.1 compact prefill, ``graphs/yoco.py``) the decoder replays only each chunk's rows
   from ``keep_from`` on, ``kept`` of them at most.
 - ``verify_step``: speculative decoding's step: ``prefill_logits`` over chunks of a request's
-  last token and its drafts (exact, every row's logits), then ``spec_accept.accept_rows``.
+  last token and its drafts (exact, every row's logits), then ``spec_accept.accept_rows`` (and
+  with ``k`` every row's logprobs, of which the host keeps the emitted tokens').
 - ``n_drafts`` > 0 (speculative decoding with the model's drafter): after sampling or
   acceptance, ``propose_drafts`` runs the drafter over the step's rows and returns each chunk's
   next drafts (``StepOut.drafts``), so the drafter costs no step of its own: the MTP-1 block
@@ -87,16 +88,25 @@ class VerifyOut(NamedTuple):
     accepted: torch.Tensor
     logits: torch.Tensor  # [C * L, vocab] fp32
     drafts: torch.Tensor | None = None  # [C, n_drafts]: each chunk's next drafts
+    logprob: torch.Tensor | None = None  # with k: [C * L] each row's target token's logprob
+    top_ids: torch.Tensor | None = None  # [C * L, k]
+    top_logprobs: torch.Tensor | None = None  # [C * L, k]
 
 
 def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
                 mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None, n_drafts: int = 0) -> VerifyOut:
-    """One verify step over its input buffer: every row's logits, then acceptance (``k`` unused:
-    requests that ask for logprobs are not speculated)."""
+    """One verify step over its input buffer: every row's logits, then acceptance (``k``: and
+    every row's logprobs and top ``k``)."""
     token_ids, slots, starts, lens, rows, _ = layout.split_model(layout.model_part(buf))
     logits, X = prefill_logits(params, state, c, token_ids, slots, starts, lens, rows, streams=True)
-    out = VerifyOut(*accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids), logits)
+    out = verify_out(accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids, k), logits)
     return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
+
+
+def verify_out(accepted: tuple, logits: torch.Tensor) -> VerifyOut:
+    """``accept_rows``' results (tokens, accepted[, logprob, top ids, top logprobs]) as a ``VerifyOut``."""
+    tokens, n, *lp = accepted
+    return VerifyOut(tokens, n, logits, None, *lp)
 
 
 def decode_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,

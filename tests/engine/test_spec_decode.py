@@ -123,6 +123,30 @@ def test_sampled_outputs_equal(model) -> None:
     assert 0 < llm.speculator.stats.accepted_tokens < llm.speculator.stats.draft_tokens
 
 
+def test_logprobs_requests_speculate(model) -> None:
+    """A request asking for logprobs speculates too: every verify row's logprobs come back and
+    each emitted token keeps its own, as plain decoding reports them."""
+    seed = random.SystemRandom().randrange(2**31)
+    prompts = _requests(seed, 3)
+    params = [SamplingParams(temperature=0.7 * (i % 2), max_tokens=8, ignore_eos=True, logprobs=2 + i, seq_seed=seed + i)
+              for i in range(3)]
+    plain = make_llm(model).generate(prompts, params)
+    ref = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+    llm = make_llm(model, speculative_config=NGRAM)
+    oracle(llm, ref)
+    got = llm.generate(prompts, params)
+    st = llm.speculator.stats
+    assert 0 < st.accepted_tokens < st.draft_tokens, f"seed={seed}: {st}"
+    for i, (a, b) in enumerate(zip(plain, got)):
+        a, b = a.outputs[0], b.outputs[0]
+        assert b.token_ids == a.token_ids, f"seed={seed} request {i}"
+        assert len(b.logprobs) == len(a.logprobs) == len(a.token_ids)
+        for j, (x, y) in enumerate(zip(a.logprobs, b.logprobs)):
+            assert x.keys() == y.keys(), f"seed={seed} request {i} token {j}: {x} vs {y}"
+            for t in x:
+                assert abs(x[t] - y[t]) < 1e-4, f"seed={seed} request {i} token {j}: {x} vs {y}"
+
+
 def _slot_state(llm: LLM, slot: int, length: int) -> dict[str, torch.Tensor]:
     """A slot's state as a later query can see it: entries past ``length`` are never read."""
     out = {}
