@@ -235,6 +235,9 @@ class StepGraphs:
         words = mask_words(self.config.vocab_size)
         self.masks = {"decode": torch.full((self.decode_buckets[-1], words), -1, dtype=torch.int32, device=self.device),
                       "prefill": torch.full((self.request_buckets[-1], words), -1, dtype=torch.int32, device=self.device)}
+        if max_drafts:  # a verify chunk's every row samples (row j: after its first j drafts)
+            rows = self.request_buckets[-1] * self.verify_buckets[-1]
+            self.masks["verify"] = torch.full((rows, words), -1, dtype=torch.int32, device=self.device)
         # The graphs of one kind share a memory pool, owned here: decode graphs one, prefill
         # graphs another. A graph captured later may place its output in memory an earlier one
         # of its pool uses as scratch, which is safe only while one graph of the pool runs per
@@ -310,14 +313,20 @@ class StepGraphs:
         dec = outs.pop(0) if decode or min_requests else None
         return dec, (outs[0] if outs else None)
 
-    def verify(self, chunks: Sequence[VerifyChunk], mode: str, draft: bool = True, k: int | None = None) -> VerifyOut:
+    def verify(self, chunks: Sequence[VerifyChunk], mode: str, draft: bool = True, k: int | None = None,
+               mask: torch.Tensor | None = None) -> VerifyOut:
         """Launch one verify step (after ``step``'s parts, in its own copy): every chunk's rows
         scored in one target forward, drafts accepted on the device (``spec_accept``), each
         bonus token written to ``next_token[slot]``. Sampling ``mode`` must serve every chunk;
-        ``draft`` False: without the drafter (benches); ``k``: every row's top logprobs too."""
+        ``draft`` False: without the drafter (benches); ``k``: every row's top logprobs too;
+        ``mask``: host token bitmasks of the rows (``[chunks * layout.length, words]``, structured
+        output), run by the masked acceptor."""
         layout = self.verify_layout(len(chunks), max(len(ch.ids) for ch in chunks))
-        e = self._entry(layout, mode, k, False, draft)
+        e = self._entry(layout, mode, k, mask is not None, draft)
         self._copy_inputs([(e, self._fill_verify(layout, chunks))])
+        if mask is not None:
+            e.mask[: mask.shape[0]].copy_(mask, non_blocking=True)
+            e.mask[mask.shape[0] :].fill_(-1)
         return self._run(e)
 
     def decode(self, slots: Sequence[int], starts: Sequence[int], min_requests: int = 0, mode: str = "greedy") -> StepOut:
@@ -458,7 +467,7 @@ class StepGraphs:
         c, params, state, next_token = self.config, self.params, self.state, self.next_token
         base = self._offset(layout.kind)
         dev = self.arena[base : base + layout.size]
-        mask = self.masks[layout.kind][: layout.requests] if masked else None
+        mask = self.masks[layout.kind][: layout.requests * (layout.length if layout.kind == "verify" else 1)] if masked else None
         model_in, sampling_in = layout.model_part(dev), layout.sampling_part(dev)
         if not self.compile:
             step = {"decode": decode_step, "prefill": prefill_step, "verify": verify_step}[layout.kind]
@@ -490,13 +499,15 @@ class StepGraphs:
             return out if n_drafts else (out, None)
 
         if layout.kind == "verify":
-            acceptor = self._sampler(mode, k, verify=True)
+            acceptor = self._sampler(mode, k, masked, verify=True)
             token_ids, lens = model_in[: layout.tokens], layout.split_model(model_in)[3]
+            extra = () if mask is None else (mask,)
 
             def fn() -> VerifyOut:
                 with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
                     logits, X = run_forward()
-                    return drafted(verify_out(acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids), logits), X)
+                    return drafted(verify_out(acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids, *extra),
+                                              logits), X)
         else:
             sampler = self._sampler(mode, k, masked)
             extra = () if mask is None else (mask,)
@@ -548,8 +559,8 @@ class StepGraphs:
             name = ("accept-" if verify else "sample-") + mode + (f"-k{k}" if k else "") + ("-masked" if masked else "")
             backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
             if verify:
-                def sampler(logits, next_token, token_ids, lens, part, vocab_ids):
-                    return accept_rows(logits, next_token, token_ids, lens, part, mode, vocab_ids, k)
+                def sampler(logits, next_token, token_ids, lens, part, vocab_ids, mask=None):
+                    return accept_rows(logits, next_token, token_ids, lens, part, mode, vocab_ids, k, mask)
             else:
                 def sampler(logits, next_token, part, vocab_ids, mask=None):
                     return sample_rows(logits, next_token, part, mode, k, vocab_ids, mask)

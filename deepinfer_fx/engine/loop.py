@@ -127,7 +127,7 @@ class EngineLoop:
         self.stats.synced += 1
         for i, ch in enumerate(handle.sched.chunks):
             seq = ch.seq
-            if ch.sample and seq.grammar is not None and not seq.finished and seq.error is None:
+            if ch.sample and not ch.drafts and seq.grammar is not None and not seq.finished and seq.error is None:
                 self._accept(seq, handle.token(i))
                 handle.fed.add(i)
 

@@ -240,7 +240,7 @@ class ModelRunner:
                 pre.append(PrefillChunk(seq.slot, ch.start, ids, seq.controls if ch.sample else None, keep_from))
         wants_rows = sched is not None and any(ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device)
         n_dec, n_pre, length, all_rows = self._plan([len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)])
-        # the decode and prefill parts' chunks in row order (verify chunks never carry a grammar: spec_decode.speculates)
+        # the decode and prefill parts' chunks in row order (a verify chunk's grammar masks: _verify_masks)
         parts = ([ch for ch in chunks if ch.from_device and not ch.drafts], [ch for ch in chunks if not ch.from_device])
         masked = tuple(any(ch.sample and ch.seq.grammar is not None for ch in part) for part in parts)
 
@@ -257,8 +257,30 @@ class ModelRunner:
         # saved before the verify forward writes the rows a rejected draft must not leave behind
         saved = snapshot(self.pool, [v.slot for v in ver])
         verify = {i: (ver[w[1]], w[1]) for i, w in enumerate(where) if w is not None and w[0] == VERIFY}
-        k_ver = self.logprobs_k if any(ch.seq.params.logprobs is not None for ch in chunks if ch.drafts) else None
-        return [d, p, self.steps.verify(ver, mode, k=k_ver)], where, first_row, stride, (verify, saved)
+        spec = [ch for ch in chunks if ch.drafts]
+        k_ver = self.logprobs_k if any(ch.seq.params.logprobs is not None for ch in spec) else None
+        mask = self._verify_masks(spec, self.steps.verify_layout(len(ver), max(len(v.ids) for v in ver)).length)
+        return [d, p, self.steps.verify(ver, mode, k=k_ver, mask=mask)], where, first_row, stride, (verify, saved)
+
+    def _verify_masks(self, chunks: Seq, length: int) -> torch.Tensor | None:
+        """The token bitmasks of verify ``chunks`` (rows of ``length`` each; None: no grammar among
+        them): a constrained chunk's row j holds its grammar's mask after its first j drafts, up to
+        the first draft the grammar refuses (``GrammarState.draft_masks``); other rows allow all."""
+        if not any(ch.seq.grammar is not None for ch in chunks):
+            return None
+        t0 = time.perf_counter()
+        mask = torch.full((len(chunks) * length, self.mask_words), -1, dtype=torch.int32)
+        for c, ch in enumerate(chunks):
+            st = ch.seq.grammar
+            if st is None or ch.seq.error is not None:
+                continue
+            st.draft_masks(ch.drafts, mask, c * length)
+            if not mask[c * length].ne(0).any():  # the grammar allows no token here
+                ch.seq.error = DEAD_GRAMMAR.format(n=len(ch.seq.output_ids))
+                mask[c * length].zero_()
+                mask[c * length, 0] = 1  # token 0 alone keeps the step defined; the loop ends the request
+        self.mask_s += time.perf_counter() - t0
+        return mask.pin_memory() if self.async_copy else mask
 
     @torch.no_grad()
     def rollback(self, handle: StepHandle, rejected: Seq[tuple[int, int]]) -> None:

@@ -83,7 +83,7 @@ class Scheduler:
     def waits_for_results(self) -> bool:
         """Whether a speculating request's next step needs a step's results that are not read yet."""
         spec = self.speculator
-        return spec is not None and any(s.inflight and s.prefill_done and not s.finished and spec.speculates(s) for s in self.running)
+        return spec is not None and any(s.inflight and s.prefill_done and not s.finished for s in self.running)
 
     def release(self, seq: Sequence) -> None:
         """Give a finished request's slot back once no launched step still uses it."""
@@ -103,7 +103,7 @@ class Scheduler:
             return ScheduledChunk(seq, seq.num_scheduled, n, seq.num_scheduled + n == seq.prompt_len, False)
         if seq.num_sampled_scheduled >= self._max_samples(seq) or budget < 1:
             return None
-        if self.speculator is not None and self.speculator.speculates(seq):
+        if self.speculator is not None:
             if seq.inflight:  # the drafter reads the tokens so far
                 return None
             drafts = self.speculator.drafts(seq, min(self._max_samples(seq) - len(seq.output_ids) - 1, budget - 1))

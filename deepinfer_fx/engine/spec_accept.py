@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .sampler import SamplingTensors, exponentials, hash_bits, logprobs, row_key, sample_mode
+from .sampler import SamplingTensors, apply_token_mask, exponentials, hash_bits, logprobs, row_key, sample_mode
 from .step_inputs import sampling_tensors
 
 
@@ -50,7 +50,7 @@ def accept(p: Tensor, q: Tensor, draft: Tensor, seed: Tensor, position: Tensor, 
 
 def accept_rows(
     logits: Tensor, next_token: Tensor, token_ids: Tensor, lens: Tensor, sampling: Tensor, mode: str,
-    vocab_ids: Tensor | None = None, k: int | None = None,
+    vocab_ids: Tensor | None = None, k: int | None = None, mask: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """Point-mass drafts of ``C`` verify chunks of ``L`` rows: ``logits`` ``[C * L, V]``,
     ``token_ids`` ``[C * L]`` (row 0 of a chunk its last token, rows 1.. its drafts), ``lens``
@@ -58,7 +58,9 @@ def accept_rows(
     where its logits are not finite; accepted ``[C]``: how many drafts survive; with ``k``, every
     row's target token's logprob ``[C * L]``, top ``k`` ids and logprobs ``[C * L, k]``,
     ``sampler.logprobs``) and writes each chunk's bonus token (row ``accepted``'s) to
-    ``next_token[write slot]``."""
+    ``next_token[write slot]``. ``mask``: structured output's token bitmask of every row
+    ``[C * L, words]`` (row j: after the chunk's first j drafts), applied before the race, so a
+    draft the grammar refuses is never the target's token; logprobs stay the model's own."""
     C = lens.shape[0]
     L = token_ids.shape[0] // C
     _, write, t = sampling_tensors(sampling)
@@ -71,7 +73,9 @@ def accept_rows(
     per_row = SamplingTensors(rows(t.temperature), rows(t.top_k), rows(t.top_p), rows(t.min_p), rows(t.seed),
                               (t.position[:, None] + 1 + j).reshape(-1))  # row j samples position start + j + 1
     finite = torch.isfinite(logits).all(dim=-1)
-    target = torch.where(finite, sample_mode(logits, per_row, mode, vocab_ids), -1).view(C, L)
+    allowed = logits if mask is None else apply_token_mask(logits, mask, vocab_ids if vocab_ids is not None else
+                                                           torch.arange(logits.shape[-1], device=logits.device))
+    target = torch.where(finite, sample_mode(allowed, per_row, mode, vocab_ids), -1).view(C, L)
     drafts = token_ids.view(C, L)[:, 1:]
     match = (drafts == target[:, :-1]) & (j[None, 1:] < lens[:, None])
     accepted = match.long().cumprod(dim=1).sum(dim=1)

@@ -1,9 +1,8 @@
 """Speculative decoding's engine side: who speculates, drafts per step, and rollback.
 
-A speculating request (every request but those with a grammar, whose verify rows would need a
-mask per draft position: ``structured.GrammarState.draft_masks`` is the hook, not yet wired;
-one asking for logprobs gets every verify row's, and keeps the emitted tokens') runs verify
-steps instead of decode steps once its prompt is done:
+A speculating request (every request: one asking for logprobs gets every verify row's and keeps
+the emitted tokens'; one with a grammar gets a token mask per verify row, ``runner._verify_masks``)
+runs verify steps instead of decode steps once its prompt is done:
 its last token and up to k drafts at positions ``start .. start + m`` go through one target
 forward (``StepGraphs.verify``); the device accepts a prefix of the drafts and writes the bonus
 token to ``next_token[slot]``. A step with no drafts (nothing to look up) is a plain decode row.
@@ -72,10 +71,6 @@ class Speculator:
         if config.method == "ngram":
             self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecStats()
-
-    @staticmethod
-    def speculates(seq: Sequence) -> bool:
-        return seq.grammar is None
 
     def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
         """Drafts for ``seq``'s next step (its tokens so far all read back), at most ``limit``:

@@ -94,12 +94,13 @@ class VerifyOut(NamedTuple):
 
 
 def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
-                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None, n_drafts: int = 0) -> VerifyOut:
+                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None, n_drafts: int = 0,
+                mask: torch.Tensor | None = None) -> VerifyOut:
     """One verify step over its input buffer: every row's logits, then acceptance (``k``: and
-    every row's logprobs and top ``k``)."""
+    every row's logprobs and top ``k``; ``mask``: every row's structured-output bitmask)."""
     token_ids, slots, starts, lens, rows, _ = layout.split_model(layout.model_part(buf))
     logits, X = prefill_logits(params, state, c, token_ids, slots, starts, lens, rows, streams=True)
-    out = verify_out(accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids, k), logits)
+    out = verify_out(accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids, k, mask), logits)
     return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
 
 

@@ -200,6 +200,40 @@ def test_compiled_steps_enforce_the_grammar(ckpt) -> None:
     assert {r["graph"].rsplit("-", 2)[-2:] == ["plain", "masked"] for r in llm.runner.steps.report()} == {True}
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_constrained_requests_speculate(ckpt, eager: bool) -> None:
+    """Constrained requests with n-gram speculation (drafts from a plain run, every third one
+    corrupted, so some are tokens the grammar refuses): each verify row is masked by the grammar
+    after the drafts before it, and every request gets exactly its plain-run tokens; compiled too
+    (the masked acceptor, one request: the fewest compiles)."""
+    from test_spec_decode import oracle
+
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    cases = _cases() if eager else _cases()[:1]
+    settings = SETTINGS if eager else SETTINGS[:2]
+    params = [SamplingParams(**st, max_tokens=24, seq_seed=rng.randrange(2**40), so_args=so) for _, so in cases for st in settings]
+    names = [name for name, _ in cases for _ in settings]
+    params.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))  # an unconstrained neighbour
+    names.append(None)
+    prompts = [[rng.randrange(3, TOKENIZER_VOCAB) for _ in range(rng.randint(3, 9))] + [len(params) + i] for i in range(len(params))]
+    kw = dict(max_num_seqs=32, max_num_batched_tokens=512) if eager else dict(eager=False, warmup=False, max_num_seqs=1,
+                                                                              max_num_batched_tokens=16, max_model_len=64)
+    plain = make_llm(ckpt, **kw).generate(prompts, params)
+    ref = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+    llm = make_llm(ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
+    oracle(llm, ref)
+    got = llm.generate(prompts, params)
+    for i, (a, b) in enumerate(zip(plain, got)):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, f"seed={seed} request {i} ({names[i]}, {params[i]})"
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    _check(llm, got, names, params, f"seed={seed}")
+    st = llm.speculator.stats
+    assert 0 < st.accepted_tokens < st.draft_tokens, f"seed={seed}: {st}"
+    if not eager:
+        assert any(r["graph"].startswith("verify") and "-masked" in r["graph"] for r in llm.runner.steps.report())
+
+
 def test_mask_on_the_device_equals_xgrammars() -> None:
     """``apply_token_mask`` (tensor ops, inside the sampler graph) against xgrammar's own CPU kernel."""
     g = torch.Generator().manual_seed(0)
