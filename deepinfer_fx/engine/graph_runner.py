@@ -48,6 +48,7 @@ from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
 from .step_inputs import Layout, SampledRow, fill, float_bits
 from .spec_accept import accept_rows
+from .spec_schedule import StepTimes
 from .steps import (StepOut, VerifyOut, decode_logits, decode_step, prefill_logits, prefill_step, propose_drafts, sample_rows,
                     verify_out, verify_step)
 from .structured import mask_words
@@ -188,10 +189,12 @@ class StepGraphs:
         self, model: Model, state: dict, next_token: torch.Tensor, *, max_requests: int, max_tokens: int,
         accelerator: str | None = None, graphs: bool | None = None, inductor: bool = False,
         dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True, max_drafts: int = 0,
-        keep: int | None = None, over: dict | None = None, n_drafts: int = 0,
+        keep: int | None = None, over: dict | None = None, n_drafts: int = 0, varlen: bool = False,
     ) -> None:
         """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps).
         ``n_drafts``: drafts the model's drafter proposes after every step (``mtp`` / ``dspark``; 0: none).
+        ``varlen``: confidence-scheduled verification: verify chunks of every length 2 .. max_drafts + 1
+        (not only the longest) and every step part timed (``spec_schedule.StepTimes``).
         ``over``: ``graphs.swap`` replacements that win over the pipeline's kernel swaps in the
         compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``)."""
         self.config, self.params = model
@@ -216,7 +219,8 @@ class StepGraphs:
         # a verify chunk is a token and 1..max_drafts drafts, padded to one length: a verify of
         # 2 rows costs 0.96 of one of 4 at batch 1 on an H200, and one bucket a request count
         # warms up k times fewer graphs (docs/decisions.md)
-        self.verify_buckets = (max_drafts + 1,) if max_drafts else ()
+        self.verify_buckets = (tuple(range(2, max_drafts + 2)) if varlen else (max_drafts + 1,)) if max_drafts else ()
+        self.times = StepTimes(self.device) if varlen else None
         self.scratch = state["slots"]
         self._entries: dict[GraphKey, _Entry] = {}
         self._forwards: dict[tuple, Callable] = {}  # one compiled model part per bucket, shared by its modes
@@ -359,6 +363,9 @@ class StepGraphs:
                 fill = {"decode": self._fill_decode, "prefill": self._fill_prefill, "verify": self._fill_verify}[layout.kind](layout, ())
                 self._copy_inputs([(e, fill)])
                 self._run(e)
+            if self.times is not None and layout.kind in ("decode", "verify"):
+                for _ in range(2):  # the confidence scheduler's step-time curve (spec_schedule.py)
+                    self._run(e)
             if progress is not None:
                 progress(e.key.name)
         if self.device.type == "cuda":
@@ -441,6 +448,14 @@ class StepGraphs:
     # -- machinery --------------------------------------------------------------------------
     def _run(self, e: _Entry) -> StepOut:
         e.calls += 1
+        timed = self.times is not None and e.calls > 1  # the first call compiles
+        started = self.times.start() if timed else None
+        out = self._call(e)
+        if timed:
+            self.times.stop((e.layout.kind, e.layout.requests, e.layout.length), started)
+        return out
+
+    def _call(self, e: _Entry) -> StepOut:
         if e.graph is not None:
             e.graph.replay()
             return e.out
@@ -492,7 +507,8 @@ class StepGraphs:
             if drafter is None:
                 return out
             accepted = out.accepted if isinstance(out, VerifyOut) else None
-            return out._replace(drafts=drafter(params, state, dev, X, out.tokens, accepted))
+            drafts, confidence = drafter(params, state, dev, X, out.tokens, accepted)
+            return out._replace(drafts=drafts, confidence=confidence)
 
         def run_forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             out = forward(params, state, next_token, model_in)

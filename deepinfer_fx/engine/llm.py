@@ -180,11 +180,12 @@ class LLM:
             raise ValueError(f"speculative_config method {method!r} reads every prompt row's streams, and compact prefill "
                              "replays only the last ones: pass yoco_mode='off' (or DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off)")
         self.runner = ModelRunner(self.model, self.pool, opts.steps, {**swaps, **cp_swap}, split, lockstep=self.ranks.lockstep,
-                                  max_drafts=max_drafts, model_drafts=model_drafts)
+                                  max_drafts=max_drafts, model_drafts=model_drafts,
+                                  varlen=self.speculative is not None and self.speculative.varlen)
         self.transfer = None
         if self.engine_type is not EngineType.NORMAL:
             self.transfer = StateTransfer(self.pool, c, self.state_dir, self.runner.next_token)
-        self.speculator = None if self.speculative is None else Speculator(self.speculative)
+        self.speculator = None if self.speculative is None else Speculator(self.speculative, self.runner.step_time)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.engine_type, self.speculator)
         self.seed = seed
         self._next_id = 0

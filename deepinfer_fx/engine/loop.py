@@ -166,7 +166,7 @@ class EngineLoop:
             elif ch.sample and not seq.finished:
                 self._append(seq, handle.token(i), handle, i, now)
             if ch.sample and not seq.finished:
-                seq.model_drafts = handle.drafts(i)  # the model drafter's proposals for the next step (none without it)
+                seq.model_drafts, seq.model_conf = handle.drafts(i)  # the model drafter's proposals for the next step
             if seq.finished:
                 self.scheduler.release(seq)
         if rejected:

@@ -54,6 +54,7 @@ class Sequence:
     emitted_tokens: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed for this request
     model_drafts: tuple[int, ...] = ()  # the model drafter's (MTP-1, DSpark) proposals for the next step (spec_decode.py)
+    model_conf: tuple[float, ...] = ()  # DSpark's confidence in each of them (spec_schedule.py)
     num_accepted_tokens: int = 0  # and accepted
     grammar: Any = None  # structured output: the request's structured.GrammarState (None: unconstrained)
     images: Any = None  # vision.requests.ImageInputs of a prompt with images (None: text only)

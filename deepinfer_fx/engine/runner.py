@@ -62,7 +62,7 @@ class StepHandle:
     done: torch.cuda.Event | None
     verify: dict[int, tuple[VerifyChunk, int]] = field(default_factory=dict)  # chunk -> (its rows, its row of ``saved``)
     saved: tuple | None = None  # the verify slots' state before the step (``spec_decode.snapshot``)
-    part_drafts: list[torch.Tensor | None] = field(default_factory=list)  # per part: host copies of its drafts
+    part_drafts: list[tuple | None] = field(default_factory=list)  # per part: host copies of its drafts and confidences
     fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
     _tokens: list[list[int]] | None = None
     _accepted: list[int] | None = None
@@ -76,13 +76,16 @@ class StepHandle:
         self._tokens = [p[0].tolist() for p in self.parts]
         if self.verify:
             self._accepted = self.parts[VERIFY][1].tolist()
-        self._drafts = [None if d is None else d.tolist() for d in self.part_drafts]
+        self._drafts = [None if d is None else (d[0].tolist(), None if d[1] is None else d[1].tolist()) for d in self.part_drafts]
 
-    def drafts(self, i: int) -> tuple[int, ...]:
-        """The drafts the model's drafter proposed after chunk i for its request's next step (none: no drafter)."""
+    def drafts(self, i: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The drafts the model's drafter proposed after chunk i for its request's next step, and
+        their confidences (DSpark; empty for MTP-1; both empty without a model drafter)."""
         part, row = self.where[i]
         got = self._drafts[part] if part < len(self._drafts) else None
-        return () if got is None else tuple(got[row])
+        if got is None:
+            return (), ()
+        return tuple(got[0][row]), (() if got[1] is None else tuple(got[1][row]))
 
     def verified(self, i: int) -> tuple[list[int], int]:
         """Verify chunk i's emitted tokens (accepted drafts, then the bonus) and its accepted count."""
@@ -132,7 +135,7 @@ class ModelRunner:
     def __init__(
         self, model: Model, pool: CachePool, options: StepOptions, swaps: dict | None = None,
         split: Callable[[Batch], Batch] | None = None, lockstep: LockStep | None = None, max_drafts: int = 0,
-        model_drafts: int = 0,
+        model_drafts: int = 0, varlen: bool = False,
     ) -> None:
         """``options``: how steps run (compiled or eager, graphs, passes, buckets). ``swaps``:
         ``graphs.swap`` replacements in force around every forward (a multi-rank mesh: the
@@ -142,7 +145,8 @@ class ModelRunner:
         turn's step sizes (``_plan``) so that the all-to-alls inside them pair up. ``max_drafts``:
         the longest draft of speculative decoding (0: off), which sizes the verify buckets.
         ``model_drafts``: the drafts the model's drafter proposes after every step (speculative
-        decoding's ``mtp`` and ``dspark`` methods)."""
+        decoding's ``mtp`` and ``dspark`` methods); ``varlen``: confidence-scheduled verification
+        (verify buckets of every length, step parts timed: ``step_time``)."""
         if options.compiled and split is not None:
             raise ValueError("context parallelism steps eagerly for now (its split is built on the host per step)")
         self.model = model
@@ -159,7 +163,7 @@ class ModelRunner:
             model, pool.state, self.next_token, max_requests=options.max_requests, max_tokens=options.max_tokens,
             accelerator=options.accelerator, graphs=options.cuda_graphs, inductor=options.inductor,
             dump_dir=options.dump_dir, disabled=options.disabled_passes, compile=options.compiled, max_drafts=max_drafts,
-            keep=options.keep, over=invariant, n_drafts=model_drafts,
+            keep=options.keep, over=invariant, n_drafts=model_drafts, varlen=varlen,
         )
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
@@ -282,6 +286,21 @@ class ModelRunner:
         self.mask_s += time.perf_counter() - t0
         return mask.pin_memory() if self.async_copy else mask
 
+    def step_time(self, lengths: Seq[int]) -> float | None:
+        """The measured seconds of a step whose requests verify ``lengths`` drafts each (0: a
+        decode row), from the step graphs' timings (None: a part not measured yet)."""
+        steps, total = self.steps, 0.0
+        plain, verify = sum(1 for n in lengths if n == 0), [n for n in lengths if n > 0]
+        parts = [steps.decode_layout(plain)] if plain else []
+        if verify:
+            parts.append(steps.verify_layout(len(verify), max(verify) + 1))
+        for layout in parts:
+            t = steps.times.estimate((layout.kind, layout.requests, layout.length))
+            if t is None:
+                return None
+            total += t
+        return total
+
     @torch.no_grad()
     def rollback(self, handle: StepHandle, rejected: Seq[tuple[int, int]]) -> None:
         """Undo what the rejected drafts of verify chunks ``(i, accepted)`` wrote: restore their
@@ -391,7 +410,7 @@ class ModelRunner:
         if len(outs) > VERIFY:
             v = outs[VERIFY]
             parts.append(tuple(host(t) for t in (v.tokens, v.accepted, v.logprob, v.top_ids, v.top_logprobs) if t is not None))
-        drafts = [None if out is None or getattr(out, "drafts", None) is None else host(out.drafts) for out in outs]
+        drafts = [None if out is None or out.drafts is None else (host(out.drafts), host(out.confidence)) for out in outs]
         lp = {i: tuple(host(x) for x in v) for i, v in prompt_lp.items()}
         done = None
         if self.async_copy:

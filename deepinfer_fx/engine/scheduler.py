@@ -121,6 +121,10 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutputs | None:
         budget = self.max_num_batched_tokens
+        if self.speculator is not None:  # confidence scheduling weighs the verifying requests together
+            ready = [s for s in self.running if not s.finished and s.prefill_done and not s.inflight and s.model_drafts
+                     and s.num_sampled_scheduled < self._max_samples(s)]
+            self.speculator.plan(ready, [self._max_samples(s) - len(s.output_ids) - 1 for s in ready])
         chunks: list[ScheduledChunk] = []
         to_zero: list[int] = []
         to_import: list[Sequence] = []

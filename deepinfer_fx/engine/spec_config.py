@@ -34,6 +34,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: drafts proposed per verify step (after the NEXTN cap)
     prompt_lookup_min: int = 1  # ngram: the shortest suffix that is looked up in the context
     prompt_lookup_max: int = 4  # ngram: the longest one (tried first)
+    varlen: bool = False  # DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled draft lengths (dspark)
 
 
 def _int(cfg: Mapping[str, Any], key: str, default: int, low: int) -> int:
@@ -50,9 +51,10 @@ def parse_speculative_config(
     """The checked config, or None for plain decoding. Refuses unknown keys and methods, k < 1,
     a method whose weights the checkpoint lacks, and every part that is not built yet."""
     nextn_set = bool(environ.get(NEXTN, "").strip())
-    if settings.mtp_varlen:
-        raise ValueError(f"{VARLEN}=1 asks for confidence-scheduled variable-length verification (DSpark's confidence "
-                         f"head), which is not built yet; unset {VARLEN} (fixed-length drafts run without it)")
+    if settings.mtp_varlen and (cfg is None or not isinstance(cfg, Mapping) or cfg.get("method") != "dspark"):
+        raise ValueError(f"{VARLEN}=1 asks for confidence-scheduled variable-length verification, which reads DSpark's "
+                         "confidence head: pass speculative_config={'method': 'dspark', ...} (V4.1, V4-Flash-0731), or "
+                         f"unset {VARLEN} (fixed-length drafts)")
     if cfg is None:
         if nextn_set and settings.nextn_decode > 0:
             raise ValueError(f"{NEXTN}={environ[NEXTN]!r} caps the draft length of speculative decoding, which is off: pass "
@@ -84,7 +86,7 @@ def parse_speculative_config(
         raise ValueError(f"speculative_config['num_speculative_tokens'] = {k}: the MTP drafter chains at most the "
                          f"block's window ({c.sliding_window}) drafts")
     if method in ("mtp", "dspark"):
-        return SpeculativeConfig(method, k)
+        return SpeculativeConfig(method, k, varlen=settings.mtp_varlen)
     lo = _int(cfg, "prompt_lookup_min", 1, 1)
     hi = _int(cfg, "prompt_lookup_max", max(lo, 4), 1)
     if hi < lo:

@@ -21,6 +21,7 @@ and a prefill step of ``1 + accepted`` rows per rejecting request after a reject
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ from .cache import GROWING_KEYS, CachePool, iter_tensors
 from .drafters import NgramDrafter
 from .request import Sequence
 from .spec_config import SpeculativeConfig
+from .spec_schedule import plan_lengths
 
 
 @dataclass
@@ -65,18 +67,31 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, step_time: Callable[[list[int]], float | None] | None = None) -> None:
+        """``step_time``: with ``config.varlen``, the step-time estimate the confidence scheduler
+        weighs lengths with (``ModelRunner.step_time``)."""
         self.config = config
         self.drafter = None
         if config.method == "ngram":
             self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecStats()
+        self.step_time = step_time
+        self.lengths: dict[int, int] = {}  # varlen: this step's planned draft count per request id
+
+    def plan(self, seqs: Seq[Sequence], limits: Seq[int]) -> None:
+        """Confidence scheduling (``spec_schedule.plan_lengths``) of the requests about to verify,
+        each at most ``limits[i]`` drafts; a no-op without ``varlen``."""
+        self.lengths = {}
+        if not self.config.varlen or not seqs:
+            return
+        conf = [list(s.model_conf[: max(n, 0)]) for s, n in zip(seqs, limits)]
+        self.lengths = {s.id: n for s, n in zip(seqs, plan_lengths(conf, self.step_time))}
 
     def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
         """Drafts for ``seq``'s next step (its tokens so far all read back), at most ``limit``:
         prompt lookup's, or those the model's drafter (MTP-1, DSpark) proposed in ``seq``'s last step."""
         if self.drafter is None:
-            return seq.model_drafts[: max(limit, 0)]
+            return seq.model_drafts[: max(min(limit, self.lengths.get(seq.id, limit)), 0)]
         return tuple(self.drafter.propose(seq.prompt_ids + seq.output_ids, limit))
 
 

@@ -51,6 +51,7 @@ class StepOut(NamedTuple):
     top_logprobs: torch.Tensor | None  # [R, k]
     logits: torch.Tensor  # [rows, vocab] fp32
     drafts: torch.Tensor | None = None  # [R, n_drafts]: each row's (chunk's) next drafts
+    confidence: torch.Tensor | None = None  # [R, n_drafts]: DSpark's confidence of each draft (None: MTP-1)
 
 
 def sample_rows(
@@ -88,6 +89,7 @@ class VerifyOut(NamedTuple):
     accepted: torch.Tensor
     logits: torch.Tensor  # [C * L, vocab] fp32
     drafts: torch.Tensor | None = None  # [C, n_drafts]: each chunk's next drafts
+    confidence: torch.Tensor | None = None  # [C, n_drafts]: DSpark's confidence of each draft (None: MTP-1)
     logprob: torch.Tensor | None = None  # with k: [C * L] each row's target token's logprob
     top_ids: torch.Tensor | None = None  # [C * L, k]
     top_logprobs: torch.Tensor | None = None  # [C * L, k]
@@ -107,7 +109,7 @@ def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Ten
 def verify_out(accepted: tuple, logits: torch.Tensor) -> VerifyOut:
     """``accept_rows``' results (tokens, accepted[, logprob, top ids, top logprobs]) as a ``VerifyOut``."""
     tokens, n, *lp = accepted
-    return VerifyOut(tokens, n, logits, None, *lp)
+    return VerifyOut(tokens, n, logits, None, None, *lp)
 
 
 def decode_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
@@ -133,25 +135,27 @@ def with_drafts(out, params: dict, state: dict, c: ModelConfig, layout: Layout, 
     if not n_drafts:
         return out
     accepted = out.accepted if isinstance(out, VerifyOut) else None
-    return out._replace(drafts=propose_drafts(params, state, c, layout, buf, X, out.tokens, n_drafts, accepted))
+    drafts, confidence = propose_drafts(params, state, c, layout, buf, X, out.tokens, n_drafts, accepted)
+    return out._replace(drafts=drafts, confidence=confidence)
 
 
 def propose_drafts(
     params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, feats, tokens: torch.Tensor,
     n_drafts: int, accepted: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's drafter after a step of ``layout``: ``feats`` what the step's forward kept
-    for it (``drafter_features``), ``tokens`` its sampled tokens (verify: every row's target
-    token, and ``accepted``). Returns drafts ``[R, n_drafts]``, one row per decode row or chunk."""
+    for it (``_forward``), ``tokens`` its sampled tokens (verify: every row's target token, and
+    ``accepted``). Returns drafts ``[R, n_drafts]``, one row per decode row or chunk, and their
+    confidences (DSpark's head; None for MTP-1)."""
     if c.dspark_stages:
         return dspark_drafts(params, state, c, layout, buf, feats, tokens, n_drafts, accepted)
-    return mtp_drafts(params, state, c, layout, buf, feats, tokens, n_drafts, accepted)
+    return mtp_drafts(params, state, c, layout, buf, feats, tokens, n_drafts, accepted), None
 
 
 def dspark_drafts(
     params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, captured: tuple, tokens: torch.Tensor,
     n_drafts: int, accepted: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DSpark after a step: the context of every verified row (a decode row, every prompt row,
     a verify chunk's token and accepted drafts), then a block drafted greedily after each
     chunk's newest token (its sample, or its bonus token), of which the first ``n_drafts``."""
@@ -163,7 +167,7 @@ def dspark_drafts(
     context_rows(params, state, c, dict(zip(c.dspark_target_layer_ids, captured)), group, verified)
     newest = tokens if accepted is None else tokens.gather(1, accepted[:, None]).squeeze(1)
     draft = draft_blocks(params, state, c, newest.clamp(min=0), starts + verified, slots, verified > 0, lambda z: z.argmax(-1))
-    return draft.tokens[:, :n_drafts]
+    return draft.tokens[:, :n_drafts], draft.confidences[:, :n_drafts]
 
 
 def mtp_drafts(

@@ -139,7 +139,7 @@ def test_deepinfer_variables(v4, monkeypatch) -> None:
     with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE=0 turns speculative decoding off"):
         LLM(v4, device="cpu", eager=True, max_model_len=32, speculative_config=ngram)
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    with pytest.raises(ValueError, match="DEEPINFER_ENABLE_MTP_VARLEN.*not built yet"):
+    with pytest.raises(ValueError, match="DEEPINFER_ENABLE_MTP_VARLEN.*DSpark's confidence head"):
         LLM(v4, device="cpu", eager=True, max_model_len=32, speculative_config=ngram)
 
 

@@ -133,8 +133,3 @@ def test_nan_logits_end_the_request_with_an_error(ckpt) -> None:
     assert llm.pool.num_free == llm.pool.slots
 
 
-@pytest.mark.parametrize("name,value", [("DEEPINFER_ENABLE_MTP_VARLEN", "1")])
-def test_unbuilt_features_refuse(ckpt, monkeypatch, name: str, value: str) -> None:
-    monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=f"{name}.*not built yet"):
-        make_llm(ckpt)
