@@ -8,7 +8,8 @@ requests wait. The host may schedule a request's next decode before the previous
 is back: that token stays on the device and the runner feeds it in (see ``runner.py``).
 With speculative decoding (a ``Speculator``), a request past its prompt instead waits for its
 previous step's results, asks the drafter for drafts and gets a verify chunk of its last token
-and the drafts (``spec_decode.py``); with no drafts it gets a plain decode row.
+and the drafts (``spec_decode.py``); with no drafts it gets a plain decode row. With confidence
+scheduling (``spec_schedule.py``) the speculator first plans how many drafts each ready request verifies.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutputs | None:
         budget = self.max_num_batched_tokens
-        if self.speculator is not None:  # confidence scheduling weighs the verifying requests together
+        if self.speculator is not None and self.speculator.config.varlen:  # confidence scheduling weighs them together
             ready = [s for s in self.running if not s.finished and s.prefill_done and not s.inflight and s.model_drafts
                      and s.num_sampled_scheduled < self._max_samples(s)]
             self.speculator.plan(ready, [self._max_samples(s) - len(s.output_ids) - 1 for s in ready])
