@@ -1,7 +1,7 @@
 """The long-context case: 16,389 prompt tokens, then 4,096 greedy output tokens, in one request.
 
-Speculative decoding (nextn) is not in this engine yet, so the case runs at nextn=0 and its
-result says so; once drafts land it runs at nextn=5 as DeepInfer's does. On the CPU it runs on
+The case runs at the nextn of the engine it is given (its ``speculative_config``; DeepInfer's
+runs nextn=5 with its drafter) and its result says which. On the CPU it runs on
 ``TINY_LONG``: one HCA layer (ratio 128) at the tiny widths with 2 Sinkhorn iterations, chosen
 because a 4,096-step decode is host-bound there (a 1-layer CSA model's 16k prefill alone took
 ~150 s on the shared CI machine; this one's whole case 30-50 s). The GPU bench runs it at P8 widths
@@ -18,7 +18,6 @@ from .workloads import TINY
 
 INPUT_TOKENS = 16_389
 OUTPUT_TOKENS = 4_096
-NEXTN = 0  # no speculative decoding in the engine yet
 
 TINY_LONG = {
     **TINY, "num_hidden_layers": 1, "compress_ratios": [128], "num_hash_layers": 0, "hc_sinkhorn_iters": 2,
@@ -42,11 +41,12 @@ def run_case(llm: Any, input_tokens: int = INPUT_TOKENS, output_tokens: int = OU
     out = llm.generate([prompt], params)[0].outputs[0]
     wall = time.perf_counter() - start
     stats = llm.last_stats
+    spec = llm.speculative
     lps = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
     decode_s = max(wall - stats.prefill_time, 1e-9)
     return {
-        "input_tokens": input_tokens, "output_tokens": len(out.token_ids), "nextn": NEXTN,
-        "note": "nextn=0: speculative decoding is not in the engine yet",
+        "input_tokens": input_tokens, "output_tokens": len(out.token_ids),
+        "nextn": 0 if spec is None else spec.num_speculative_tokens, "drafter": None if spec is None else spec.method,
         "finish_reason": out.finish_reason, "wall_s": round(wall, 3),
         "prefill_s": round(stats.prefill_time, 3), "decode_tok_per_s": round((len(out.token_ids) - 1) / decode_s, 2),
         "decode_ppl": math.exp(-math.fsum(lps) / len(lps)) if lps else math.nan,

@@ -4,7 +4,7 @@ own greedy output, checked exactly against ``tests/models/offline_decode_ppl.jso
 A sample's PPL is ``exp(-mean log p)`` over its generated tokens, where the log-probabilities come
 from a second pass that prefills prompt + generation (``prompt_logprobs``): a decode path that
 drifts changes the greedy tokens or their scores, and so the number. The file maps platform ->
-workload -> samples; a platform is accelerator (with the CPU ISA or GPU name) + dtype + kernel set,
+workload -> samples; a platform is accelerator (with the CPU ISA and vendor, or GPU name) + dtype + kernel set,
 since each computes different floats. Refreshes rewrite it under an exclusive ``flock``, reading it
 again inside the lock, so concurrent refreshes of different workloads all land.
 """
@@ -32,12 +32,26 @@ def platform_of(llm: Any) -> str:
     if device.type == "cuda":
         accel = f"nvidia:{torch.cuda.get_device_name(device).replace(' ', '_')}"
     else:
-        accel = f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+        accel = f"cpu:{torch.backends.cpu.get_cpu_capability()}:{_cpu_vendor()}"
     steps = llm.options.steps
     kernels = ("inductor" if steps.inductor else "aot_eager") if steps.compiled else "eager"
     if steps.disabled_passes:
         kernels += "-no:" + ",".join(sorted(steps.disabled_passes))
     return f"{accel}/{str(llm.model.dtype).removeprefix('torch.')}/{kernels}"
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor id: the same ISA rounds differently across vendors (the CPU kernels
+    dispatch by it), so a baseline from an Intel AVX-512 machine does not hold on an AMD one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="ignore").splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
 
 
 def measure(w: Workload) -> tuple[str, list[dict[str, Any]]]:

@@ -1,4 +1,4 @@
-"""The long-context case (16,389 in, 4,096 out, nextn=0) on a one-layer tiny model, CPU.
+"""The long-context case (16,389 in, 4,096 out, nextn=0: no drafter) on a one-layer tiny model, CPU.
 About 30-50 s on the shared 2-core machine (the prefill ~20 s, the 4,096 decode steps the rest)."""
 
 from __future__ import annotations
