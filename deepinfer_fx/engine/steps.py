@@ -101,7 +101,7 @@ def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Ten
     """One verify step over its input buffer: every row's logits, then acceptance (``k``: and
     every row's logprobs and top ``k``; ``mask``: every row's structured-output bitmask)."""
     token_ids, slots, starts, lens, rows, _ = layout.split_model(layout.model_part(buf))
-    logits, X = prefill_logits(params, state, c, token_ids, slots, starts, lens, rows, streams=True)
+    logits, X = _with_streams(prefill_logits(params, state, c, token_ids, slots, starts, lens, rows, streams=bool(n_drafts)), n_drafts)
     out = verify_out(accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids, k, mask), logits)
     return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
 
@@ -116,7 +116,8 @@ def decode_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Ten
                 mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, n_drafts: int = 0) -> StepOut:
     """One decode step over its input buffer: logits, then the sampled tokens."""
-    logits, X = decode_logits(params, state, c, next_token, *layout.split_model(layout.model_part(buf)), streams=True)
+    logits, X = _with_streams(decode_logits(params, state, c, next_token, *layout.split_model(layout.model_part(buf)),
+                                            streams=bool(n_drafts)), n_drafts)
     out = StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
     return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
 
@@ -125,9 +126,15 @@ def prefill_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Te
                  mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, n_drafts: int = 0) -> StepOut:
     """One prefill step over its input buffer: logits at its rows, then the sampled tokens."""
-    logits, X = prefill_logits(params, state, c, *layout.split_model(layout.model_part(buf)), kept=layout.kept, streams=True)
+    logits, X = _with_streams(prefill_logits(params, state, c, *layout.split_model(layout.model_part(buf)), kept=layout.kept,
+                                             streams=bool(n_drafts)), n_drafts)
     out = StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
     return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
+
+
+def _with_streams(out, n_drafts: int) -> tuple:
+    """(logits, what the drafter reads): a forward asked for streams only when a drafter runs."""
+    return out if n_drafts else (out, None)
 
 
 def with_drafts(out, params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, X: torch.Tensor, n_drafts: int):
