@@ -66,7 +66,7 @@ class StepHandle:
     fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
     _tokens: list[list[int]] | None = None
     _accepted: list[int] | None = None
-    _drafts: list[list[list[int]] | None] | None = None  # per part: each row's drafts (None: no model drafter)
+    _drafts: list[tuple | None] | None = None  # per part: each row's drafts and confidences (None: no model drafter)
 
     def wait(self) -> None:
         if self._tokens is not None:

@@ -114,13 +114,17 @@ def test_sampled_outputs_equal(model) -> None:
     prompts = _requests(seed, 3)
     params = [SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0, max_tokens=8, ignore_eos=True, seq_seed=seed + i)
               for i in range(3)]
-    plain = make_llm(model).generate(prompts, params)
-    ref = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
-    llm = make_llm(model, speculative_config=NGRAM)
-    oracle(llm, ref)
-    got = llm.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in got] == [ref[tuple(p)] for p in prompts], f"seed={seed}"
+    plain, got, llm = _plain_and_speculative(model, prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain], f"seed={seed}"
     assert 0 < llm.speculator.stats.accepted_tokens < llm.speculator.stats.draft_tokens
+
+
+def _plain_and_speculative(model, prompts, params):
+    """(plain outputs, outputs with the oracle's n-gram drafts, that engine)."""
+    plain = make_llm(model).generate(prompts, params)
+    llm = make_llm(model, speculative_config=NGRAM)
+    oracle(llm, {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)})
+    return plain, llm.generate(prompts, params), llm
 
 
 def test_logprobs_requests_speculate(model) -> None:
@@ -130,11 +134,7 @@ def test_logprobs_requests_speculate(model) -> None:
     prompts = _requests(seed, 3)
     params = [SamplingParams(temperature=0.7 * (i % 2), max_tokens=8, ignore_eos=True, logprobs=2 + i, seq_seed=seed + i)
               for i in range(3)]
-    plain = make_llm(model).generate(prompts, params)
-    ref = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
-    llm = make_llm(model, speculative_config=NGRAM)
-    oracle(llm, ref)
-    got = llm.generate(prompts, params)
+    plain, got, llm = _plain_and_speculative(model, prompts, params)
     st = llm.speculator.stats
     assert 0 < st.accepted_tokens < st.draft_tokens, f"seed={seed}: {st}"
     for i, (a, b) in enumerate(zip(plain, got)):
