@@ -10,10 +10,20 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "engine", "CompletionOutput": "engine", "EngineType": "engine", "RequestOutput": "engine",
-    "SamplingParams": "engine", "Model": "api", "load_model": "api", "logits": "api", "random_model": "api",
-    "ModelConfig": "config", "config_from_dict": "config", "load_config": "config",
-    "write_random_checkpoint": "io.writer", "input_embeddings": "vision.merge",
+    "LLM": "engine",
+    "CompletionOutput": "engine",
+    "EngineType": "engine",
+    "RequestOutput": "engine",
+    "SamplingParams": "engine",
+    "Model": "api",
+    "load_model": "api",
+    "logits": "api",
+    "random_model": "api",
+    "ModelConfig": "config",
+    "config_from_dict": "config",
+    "load_config": "config",
+    "write_random_checkpoint": "io.writer",
+    "input_embeddings": "vision.merge",
 }
 
 

@@ -71,37 +71,66 @@ class Var:
 
 
 VARIABLES: dict[str, Var] = {
-    f"{PREFIX}ACCELERATOR": Var("accelerator", _choice("nvidia", "ascend", "cpu"), None, "nvidia, ascend or cpu", "detected when unset"),
+    f"{PREFIX}ACCELERATOR": Var(
+        "accelerator", _choice("nvidia", "ascend", "cpu"), None, "nvidia, ascend or cpu", "detected when unset"
+    ),
     f"{PREFIX}HF_MODEL_DIR": Var("hf_model_dir", _text, None, "a directory", "local checkpoint instead of the hub"),
-    f"{PREFIX}OVERRIDE_NUM_EXTRA_EXPERTS": Var("extra_experts", _count, 32, "a non-negative integer", "redundant experts (a lower bound)"),
+    f"{PREFIX}OVERRIDE_NUM_EXTRA_EXPERTS": Var(
+        "extra_experts", _count, 32, "a non-negative integer", "redundant experts (a lower bound)"
+    ),
     f"{PREFIX}EP_CAPACITY_FACTOR": Var(
-        "ep_capacity_factor", _factor, 0.0, "a finite number >= 0",
+        "ep_capacity_factor",
+        _factor,
+        0.0,
+        "a finite number >= 0",
         "EP send capacity as a multiple of the average pairs per destination rank; 0 = worst case, never drops",
     ),
     f"{PREFIX}ENABLE_MTP_VARLEN": Var("mtp_varlen", _boolean, False, "0 or 1", "variable-length draft verification"),
     f"{PREFIX}USE_NEXTN_DECODE": Var("nextn_decode", _count, 5, "a non-negative integer", "maximum draft length"),
-    f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE": Var("yoco_mode", _choice("compact", "off"), None, "compact or off", "compact for V4.1 when unset"),
-    f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS": Var("yoco_keep_tokens", _count, 140, "a non-negative integer", "decoder rows kept at prefill"),
-    f"{PREFIX}BATCH_INVARIANT": Var("batch_invariant", _boolean, False, "0 or 1", "results independent of batch composition"),
-    f"{PREFIX}DISABLE_PASSES": Var("disable_passes", _text, "", "comma-separated pass names", "graph passes switched off"),
+    f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE": Var(
+        "yoco_mode", _choice("compact", "off"), None, "compact or off", "compact for V4.1 when unset"
+    ),
+    f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS": Var(
+        "yoco_keep_tokens", _count, 140, "a non-negative integer", "decoder rows kept at prefill"
+    ),
+    f"{PREFIX}BATCH_INVARIANT": Var(
+        "batch_invariant", _boolean, False, "0 or 1", "results independent of batch composition"
+    ),
+    f"{PREFIX}DISABLE_PASSES": Var(
+        "disable_passes", _text, "", "comma-separated pass names", "graph passes switched off"
+    ),
     f"{PREFIX}PDL": Var(
-        "pdl", _boolean, True, "0 or 1",
+        "pdl",
+        _boolean,
+        True,
+        "0 or 1",
         "programmatic dependent launch of every Triton kernel (ours and Inductor's, patched to wait first) on "
         "sm_90+ GPUs: each may start while the one before it finishes, and waits on the device for its results",
     ),
-    f"{PREFIX}TOPOLOGY_FILE": Var("topology_file", _text, None, "a JSON file", "hardware description for expert placement"),
+    f"{PREFIX}TOPOLOGY_FILE": Var(
+        "topology_file", _text, None, "a JSON file", "hardware description for expert placement"
+    ),
     f"{PREFIX}CACHE_DIR": Var(
-        "cache_dir", _text, None, "a directory",
+        "cache_dir",
+        _text,
+        None,
+        "a directory",
         "compile caches (Inductor, FX graph, AOT autograd, Triton); default ~/.cache/deepinfer_fx/compile",
     ),
     f"{PREFIX}DEMO_DIR": Var("demo_dir", _text, None, "a directory", "where the built-in demo model is written"),
     f"{PREFIX}EXPERT_FORMAT": Var(
-        "expert_format", _choice("auto", "fp8", "fp4", "dequant"), "auto", "auto, fp8, fp4 or dequant",
+        "expert_format",
+        _choice("auto", "fp8", "fp4", "dequant"),
+        "auto",
+        "auto, fp8, fp4 or dequant",
         "routed experts of quantised checkpoints: fp8 (block FP8) and fp4 (MXFP4) keep them as stored, dequant "
         "converts them to the model dtype on load, auto keeps block FP8 on CUDA only and dequantises MXFP4",
     ),
     f"{PREFIX}DIST_TIMEOUT": Var(
-        "dist_timeout", _seconds, 300.0, "a positive number of seconds",
+        "dist_timeout",
+        _seconds,
+        300.0,
+        "a positive number of seconds",
         "how long a rank waits for its peers in any collective or lock-step agreement before the job "
         "exits with an error naming the ranks that did not answer",
     ),

@@ -24,15 +24,21 @@ PROMPTS = [
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo", help="checkpoint directory, hub repo id, or 'demo' (default: %(default)s)")
+    ap.add_argument(
+        "--model", default="demo", help="checkpoint directory, hub repo id, or 'demo' (default: %(default)s)"
+    )
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel degree (default: %(default)s)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel degree (default: %(default)s)")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel degree (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: %(default)s)")
     # sampled, not greedy, as DeepInfer's example runs; SamplingParams' own default is vLLM's 1.0
-    ap.add_argument("--temperature", type=float, default=0.6,
-                    help="sampling temperature (default: %(default)s, as DeepInfer's example samples; SamplingParams "
-                         "defaults to 1.0 as in vLLM, python -m deepinfer_fx.generate to 0.0 = greedy)")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.6,
+        help="sampling temperature (default: %(default)s, as DeepInfer's example samples; SamplingParams "
+        "defaults to 1.0 as in vLLM, python -m deepinfer_fx.generate to 0.0 = greedy)",
+    )
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (default: %(default)s)")
     ap.add_argument("--eager", action="store_true", help="run the model functions uncompiled")
     ap.add_argument("--no-overlap", action="store_true", help="run steps synchronously")
@@ -50,7 +56,9 @@ def main() -> None:
     for out in llm.generate(PROMPTS, params, use_tqdm=True):
         print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
     st = llm.last_stats
-    print(f"prefill {st.prefill_tokens / max(st.prefill_time, 1e-9):.1f} tok/s, decode {st.decode_tokens / max(st.decode_time, 1e-9):.1f} tok/s")
+    print(
+        f"prefill {st.prefill_tokens / max(st.prefill_time, 1e-9):.1f} tok/s, decode {st.decode_tokens / max(st.decode_time, 1e-9):.1f} tok/s"
+    )
 
 
 if __name__ == "__main__":

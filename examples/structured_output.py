@@ -31,7 +31,10 @@ expr ::= term (("+" | "-") term)*
 term ::= [0-9]{1,3} | "(" expr ")"
 """
 REQUESTS = [
-    ("A date (YYYY-MM-DD):", {"schema_type": "regex", "schema": r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"}),
+    (
+        "A date (YYYY-MM-DD):",
+        {"schema_type": "regex", "schema": r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"},
+    ),
     ("A person as JSON:", {"schema_type": "json", "schema": PERSON}),
     ("An arithmetic expression:", {"schema_type": "ebnf", "schema": ARITHMETIC}),
 ]
@@ -39,15 +42,19 @@ REQUESTS = [
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo", help="checkpoint directory, hub repo id, or 'demo' (default: %(default)s)")
+    ap.add_argument(
+        "--model", default="demo", help="checkpoint directory, hub repo id, or 'demo' (default: %(default)s)"
+    )
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: %(default)s)")
     args = ap.parse_args()
 
     llm = LLM(model=args.model)
     prompts = [p for p, _ in REQUESTS]
-    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seq_seed=i, so_args=so)
-              for i, (_, so) in enumerate(REQUESTS)]
+    params = [
+        SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seq_seed=i, so_args=so)
+        for i, (_, so) in enumerate(REQUESTS)
+    ]
     for (prompt, so), out in zip(REQUESTS, llm.generate(prompts, params)):
         c = out.outputs[0]
         print(f"--- {so['schema_type']}: {prompt} ({c.finish_reason})")

@@ -37,7 +37,9 @@ def _refuse_unknown_launch_keywords() -> None:
     def checked(self, *args, grid, warmup, **kwargs):
         unknown = sorted(set(kwargs) - set(self.arg_names) - options)
         if unknown:
-            raise KeyError(f"{self.fn.__name__}: launch keyword(s) {unknown} are neither its parameters nor launch options")
+            raise KeyError(
+                f"{self.fn.__name__}: launch keyword(s) {unknown} are neither its parameters nor launch options"
+            )
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = checked

@@ -55,8 +55,10 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
             raise ValueError(f"variant {name!r}: {pair!r} is not KEY=VALUE")
         if key == _TREE:
             if not Path(value, "deepinfer_fx").is_dir():
-                raise ValueError(f"variant {name!r}: TREE={value} holds no deepinfer_fx package; export one with "
-                                 f"`git archive <commit> | tar -x -C {value}`")
+                raise ValueError(
+                    f"variant {name!r}: TREE={value} holds no deepinfer_fx package; export one with "
+                    f"`git archive <commit> | tar -x -C {value}`"
+                )
             value = str(Path(value).resolve())
         elif key.startswith(PREFIX):
             if key not in VARIABLES:
@@ -83,13 +85,21 @@ def _run(bench: str, args: list[str], env: dict[str, str], out_dir: Path) -> dic
     tree = env.pop(_TREE, None)
     if tree is not None:  # that tree's package first on the path, and its directory the working one
         env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", bench, *args, "--out", str(out_dir.resolve())], env=env, cwd=tree,
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", bench, *args, "--out", str(out_dir.resolve())],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     (out_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     files = sorted(out_dir.glob("*.json"))
     if proc.returncode != 0 or len(files) != 1:
-        raise RuntimeError(f"{bench} exited with {proc.returncode} and wrote {len(files)} result files; "
-                           f"its output ends:\n{(proc.stdout + proc.stderr)[-_LOG_TAIL:]}")
+        raise RuntimeError(
+            f"{bench} exited with {proc.returncode} and wrote {len(files)} result files; "
+            f"its output ends:\n{(proc.stdout + proc.stderr)[-_LOG_TAIL:]}"
+        )
     return json.loads(files[0].read_text())
 
 
@@ -108,14 +118,16 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[st
             v["vs_" + names[0]] = round(v["median"] - base["median"], 4)
             v["vs_" + names[0] + "_pct"] = round(100 * (v["median"] / base["median"] - 1), 2)
             # A difference inside the rounds' spread is not resolved by this run; one round has no spread.
-            v["resolved"] = len(v["values"]) > 1 and abs(v["median"] - base["median"]) > max(v["spread"], base["spread"])
+            v["resolved"] = len(v["values"]) > 1 and abs(v["median"] - base["median"]) > max(
+                v["spread"], base["spread"]
+            )
         table[key] = row
     return table
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, bench_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    own, bench_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", required=True, help='"NAME KEY=VALUE ..." (at least two)')
     ap.add_argument("--rounds", type=int, default=2)
@@ -144,11 +156,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     table = summarize(runs, names)
     for key, row in table.items():
         cells = [f"{n} {v['median']:.3f} (+-{v['spread'] / 2:.3f})" for n, v in row.items()]
-        diffs = [f"{n} {v['vs_' + names[0]]:+.3f} ({v['vs_' + names[0] + '_pct']:+.1f} %{'' if v['resolved'] else ', not resolved'})"
-                 for n, v in row.items() if n != names[0]]
+        diffs = [
+            f"{n} {v['vs_' + names[0]]:+.3f} ({v['vs_' + names[0] + '_pct']:+.1f} %{'' if v['resolved'] else ', not resolved'})"
+            for n, v in row.items()
+            if n != names[0]
+        ]
         print(f"{key}: " + ", ".join(cells) + " | vs " + names[0] + ": " + ", ".join(diffs), flush=True)
-    result = {**run_info(argv), "bench": args.bench, "bench_args": bench_args, "variants": variants,
-              "rounds": args.rounds, "order": [(r["round"], r["variant"]) for r in runs], "summary": table, "runs": runs}
+    result = {
+        **run_info(argv),
+        "bench": args.bench,
+        "bench_args": bench_args,
+        "variants": variants,
+        "rounds": args.rounds,
+        "order": [(r["round"], r["variant"]) for r in runs],
+        "summary": table,
+        "runs": runs,
+    }
     write_result(args.name, result, args.out)
     return result
 

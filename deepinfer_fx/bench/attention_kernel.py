@@ -30,8 +30,12 @@ H, D, WINDOW, TOPK, ROPE_HALF = 64, 512, 128, 512, 32
 _PREFILL_TILINGS = [(64, 8, 64), (64, 8, 32), (32, 4, 64), (32, 8, 64), (16, 4, 64)]
 # decode tilings (``--decode-sweep``): (heads per program, warps, keys per tile, keys per split,
 # split programs + combine, heads per combine program)
-_DECODE_TILINGS = [(16, w, 64, split, par, ch) for w in (4, 8) for split in (64, 128, 256)
-                   for par, ch in ((False, 16), (True, 16), (True, 4), (True, 2))]
+_DECODE_TILINGS = [
+    (16, w, 64, split, par, ch)
+    for w in (4, 8)
+    for split in (64, 128, 256)
+    for par, ch in ((False, 16), (True, 16), (True, 4), (True, 2))
+]
 
 
 def prefill_bias(t: int, ratio: int, device: str) -> torch.Tensor:
@@ -63,8 +67,9 @@ def _time(q, keys, bias, sink, cos, sin, iters: int, **kw) -> tuple[float, float
     out = torch.empty_like(q)
     ms = graph_ms(lambda: sparse_mqa_triton(q, keys, bias, sink, cos, sin, out=out, **kw), iters)
     rows = slice(-256, None)  # the reference materialises [T, H, N] logits: check the last queries only
-    ref = mqa_with_sink.reference(q[..., rows, :, :], keys, bias[..., rows, :], sink, cos[..., rows, :],
-                                  sin[..., rows, :]).float()
+    ref = mqa_with_sink.reference(
+        q[..., rows, :, :], keys, bias[..., rows, :], sink, cos[..., rows, :], sin[..., rows, :]
+    ).float()
     err = ((out[..., rows, :, :].float() - ref).abs().max() / ref.abs().max()).item()
     return ms, err
 
@@ -76,8 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode", default="1,64", help="decode batch sizes, comma-separated")
     ap.add_argument("--decode-keys", default="256", help="keys per decode query, comma-separated")
     ap.add_argument("--decode-sweep", action="store_true", help="also time the decode tilings")
-    ap.add_argument("--decode-ring", action="store_true",
-                    help="also time ring_mqa (keys read in place) against gathered keys, per kind of layer")
+    ap.add_argument(
+        "--decode-ring",
+        action="store_true",
+        help="also time ring_mqa (keys read in place) against gathered keys, per kind of layer",
+    )
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
@@ -96,9 +104,15 @@ def main(argv: list[str] | None = None) -> dict:
                 except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal
                     print(f"prefill T={t} {layer} {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
-                row = {"tokens": t, "layer": layer, "tiling": "default" if tiling is None else list(tiling),
-                       "live_keys_per_query": round(live / t, 1), "ms": round(ms, 3),
-                       "TFLOPs_live": round(flops / ms / 1e9, 1), "max_rel_err": round(err, 4)}
+                row = {
+                    "tokens": t,
+                    "layer": layer,
+                    "tiling": "default" if tiling is None else list(tiling),
+                    "live_keys_per_query": round(live / t, 1),
+                    "ms": round(ms, 3),
+                    "TFLOPs_live": round(flops / ms / 1e9, 1),
+                    "max_rel_err": round(err, 4),
+                }
                 result["prefill"].append(row)
                 print(row, flush=True)
             del q, keys, bias
@@ -112,20 +126,33 @@ def main(argv: list[str] | None = None) -> dict:
             q, keys, bias, sink, cos, sin = _case(bias, (b,))
             kv_bytes = keys.numel() * keys.element_size()
             for tiling in [None, *(_DECODE_TILINGS if args.decode_sweep else [])]:
-                kw = {} if tiling is None else dict(zip(("heads", "num_warps", "block_n", "split", "parallel", "combine_heads"), tiling))
+                kw = (
+                    {}
+                    if tiling is None
+                    else dict(zip(("heads", "num_warps", "block_n", "split", "parallel", "combine_heads"), tiling))
+                )
                 try:
                     ms, err = _time(q, keys, bias, sink, cos, sin, args.iters * 20, **kw)
                 except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal
                     print(f"decode b={b} n={n} {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
-                row = {"batch": b, "keys": n, "tiling": "default" if tiling is None else list(tiling), "ms": round(ms, 4),
-                       "kv_TBps": round(kv_bytes / ms / 1e9, 3), "max_rel_err": round(err, 4)}
+                row = {
+                    "batch": b,
+                    "keys": n,
+                    "tiling": "default" if tiling is None else list(tiling),
+                    "ms": round(ms, 4),
+                    "kv_TBps": round(kv_bytes / ms / 1e9, 3),
+                    "max_rel_err": round(err, 4),
+                }
                 result["decode"].append(row)
                 print(row, flush=True)
             del q, keys, bias
     if args.decode_ring:
-        result["decode_ring"] = [_ring_case(b, *layer, args.iters * 20) for b in [int(x) for x in args.decode.split(",") if x]
-                                 for layer in _RING_LAYERS]
+        result["decode_ring"] = [
+            _ring_case(b, *layer, args.iters * 20)
+            for b in [int(x) for x in args.decode.split(",") if x]
+            for layer in _RING_LAYERS
+        ]
     write_result("attention_kernel", result, args.out)
     return result
 
@@ -163,17 +190,31 @@ def _ring_case(b: int, layer: str, e: int, k: int | None, iters: int) -> dict:
     keys, full = gathered()
     ring_ms = graph_ms(lambda: ring_mqa_triton(q, ring, slots, pos, pool, rows, bias, sink, cos, sin, out=out), iters)
     try:  # a third stage lets a tile's row numbers load a tile ahead of its keys; it may not fit in shared memory
-        ring3 = round(graph_ms(lambda: ring_mqa_triton(q, ring, slots, pos, pool, rows, bias, sink, cos, sin, out=out,
-                                                       num_stages=3), iters), 4)
+        ring3 = round(
+            graph_ms(
+                lambda: ring_mqa_triton(q, ring, slots, pos, pool, rows, bias, sink, cos, sin, out=out, num_stages=3),
+                iters,
+            ),
+            4,
+        )
     except Exception as err:  # reported, not fatal
         ring3 = f"{type(err).__name__}: {str(err)[:100]}"
     kernel_ms = graph_ms(lambda: sparse_mqa_triton(q, keys, full, sink, cos, sin, out=out), iters)
     with_gather_ms = graph_ms(lambda: sparse_mqa_triton(q, *gathered(), sink, cos, sin, out=out), iters)
-    same = torch.equal(ring_mqa_triton(q, ring, slots, pos, pool, rows, bias, sink, cos, sin),
-                       sparse_mqa_triton(q, keys, full, sink, cos, sin))
-    row = {"batch": b, "layer": layer, "keys": WINDOW + n_e, "ring_ms": round(ring_ms, 4), "ring_3_stages_ms": ring3,
-           "gathered_kernel_ms": round(kernel_ms, 4),
-           "gather_and_kernel_ms": round(with_gather_ms, 4), "bitwise_equal": same}
+    same = torch.equal(
+        ring_mqa_triton(q, ring, slots, pos, pool, rows, bias, sink, cos, sin),
+        sparse_mqa_triton(q, keys, full, sink, cos, sin),
+    )
+    row = {
+        "batch": b,
+        "layer": layer,
+        "keys": WINDOW + n_e,
+        "ring_ms": round(ring_ms, 4),
+        "ring_3_stages_ms": ring3,
+        "gathered_kernel_ms": round(kernel_ms, 4),
+        "gather_and_kernel_ms": round(with_gather_ms, 4),
+        "bitwise_equal": same,
+    }
     print(row, flush=True)
     return row
 

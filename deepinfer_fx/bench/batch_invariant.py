@@ -99,8 +99,17 @@ def cpu_cost(repeats: int) -> dict:
                 x = torch.randn(m, k).to(dtype)
                 ref = _best_ms(lambda x=x, w=w: x @ w.T, repeats)
                 fixed = _best_ms(lambda x=x, w=w: fixed_order_matmul(x, w, False), repeats)
-                matmul.append({"dtype": str(dtype)[6:], "N": n, "K": k, "M": m, "torch_ms": round(ref, 3), "fixed_ms": round(fixed, 3),
-                               "ratio": round(fixed / ref, 1)})
+                matmul.append(
+                    {
+                        "dtype": str(dtype)[6:],
+                        "N": n,
+                        "K": k,
+                        "M": m,
+                        "torch_ms": round(ref, 3),
+                        "fixed_ms": round(fixed, 3),
+                        "ratio": round(fixed / ref, 1),
+                    }
+                )
                 print(matmul[-1], flush=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(8, 40))] for _ in range(16)]
@@ -112,8 +121,14 @@ def cpu_cost(repeats: int) -> dict:
         for on in (False, True):
             llm = LLM(model, device="cpu", eager=True, max_model_len=96, num_threads=1, batch_invariant=on)
             times[on] = _best_ms(lambda llm=llm: llm.generate(prompts, params), repeats)
-        engine.append({"dtype": str(dtype)[6:], "off_ms": round(times[False], 1), "on_ms": round(times[True], 1),
-                       "slower_pct": round(100 * (times[True] / times[False] - 1), 1)})
+        engine.append(
+            {
+                "dtype": str(dtype)[6:],
+                "off_ms": round(times[False], 1),
+                "on_ms": round(times[True], 1),
+                "slower_pct": round(100 * (times[True] / times[False] - 1), 1),
+            }
+        )
         print(engine[-1], flush=True)
     return {"threads": 1, "matmul": matmul, "tiny_v4_generate": engine}
 
@@ -144,22 +159,45 @@ def main(argv: list[str] | None = None) -> dict:
             alone = torch.cat([_on(x[i : i + 1], weights[0], out_fp32) for i in range(min(m, 64))])
             off_us = _time_us(lambda w, x=x, o=out_fp32: _off(x, w, o), weights, args.iters)
             on_us = _time_us(lambda w, x=x, o=out_fp32: _on(x, w, o), weights, args.iters)
-            row = {"weight": name, "N": n, "K": k, "M": m, "out_fp32": out_fp32, "calls_per_step": calls,
-                   "off_us": round(off_us, 2), "on_us": round(on_us, 2), "on_over_off": round(on_us / off_us, 3),
-                   "max_rel_diff": ((got.float() - ref).abs().max() / ref.abs().max()).item(),
-                   "rows_equal_alone": bool(torch.equal(alone, got[: len(alone)]))}
+            row = {
+                "weight": name,
+                "N": n,
+                "K": k,
+                "M": m,
+                "out_fp32": out_fp32,
+                "calls_per_step": calls,
+                "off_us": round(off_us, 2),
+                "on_us": round(on_us, 2),
+                "on_over_off": round(on_us / off_us, 3),
+                "max_rel_diff": ((got.float() - ref).abs().max() / ref.abs().max()).item(),
+                "rows_equal_alone": bool(torch.equal(alone, got[: len(alone)])),
+            }
             rows.append(row)
             step[m]["off_us"] += off_us * calls
             step[m]["on_us"] += on_us * calls
             print(row, flush=True)
         del weights
         torch.cuda.empty_cache()
-    summary = [{"M": m, "off_us": round(s["off_us"], 1), "on_us": round(s["on_us"], 1),
-                "slower_pct": round(100 * (s["on_us"] / s["off_us"] - 1), 1)} for m, s in step.items()]
+    summary = [
+        {
+            "M": m,
+            "off_us": round(s["off_us"], 1),
+            "on_us": round(s["on_us"], 1),
+            "slower_pct": round(100 * (s["on_us"] / s["off_us"] - 1), 1),
+        }
+        for m, s in step.items()
+    ]
     for s in summary:
-        print(f"M={s['M']:>5}: projections of a step {s['off_us']:>9.1f} us off, {s['on_us']:>9.1f} us on ({s['slower_pct']:+.1f} %)")
-    result = {**run_info(argv), "dtype": "bfloat16", "scope": "dense projections of a P8 step (the engine refuses the flag on CUDA)",
-              "rows": rows, "step": summary}
+        print(
+            f"M={s['M']:>5}: projections of a step {s['off_us']:>9.1f} us off, {s['on_us']:>9.1f} us on ({s['slower_pct']:+.1f} %)"
+        )
+    result = {
+        **run_info(argv),
+        "dtype": "bfloat16",
+        "scope": "dense projections of a P8 step (the engine refuses the flag on CUDA)",
+        "rows": rows,
+        "step": summary,
+    }
     write_result("batch_invariant_p8", result, args.out)
     return result
 

@@ -71,7 +71,13 @@ V41: dict[str, Any] = {
     "rms_norm_eps": 1e-20,
     "rope_theta": 10000,
     "compress_rope_theta": 160000,
-    "rope_scaling": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
     "max_position_embeddings": 1048576,
     "num_nextn_predict_layers": 3,
     "dspark_block_size": 5,
@@ -112,13 +118,19 @@ def bench_config(name: str, layers: int | None = None) -> ModelConfig:
     n = d["num_hidden_layers"] if layers is None else layers
     if not 0 < n <= d["num_hidden_layers"]:
         raise ValueError(f"bench config {name!r} has {d['num_hidden_layers']} layers; cannot cut it to {n}")
-    d.update(num_hidden_layers=n, compress_ratios=d["compress_ratios"][:n], num_hash_layers=min(d.get("num_hash_layers", 0), n))
+    d.update(
+        num_hidden_layers=n,
+        compress_ratios=d["compress_ratios"][:n],
+        num_hash_layers=min(d.get("num_hash_layers", 0), n),
+    )
     for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids", "dspark_target_layer_ids"):
         if key in d:
             d[key] = [i for i in d[key] if i < n]
     if d.get("candidate_source_layer_id", -1) >= n:
         d["candidate_source_layer_id"] = -1  # HF's spelling of "no two-level top-k"
     if d.get("engram_layer_ids"):  # tables as the hash layout sizes them
-        probe = config_from_dict({**d, "engram_num_embeddings": [1] * len(d["engram_layer_ids"])}, where=f"bench {name}")
+        probe = config_from_dict(
+            {**d, "engram_num_embeddings": [1] * len(d["engram_layer_ids"])}, where=f"bench {name}"
+        )
         d["engram_num_embeddings"] = list(engram_layout(probe).rows)
     return config_from_dict(d, where=f"bench config {name}").replace(fake_quant=False)

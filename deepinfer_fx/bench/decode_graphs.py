@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
     slots = max(batches)
     state = init_state(c, args.context + 64, torch.bfloat16, "cuda", mtp=False, slots=slots)
     next_token = torch.randint(3, c.vocab_size, (slots + 1,), device="cuda")
-    graphs = StepGraphs(model, state, next_token, max_requests=slots, max_tokens=16, graphs=True, inductor=not args.no_inductor)
+    graphs = StepGraphs(
+        model, state, next_token, max_requests=slots, max_tokens=16, graphs=True, inductor=not args.no_inductor
+    )
     rows = []
     for b in batches:
         sl = list(range(b))
@@ -57,14 +59,27 @@ def main(argv: list[str] | None = None) -> dict:
         same_top = (replay_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
         t_eager = timed(lambda: decode_logits(model.params, state, c, next_token, *meta), args.iters)
         t_graph = timed(lambda: graphs.decode(sl, starts), args.iters)
-        rows.append({
-            "batch": b, "context": args.context, "eager_ms": round(t_eager * 1e3, 3), "graph_ms": round(t_graph * 1e3, 3),
-            "speedup": round(t_eager / t_graph, 2), "first_call_s": round(first, 1),
-            "max_rel_diff_graph_vs_eager": err, "max_rel_diff_compiled_first_run": err_first, "argmax_agree": same_top,
-        })
+        rows.append(
+            {
+                "batch": b,
+                "context": args.context,
+                "eager_ms": round(t_eager * 1e3, 3),
+                "graph_ms": round(t_graph * 1e3, 3),
+                "speedup": round(t_eager / t_graph, 2),
+                "first_call_s": round(first, 1),
+                "max_rel_diff_graph_vs_eager": err,
+                "max_rel_diff_compiled_first_run": err_first,
+                "argmax_agree": same_top,
+            }
+        )
         print(rows[-1], flush=True)
-    result = {**run_info(argv), "model": f"P8 ({args.layers} layers), bf16, random weights", "inductor": not args.no_inductor,
-              "rows": rows, "graphs": graphs.report()}
+    result = {
+        **run_info(argv),
+        "model": f"P8 ({args.layers} layers), bf16, random weights",
+        "inductor": not args.no_inductor,
+        "rows": rows,
+        "graphs": graphs.report(),
+    }
     write_result("decode_graphs_p8", result, args.out)
     return result
 

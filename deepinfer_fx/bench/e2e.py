@@ -45,8 +45,12 @@ SETTINGS = {"greedy": dict(temperature=0.0), "top_p": dict(temperature=0.7, top_
 
 def _model(layers: int, mtp: bool = False):
     """P8 random weights, ``layers`` deep (``mtp``: with V4's MTP-1 block, a window-only layer)."""
-    c = p8_config(num_hidden_layers=layers, compress_ratios=P8["compress_ratios"][:layers] + [0] * mtp,
-                  num_hash_layers=min(P8["num_hash_layers"], layers), num_nextn_predict_layers=int(mtp))
+    c = p8_config(
+        num_hidden_layers=layers,
+        compress_ratios=P8["compress_ratios"][:layers] + [0] * mtp,
+        num_hash_layers=min(P8["num_hash_layers"], layers),
+        num_nextn_predict_layers=int(mtp),
+    )
     return random_model(c, seed=0, dtype=torch.bfloat16, device="cuda")
 
 
@@ -75,11 +79,18 @@ def decode_row(llm: LLM, batch: int, setting: str, prompt_len: int, max_tokens: 
     graph_ms = timed(lambda: steps.step(rows, (), probe.sampler_mode), iters) * 1e3
     assert len(steps.report()) == graphs_before, "the bare step compiled a graph the generate did not run"
     row = {
-        "batch": batch, "sampling": setting, "prompt_len": prompt_len, "max_tokens": max_tokens,
-        "e2e_ms_per_step": round(e2e_ms, 3), "graph_ms_per_step": round(graph_ms, 3),
-        "e2e_tok_s": round(batch * 1e3 / e2e_ms, 1), "graph_tok_s": round(batch * 1e3 / graph_ms, 1),
-        "ratio": round(graph_ms / e2e_ms, 3), "host_us_per_step": round(stats.host_us_per_step, 1),
-        "host_wait_share": round(stats.host_wait / max(stats.wall, 1e-9), 3), "generate_wall_s": round(wall, 3),
+        "batch": batch,
+        "sampling": setting,
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        "e2e_ms_per_step": round(e2e_ms, 3),
+        "graph_ms_per_step": round(graph_ms, 3),
+        "e2e_tok_s": round(batch * 1e3 / e2e_ms, 1),
+        "graph_tok_s": round(batch * 1e3 / graph_ms, 1),
+        "ratio": round(graph_ms / e2e_ms, 3),
+        "host_us_per_step": round(stats.host_us_per_step, 1),
+        "host_wait_share": round(stats.host_wait / max(stats.wall, 1e-9), 3),
+        "generate_wall_s": round(wall, 3),
         "steps": stats.steps,
     }
     print(row, flush=True)
@@ -100,9 +111,16 @@ def prefill_row(llm: LLM, n: int, length: int, iters: int) -> dict:
     steps = llm.runner.steps
     graph_ms = timed(lambda: steps.step((), chunk, "greedy"), iters) * 1e3
     e2e_tok_s = n * length / wall
-    row = {"prompts": n, "prompt_len": length, "e2e_tok_s": round(e2e_tok_s), "graph_tok_s": round(length * 1e3 / graph_ms),
-           "ratio": round(e2e_tok_s / (length * 1e3 / graph_ms), 3), "generate_wall_s": round(wall, 3),
-           "graph_ms_per_chunk": round(graph_ms, 3), "host_us_per_step": round(llm.last_stats.host_us_per_step, 1)}
+    row = {
+        "prompts": n,
+        "prompt_len": length,
+        "e2e_tok_s": round(e2e_tok_s),
+        "graph_tok_s": round(length * 1e3 / graph_ms),
+        "ratio": round(e2e_tok_s / (length * 1e3 / graph_ms), 3),
+        "generate_wall_s": round(wall, 3),
+        "graph_ms_per_chunk": round(graph_ms, 3),
+        "host_us_per_step": round(llm.last_stats.host_us_per_step, 1),
+    }
     print(row, flush=True)
     return row
 
@@ -113,16 +131,27 @@ def startup_child(args: argparse.Namespace) -> dict:
     model = _model(args.layers)
     torch.cuda.synchronize()
     t_model = time.perf_counter() - t0
-    llm = LLM(model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
-              max_model_len=max(args.budget, args.prompt_len) + args.max_tokens + 16, warmup=True)
+    llm = LLM(
+        model=model,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.budget,
+        max_model_len=max(args.budget, args.prompt_len) + args.max_tokens + 16,
+        warmup=True,
+    )
     t_engine = time.perf_counter() - t0 - t_model
     prompt = _prompts(1, args.prompt_len, llm.model.config.vocab_size, seed=1)
     t1 = time.perf_counter()
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1))[0]
     ttft = out.metrics.first_token_time - t1
     compiled_late = [r["graph"] for r in llm.runner.steps.report() if r["graph"] not in llm.warmed]
-    return {"model_s": round(t_model, 2), "engine_s": round(t_engine, 2), "warmup_s": round(llm.warmup_s, 2),
-            "graphs": len(llm.warmed), "ttft_s": round(ttft, 4), "compiled_in_generate": compiled_late}
+    return {
+        "model_s": round(t_model, 2),
+        "engine_s": round(t_engine, 2),
+        "warmup_s": round(llm.warmup_s, 2),
+        "graphs": len(llm.warmed),
+        "ttft_s": round(ttft, 4),
+        "compiled_in_generate": compiled_late,
+    }
 
 
 def startup(args: argparse.Namespace, argv: list[str]) -> dict:
@@ -139,8 +168,12 @@ def startup(args: argparse.Namespace, argv: list[str]) -> dict:
         runs.append({"start": name, **json.loads(out.stdout.strip().splitlines()[-1])})
         print(runs[-1], flush=True)
     first, second = runs
-    return {"cache_dir": cache, "runs": runs, "second_over_first": round(second["engine_s"] / first["engine_s"], 3),
-            "config": {"layers": args.layers, "max_num_seqs": args.max_num_seqs, "budget": args.budget}}
+    return {
+        "cache_dir": cache,
+        "runs": runs,
+        "second_over_first": round(second["engine_s"] / first["engine_s"], 3),
+        "config": {"layers": args.layers, "max_num_seqs": args.max_num_seqs, "budget": args.budget},
+    }
 
 
 @torch.no_grad()
@@ -157,7 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--startup", action="store_true", help="measure first and second start instead")
     ap.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--max-num-seqs", type=int, default=64, help="start-up: decode buckets up to this")
-    ap.add_argument("--budget", type=int, default=4096, help="start-up: prefill buckets up to this (max_num_batched_tokens)")
+    ap.add_argument(
+        "--budget", type=int, default=4096, help="start-up: prefill buckets up to this (max_num_batched_tokens)"
+    )
     ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default=None, help="result file name (default e2e or e2e_startup)")
     argv = sys.argv[1:] if argv is None else argv
@@ -174,10 +209,18 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"wrote {write_result(args.name or 'e2e_startup', result, args.out)}")
         return result
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(model=_model(args.layers), max_num_seqs=max(batches), max_num_batched_tokens=4096,
-              max_model_len=max(args.prompt_len + args.max_tokens, args.prefill_len + 1) + 16, warmup=False)
-    result["decode"] = [decode_row(llm, b, s, args.prompt_len, args.max_tokens, args.iters)
-                        for s in args.settings.split(",") for b in batches]
+    llm = LLM(
+        model=_model(args.layers),
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=4096,
+        max_model_len=max(args.prompt_len + args.max_tokens, args.prefill_len + 1) + 16,
+        warmup=False,
+    )
+    result["decode"] = [
+        decode_row(llm, b, s, args.prompt_len, args.max_tokens, args.iters)
+        for s in args.settings.split(",")
+        for b in batches
+    ]
     if args.prefill_prompts:
         result["prefill"] = prefill_row(llm, args.prefill_prompts, args.prefill_len, max(args.iters // 10, 3))
     result["graphs"] = llm.runner.steps.report()

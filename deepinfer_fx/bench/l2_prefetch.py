@@ -36,8 +36,14 @@ def _bulk_prefetch_kernel(w_ptr, n_pairs, k, k_split, chunk_bytes, SPLITS: tl.co
     i = tl.minimum(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), n_pairs - 1)  # tail lanes repeat the last pair
     addr = w_ptr + (i // SPLITS).to(tl.int64) * k + (i % SPLITS) * k_split
     size = tl.full([BLOCK], 0, tl.int32) + chunk_bytes
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [addr, size],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2; // $0",
+        "=r,l,r",
+        [addr, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -59,12 +65,20 @@ def bulk_prefetch(w: torch.Tensor, fraction: float) -> None:
     if chunk == 0:
         return
     pairs = n * splits
-    _bulk_prefetch_kernel[(triton.cdiv(pairs, _PAIRS),)](w, pairs, k, k_split, chunk, SPLITS=splits, BLOCK=_PAIRS,
-                                                         num_warps=_PAIRS // 32)
+    _bulk_prefetch_kernel[(triton.cdiv(pairs, _PAIRS),)](
+        w, pairs, k, k_split, chunk, SPLITS=splits, BLOCK=_PAIRS, num_warps=_PAIRS // 32
+    )
 
 
-def _pattern_us(weights: list[torch.Tensor], x: torch.Tensor, spin: int, fraction: float | None, gemv: bool,
-                buf: torch.Tensor, iters: int) -> float:
+def _pattern_us(
+    weights: list[torch.Tensor],
+    x: torch.Tensor,
+    spin: int,
+    fraction: float | None,
+    gemv: bool,
+    buf: torch.Tensor,
+    iters: int,
+) -> float:
     def call() -> None:
         for w in weights:
             if fraction is not None:
@@ -98,13 +112,24 @@ def main(argv: list[str] | None = None) -> dict:
         for spin in [int(s) for s in args.spins.split(",")]:
             spin_us = _pattern_us(weights, x, spin, None, False, buf, args.iters) if spin else 0.0
             base = _pattern_us(weights, x, spin, None, True, buf, args.iters)
-            row = {"weight": name, "N": n, "K": k, "spin": spin, "spin_us": round(spin_us, 2), "gemv_us": round(gemv_us, 2),
-                   "pattern_us": round(base, 2), "prefetched": {}}
+            row = {
+                "weight": name,
+                "N": n,
+                "K": k,
+                "spin": spin,
+                "spin_us": round(spin_us, 2),
+                "gemv_us": round(gemv_us, 2),
+                "pattern_us": round(base, 2),
+                "prefetched": {},
+            }
             for f in fractions:
                 issue_us = _pattern_us(weights, x, 0, f, False, buf, args.iters)
                 us = _pattern_us(weights, x, spin, f, True, buf, args.iters)
-                row["prefetched"][f] = {"pattern_us": round(us, 2), "saved_us": round(base - us, 2),
-                                        "prefetch_alone_us": round(issue_us, 2)}
+                row["prefetched"][f] = {
+                    "pattern_us": round(us, 2),
+                    "saved_us": round(base - us, 2),
+                    "prefetch_alone_us": round(issue_us, 2),
+                }
             result["rows"].append(row)
             print(row, flush=True)
         del weights

@@ -27,12 +27,22 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench.long_context runs at P8 widths: it needs a GPU (the CPU case is tests/eval/test_long_context.py)")
+        raise SystemExit(
+            "bench.long_context runs at P8 widths: it needs a GPU (the CPU case is tests/eval/test_long_context.py)"
+        )
     spec = {"method": "mtp", "num_speculative_tokens": args.nextn} if args.nextn else None
-    llm = LLM(model=_model(args.layers, mtp=spec is not None), max_num_seqs=1, max_num_batched_tokens=4096,
-              max_model_len=args.input_tokens + args.output_tokens, speculative_config=spec)
-    result = {**run_info(argv), "model": f"P8 random weights, {args.layers} layers" + (" and an MTP-1 block" if spec else "") + ", bf16",
-              "case": run_case(llm, args.input_tokens, args.output_tokens)}
+    llm = LLM(
+        model=_model(args.layers, mtp=spec is not None),
+        max_num_seqs=1,
+        max_num_batched_tokens=4096,
+        max_model_len=args.input_tokens + args.output_tokens,
+        speculative_config=spec,
+    )
+    result = {
+        **run_info(argv),
+        "model": f"P8 random weights, {args.layers} layers" + (" and an MTP-1 block" if spec else "") + ", bf16",
+        "case": run_case(llm, args.input_tokens, args.output_tokens),
+    }
     print(f"wrote {write_result(args.name, result, args.out)}")
     return result
 

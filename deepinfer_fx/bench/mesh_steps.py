@@ -54,7 +54,9 @@ def row_swaps(llm: LLM, max_tokens: int) -> tuple[dict[str, Callable], EPGroup |
     if ep is None:
         return dict(llm.runner.swaps), None
     c = llm.model.config
-    group = ep_group(ep.placement, max_tokens, c.num_experts_per_tok, moe_view(llm.ranks.world), device=llm.model.device)
+    group = ep_group(
+        ep.placement, max_tokens, c.num_experts_per_tok, moe_view(llm.ranks.world), device=llm.model.device
+    )
     return {**llm.runner.swaps, **ep_swaps(group)}, group
 
 
@@ -82,8 +84,9 @@ def prefill_fn(llm: LLM, tokens: int, seed: int) -> Callable[[], torch.Tensor]:
     return lambda: forward_batch(params, llm.pool.state, c, batch, rows=rows)[0]
 
 
-def seconds_per_step(fn: Callable[[], object], steps: int, warmup: int, device: torch.device,
-                     host: dist.ProcessGroup | None) -> float:
+def seconds_per_step(
+    fn: Callable[[], object], steps: int, warmup: int, device: torch.device, host: dist.ProcessGroup | None
+) -> float:
     """Wall seconds per step, ranks released together (host barrier) and the slowest rank's
     time taken (a collective step ends when its last rank does)."""
     for _ in range(warmup):
@@ -122,8 +125,18 @@ def all_to_all_per_step(fn: Callable[[], object], steps: int, device: torch.devi
     return us / 1e6 / steps, len(events) / steps, wall / steps
 
 
-def measure(llm: LLM, kind: str, size: int, *, context: int, steps: int, warmup: int, profile_steps: int, seed: int,
-            host: dist.ProcessGroup | None) -> dict:
+def measure(
+    llm: LLM,
+    kind: str,
+    size: int,
+    *,
+    context: int,
+    steps: int,
+    warmup: int,
+    profile_steps: int,
+    seed: int,
+    host: dist.ProcessGroup | None,
+) -> dict:
     """One row on this LLM (every rank of its mesh calls it; ``host`` None: one process):
     ``kind`` "decode" (``size`` requests per serving rank) or "prefill" (a ``size``-token chunk
     per serving group). Per GPU: the mesh serves ``dp * ep`` such units on ``dp * cp * ep`` GPUs
@@ -135,7 +148,10 @@ def measure(llm: LLM, kind: str, size: int, *, context: int, steps: int, warmup:
     with torch.no_grad(), swapped(swaps):
         fn = decode_fn(llm, size, context) if kind == "decode" else prefill_fn(llm, size, seed)
         step_s = seconds_per_step(fn, steps, warmup, dev, host)
-        row = {"step_ms": round(step_s * 1e3, 3), "tok_s_per_gpu": round(size * spec.dp * spec.ep / spec.world_size / step_s, 1)}
+        row = {
+            "step_ms": round(step_s * 1e3, 3),
+            "tok_s_per_gpu": round(size * spec.dp * spec.ep / spec.world_size / step_s, 1),
+        }
         if group is not None:
             row.update(ep_columns(llm, group, fn, profile_steps, host))
     if llm.options.steps.compiled and group is not None:
@@ -155,13 +171,18 @@ def ep_columns(llm: LLM, group: EPGroup, fn: Callable[[], object], profile_steps
     dist.all_gather_object(per_rank, (a2a_s, calls, share, int(group.overflow)), group=host)
     c, elem = llm.model.config, llm.model.dtype.itemsize
     layers = c.num_hidden_layers
-    return {"a2a_ms_per_layer_mean": round(sum(r[0] for r in per_rank) / len(per_rank) * 1e3 / layers, 4),
-            "a2a_ms_per_layer_max": round(max(r[0] for r in per_rank) * 1e3 / layers, 4),
-            "a2a_share_of_profiled_step_max": round(max(r[2] for r in per_rank), 4),
-            "a2a_calls_per_layer": round(calls / layers, 2),
-            "ep_capacity": group.capacity,
-            "capacity_factor": setting("DEEPINFER_EP_CAPACITY_FACTOR"),
-            # tokens out (run dtype) + slot/weight (2 x int32) + fp32 results back
-            "a2a_bytes_sent_per_layer_per_rank": group.size * group.capacity * (c.hidden_size * elem + 8 + c.hidden_size * 4)
-            if group.size > 1 else 0,
-            "dropped_pairs": sum(r[3] for r in per_rank)}
+    return {
+        "a2a_ms_per_layer_mean": round(sum(r[0] for r in per_rank) / len(per_rank) * 1e3 / layers, 4),
+        "a2a_ms_per_layer_max": round(max(r[0] for r in per_rank) * 1e3 / layers, 4),
+        "a2a_share_of_profiled_step_max": round(max(r[2] for r in per_rank), 4),
+        "a2a_calls_per_layer": round(calls / layers, 2),
+        "ep_capacity": group.capacity,
+        "capacity_factor": setting("DEEPINFER_EP_CAPACITY_FACTOR"),
+        # tokens out (run dtype) + slot/weight (2 x int32) + fp32 results back
+        "a2a_bytes_sent_per_layer_per_rank": group.size
+        * group.capacity
+        * (c.hidden_size * elem + 8 + c.hidden_size * 4)
+        if group.size > 1
+        else 0,
+        "dropped_pairs": sum(r[3] for r in per_rank),
+    }

@@ -27,8 +27,13 @@ from .configs import BENCH_CONFIGS, bench_config
 from .p8 import run_info, write_result
 from .timing import graph_ms
 
-_SWEEP = [{"BT": bt, "BK": bk, "SPLITS": s, "UNROLL": u} for bt in (16, 64) for bk in (64, 128)
-          for s in (32, 64, 128) for u in (False, True)]
+_SWEEP = [
+    {"BT": bt, "BK": bk, "SPLITS": s, "UNROLL": u}
+    for bt in (16, 64)
+    for bk in (64, 128)
+    for s in (32, 64, 128)
+    for u in (False, True)
+]
 _SWEEP_FINISH = [{"BLOCK_D": b, "num_warps": w} for b in (128, 256, 512, 1024) for w in (1, 2, 4)]
 
 
@@ -38,9 +43,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", default="1,8,16,64,256,4096,16384")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time the launches' tilings")
-    ap.add_argument("--config", choices=sorted(BENCH_CONFIGS), default="p8", help="the bench model whose widths to take")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="Sinkhorn rounds (the config's by default; fewer times what the rounds cost)")
+    ap.add_argument(
+        "--config", choices=sorted(BENCH_CONFIGS), default="p8", help="the bench model whose widths to take"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="Sinkhorn rounds (the config's by default; fewer times what the rounds cost)",
+    )
     ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     c = bench_config(args.config)
@@ -61,20 +72,39 @@ def main(argv: list[str] | None = None) -> dict:
         site = (X, fn, base, scale, *consts, None)
         want = reference(*site)[3].float()
         err = ((mhc_site_triton(*site)[3].float() - want).abs().max() / want.abs().max()).item()
-        us = {name: graph_ms(lambda f=f: f(*site), args.iters) * 1e3
-              for name, f in (("triton", mhc_site_triton), ("engine_without", engine), ("eager", reference))}
-        row = {"tokens": t, **{f"{k}_us": round(v, 2) for k, v in us.items()},
-               "triton_vs_without": round(us["engine_without"] / us["triton"], 2),
-               "triton_X_TBps": round(X.numel() * X.element_size() / us["triton"] / 1e6, 3), "u_max_rel_diff": err}
+        us = {
+            name: graph_ms(lambda f=f: f(*site), args.iters) * 1e3
+            for name, f in (("triton", mhc_site_triton), ("engine_without", engine), ("eager", reference))
+        }
+        row = {
+            "tokens": t,
+            **{f"{k}_us": round(v, 2) for k, v in us.items()},
+            "triton_vs_without": round(us["engine_without"] / us["triton"], 2),
+            "triton_X_TBps": round(X.numel() * X.element_size() / us["triton"] / 1e6, 3),
+            "u_max_rel_diff": err,
+        }
         if args.sweep:
-            row["sweep_us"] = {"{BT}/{BK}/{SPLITS}/{UNROLL}".format(**cfg): round(
-                graph_ms(lambda c=cfg: mhc_site_triton(*site, dots=c), args.iters) * 1e3, 2) for cfg in _SWEEP}
-            row["finish_sweep_us"] = {"{BLOCK_D}/{num_warps}".format(**cfg): round(
-                graph_ms(lambda c=cfg: mhc_site_triton(*site, finish=c), args.iters) * 1e3, 2) for cfg in _SWEEP_FINISH}
+            row["sweep_us"] = {
+                "{BT}/{BK}/{SPLITS}/{UNROLL}".format(**cfg): round(
+                    graph_ms(lambda c=cfg: mhc_site_triton(*site, dots=c), args.iters) * 1e3, 2
+                )
+                for cfg in _SWEEP
+            }
+            row["finish_sweep_us"] = {
+                "{BLOCK_D}/{num_warps}".format(**cfg): round(
+                    graph_ms(lambda c=cfg: mhc_site_triton(*site, finish=c), args.iters) * 1e3, 2
+                )
+                for cfg in _SWEEP_FINISH
+            }
         rows.append(row)
         print(row, flush=True)
-    result = {**run_info(argv), "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16", "rounds": rounds},
-              "sweep_key": "BT/BK/SPLITS/UNROLL", "finish_sweep_key": "BLOCK_D/num_warps", "rows": rows}
+    result = {
+        **run_info(argv),
+        "shape": {"hc_mult": n, "hidden": d, "fn": [m, n * d], "X": "bfloat16", "rounds": rounds},
+        "sweep_key": "BT/BK/SPLITS/UNROLL",
+        "finish_sweep_key": "BLOCK_D/num_warps",
+        "rows": rows,
+    }
     write_result(f"mhc_kernel_{args.config}", result, args.out)
     return result
 

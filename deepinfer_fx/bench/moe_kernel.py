@@ -56,27 +56,54 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _row(name: str, ms: float, weight_bytes: int, flops: int) -> dict:
-    return {f"{name}_ms": round(ms, 4), f"{name}_TBps": round(weight_bytes / ms / 1e9, 3),
-            f"{name}_TFLOPs": round(flops / ms / 1e9, 2)}
+    return {
+        f"{name}_ms": round(ms, 4),
+        f"{name}_TBps": round(weight_bytes / ms / 1e9, 3),
+        f"{name}_TFLOPs": round(flops / ms / 1e9, 2),
+    }
 
 
 # Candidates of the prefill tile sweep (bm, bn, bk, group_m, warps, stages, half); each list
 # starts from the tiles ``choose_tiles`` picks at T = 4096, then the same without half-height
 # last blocks. Two fp32 accumulators of bm x bn in the gate/up kernel bound its tile at
 # 128 x 128 on 8 warps.
-_GATE_UP_SWEEP = [(128, 128, 64, 16, 8, 3, True), (128, 128, 64, 16, 8, 3, False), (128, 128, 64, 16, 8, 4, True),
-                  (128, 128, 32, 16, 8, 5, True), (128, 64, 64, 16, 4, 4, True), (64, 128, 64, 16, 4, 4, True),
-                  (128, 128, 64, 8, 8, 3, True), (128, 128, 128, 16, 8, 2, True), (64, 64, 64, 16, 4, 5, False)]
-_DOWN_SWEEP = [(128, 256, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 4, False), (128, 256, 64, 8, 8, 3, True),
-               (128, 128, 64, 8, 8, 4, True), (128, 128, 64, 8, 4, 4, True), (256, 128, 64, 8, 8, 3, True),
-               (128, 256, 32, 8, 8, 5, True), (64, 256, 64, 8, 4, 4, True), (128, 128, 128, 8, 8, 3, True)]
+_GATE_UP_SWEEP = [
+    (128, 128, 64, 16, 8, 3, True),
+    (128, 128, 64, 16, 8, 3, False),
+    (128, 128, 64, 16, 8, 4, True),
+    (128, 128, 32, 16, 8, 5, True),
+    (128, 64, 64, 16, 4, 4, True),
+    (64, 128, 64, 16, 4, 4, True),
+    (128, 128, 64, 8, 8, 3, True),
+    (128, 128, 128, 16, 8, 2, True),
+    (64, 64, 64, 16, 4, 5, False),
+]
+_DOWN_SWEEP = [
+    (128, 256, 64, 8, 8, 4, True),
+    (128, 256, 64, 8, 8, 4, False),
+    (128, 256, 64, 8, 8, 3, True),
+    (128, 128, 64, 8, 8, 4, True),
+    (128, 128, 64, 8, 4, 4, True),
+    (256, 128, 64, 8, 8, 3, True),
+    (128, 256, 32, 8, 8, 5, True),
+    (64, 256, 64, 8, 4, 4, True),
+    (128, 128, 128, 8, 8, 3, True),
+]
 
 
 # Decode candidates (both kernels): the chosen narrow and wide tiles, and column widths and
 # pipeline depths around them.
-_DECODE_SWEEP = [(16, 32, 128, 1, 4, 4, False), (16, 128, 128, 1, 4, 3, False), (16, 64, 128, 1, 4, 4, False),
-                 (16, 64, 128, 1, 4, 3, False), (16, 32, 128, 1, 4, 3, False), (16, 32, 256, 1, 4, 3, False),
-                 (16, 64, 256, 1, 4, 3, False), (16, 128, 64, 1, 4, 4, False), (16, 32, 128, 1, 2, 4, False)]
+_DECODE_SWEEP = [
+    (16, 32, 128, 1, 4, 4, False),
+    (16, 128, 128, 1, 4, 3, False),
+    (16, 64, 128, 1, 4, 4, False),
+    (16, 64, 128, 1, 4, 3, False),
+    (16, 32, 128, 1, 4, 3, False),
+    (16, 32, 256, 1, 4, 3, False),
+    (16, 64, 256, 1, 4, 3, False),
+    (16, 128, 64, 1, 4, 4, False),
+    (16, 32, 128, 1, 2, 4, False),
+]
 
 
 def _shared_weights(w: dict) -> dict:
@@ -87,12 +114,20 @@ def _shared_weights(w: dict) -> dict:
 def _op(w: dict, sh: dict | None) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
     """The bf16 op under test, ``(x, idx, rw, limit, out=, tiles=) -> [T, D]``, and its math
     (``graphs/moe.py``): the routed experts, plus the shared expert ``sh`` when given."""
-    def op(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, limit: float, out: torch.Tensor | None = None,
-           tiles: tuple[Tiles, Tiles] | None = None) -> torch.Tensor:
+
+    def op(
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        rw: torch.Tensor,
+        limit: float,
+        out: torch.Tensor | None = None,
+        tiles: tuple[Tiles, Tiles] | None = None,
+    ) -> torch.Tensor:
         if sh is None:
             return moe_experts_triton(x, w["w1"], w["w3"], w["w2"], idx, rw, limit, out=out, tiles=tiles)
-        return moe_experts_shared_triton(x, w["w1"], w["w3"], w["w2"], sh["w1"], sh["w3"], sh["w2"], idx, rw, limit,
-                                         out=out, tiles=tiles)
+        return moe_experts_shared_triton(
+            x, w["w1"], w["w3"], w["w2"], sh["w1"], sh["w3"], sh["w2"], idx, rw, limit, out=out, tiles=tiles
+        )
 
     def reference(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, limit: float) -> torch.Tensor:
         routed = routed_experts.reference(w, limit, x, idx, rw)
@@ -117,8 +152,10 @@ def sweep(t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None =
     base = (choose_tiles(pairs, experts, inter, d, True, 0), choose_tiles(pairs, experts, d, inter, False, 0))
     decode = t <= 64
     rows = []
-    for part, n, cands in (("gate_up", inter, _DECODE_SWEEP if decode else _GATE_UP_SWEEP),
-                           ("down", d, _DECODE_SWEEP if decode else _DOWN_SWEEP)):
+    for part, n, cands in (
+        ("gate_up", inter, _DECODE_SWEEP if decode else _GATE_UP_SWEEP),
+        ("down", d, _DECODE_SWEEP if decode else _DOWN_SWEEP),
+    ):
         for cand in cands:
             tiles = (Tiles(*cand), base[1]) if part == "gate_up" else (base[0], Tiles(*cand))
             programs = max_blocks(pairs, experts, cand[0]) * triton.cdiv(n, cand[1])
@@ -128,9 +165,17 @@ def sweep(t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None =
             except Exception as exc:  # a config Triton cannot compile (shared memory, registers)
                 rows.append({"part": part, "tiles": list(cand), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                 continue
-            rows.append({"part": part, "tiles": list(cand), "programs": programs,
-                         "chosen": Tiles(*cand) == base[0 if part == "gate_up" else 1],
-                         "ms": round(ms, 4), "TFLOPs": round(flops / ms / 1e9, 1), "max_rel_diff": err})
+            rows.append(
+                {
+                    "part": part,
+                    "tiles": list(cand),
+                    "programs": programs,
+                    "chosen": Tiles(*cand) == base[0 if part == "gate_up" else 1],
+                    "ms": round(ms, 4),
+                    "TFLOPs": round(flops / ms / 1e9, 1),
+                    "max_rel_diff": err,
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -144,17 +189,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fp8", action="store_true", help="also time fp8 weights with block-128 scales")
     ap.add_argument("--fp4", action="store_true", help="also time MXFP4 weights (ue8m0 scales per 32)")
     ap.add_argument("--shared", action="store_true", help="also time the op with the shared expert folded in")
-    ap.add_argument("--sweep", type=int, default=0, metavar="T",
-                    help="instead: sweep the tiles of the bf16 kernels at T tokens (prefill tiles above 64)")
+    ap.add_argument(
+        "--sweep",
+        type=int,
+        default=0,
+        metavar="T",
+        help="instead: sweep the tiles of the bf16 kernels at T tokens (prefill tiles above 64)",
+    )
     ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     d, inter, top, limit = P8["hidden_size"], P8["moe_intermediate_size"], P8["num_experts_per_tok"], P8["swiglu_limit"]
     e = args.experts
     tag = "p8" if e == P8["n_routed_experts"] else f"p8_e{e}"  # the expert count in the name when it is not P8's
     torch.manual_seed(0)
-    w = {"w1": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
-         "w3": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
-         "w2": torch.randn(e, d, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5}
+    w = {
+        "w1": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
+        "w3": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,
+        "w2": torch.randn(e, d, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5,
+    }
     sh = _shared_weights(w) if args.shared else None
     if args.sweep:
         rows = sweep(args.sweep, w, limit, top, args.iters, sh)
@@ -178,15 +230,24 @@ def main(argv: list[str] | None = None) -> dict:
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         t_triton = graph_ms(lambda: moe_experts_triton(*bf16_args, out=out), args.iters)
         t_torch = graph_ms(lambda: routed_experts.reference(w, limit, x, idx, rw), args.iters)
-        row = {"tokens": t, "active_experts": active, **_row("triton", t_triton, weight_bytes, flops),
-               **_row("torch", t_torch, weight_bytes, flops), "speedup": round(t_torch / t_triton, 2),
-               "max_rel_diff": err}
+        row = {
+            "tokens": t,
+            "active_experts": active,
+            **_row("triton", t_triton, weight_bytes, flops),
+            **_row("torch", t_torch, weight_bytes, flops),
+            "speedup": round(t_torch / t_triton, 2),
+            "max_rel_diff": err,
+        }
         if sh is not None:
             op, reference = _op(w, sh)
             err = ((op(x, idx, rw, limit) - reference(x, idx, rw, limit)).abs().max() / ref.abs().max()).item()
             t_shared = graph_ms(lambda: op(x, idx, rw, limit, out=out), args.iters)
-            row.update(_row("shared", t_shared, weight_bytes + 3 * inter * d * w["w1"].element_size(), flops + 6 * t * d * inter),
-                       shared_max_rel_diff=err)
+            row.update(
+                _row(
+                    "shared", t_shared, weight_bytes + 3 * inter * d * w["w1"].element_size(), flops + 6 * t * d * inter
+                ),
+                shared_max_rel_diff=err,
+            )
         if q:
             w8 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
             fp8_args = (x, *w8, idx, rw, limit, _BLOCK)
@@ -201,8 +262,22 @@ def main(argv: list[str] | None = None) -> dict:
             row.update(_row("fp4", t_fp4, weight_bytes // 4 + weight_bytes // 64, flops), fp4_max_rel_diff=err4)
         rows.append(row)
         print(row, flush=True)
-    cols = ["tokens", "active_experts", "triton_ms", "torch_ms", "speedup", "triton_TBps", "torch_TBps",
-            "triton_TFLOPs", "torch_TFLOPs"] + (["shared_ms", "shared_TBps"] if sh else []) + (["fp8_ms", "fp8_TBps"] if q else []) + (["fp4_ms", "fp4_TBps"] if q4 else [])
+    cols = (
+        [
+            "tokens",
+            "active_experts",
+            "triton_ms",
+            "torch_ms",
+            "speedup",
+            "triton_TBps",
+            "torch_TBps",
+            "triton_TFLOPs",
+            "torch_TFLOPs",
+        ]
+        + (["shared_ms", "shared_TBps"] if sh else [])
+        + (["fp8_ms", "fp8_TBps"] if q else [])
+        + (["fp4_ms", "fp4_TBps"] if q4 else [])
+    )
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]:>14}" for c in cols))

@@ -54,7 +54,13 @@ P8: dict[str, Any] = {
     "rms_norm_eps": 1e-06,
     "rope_theta": 10000,
     "compress_rope_theta": 160000,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
     "max_position_embeddings": 1048576,
     "num_nextn_predict_layers": 0,
     "tie_word_embeddings": False,
@@ -75,15 +81,20 @@ def run_info(argv: list[str] | None = None) -> dict[str, Any]:
     commit = os.environ.get("DEEPINFER_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
         except OSError:
             pass
     return {
         "command": " ".join(["python", "-m", "deepinfer_fx.bench." + Path(sys.argv[0]).stem, *(argv or sys.argv[1:])]),
         "commit": commit or "unknown",
         # Settings that change what runs (DEEPINFER_PDL=0, TORCHINDUCTOR_*), as the command ran.
-        "env": {k: v for k, v in sorted(os.environ.items())
-                if (k.startswith("DEEPINFER_") and k != "DEEPINFER_COMMIT") or k.startswith("TORCHINDUCTOR_")},
+        "env": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if (k.startswith("DEEPINFER_") and k != "DEEPINFER_COMMIT") or k.startswith("TORCHINDUCTOR_")
+        },
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__,
     }
@@ -104,6 +115,10 @@ def hf_kwargs(layers: int | None = None, config: dict[str, Any] = P8) -> dict[st
     ratios = config["compress_ratios"][: layers or config["num_hidden_layers"]]
     drop = {"model_type", "compress_ratios", "rope_theta", "compress_rope_theta", "torch_dtype"}
     out = {k: v for k, v in config.items() if k not in drop}
-    out.update(num_hidden_layers=len(ratios), layer_types=[kinds[r] for r in ratios],
-               compress_rates={kinds[4]: 4, kinds[128]: 128}, num_hash_layers=min(config["num_hash_layers"], len(ratios)))
+    out.update(
+        num_hidden_layers=len(ratios),
+        layer_types=[kinds[r] for r in ratios],
+        compress_rates={kinds[4]: 4, kinds[128]: 128},
+        num_hash_layers=min(config["num_hash_layers"], len(ratios)),
+    )
     return out

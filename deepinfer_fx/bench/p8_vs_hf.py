@@ -73,8 +73,10 @@ def hf_decode_ms(hf, batch: int, context: int, steps: int, vocab: int) -> float:
 
 def _compare(a: torch.Tensor, b: torch.Tensor) -> dict:
     """Logits ``a`` against the reference ``b``: max difference relative to b's max, argmax agreement."""
-    return {"max_rel_diff": round(((a - b).abs().max() / b.abs().max()).item(), 4),
-            "argmax_agree": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4)}
+    return {
+        "max_rel_diff": round(((a - b).abs().max() / b.abs().max()).item(), 4),
+        "argmax_agree": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4),
+    }
 
 
 def _print_kernels(kernels: list[dict], top: int = 12) -> None:
@@ -88,10 +90,17 @@ def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int) -> 
     ms = timed(lambda: graphs.decode(sl, starts), steps) * 1e3
     hf_ms = None if hf is None else hf_decode_ms(hf, b, context, min(steps, 10), c.vocab_size)
     roof = roofline.decode(c, b, context)
-    row = {"batch": b, "context": context, "ours_ms": round(ms, 3), "hf_ms": None if hf_ms is None else round(hf_ms, 2),
-           "roofline_ms": round(roof.seconds * 1e3, 3), "ours_vs_roofline": round(roof.seconds * 1e3 / ms, 3),
-           "ours_tok_s": round(1e3 / ms * b), "hf_tok_s": None if hf_ms is None else round(1e3 / hf_ms * b),
-           "roofline": roof.as_dict()}
+    row = {
+        "batch": b,
+        "context": context,
+        "ours_ms": round(ms, 3),
+        "hf_ms": None if hf_ms is None else round(hf_ms, 2),
+        "roofline_ms": round(roof.seconds * 1e3, 3),
+        "ours_vs_roofline": round(roof.seconds * 1e3 / ms, 3),
+        "ours_tok_s": round(1e3 / ms * b),
+        "hf_tok_s": None if hf_ms is None else round(1e3 / hf_ms * b),
+        "roofline": roof.as_dict(),
+    }
     # the profile comes after the measurement window, never inside it
     kernels, kernel_us, launches = kernel_table(lambda: graphs.decode(sl, starts), 3)
     row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, kernels=kernels)
@@ -102,7 +111,9 @@ def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int) -> 
     print({k: v for k, v in row.items() if k not in ("kernels", "roofline", "timeline", "step_kernels")}, flush=True)
     _print_kernels(kernels)
     for r in row["timeline"][:16]:
-        print(f"   advance {r['advance_us']:8.1f} us + gap {r['gap_us']:6.1f} us {r['launches']:4d}x  {r['kernel'][:90]}")
+        print(
+            f"   advance {r['advance_us']:8.1f} us + gap {r['gap_us']:6.1f} us {r['launches']:4d}x  {r['kernel'][:90]}"
+        )
     return row
 
 
@@ -112,14 +123,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--segments", default="prefill,decode")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--context", default="512", help="decode contexts, comma-separated")
-    ap.add_argument("--prefill-tokens", default="4096", help="chunk sizes, comma-separated (one chunk from position 0 each)")
+    ap.add_argument(
+        "--prefill-tokens", default="4096", help="chunk sizes, comma-separated (one chunk from position 0 each)"
+    )
     ap.add_argument("--config", choices=sorted(BENCH_CONFIGS), default="p8", help="the bench model (bench/configs.py)")
     ap.add_argument("--layers", type=int, default=None, help="cut the model to its first N layers (default: all of it)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the peer (our engine and the roofline only)")
-    ap.add_argument("--random-weights", action="store_true", help="our own random init, no HF model at all (fast set-up; implies --no-hf)")
-    ap.add_argument("--check-fp32", action="store_true", help="also compare both engines with HF run in fp32 (the bf16 noise floor)")
+    ap.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="our own random init, no HF model at all (fast set-up; implies --no-hf)",
+    )
+    ap.add_argument(
+        "--check-fp32", action="store_true", help="also compare both engines with HF run in fp32 (the bf16 noise floor)"
+    )
     ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
     segments = set(args.segments.split(","))
@@ -149,22 +168,45 @@ def main(argv: list[str] | None = None) -> dict:
             hf.float()
             exact = hf(input_ids=ids[None]).logits[0].float()
             hf.to(torch.bfloat16)  # bf16 -> fp32 -> bf16 is exact: the timed model is unchanged
-            check = {"ours_vs_hf_bf16": check, "ours_vs_hf_fp32": _compare(ours, exact), "hf_bf16_vs_hf_fp32": _compare(theirs, exact)}
+            check = {
+                "ours_vs_hf_bf16": check,
+                "ours_vs_hf_fp32": _compare(ours, exact),
+                "hf_bf16_vs_hf_fp32": _compare(theirs, exact),
+            }
         if args.no_hf:
             hf = None
     c = model.config
     print(f"setup {time.perf_counter() - t0:.0f} s; ours vs HF on 64 tokens: {check}", flush=True)
-    print("decode tok/s = steps/s x batch x (1 + nextn) / cp with nextn = 0 (no draft head runs, so no "
-          "acceptance rate is assumed) and cp = 1 (one GPU)", flush=True)
+    print(
+        "decode tok/s = steps/s x batch x (1 + nextn) / cp with nextn = 0 (no draft head runs, so no "
+        "acceptance rate is assumed) and cp = 1 (one GPU)",
+        flush=True,
+    )
 
     slots = max(batches)
     state = init_state(c, max(*contexts, *chunk_sizes) + 64, torch.bfloat16, "cuda", mtp=False, slots=slots)
     next_token = torch.randint(3, c.vocab_size, (slots + 1,), device="cuda")
-    graphs = StepGraphs(model, state, next_token, max_requests=slots, max_tokens=max(chunk_sizes),
-                        graphs=True, inductor=not args.no_inductor)
-    result = {**run_info(argv), "model": f"{args.config} ({c.num_hidden_layers} layers), bf16, " + ("our random init" if args.random_weights else "HF random init"),
-              "inductor": not args.no_inductor, "check_vs_hf": check, "nextn": 0, "cp": 1, "acceptance": "none (no draft head runs)",
-              "prefill": [], "decode": []}
+    graphs = StepGraphs(
+        model,
+        state,
+        next_token,
+        max_requests=slots,
+        max_tokens=max(chunk_sizes),
+        graphs=True,
+        inductor=not args.no_inductor,
+    )
+    result = {
+        **run_info(argv),
+        "model": f"{args.config} ({c.num_hidden_layers} layers), bf16, "
+        + ("our random init" if args.random_weights else "HF random init"),
+        "inductor": not args.no_inductor,
+        "check_vs_hf": check,
+        "nextn": 0,
+        "cp": 1,
+        "acceptance": "none (no draft head runs)",
+        "prefill": [],
+        "decode": [],
+    }
     name = f"{args.config}_vs_hf_" + "_".join(sorted(segments)) + ("_aot_eager" if args.no_inductor else "")
 
     if "prefill" in segments:
@@ -179,9 +221,17 @@ def main(argv: list[str] | None = None) -> dict:
             if hf is not None:
                 hf_ms = timed(lambda: hf(input_ids=torch.tensor(chunk[0][2], device="cuda")[None]), 2) * 1e3
             roof = roofline.prefill(c, n)
-            row = {"tokens": n, "ours_ms": round(ms, 2), "ours_tok_s": round(n / ms * 1e3), "first_call_s": round(compile_s, 1),
-                   "hf_ms": None if hf_ms is None else round(hf_ms, 2), "hf_tok_s": None if hf_ms is None else round(n / hf_ms * 1e3),
-                   "roofline_ms": round(roof.seconds * 1e3, 3), "roofline_tok_s": round(n / roof.seconds), "roofline": roof.as_dict()}
+            row = {
+                "tokens": n,
+                "ours_ms": round(ms, 2),
+                "ours_tok_s": round(n / ms * 1e3),
+                "first_call_s": round(compile_s, 1),
+                "hf_ms": None if hf_ms is None else round(hf_ms, 2),
+                "hf_tok_s": None if hf_ms is None else round(n / hf_ms * 1e3),
+                "roofline_ms": round(roof.seconds * 1e3, 3),
+                "roofline_tok_s": round(n / roof.seconds),
+                "roofline": roof.as_dict(),
+            }
             kernels, kernel_us, launches = kernel_table(lambda: graphs.prefill(chunk), 1)
             row.update(kernel_ms=round(kernel_us / 1e3, 3), launches=launches, kernels=kernels)
             result["prefill"].append(row)

@@ -55,8 +55,11 @@ def _chains(launches: int) -> dict[str, tuple[Callable[[int | None], object], in
         for i in range(gemvs):
             y = skinny_linear_triton(rms_norm_triton(y, norm_w, 1e-6), ws[i % len(ws)], False, tiles(prefetch))
 
-    return {"rms_norm": (norms, launches, False), "skinny_gemv": (projections, gemvs, True),
-            "norm_gemv": (norm_then_projection, 2 * gemvs, True)}
+    return {
+        "rms_norm": (norms, launches, False),
+        "skinny_gemv": (projections, gemvs, True),
+        "norm_gemv": (norm_then_projection, 2 * gemvs, True),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -68,7 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     device = torch.cuda.current_device()
     if torch.cuda.get_device_capability(device)[0] < 9:
-        raise SystemExit(f"pdl_chain: {torch.cuda.get_device_name(device)} has no programmatic dependent launch (sm_90+)")
+        raise SystemExit(
+            f"pdl_chain: {torch.cuda.get_device_name(device)} has no programmatic dependent launch (sm_90+)"
+        )
     rows = []
     for name, (fn, n, gemv) in _chains(args.launches).items():
         modes = {m: v for m, v in _MODES.items() if gemv or m != "pdl_prefetch"}
@@ -77,8 +82,13 @@ def main(argv: list[str] | None = None) -> dict:
             for mode, (on, prefetch) in modes.items():
                 pdl._ON[device] = on
                 times[mode].append(graph_ms(lambda: fn(prefetch), args.iters) * 1e3 / n)
-        rows.append({"chain": name, "launches": n,
-                     **{f"us_per_launch_{m}": round(statistics.median(v), 3) for m, v in times.items()}})
+        rows.append(
+            {
+                "chain": name,
+                "launches": n,
+                **{f"us_per_launch_{m}": round(statistics.median(v), 3) for m, v in times.items()},
+            }
+        )
         print(rows[-1], flush=True)
     pdl._ON.pop(device, None)
     result = {**run_info(), "rows": rows}

@@ -27,7 +27,11 @@ def decode_curves(results: list[dict]) -> dict[tuple[str, int, str], list[tuple[
                 ms = row.get(f"{engine}_ms")
                 if ms:
                     steps = 1e3 / ms
-                    point = (steps * tokens_per_step, steps * row["batch"] * tokens_per_step / res.get("cp", 1), row["batch"])
+                    point = (
+                        steps * tokens_per_step,
+                        steps * row["batch"] * tokens_per_step / res.get("cp", 1),
+                        row["batch"],
+                    )
                     curves.setdefault((engine, row["context"], res.get("model", "")), []).append(point)
     return {k: sorted(v, key=lambda p: p[2]) for k, v in curves.items()}
 
@@ -40,7 +44,9 @@ def prefill_curves(results: list[dict]) -> dict[str, list[tuple[int, float, floa
             for engine in ENGINES:
                 ms = row.get(f"{engine}_ms")
                 if ms:
-                    curves.setdefault(engine, []).append((row["tokens"], row["tokens"] / ms * 1e3 / res.get("cp", 1), ms))
+                    curves.setdefault(engine, []).append(
+                        (row["tokens"], row["tokens"] / ms * 1e3 / res.get("cp", 1), ms)
+                    )
     return {k: sorted(v) for k, v in curves.items()}
 
 
@@ -63,10 +69,21 @@ def main(argv: list[str] | None = None) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 5))
         for (engine, ctx, model), pts in sorted(dec.items()):
             style = "o-" if engine != "roofline" else "--"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{ENGINES[engine]}, ctx {ctx}, {model.split(',')[0]}")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                style,
+                label=f"{ENGINES[engine]}, ctx {ctx}, {model.split(',')[0]}",
+            )
             for user, gpu, b in pts:
                 ax.annotate(str(b), (user, gpu), fontsize=7)
-        ax.set(xlabel="tok/s per user", ylabel="tok/s per GPU", xscale="log", yscale="log", title="P8 decode on one H200 (labels: batch)")
+        ax.set(
+            xlabel="tok/s per user",
+            ylabel="tok/s per GPU",
+            xscale="log",
+            yscale="log",
+            title="P8 decode on one H200 (labels: batch)",
+        )
         ax.legend(fontsize=7)
         written.append(out / "decode_pareto.png")
         fig.savefig(written[-1], dpi=120, bbox_inches="tight")

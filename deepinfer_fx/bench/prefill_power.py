@@ -60,12 +60,23 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prefill_power times CUDA graphs: it needs an NVIDIA GPU")
-    model = random_model(p8_config(num_hidden_layers=args.layers, compress_ratios=P8["compress_ratios"][: args.layers]),
-                         seed=0, dtype=torch.bfloat16, device="cuda")
+    model = random_model(
+        p8_config(num_hidden_layers=args.layers, compress_ratios=P8["compress_ratios"][: args.layers]),
+        seed=0,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     c = model.config
     state = init_state(c, args.tokens + 64, torch.bfloat16, "cuda", mtp=False, slots=1)
-    steps = StepGraphs(model, state, torch.zeros(2, dtype=torch.long, device="cuda"), max_requests=1,
-                       max_tokens=args.tokens, graphs=True, inductor=True)
+    steps = StepGraphs(
+        model,
+        state,
+        torch.zeros(2, dtype=torch.long, device="cuda"),
+        max_requests=1,
+        max_tokens=args.tokens,
+        graphs=True,
+        inductor=True,
+    )
     chunk = [(0, 0, torch.randint(3, c.vocab_size, (args.tokens,)).tolist())]
     steps.prefill(chunk)  # compiles, then captures
     torch.cuda.synchronize()
@@ -76,7 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     smi, log = shutil.which("nvidia-smi"), tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
     sampler = None
     if smi:
-        sampler = subprocess.Popen([smi, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader", "-lms", "100"], stdout=log)
+        sampler = subprocess.Popen(
+            [smi, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader", "-lms", "100"], stdout=log
+        )
     idle = [_replay_ms(entry.graph.replay, pause_s=0.5) for _ in range(3)]
     sustained = [_replay_ms(entry.graph.replay) for _ in range(args.replays)]
     if sampler is not None:
@@ -88,9 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
     loaded = [s for s in samples if s["watts"] > 0.8 * max((x["watts"] for x in samples), default=0)]
     steady = statistics.median(sustained[args.replays // 4 :])
     result = {
-        **run_info(argv), "model": f"P8 ({args.layers} layers), bf16, our random init", "tokens": args.tokens,
-        "after_idle_ms": [round(t, 2) for t in idle], "back_to_back_ms": [round(t, 2) for t in sustained],
-        "after_idle_tok_s": round(args.tokens / min(idle) * 1e3), "sustained_median_ms": round(steady, 2),
+        **run_info(argv),
+        "model": f"P8 ({args.layers} layers), bf16, our random init",
+        "tokens": args.tokens,
+        "after_idle_ms": [round(t, 2) for t in idle],
+        "back_to_back_ms": [round(t, 2) for t in sustained],
+        "after_idle_tok_s": round(args.tokens / min(idle) * 1e3),
+        "sustained_median_ms": round(steady, 2),
         "sustained_tok_s": round(args.tokens / steady * 1e3),
         "sm_mhz_max": max((s["sm_mhz"] for s in samples), default=None),
         "sm_mhz_median_under_load": statistics.median(s["sm_mhz"] for s in loaded) if loaded else None,

@@ -82,7 +82,9 @@ def _sweep(name: str, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], 
 
     def score(t: Tiles) -> dict[int, float] | None:
         try:
-            return {m: _time_us(lambda w: skinny_linear_triton(x, w, out_fp32, t), weights, rounds) for m, x in xs.items()}
+            return {
+                m: _time_us(lambda w: skinny_linear_triton(x, w, out_fp32, t), weights, rounds) for m, x in xs.items()
+            }
         except OutOfResources:  # too much shared memory for this tile and stage count
             return None
 
@@ -97,8 +99,13 @@ def _sweep(name: str, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], 
 
     run(_candidates(n, k))
     lead = Tiles(**min(tried, key=lambda r: r["total_us"])["tiles"])
-    run([lead._replace(warps=w, stages=s) for w, s in itertools.product(_SWEEP_WARPS, _SWEEP_STAGES)
-         if (w, s) != (lead.warps, lead.stages)])
+    run(
+        [
+            lead._replace(warps=w, stages=s)
+            for w, s in itertools.product(_SWEEP_WARPS, _SWEEP_STAGES)
+            if (w, s) != (lead.warps, lead.stages)
+        ]
+    )
     # the tensor-descriptor variant of the rule's tiles and of the best few so far
     top = [Tiles(**r["tiles"]) for r in sorted(tried, key=lambda r: r["total_us"])[:_TMA_TOP]]
     run(list(dict.fromkeys(t._replace(tma=True) for t in [choose_tiles(n, k), *top])))
@@ -130,13 +137,24 @@ def main(argv: list[str] | None = None) -> dict:
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in rows_list}
         for m, x in xs.items():
             ref = cublas(x, weights[0]).float()
-            err = ((skinny_linear_triton(x, weights[0], args.fp32_out).float() - ref).abs().max() / ref.abs().max()).item()
+            err = (
+                (skinny_linear_triton(x, weights[0], args.fp32_out).float() - ref).abs().max() / ref.abs().max()
+            ).item()
             t_triton = _time_us(lambda w: skinny_linear_triton(x, w, args.fp32_out), weights, args.iters)
             t_cublas = _time_us(lambda w: cublas(x, w), weights, args.iters)
-            row = {"weight": name, "N": n, "K": k, "M": m, "tiles": choose_tiles(n, k)._asdict(),
-                   "triton_us": round(t_triton, 2), "cublas_us": round(t_cublas, 2),
-                   "triton_TBps": round(n * k * 2 / t_triton / 1e6, 3), "cublas_TBps": round(n * k * 2 / t_cublas / 1e6, 3),
-                   "speedup": round(t_cublas / t_triton, 2), "max_rel_diff": err}
+            row = {
+                "weight": name,
+                "N": n,
+                "K": k,
+                "M": m,
+                "tiles": choose_tiles(n, k)._asdict(),
+                "triton_us": round(t_triton, 2),
+                "cublas_us": round(t_cublas, 2),
+                "triton_TBps": round(n * k * 2 / t_triton / 1e6, 3),
+                "cublas_TBps": round(n * k * 2 / t_cublas / 1e6, 3),
+                "speedup": round(t_cublas / t_triton, 2),
+                "max_rel_diff": err,
+            }
             rows.append(row)
             print(row, flush=True)
         if args.sweep:
@@ -150,8 +168,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name, s in sweeps.items():
         n, k = shapes[name]
         rule_total = sum(s["rule_us"].values()) if s["rule_us"] else float("nan")
-        print(f"{name} [{n}, {k}]: rule {Tiles(**s['rule'])} {rule_total:.2f}us summed; "
-              f"best {Tiles(**s['best']['tiles'])} {s['best']['total_us']:.2f}us summed")
+        print(
+            f"{name} [{n}, {k}]: rule {Tiles(**s['rule'])} {rule_total:.2f}us summed; "
+            f"best {Tiles(**s['best']['tiles'])} {s['best']['total_us']:.2f}us summed"
+        )
     result = {**run_info(argv), "dtype": "bfloat16", "out_fp32": args.fp32_out, "rows": rows, "sweep": sweeps}
     write_result("skinny_linear_p8" + ("_fp32out" if args.fp32_out else ""), result, args.out)
     return result

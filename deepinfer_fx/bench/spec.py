@@ -65,8 +65,11 @@ def drafting(model: Model) -> Model:
     c, params = cycling(model)
     if not c.dspark_stages:
         e = params["mtp"][0]["e_proj"]
-        mp = {**params["mtp"][0], "e_proj": torch.eye(c.hidden_size, dtype=e.dtype, device=e.device) * 20,
-              "h_proj": torch.zeros_like(params["mtp"][0]["h_proj"])}
+        mp = {
+            **params["mtp"][0],
+            "e_proj": torch.eye(c.hidden_size, dtype=e.dtype, device=e.device) * 20,
+            "h_proj": torch.zeros_like(params["mtp"][0]["h_proj"]),
+        }
         return Model(c, {**params, "mtp": [mp]})
     last = dict(params["mtp"][-1])
     E = last["markov_head"]["embed"]
@@ -111,9 +114,17 @@ def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> di
     # a rejection's re-run: every request rejecting half-way (1 + k // 2 rows each)
     rerun_chunks = [PrefillChunk(s, prompt_len, [5] * (1 + k // 2)) for s in range(batch)]
     rerun = timed(lambda: steps.step((), rerun_chunks, "greedy", draft=False), iters) * 1e3
-    row = {"batch": batch, "drafts": k, "verify_ms": round(verify, 3), "decode_ms": round(base, 3),
-           "decode_wide_ms": round(wide, 3), "verify_over_decode_wide": round(verify / wide, 3),
-           "verify_over_decode": round(verify / base, 3), "snapshot_ms": round(snap, 3), "rerun_ms": round(rerun, 3)}
+    row = {
+        "batch": batch,
+        "drafts": k,
+        "verify_ms": round(verify, 3),
+        "decode_ms": round(base, 3),
+        "decode_wide_ms": round(wide, 3),
+        "verify_over_decode_wide": round(verify / wide, 3),
+        "verify_over_decode": round(verify / base, 3),
+        "snapshot_ms": round(snap, 3),
+        "rerun_ms": round(rerun, 3),
+    }
     if steps.n_drafts:
         row["verify_no_drafter_ms"] = round(bare, 3)
     print(row, flush=True)
@@ -124,8 +135,15 @@ def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, s
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = {"batch": batch, "nextn": k, "method": method}
     for name, spec in (("plain", None), ("spec", {"method": method, "num_speculative_tokens": k})):
-        llm = LLM(model=model, max_num_seqs=seqs, max_num_batched_tokens=4096, max_model_len=2048, warmup=False,
-                  speculative_config=spec, **exact(model))
+        llm = LLM(
+            model=model,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=4096,
+            max_model_len=2048,
+            warmup=False,
+            speculative_config=spec,
+            **exact(model),
+        )
         llm.generate(prompts[:batch], params)  # compiles and captures what the timed run replays
         if llm.speculator is not None:
             llm.speculator.stats = SpecStats()  # the timed run's acceptance only
@@ -136,16 +154,24 @@ def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, s
         last = max(o.metrics.finished_time for o in outs)
         st = llm.last_stats
         decode_steps = st.steps - 1  # the prefill step
-        row = {"measured_tok_s": round(batch * (max_tokens - 1) / (last - first), 1), "steps": st.steps,
-               "wall_s": round(wall, 3), "host_us_per_step": round(st.host_us_per_step, 1)}
+        row = {
+            "measured_tok_s": round(batch * (max_tokens - 1) / (last - first), 1),
+            "steps": st.steps,
+            "wall_s": round(wall, 3),
+            "host_us_per_step": round(st.host_us_per_step, 1),
+        }
         if spec is not None:
             s = llm.speculator.stats
             steps_s = decode_steps / (last - first)
-            row.update({"acceptance": round(s.accepted_tokens / max(s.draft_tokens, 1), 3),
-                        "mean_accepted_length": round(s.mean_accepted_length, 3),
-                        "accepted_per_position": [round(a / p, 3) for a, p in zip(s.accepted_at, s.proposed_at)],
-                        "deepinfer_formula_tok_s": round(steps_s * batch * (1 + k), 1),
-                        "summary": s.summary()})
+            row.update(
+                {
+                    "acceptance": round(s.accepted_tokens / max(s.draft_tokens, 1), 3),
+                    "mean_accepted_length": round(s.mean_accepted_length, 3),
+                    "accepted_per_position": [round(a / p, 3) for a, p in zip(s.accepted_at, s.proposed_at)],
+                    "deepinfer_formula_tok_s": round(steps_s * batch * (1 + k), 1),
+                    "summary": s.summary(),
+                }
+            )
         out[name] = row
         del llm
         torch.cuda.empty_cache()
@@ -159,8 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--drafts", default="1,2,3,4,5")
-    ap.add_argument("--method", choices=["ngram", "mtp", "dspark"], default="ngram",
-                    help="the drafter (mtp: P8's MTP-1 block; dspark: the V4.1-width model's DSpark head)")
+    ap.add_argument(
+        "--method",
+        choices=["ngram", "mtp", "dspark"],
+        default="ngram",
+        help="the drafter (mtp: P8's MTP-1 block; dspark: the V4.1-width model's DSpark head)",
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
@@ -176,17 +206,28 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.spec times CUDA graphs: it needs a GPU")
-    result = {**run_info(argv), "model": {"ngram": f"P8 random weights, {args.layers} layers, bf16",
-                                          "mtp": f"P8 random weights, {args.layers} layers and an MTP-1 block, bf16",
-                                          "dspark": "bench_config('v41') random weights with its DSpark head, bf16, exact prefill"}[args.method]}
+    result = {
+        **run_info(argv),
+        "model": {
+            "ngram": f"P8 random weights, {args.layers} layers, bf16",
+            "mtp": f"P8 random weights, {args.layers} layers and an MTP-1 block, bf16",
+            "dspark": "bench_config('v41') random weights with its DSpark head, bf16, exact prefill",
+        }[args.method],
+    }
     batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",")]
     model = bench_model(args.method, args.layers)
     result["method"] = args.method
     result["verify"], result["graphs"] = [], []
     for k in drafts:  # one engine a draft count: its verify chunks are padded to k + 1 rows
-        llm = LLM(model=model, max_num_seqs=max(batches) * (k + 1), max_num_batched_tokens=4096,
-                  max_model_len=args.prompt_len + 64, warmup=False, speculative_config={"method": args.method, "num_speculative_tokens": k},
-                  **exact(model))
+        llm = LLM(
+            model=model,
+            max_num_seqs=max(batches) * (k + 1),
+            max_num_batched_tokens=4096,
+            max_model_len=args.prompt_len + 64,
+            warmup=False,
+            speculative_config={"method": args.method, "num_speculative_tokens": k},
+            **exact(model),
+        )
         for b in batches:
             result["verify"].append(verify_rows(llm, b, k, args.prompt_len, args.iters))
             write_result(args.name, result, args.out)  # what is measured survives a stop
@@ -197,8 +238,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model is None:
         e2e_model = cycling(model) if args.method == "ngram" else drafting(model)
         prompts = [([5, 6, 7, 8] * 32 + [7]) for _ in range(max(e2e_batches))]
-        result["e2e_workload"] = (result["model"] + ", the cycling head" + (", a drafting " + args.method if args.method != "ngram" else "")
-                                  + "; prompts [5, 6, 7, 8] * 32 + [7]")
+        result["e2e_workload"] = (
+            result["model"]
+            + ", the cycling head"
+            + (", a drafting " + args.method if args.method != "ngram" else "")
+            + "; prompts [5, 6, 7, 8] * 32 + [7]"
+        )
     else:
         probe = LLM(args.model, max_model_len=2048, warmup=False)
         e2e_model, prompts = probe.model, [args.prompt] * max(e2e_batches)
@@ -206,7 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
         del probe
     result["e2e"] = []
     for b in e2e_batches:
-        result["e2e"].append(e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches), args.method))
+        result["e2e"].append(
+            e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches), args.method)
+        )
         write_result(args.name, result, args.out)
     print(f"wrote {write_result(args.name, result, args.out)}")
     return result

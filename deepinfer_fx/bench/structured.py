@@ -32,13 +32,19 @@ from .e2e import _model, _prompts
 from .p8 import run_info, write_result
 
 SCHEMA = {
-    "type": "array", "minItems": 400,
-    "items": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
-        "name": {"type": "string", "maxLength": 16},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "maxItems": 3},
-        "ok": {"type": "boolean"}},
-        "required": ["id", "name", "tags", "ok"], "additionalProperties": False},
+    "type": "array",
+    "minItems": 400,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+            "name": {"type": "string", "maxLength": 16},
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "maxItems": 3},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "name", "tags", "ok"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -79,9 +85,16 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> di
     st = llm.last_stats
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     reasons = [o.outputs[0].finish_reason for o in outs]
-    return {"tokens_per_s": tokens / wall, "wall_s": wall, "tokens": tokens, "steps": st.steps, "synced": st.synced,
-            "host_us_per_step": st.host_us_per_step, "mask_us_per_step": 1e6 * st.host_mask / max(st.steps, 1),
-            "finish": {r: reasons.count(r) for r in set(reasons)}}
+    return {
+        "tokens_per_s": tokens / wall,
+        "wall_s": wall,
+        "tokens": tokens,
+        "steps": st.steps,
+        "synced": st.synced,
+        "host_us_per_step": st.host_us_per_step,
+        "mask_us_per_step": 1e6 * st.host_mask / max(st.steps, 1),
+        "finish": {r: reasons.count(r) for r in set(reasons)},
+    }
 
 
 @torch.no_grad()
@@ -102,15 +115,28 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench.structured times CUDA graphs: it needs a GPU")
     n = args.constrained + args.free
     model = _model(args.layers)
-    llm = LLM(model=model, max_num_seqs=n, max_num_batched_tokens=4096, max_model_len=args.prompt_len + args.max_tokens + 16,
-              warmup=False)
+    llm = LLM(
+        model=model,
+        max_num_seqs=n,
+        max_num_batched_tokens=4096,
+        max_model_len=args.prompt_len + args.max_tokens + 16,
+        warmup=False,
+    )
     t0 = time.perf_counter()
     llm.tokenizer = synthetic_tokenizer(model.config.vocab_size)
     prompts = _prompts(n, args.prompt_len, 3 + 256, seed=1)
 
     def params(constrained: int, max_tokens: int) -> list[SamplingParams]:
-        return [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True, seq_seed=i,
-                               so_args={"schema_type": "json", "schema": SCHEMA} if i < constrained else None) for i in range(n)]
+        return [
+            SamplingParams(
+                temperature=args.temperature,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                seq_seed=i,
+                so_args={"schema_type": "json", "schema": SCHEMA} if i < constrained else None,
+            )
+            for i in range(n)
+        ]
 
     llm._make_seq(prompts[0], params(1, 1)[0])  # compiles the grammar (timed here, once)
     compile_s = time.perf_counter() - t0
@@ -122,11 +148,20 @@ def main(argv: list[str] | None = None) -> dict:
         for name in configs:
             rows[name].append(_run(llm, prompts, configs[name]))
     med = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in rows.items()}
-    result = {**run_info(argv), "model": f"P8 random weights, {args.layers} layers, bf16; synthetic {model.config.vocab_size}-token tokenizer",
-              "schema": SCHEMA, "tokenizer_and_grammar_s": round(compile_s, 3), "rounds": rows,
-              "median_tokens_per_s": med, "ratio": med["mixed"] / med["free"], "graphs": llm.runner.steps.report()}
-    print(f"free {med['free']:.0f} tok/s, mixed {med['mixed']:.0f} tok/s, ratio {result['ratio']:.3f}; "
-          f"mask fill {statistics.median(r['mask_us_per_step'] for r in rows['mixed']):.0f} us/step")
+    result = {
+        **run_info(argv),
+        "model": f"P8 random weights, {args.layers} layers, bf16; synthetic {model.config.vocab_size}-token tokenizer",
+        "schema": SCHEMA,
+        "tokenizer_and_grammar_s": round(compile_s, 3),
+        "rounds": rows,
+        "median_tokens_per_s": med,
+        "ratio": med["mixed"] / med["free"],
+        "graphs": llm.runner.steps.report(),
+    }
+    print(
+        f"free {med['free']:.0f} tok/s, mixed {med['mixed']:.0f} tok/s, ratio {result['ratio']:.3f}; "
+        f"mask fill {statistics.median(r['mask_us_per_step'] for r in rows['mixed']):.0f} us/step"
+    )
     print(f"wrote {write_result(args.name, result, args.out)}")
     return result
 

@@ -27,8 +27,16 @@ LONG_CONTEXT = 4096
 LONG_MAX_BATCH = 64
 
 
-def commands(out: str, contexts: list[str], hf: bool, random_weights: bool = False, batches: str = DECODE_BATCHES,
-             chunks: str = PREFILL_CHUNKS, steps: int | None = None, config: str = "p8") -> list[list[str]]:
+def commands(
+    out: str,
+    contexts: list[str],
+    hf: bool,
+    random_weights: bool = False,
+    batches: str = DECODE_BATCHES,
+    chunks: str = PREFILL_CHUNKS,
+    steps: int | None = None,
+    config: str = "p8",
+) -> list[list[str]]:
     """One ``p8_vs_hf`` command per segment of bench model ``config``: the prefill chunks, then
     decode per context."""
     base = [sys.executable, "-m", "deepinfer_fx.bench.p8_vs_hf", "--out", out, "--config", config]
@@ -41,8 +49,17 @@ def commands(out: str, contexts: list[str], hf: bool, random_weights: bool = Fal
     runs = [[*base, "--segments", "prefill", "--prefill-tokens", chunks]] if chunks else []
     long_batches = ",".join(b for b in batches.split(",") if int(b) <= LONG_MAX_BATCH) or batches.split(",")[0]
     for ctx in contexts:
-        runs.append([*base, "--segments", "decode", "--context", ctx,
-                     "--batches", batches if int(ctx) <= LONG_CONTEXT else long_batches])
+        runs.append(
+            [
+                *base,
+                "--segments",
+                "decode",
+                "--context",
+                ctx,
+                "--batches",
+                batches if int(ctx) <= LONG_CONTEXT else long_batches,
+            ]
+        )
     return runs
 
 
@@ -51,7 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results/latest/sweep")
     ap.add_argument("--config", choices=sorted(BENCH_CONFIGS), default="p8", help="the bench model (bench/configs.py)")
     ap.add_argument("--contexts", default="512,4096,32768")
-    ap.add_argument("--batches", default=DECODE_BATCHES, help=f"decode batch sizes (above {LONG_CONTEXT} context only those <= {LONG_MAX_BATCH})")
+    ap.add_argument(
+        "--batches",
+        default=DECODE_BATCHES,
+        help=f"decode batch sizes (above {LONG_CONTEXT} context only those <= {LONG_MAX_BATCH})",
+    )
     ap.add_argument("--chunks", default=PREFILL_CHUNKS, help="prefill chunk sizes; empty: no prefill segment")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per point (p8_vs_hf's default otherwise)")
     ap.add_argument("--no-hf", action="store_true")
@@ -64,8 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     failed = []
     if args.config == "v41" and not args.random_weights:
         ap.error("--config v41 has no HF peer (transformers has no DeepSeek-V4.1): add --random-weights")
-    runs = commands(args.out, args.contexts.split(","), not args.no_hf, args.random_weights, args.batches, args.chunks, args.steps,
-                    args.config)
+    runs = commands(
+        args.out,
+        args.contexts.split(","),
+        not args.no_hf,
+        args.random_weights,
+        args.batches,
+        args.chunks,
+        args.steps,
+        args.config,
+    )
     for i, cmd in enumerate(runs):
         print(" ".join(cmd[1:]), flush=True)
         if args.dry:
@@ -82,8 +111,10 @@ def main(argv: list[str] | None = None) -> None:
             if files:  # else every run failed: nothing to plot
                 plot(files + ["--out", args.out])
         except ImportError:
-            print(f"matplotlib is not installed (pip install -e '.[bench]'): plot later with "
-                  f"python -m deepinfer_fx.bench.plots {args.out}/run*/*.json --out {args.out}")
+            print(
+                f"matplotlib is not installed (pip install -e '.[bench]'): plot later with "
+                f"python -m deepinfer_fx.bench.plots {args.out}/run*/*.json --out {args.out}"
+            )
     for f in failed:
         print(f"FAILED: {f}")
 

@@ -40,8 +40,15 @@ def kernel_table(fn: Callable[[], object], steps: int) -> tuple[list[dict], floa
             count[ev.name] += 1
     step_us = sum(total.values()) / steps
     rows = sorted(
-        ({"kernel": k[:120], "us": round(v / steps, 2), "launches": count[k] // steps, "share": round(v / steps / step_us, 4)}
-         for k, v in total.items()),
+        (
+            {
+                "kernel": k[:120],
+                "us": round(v / steps, 2),
+                "launches": count[k] // steps,
+                "share": round(v / steps / step_us, 4),
+            }
+            for k, v in total.items()
+        ),
         key=lambda r: -r["us"],
     )
     return rows, step_us, sum(count.values()) // steps
@@ -77,18 +84,39 @@ def kernel_timeline(fn: Callable[[], object], steps: int) -> tuple[list[dict], l
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        spans = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
-                 if ev.device_type == torch.autograd.DeviceType.CUDA]
+        spans = [
+            (ev.name, ev.time_range.start, ev.time_range.end)
+            for ev in prof.events()
+            if ev.device_type == torch.autograd.DeviceType.CUDA
+        ]
         rows = advances(spans)
         for r in rows:
             adv[r["kernel"]] += r["advance"]
             gap[r["kernel"]] += r["gap"]
             count[r["kernel"]] += 1
-    table = sorted(({"kernel": k, "advance_us": round(adv[k] / steps, 2), "gap_us": round(gap[k] / steps, 2),
-                     "launches": count[k] // steps} for k in adv), key=lambda r: -r["advance_us"] - r["gap_us"])
+    table = sorted(
+        (
+            {
+                "kernel": k,
+                "advance_us": round(adv[k] / steps, 2),
+                "gap_us": round(gap[k] / steps, 2),
+                "launches": count[k] // steps,
+            }
+            for k in adv
+        ),
+        key=lambda r: -r["advance_us"] - r["gap_us"],
+    )
     t0 = rows[0]["start"] if rows else 0.0
-    ordered = [{"kernel": r["kernel"][:80], "start": round(r["start"] - t0, 2), "us": round(r["us"], 2),
-                "advance": round(r["advance"], 2), "gap": round(r["gap"], 2)} for r in rows]
+    ordered = [
+        {
+            "kernel": r["kernel"][:80],
+            "start": round(r["start"] - t0, 2),
+            "us": round(r["us"], 2),
+            "advance": round(r["advance"], 2),
+            "gap": round(r["gap"], 2),
+        }
+        for r in rows
+    ]
     return table, ordered
 
 
@@ -106,8 +134,12 @@ def step_spans(spans: Sequence[tuple[str, float, float]]) -> dict:
     groups = [g for g in groups if g]
     span = [max(e for _, e in g) - g[0][0] for g in groups]
     between = [b[0][0] - max(e for _, e in a) for a, b in zip(groups, groups[1:])]
-    return {"steps": len(groups), "span_us": round(sum(span) / max(len(span), 1), 2),
-            "between_us": round(sum(between) / max(len(between), 1), 2), "between_max_us": round(max(between, default=0.0), 2)}
+    return {
+        "steps": len(groups),
+        "span_us": round(sum(span) / max(len(span), 1), 2),
+        "between_us": round(sum(between) / max(len(between), 1), 2),
+        "between_max_us": round(max(between, default=0.0), 2),
+    }
 
 
 def between_steps(fn: Callable[[], object], steps: int) -> dict:
@@ -122,8 +154,11 @@ def between_steps(fn: Callable[[], object], steps: int) -> dict:
             fn()
         host_s = (time.perf_counter() - t0) / steps
         torch.cuda.synchronize()
-    spans = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
-             if ev.device_type == torch.autograd.DeviceType.CUDA]
+    spans = [
+        (ev.name, ev.time_range.start, ev.time_range.end)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    ]
     return {**step_spans(spans), "host_us_per_call": round(host_s * 1e6, 1)}
 
 

@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="images per encode call (default: %(default)s)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--out", default="vision_v41_released", help="result name under bench/results/latest (default: %(default)s)")
+    ap.add_argument(
+        "--out", default="vision_v41_released", help="result name under bench/results/latest (default: %(default)s)"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.vision runs on a CUDA GPU")
@@ -52,14 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (args.height, args.width, 3), dtype=np.uint8), "RGB")
-              for _ in range(args.batch)]
+    images = [
+        Image.fromarray(rng.integers(0, 256, (args.height, args.width, 3), dtype=np.uint8), "RGB")
+        for _ in range(args.batch)
+    ]
     t0 = time.perf_counter()
     pixel_values, grids = preprocess(images, c)
     host_s = time.perf_counter() - t0
     model = (c, vision_params(c, dtype, dev))
     pixels = pixel_values.to(dev, non_blocking=False)
-    (h, w), = set(token_grids(c, grids))
+    ((h, w),) = set(token_grids(c, grids))
     with torch.no_grad():
         torch.cuda.reset_peak_memory_stats(dev)
         s = timed(lambda: encode(model, pixels, grids), args.iters)
@@ -67,10 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     patches, tokens = pixel_values.shape[0], args.batch * h * w
     result = {
         "run": run_info(argv),
-        "image": {"width": args.width, "height": args.height, "batch": args.batch, "patch_grid": list(grids[0]),
-                  "token_grid": [h, w], "span_positions": span_length(h, w)},
-        "vit": {"layers": c.vision.num_hidden_layers, "hidden": c.vision.hidden_size, "heads": c.vision.num_attention_heads,
-                "mlp": c.vision.intermediate_size, "dtype": args.dtype},
+        "image": {
+            "width": args.width,
+            "height": args.height,
+            "batch": args.batch,
+            "patch_grid": list(grids[0]),
+            "token_grid": [h, w],
+            "span_positions": span_length(h, w),
+        },
+        "vit": {
+            "layers": c.vision.num_hidden_layers,
+            "hidden": c.vision.hidden_size,
+            "heads": c.vision.num_attention_heads,
+            "mlp": c.vision.intermediate_size,
+            "dtype": args.dtype,
+        },
         "preprocess_ms": round(host_s * 1e3, 2),
         "encode_ms": round(s * 1e3, 3),
         "patches_per_s": round(patches / s, 1),
@@ -78,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         "peak_memory_gib": round(peak / 2**30, 3),
     }
     path = write_result(args.out, result)
-    print(f"{args.batch} x {args.width}x{args.height}: {patches} patches -> {tokens} image tokens; encode "
-          f"{result['encode_ms']} ms ({result['image_tokens_per_s']} tok/s), preprocess {result['preprocess_ms']} ms; {path}")
+    print(
+        f"{args.batch} x {args.width}x{args.height}: {patches} patches -> {tokens} image tokens; encode "
+        f"{result['encode_ms']} ms ({result['image_tokens_per_s']} tok/s), preprocess {result['preprocess_ms']} ms; {path}"
+    )
     return 0
 
 

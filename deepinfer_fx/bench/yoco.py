@@ -45,8 +45,15 @@ def run_length(model, length: int, keep: int, iters: int) -> dict:
     last: dict[str, torch.Tensor] = {}
     for mode, k in (("off", None), ("compact", keep)):
         state = init_state(c, length + 1, model.dtype, device=model.device, mtp=False, slots=1)
-        steps = StepGraphs(model, state, torch.zeros(2, dtype=torch.long, device=model.device), max_requests=1,
-                           max_tokens=length, inductor=True, keep=k)
+        steps = StepGraphs(
+            model,
+            state,
+            torch.zeros(2, dtype=torch.long, device=model.device),
+            max_requests=1,
+            max_tokens=length,
+            inductor=True,
+            keep=k,
+        )
         keep_from = [max(0, length - keep)] if k else []
 
         def step():
@@ -56,7 +63,11 @@ def run_length(model, length: int, keep: int, iters: int) -> dict:
             first = step()  # compiles and captures
             last[mode] = first.logits[0].float().log_softmax(-1).clone()
             s = timed(step, iters)
-        out[mode] = {"ms": round(s * 1e3, 3), "tok_s": round(length / s, 1), "compile_s": round(steps.report()[0]["compile_s"], 1)}
+        out[mode] = {
+            "ms": round(s * 1e3, 3),
+            "tok_s": round(length / s, 1),
+            "compile_s": round(steps.report()[0]["compile_s"], 1),
+        }
         steps = state = None  # free this mode's graphs before the next one compiles
         torch.cuda.empty_cache()
     out["ratio"] = round(out["compact"]["tok_s"] / out["off"]["tok_s"], 3)
@@ -81,8 +92,14 @@ def main(argv: list[str] | None = None) -> None:
     for n in (int(x) for x in args.lens.split(",")):
         rows.append(run_length(model, n, args.keep, args.iters))
         print(rows[-1], flush=True)
-    result = {**run_info(argv), "config": args.config, "keep": args.keep, "layers": c.num_hidden_layers,
-              "decoder_layers": list(c.decoder_layers), "rows": rows}
+    result = {
+        **run_info(argv),
+        "config": args.config,
+        "keep": args.keep,
+        "layers": c.num_hidden_layers,
+        "decoder_layers": list(c.decoder_layers),
+        "rows": rows,
+    }
     print(write_result(args.out, result))
 
 

@@ -9,5 +9,14 @@ from .parse import config_from_dict, load_config
 from .releases import RELEASED, released_config
 from .vision import VisionConfig
 
-__all__ = ["RELEASED", "V41", "ConfigError", "ModelConfig", "VisionConfig", "Yarn", "config_from_dict", "load_config",
-           "released_config"]
+__all__ = [
+    "RELEASED",
+    "V41",
+    "ConfigError",
+    "ModelConfig",
+    "VisionConfig",
+    "Yarn",
+    "config_from_dict",
+    "load_config",
+    "released_config",
+]

@@ -215,4 +215,3 @@ def _last_at_or_before(sorted_ids: tuple[int, ...], layer: int) -> int | None:
     # a plain scan (the lists are short): traced steps call it, and Dynamo cannot trace bisect
     before = [i for i in sorted_ids if i <= layer]
     return before[-1] if before else None
-

@@ -83,7 +83,9 @@ def _rope(d: dict, where: str) -> tuple[float, float, Yarn | None]:
         raise ConfigError(f"{where}: rope scaling type {kind!r} is not supported; DeepSeek-V4 uses 'yarn'")
     yarn = Yarn(
         factor=float(_need(scaling, "factor", where + " rope_scaling")),
-        original_max_position_embeddings=int(_need(scaling, "original_max_position_embeddings", where + " rope_scaling")),
+        original_max_position_embeddings=int(
+            _need(scaling, "original_max_position_embeddings", where + " rope_scaling")
+        ),
         beta_fast=float(scaling.get("beta_fast") or 32),
         beta_slow=float(scaling.get("beta_slow") or 1),
     )
@@ -121,7 +123,9 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
     quant = d.get("quantization_config") or {}
     block = quant.get("weight_block_size")
     if quant and quant.get("quant_method", "fp8") != "fp8":
-        raise ConfigError(f"{where}: quantization_config.quant_method {quant.get('quant_method')!r} is not supported (fp8 only)")
+        raise ConfigError(
+            f"{where}: quantization_config.quant_method {quant.get('quant_method')!r} is not supported (fp8 only)"
+        )
     if block is not None and (len(block) != 2 or block[0] != block[1]):
         raise ConfigError(f"{where}: quantization_config.weight_block_size {block} must be square, e.g. [128, 128]")
     eos = d.get("eos_token_id", 1)

@@ -136,7 +136,10 @@ def _validate_v41(c: ModelConfig, where: str) -> None:
                 f"(ratio {ratios[src]}); a KV group has one ratio",
             )
     if set(kv) - set(idx):
-        bad("index_source_layer_ids", f"must include every KV source (they own the index keys); missing {sorted(set(kv) - set(idx))}")
+        bad(
+            "index_source_layer_ids",
+            f"must include every KV source (they own the index keys); missing {sorted(set(kv) - set(idx))}",
+        )
     if cand is not None:
         if cand not in idx:
             bad("candidate_source_layer_id", f"({cand}) must be one of index_source_layer_ids {list(idx)}")
@@ -163,7 +166,9 @@ def _validate_v41(c: ModelConfig, where: str) -> None:
             if getattr(c, field) < 1:
                 bad(field, "must be positive")
         if not 0 <= c.engram_pad_token_id < c.vocab_size:
-            bad("engram_pad_token_id", f"({c.engram_pad_token_id}) must be a token id below vocab_size ({c.vocab_size})")
+            bad(
+                "engram_pad_token_id", f"({c.engram_pad_token_id}) must be a token id below vocab_size ({c.vocab_size})"
+            )
         if c.engram_compressed_vocab_size is not None and c.engram_compressed_vocab_size < 1:
             bad("engram_compressed_vocab_size", "must be positive")
     # image_token_id is not range-checked: HF-written tiny configs keep the released id (129264)
@@ -186,7 +191,10 @@ def _validate_dspark(c: ModelConfig, where: str) -> None:
     if not ids:
         bad("dspark_target_layer_ids", "is missing; the DSpark stages read the streams of these layers")
     if list(ids) != sorted(set(ids)) or not (0 <= ids[0] and ids[-1] < c.num_hidden_layers):
-        bad("dspark_target_layer_ids", f"{list(ids)} must be sorted, without repeats, within 0..{c.num_hidden_layers - 1}")
+        bad(
+            "dspark_target_layer_ids",
+            f"{list(ids)} must be sorted, without repeats, within 0..{c.num_hidden_layers - 1}",
+        )
     if not 0 < c.dspark_num_experts_per_tok <= c.dspark_n_routed_experts:
         bad(
             "dspark_num_experts_per_tok",

@@ -8,8 +8,17 @@ from dataclasses import dataclass
 from .fields import ConfigError, _num
 
 # HF DeepseekV41VisionConfig's defaults, which are the released model's values (spec §1.2).
-RELEASED = {"num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 2816,
-            "patch_size": 14, "rope_theta": 10000.0, "downsample_ratio": 3, "max_image_tokens": 1024, "min_pixels": 295936}
+RELEASED = {
+    "num_hidden_layers": 32,
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "intermediate_size": 2816,
+    "patch_size": 14,
+    "rope_theta": 10000.0,
+    "downsample_ratio": 3,
+    "max_image_tokens": 1024,
+    "min_pixels": 295936,
+}
 
 
 @dataclass(frozen=True)
@@ -55,16 +64,28 @@ def parse_vision(d: dict | None, where: str) -> VisionConfig | None:
         raise ConfigError(f"{where}: model_type is {mt!r}; expected 'deepseek_v41_vision'")
     ints = {k: _num(d, k, where, int, v) for k, v in RELEASED.items() if k != "rope_theta"}
     ratio = d.get("max_wh_ratio")
-    v = VisionConfig(rope_theta=_num(d, "rope_theta", where, float, RELEASED["rope_theta"]),
-                     max_wh_ratio=None if ratio is None else _num(d, "max_wh_ratio", where, float), **ints)
-    for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "patch_size",
-              "downsample_ratio", "min_pixels"):
+    v = VisionConfig(
+        rope_theta=_num(d, "rope_theta", where, float, RELEASED["rope_theta"]),
+        max_wh_ratio=None if ratio is None else _num(d, "max_wh_ratio", where, float),
+        **ints,
+    )
+    for k in (
+        "num_hidden_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "intermediate_size",
+        "patch_size",
+        "downsample_ratio",
+        "min_pixels",
+    ):
         if getattr(v, k) < 1:
             raise ConfigError(f"{where}: '{k}' must be positive, got {getattr(v, k)}")
     if v.hidden_size % v.num_attention_heads or v.head_dim % 4:
         # 2-D RoPE splits each head into a row half and a column half of rotated pairs
-        raise ConfigError(f"{where}: hidden_size {v.hidden_size} / num_attention_heads {v.num_attention_heads} "
-                          "must be a head width divisible by 4 (2-D RoPE)")
+        raise ConfigError(
+            f"{where}: hidden_size {v.hidden_size} / num_attention_heads {v.num_attention_heads} "
+            "must be a head width divisible by 4 (2-D RoPE)"
+        )
     if v.max_image_tokens < 4:
         raise ConfigError(f"{where}: 'max_image_tokens' is {v.max_image_tokens}; a span needs at least 4 tokens")
     if v.max_wh_ratio is not None and v.max_wh_ratio <= 0:

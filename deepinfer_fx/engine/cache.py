@@ -149,8 +149,14 @@ class CachePool:
 
     @classmethod
     def from_budget(
-        cls, c: ModelConfig, budget_bytes: int, max_len: int, dtype: torch.dtype = torch.float32,
-        device: str | torch.device | None = None, max_slots: int | None = None, **kw,
+        cls,
+        c: ModelConfig,
+        budget_bytes: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        max_slots: int | None = None,
+        **kw,
     ) -> "CachePool":
         return cls(c, plan_capacity(c, budget_bytes, max_len, dtype, max_slots), dtype, device, **kw)
 

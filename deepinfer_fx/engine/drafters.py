@@ -17,8 +17,10 @@ import numpy as np
 class NgramDrafter:
     def __init__(self, num_tokens: int, lookup_min: int, lookup_max: int) -> None:
         if not 1 <= lookup_min <= lookup_max or num_tokens < 1:
-            raise ValueError(f"ngram drafter: need 1 <= lookup_min <= lookup_max and num_tokens >= 1, "
-                             f"got {lookup_min}, {lookup_max}, {num_tokens}")
+            raise ValueError(
+                f"ngram drafter: need 1 <= lookup_min <= lookup_max and num_tokens >= 1, "
+                f"got {lookup_min}, {lookup_max}, {num_tokens}"
+            )
         self.k, self.lo, self.hi = num_tokens, lookup_min, lookup_max
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:

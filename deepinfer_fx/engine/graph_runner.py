@@ -49,8 +49,18 @@ from ..passes.dump import graph_name
 from .step_inputs import Layout, SampledRow, fill, float_bits
 from .spec_accept import accept_rows
 from .spec_schedule import StepTimes
-from .steps import (StepOut, VerifyOut, decode_logits, decode_step, prefill_logits, prefill_step, propose_drafts, sample_rows,
-                    verify_out, verify_step)
+from .steps import (
+    StepOut,
+    VerifyOut,
+    decode_logits,
+    decode_step,
+    prefill_logits,
+    prefill_step,
+    propose_drafts,
+    sample_rows,
+    verify_out,
+    verify_step,
+)
 from .structured import mask_words
 
 # Engram tables are memory-mapped on the host in eager runs; a compiled step needs them resident.
@@ -87,13 +97,21 @@ class GraphKey:
     @property
     def model_name(self) -> str:
         """The model part's name, shared by every sampler mode of the bucket."""
-        return graph_name(self.kind, t=self.tokens, r=self.requests) + ("-all" if self.all_rows else "") + (
-            f"-kept{self.kept}" if self.kept else "") + ("-streams" if self.drafts else "")
+        return (
+            graph_name(self.kind, t=self.tokens, r=self.requests)
+            + ("-all" if self.all_rows else "")
+            + (f"-kept{self.kept}" if self.kept else "")
+            + ("-streams" if self.drafts else "")
+        )
 
     @property
     def name(self) -> str:
-        return f"{self.model_name}-{self.mode}" + (f"-k{self.k}" if self.k is not None else "") + (
-            "-masked" if self.masked else "") + (f"-draft{self.drafts}" if self.drafts else "")
+        return (
+            f"{self.model_name}-{self.mode}"
+            + (f"-k{self.k}" if self.k is not None else "")
+            + ("-masked" if self.masked else "")
+            + (f"-draft{self.drafts}" if self.drafts else "")
+        )
 
 
 class GraphWrapper(Protocol):
@@ -186,10 +204,24 @@ class StepGraphs:
     graphs (``compile=True``), or the same step functions run eagerly at the exact sizes."""
 
     def __init__(
-        self, model: Model, state: dict, next_token: torch.Tensor, *, max_requests: int, max_tokens: int,
-        accelerator: str | None = None, graphs: bool | None = None, inductor: bool = False,
-        dump_dir: str | None = None, disabled: Sequence[str] = (), compile: bool = True, max_drafts: int = 0,
-        keep: int | None = None, over: dict | None = None, n_drafts: int = 0, varlen: bool = False,
+        self,
+        model: Model,
+        state: dict,
+        next_token: torch.Tensor,
+        *,
+        max_requests: int,
+        max_tokens: int,
+        accelerator: str | None = None,
+        graphs: bool | None = None,
+        inductor: bool = False,
+        dump_dir: str | None = None,
+        disabled: Sequence[str] = (),
+        compile: bool = True,
+        max_drafts: int = 0,
+        keep: int | None = None,
+        over: dict | None = None,
+        n_drafts: int = 0,
+        varlen: bool = False,
     ) -> None:
         """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps).
         ``n_drafts``: drafts the model's drafter proposes after every step (``mtp`` / ``dspark``; 0: none).
@@ -204,13 +236,17 @@ class StepGraphs:
         self.compile = compile
         self.keep = keep  # V4.1 compact prefill's KEEP (engine/options.py checked it); None: exact prefill
         if n_drafts and keep is not None:
-            raise ValueError("the model's drafter reads every prompt row's streams; compact prefill (yoco) replays only some")
+            raise ValueError(
+                "the model's drafter reads every prompt row's streams; compact prefill (yoco) replays only some"
+            )
         self.n_drafts = n_drafts
         self.over = dict(over or {})
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
         has_graphs = self.device.type in GRAPH_DEVICES
         if graphs and not (has_graphs and compile):
-            raise ValueError(f"graph capture needs compiled steps on a CUDA or Ascend device; this model is on {self.device}")
+            raise ValueError(
+                f"graph capture needs compiled steps on a CUDA or Ascend device; this model is on {self.device}"
+            )
         self.graphs = compile and has_graphs and graphs is not False
         self.inductor, self.dump_dir, self.disabled = inductor, dump_dir, tuple(disabled)
         self.decode_buckets = buckets(max_requests)
@@ -230,15 +266,21 @@ class StepGraphs:
         # largest decode region, so a mixed step's inputs reach the device in one copy; verify
         # chunks (speculative decoding) after the largest prefill region.
         self._decode_span = Layout("decode", self.decode_buckets[-1]).size
-        biggest = Layout("prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True, kept=int(keep is not None)).size
+        biggest = Layout(
+            "prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True, kept=int(keep is not None)
+        ).size
         self._verify_at = self._decode_span + biggest
         verify = Layout("verify", self.request_buckets[-1], self.verify_buckets[-1]).size if max_drafts else 0
         self.arena = torch.zeros(self._verify_at + verify, dtype=torch.long, device=self.device)
-        self.vocab_ids = torch.arange(self.config.vocab_size, device=self.device)  # the sampler's race keys (sampler.sample_mode)
+        self.vocab_ids = torch.arange(
+            self.config.vocab_size, device=self.device
+        )  # the sampler's race keys (sampler.sample_mode)
         # structured output's token bitmasks, one row per sampled row (static: graphs capture them)
         words = mask_words(self.config.vocab_size)
-        self.masks = {"decode": torch.full((self.decode_buckets[-1], words), -1, dtype=torch.int32, device=self.device),
-                      "prefill": torch.full((self.request_buckets[-1], words), -1, dtype=torch.int32, device=self.device)}
+        self.masks = {
+            "decode": torch.full((self.decode_buckets[-1], words), -1, dtype=torch.int32, device=self.device),
+            "prefill": torch.full((self.request_buckets[-1], words), -1, dtype=torch.int32, device=self.device),
+        }
         if max_drafts:  # a verify chunk's every row samples (row j: after its first j drafts)
             rows = self.request_buckets[-1] * self.verify_buckets[-1]
             self.masks["verify"] = torch.full((rows, words), -1, dtype=torch.int32, device=self.device)
@@ -281,10 +323,18 @@ class StepGraphs:
 
     # -- steps ------------------------------------------------------------------------------
     def step(
-        self, decode: Sequence[DecodeRow], prefill: Sequence[PrefillChunk], mode: str, k: int | None = None,
-        all_rows: bool = False, min_requests: int = 0, min_chunks: int = 0, min_length: int = 0,
+        self,
+        decode: Sequence[DecodeRow],
+        prefill: Sequence[PrefillChunk],
+        mode: str,
+        k: int | None = None,
+        all_rows: bool = False,
+        min_requests: int = 0,
+        min_chunks: int = 0,
+        min_length: int = 0,
         masked: tuple[bool, bool] = (False, False),
-        masks: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None, draft: bool = True,
+        masks: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+        draft: bool = True,
     ) -> tuple[StepOut | None, StepOut | None]:
         """Launch one step: the decode rows through the decode graph, then the prompt chunks
         through the prefill graph, every input in one host-to-device copy. Sampling ``mode``
@@ -317,8 +367,14 @@ class StepGraphs:
         dec = outs.pop(0) if decode or min_requests else None
         return dec, (outs[0] if outs else None)
 
-    def verify(self, chunks: Sequence[VerifyChunk], mode: str, draft: bool = True, k: int | None = None,
-               mask: torch.Tensor | None = None) -> VerifyOut:
+    def verify(
+        self,
+        chunks: Sequence[VerifyChunk],
+        mode: str,
+        draft: bool = True,
+        k: int | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> VerifyOut:
         """Launch one verify step (after ``step``'s parts, in its own copy): every chunk's rows
         scored in one target forward, drafts accepted on the device (``spec_accept``), each
         bonus token written to ``next_token[slot]``. Sampling ``mode`` must serve every chunk;
@@ -333,13 +389,19 @@ class StepGraphs:
             e.mask[mask.shape[0] :].fill_(-1)
         return self._run(e)
 
-    def decode(self, slots: Sequence[int], starts: Sequence[int], min_requests: int = 0, mode: str = "greedy") -> StepOut:
+    def decode(
+        self, slots: Sequence[int], starts: Sequence[int], min_requests: int = 0, mode: str = "greedy"
+    ) -> StepOut:
         """Greedy decode of one token per request, read from ``next_token[slot]`` (benches, tests)."""
         rows = [DecodeRow(s, p, GREEDY) for s, p in zip(slots, starts)]
         return self.step(rows, (), mode, min_requests=min_requests)[0]
 
     def prefill(
-        self, chunks: Sequence[tuple[int, int, Sequence[int]]], all_rows: bool = False, min_chunks: int = 0, min_length: int = 0,
+        self,
+        chunks: Sequence[tuple[int, int, Sequence[int]]],
+        all_rows: bool = False,
+        min_chunks: int = 0,
+        min_length: int = 0,
         keep_from: Sequence[int] = (),
     ) -> tuple[StepOut, list[int]]:
         """``chunks``: (slot, start, token ids), each sampled greedily (``keep_from``: each chunk's
@@ -360,7 +422,9 @@ class StepGraphs:
         for layout, mode, *draft in keys:
             e = self._entry(layout, mode, None, False, *draft)
             if e.graph is None or not self.graphs:
-                fill = {"decode": self._fill_decode, "prefill": self._fill_prefill, "verify": self._fill_verify}[layout.kind](layout, ())
+                fill = {"decode": self._fill_decode, "prefill": self._fill_prefill, "verify": self._fill_verify}[
+                    layout.kind
+                ](layout, ())
                 self._copy_inputs([(e, fill)])
                 self._run(e)
             if self.times is not None and layout.kind in ("decode", "verify"):
@@ -385,7 +449,9 @@ class StepGraphs:
     # -- inputs -----------------------------------------------------------------------------
     def _fill_decode(self, layout: Layout, rows: Sequence[DecodeRow]) -> list[int]:
         n, pad = len(rows), layout.requests - len(rows)
-        model = [r.slot for r in rows] + [self.scratch] * pad + [r.start for r in rows] + [0] * pad + [1] * n + [0] * pad
+        model = (
+            [r.slot for r in rows] + [self.scratch] * pad + [r.start for r in rows] + [0] * pad + [1] * n + [0] * pad
+        )
         sampled = [SampledRow(i, r.slot, r.controls, r.start + 1) for i, r in enumerate(rows)]
         return fill(layout, model, sampled, self.scratch)
 
@@ -403,11 +469,20 @@ class StepGraphs:
         else:
             rows = [c * L + max(n - 1, 0) for c, n in enumerate(lens)]
             at = list(range(C))
-        model = tokens + [ch.slot for ch in chunks] + [self.scratch] * pad + [ch.start for ch in chunks] + [0] * pad + lens + rows
+        model = (
+            tokens
+            + [ch.slot for ch in chunks]
+            + [self.scratch] * pad
+            + [ch.start for ch in chunks]
+            + [0] * pad
+            + lens
+            + rows
+        )
         if layout.kept:
             model += [ch.keep_from for ch in chunks] + [0] * pad
         sampled = [
-            SampledRow(at[c], ch.slot, ch.controls, ch.start + len(ch.ids)) if ch.controls is not None
+            SampledRow(at[c], ch.slot, ch.controls, ch.start + len(ch.ids))
+            if ch.controls is not None
             else SampledRow(at[c], self.scratch, GREEDY, 0)
             for c, ch in enumerate(chunks)
         ]
@@ -420,7 +495,9 @@ class StepGraphs:
             tokens += list(ch.ids) + [0] * (L - len(ch.ids))
         tokens += [0] * (L * pad)
         lens = [len(ch.ids) for ch in chunks] + [0] * pad
-        model = tokens + [ch.slot for ch in chunks] + [self.scratch] * pad + [ch.start for ch in chunks] + [0] * pad + lens
+        model = (
+            tokens + [ch.slot for ch in chunks] + [self.scratch] * pad + [ch.start for ch in chunks] + [0] * pad + lens
+        )
         model += list(range(C * L))
         sampled = [SampledRow(0, ch.slot, ch.controls, ch.start) for ch in chunks]
         return fill(layout, model, sampled, self.scratch)
@@ -475,14 +552,27 @@ class StepGraphs:
 
     def _entry(self, layout: Layout, mode: str, k: int | None, masked: bool = False, draft: bool = True) -> _Entry:
         n_drafts = self.n_drafts if draft else 0
-        key = GraphKey(layout.kind, layout.tokens or layout.requests, layout.requests, layout.all_rows, mode, k, layout.kept, masked,
-                       n_drafts)
+        key = GraphKey(
+            layout.kind,
+            layout.tokens or layout.requests,
+            layout.requests,
+            layout.all_rows,
+            mode,
+            k,
+            layout.kept,
+            masked,
+            n_drafts,
+        )
         if key in self._entries:
             return self._entries[key]
         c, params, state, next_token = self.config, self.params, self.state, self.next_token
         base = self._offset(layout.kind)
         dev = self.arena[base : base + layout.size]
-        mask = self.masks[layout.kind][: layout.requests * (layout.length if layout.kind == "verify" else 1)] if masked else None
+        mask = (
+            self.masks[layout.kind][: layout.requests * (layout.length if layout.kind == "verify" else 1)]
+            if masked
+            else None
+        )
         model_in, sampling_in = layout.model_part(dev), layout.sampling_part(dev)
         if not self.compile:
             step = {"decode": decode_step, "prefill": prefill_step, "verify": verify_step}[layout.kind]
@@ -490,7 +580,9 @@ class StepGraphs:
             extra = {} if mask is None else {"mask": mask}
 
             def run_eager() -> StepOut:
-                return step(params, state, c, next_token, layout, dev, mode, k, self.vocab_ids, n_drafts=n_drafts, **extra)
+                return step(
+                    params, state, c, next_token, layout, dev, mode, k, self.vocab_ids, n_drafts=n_drafts, **extra
+                )
 
             e = _Entry(key, layout, dev, mask, run_eager, None)
             self._entries[key] = e
@@ -522,8 +614,12 @@ class StepGraphs:
             def fn() -> VerifyOut:
                 with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
                     logits, X = run_forward()
-                    return drafted(verify_out(acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids, *extra),
-                                              logits), X)
+                    return drafted(
+                        verify_out(
+                            acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids, *extra), logits
+                        ),
+                        X,
+                    )
         else:
             sampler = self._sampler(mode, k, masked)
             extra = () if mask is None else (mask,)
@@ -531,7 +627,9 @@ class StepGraphs:
             def fn() -> StepOut:
                 with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
                     logits, X = run_forward()
-                    return drafted(StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids, *extra), logits), X)
+                    return drafted(
+                        StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids, *extra), logits), X
+                    )
 
         e = _Entry(key, layout, dev, mask, fn, backend)
         self._entries[key] = e
@@ -543,11 +641,16 @@ class StepGraphs:
         if fkey not in self._forwards:
             c = self.config
             if layout.kind == "decode":
+
                 def forward(params, state, next_token, part):
                     return decode_logits(params, state, c, next_token, *layout.split_model(part), streams=streams)
             else:
+
                 def forward(params, state, next_token, part):
-                    return prefill_logits(params, state, c, *layout.split_model(part), kept=layout.kept, streams=streams)
+                    return prefill_logits(
+                        params, state, c, *layout.split_model(part), kept=layout.kept, streams=streams
+                    )
+
             self._forwards[fkey] = compile_graph(forward, backend)
         return self._forwards[fkey]
 
@@ -575,9 +678,11 @@ class StepGraphs:
             name = ("accept-" if verify else "sample-") + mode + (f"-k{k}" if k else "") + ("-masked" if masked else "")
             backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
             if verify:
+
                 def sampler(logits, next_token, token_ids, lens, part, vocab_ids, mask=None):
                     return accept_rows(logits, next_token, token_ids, lens, part, mode, vocab_ids, k, mask)
             else:
+
                 def sampler(logits, next_token, part, vocab_ids, mask=None):
                     return sample_rows(logits, next_token, part, mode, k, vocab_ids, mask)
 
@@ -593,8 +698,15 @@ class StepGraphs:
         """Start-up cost per graph: compile (first run) and capture seconds, pass rewrites;
         ``model_graph`` names the model part's compile (its dump directory)."""
         return [
-            {"graph": e.key.name, "model_graph": e.key.model_name, "compile_s": round(e.compile_s, 3), "capture_s": round(e.capture_s, 3),
-             "captured": e.graph is not None, "calls": e.calls, "rewrites": {} if e.backend is None else e.backend.rewrites()}
+            {
+                "graph": e.key.name,
+                "model_graph": e.key.model_name,
+                "compile_s": round(e.compile_s, 3),
+                "capture_s": round(e.capture_s, 3),
+                "captured": e.graph is not None,
+                "calls": e.calls,
+                "rewrites": {} if e.backend is None else e.backend.rewrites(),
+            }
             for e in self._entries.values()
         ]
 

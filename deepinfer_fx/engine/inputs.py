@@ -20,8 +20,9 @@ from ..passes.manager import parse_pass_list, resolve_disabled
 from ..sharding.mesh import parse_mesh
 
 PROMPT = "a str or a list of token ids (ints)"
-PROMPTS = ("a str, a list of token ids (ints), a dict {'prompt': ..., 'multi_modal_data': {'image': ...}}, "
-           "or a list of those")
+PROMPTS = (
+    "a str, a list of token ids (ints), a dict {'prompt': ..., 'multi_modal_data': {'image': ...}}, or a list of those"
+)
 TOKEN_IDS = "token ids are ints (Python, NumPy or torch integer scalars; not bool, float, str or bytes)"
 DEVICES = "'cpu', 'cuda', 'cuda:N' or 'npu' (Ascend, with torch_npu)"
 
@@ -44,7 +45,9 @@ def _not_a_list(v: Any, where: str, kinds: str = PROMPT) -> ValueError | None:
     if v is None:
         return ValueError(f"{where} is None; it must be {kinds}")
     if isinstance(v, (bytes, bytearray)):
-        return ValueError(f"{where} is bytes, which would read as byte values; decode it ({where}.decode()) or pass token ids")
+        return ValueError(
+            f"{where} is bytes, which would read as byte values; decode it ({where}.decode()) or pass token ids"
+        )
     if isinstance(v, (torch.Tensor, np.ndarray)):
         return ValueError(f"{where} is a {type(v).__name__}; pass a list of ints ({where}.tolist())")
     if not isinstance(v, Sequence) or isinstance(v, str):
@@ -54,7 +57,11 @@ def _not_a_list(v: Any, where: str, kinds: str = PROMPT) -> ValueError | None:
 
 def _prompt_shaped(v: Any) -> bool:
     """Whether ``v`` is (meant as) one prompt rather than one token id."""
-    return v is None or isinstance(v, (str, bytes, bytearray, Sequence, np.ndarray, dict)) or (isinstance(v, torch.Tensor) and v.dim() > 0)
+    return (
+        v is None
+        or isinstance(v, (str, bytes, bytearray, Sequence, np.ndarray, dict))
+        or (isinstance(v, torch.Tensor) and v.dim() > 0)
+    )
 
 
 def prompt_list(prompts: Any) -> tuple[list, list[str]]:
@@ -85,7 +92,9 @@ def token_ids(prompt: Any, where: str, vocab_size: int) -> list[int]:
     ids = [int(t) for t in prompt]
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
-            raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}) (the model's vocabulary); {where}[{i}] is {t}")
+            raise ValueError(
+                f"{where}: token ids must lie in [0, {vocab_size}) (the model's vocabulary); {where}[{i}] is {t}"
+            )
     return ids
 
 
@@ -110,17 +119,27 @@ def eager_setting(eager: bool | None, mesh: str | None, **compiled_options: Any)
     an error naming the conflict."""
     cp = parse_mesh(mesh).cp if mesh else 1
     if cp > 1 and eager is False:
-        raise ValueError(f"mesh {mesh}: context parallelism steps eagerly for now (its split is built on the host per step); "
-                         "drop eager=False / --compile")
+        raise ValueError(
+            f"mesh {mesh}: context parallelism steps eagerly for now (its split is built on the host per step); "
+            "drop eager=False / --compile"
+        )
     if cp > 1 and eager is None:  # disable_passes also picks the kernel swaps of a cp mesh's eager steps
         compiled_options.pop("disable_passes", None)
-    asked = [name for name, v in compiled_options.items() if (bool(v) if isinstance(v, (str, list, tuple)) else v is not None)]
+    asked = [
+        name
+        for name, v in compiled_options.items()
+        if (bool(v) if isinstance(v, (str, list, tuple)) else v is not None)
+    ]
     if not asked:
         return eager
     if eager is True:
-        raise ValueError(f"{', '.join(asked)} act on compiled steps, which eager=True (--eager) turns off; drop one or the other")
+        raise ValueError(
+            f"{', '.join(asked)} act on compiled steps, which eager=True (--eager) turns off; drop one or the other"
+        )
     if cp > 1:
-        raise ValueError(f"{', '.join(asked)} act on compiled steps, but a cp{cp} mesh steps eagerly for now; drop them")
+        raise ValueError(
+            f"{', '.join(asked)} act on compiled steps, but a cp{cp} mesh steps eagerly for now; drop them"
+        )
     return False
 
 
@@ -140,14 +159,18 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         try:
             import torch_npu  # noqa: F401  (registers the npu device type)
         except ImportError:
-            raise ValueError(f"device {str(device)!r} needs torch_npu (Ascend), which is not installed; use 'cpu' or 'cuda'") from None
+            raise ValueError(
+                f"device {str(device)!r} needs torch_npu (Ascend), which is not installed; use 'cpu' or 'cuda'"
+            ) from None
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise ValueError(f"device {str(device)!r} is not a device; use {DEVICES}") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r}: this machine has no usable CUDA device (torch.cuda.is_available() is False); use 'cpu'")
+            raise ValueError(
+                f"device {str(device)!r}: this machine has no usable CUDA device (torch.cuda.is_available() is False); use 'cpu'"
+            )
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
             raise ValueError(f"device {str(device)!r}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
@@ -162,8 +185,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def check_launch(mesh: str | None) -> None:
     """A mesh of several ranks needs the world torchrun sets up; refuse one started without it."""
     spec = parse_mesh(mesh) if mesh else None
-    if spec is None or spec.world_size == 1 or "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized()):
+    if (
+        spec is None
+        or spec.world_size == 1
+        or "WORLD_SIZE" in os.environ
+        or (dist.is_available() and dist.is_initialized())
+    ):
         return
     n = spec.world_size
-    raise ValueError(f"mesh {spec} has {n} ranks but this process was not started by torchrun; "
-                     f"launch it under torchrun --nproc-per-node {n} (e.g. torchrun --nproc-per-node {n} -m deepinfer_fx.generate --mesh {spec} ...)")
+    raise ValueError(
+        f"mesh {spec} has {n} ranks but this process was not started by torchrun; "
+        f"launch it under torchrun --nproc-per-node {n} (e.g. torchrun --nproc-per-node {n} -m deepinfer_fx.generate --mesh {spec} ...)"
+    )

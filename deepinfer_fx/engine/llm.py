@@ -1,7 +1,7 @@
 """``LLM``: the offline API, as vLLM and DeepInfer users know it.
 
-    llm = LLM(model="/path/to/ckpt")            # or "demo" for the built-in tiny random model
-    outs = llm.generate(["Hello"], SamplingParams(temperature=0.7, max_tokens=64))
+llm = LLM(model="/path/to/ckpt")            # or "demo" for the built-in tiny random model
+outs = llm.generate(["Hello"], SamplingParams(temperature=0.7, max_tokens=64))
 """
 
 from __future__ import annotations
@@ -100,17 +100,31 @@ class LLM:
         inputs.count("num_threads", num_threads, optional=True)
         inputs.count("seed", seed, low=0)
         inputs.flag("overlap", overlap)
-        for name, value in (("eager", eager), ("fake_quant", fake_quant), ("cuda_graphs", cuda_graphs), ("inductor", inductor),
-                            ("warmup", warmup), ("batch_invariant", batch_invariant)):
+        for name, value in (
+            ("eager", eager),
+            ("fake_quant", fake_quant),
+            ("cuda_graphs", cuda_graphs),
+            ("inductor", inductor),
+            ("warmup", warmup),
+            ("batch_invariant", batch_invariant),
+        ):
             inputs.flag(name, value, optional=True)
-        eager = inputs.eager_setting(eager, mesh, cuda_graphs=cuda_graphs, inductor=inductor, dump_graphs=dump_graphs,
-                                     disable_passes=disable_passes)
+        eager = inputs.eager_setting(
+            eager,
+            mesh,
+            cuda_graphs=cuda_graphs,
+            inductor=inductor,
+            dump_graphs=dump_graphs,
+            disable_passes=disable_passes,
+        )
         inputs.check_pass_names(disable_passes)
         inputs.check_launch(mesh)
         self.settings = EngineConfig.from_env(batch_invariant=batch_invariant)
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
         if self.engine_type is not EngineType.NORMAL and state_dir is None:
-            raise ValueError(f"engine_type={self.engine_type.value!r} needs state_dir (where request states are exported/imported)")
+            raise ValueError(
+                f"engine_type={self.engine_type.value!r} needs state_dir (where request states are exported/imported)"
+            )
         self.state_dir = Path(state_dir) if state_dir is not None else None
         device = inputs.resolve_device(device)
         if num_threads is not None or (device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ):
@@ -133,9 +147,17 @@ class LLM:
 
                 model = demo_model_dir()
             if model is None and not self.settings.hf_model_dir:
-                raise ValueError(f"no model given: pass LLM(model=path or hub id), set {ENV_MODEL_DIR}, or use model='demo'")
-            self.model = load_model(model, dtype=dtype, device=device, fake_quant=fake_quant, experts=self.ranks.experts(),
-                                    expert_format=expert_format)
+                raise ValueError(
+                    f"no model given: pass LLM(model=path or hub id), set {ENV_MODEL_DIR}, or use model='demo'"
+                )
+            self.model = load_model(
+                model,
+                dtype=dtype,
+                device=device,
+                fake_quant=fake_quant,
+                experts=self.ranks.experts(),
+                expert_format=expert_format,
+            )
         c = self.model.config
         self.tokenizer = None
         if self.model.path is not None and (Path(self.model.path) / "tokenizer.json").exists():
@@ -147,8 +169,10 @@ class LLM:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit ({c.max_position_embeddings})")
         self.speculative = parse_speculative_config(speculative_config, self.settings, c, self.model.params)
         if self.speculative is not None and self.ranks.multi:
-            raise ValueError("speculative decoding on a mesh is not built yet (its verify and rollback steps would need the "
-                             "ranks' lock step); drop speculative_config or the mesh")
+            raise ValueError(
+                "speculative decoding on a mesh is not built yet (its verify and rollback steps would need the "
+                "ranks' lock step); drop speculative_config or the mesh"
+            )
         budget = memory_budget if memory_budget is not None else self._default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
@@ -156,13 +180,27 @@ class LLM:
         max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
         keep = compact_keep(c, self.settings, yoco_mode, yoco_keep_tokens, max_draft=max_drafts, cp=split is not None)
         opts = build_options(
-            self.settings, self.model.device, eager=eager, overlap=overlap, warmup=warmup, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs, inductor=inductor,
-            dump_graphs=dump_graphs, disable_passes=disable_passes, keep=keep,
+            self.settings,
+            self.model.device,
+            eager=eager,
+            overlap=overlap,
+            warmup=warmup,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            cuda_graphs=cuda_graphs,
+            inductor=inductor,
+            dump_graphs=dump_graphs,
+            disable_passes=disable_passes,
+            keep=keep,
         )
         self.options = opts
-        check_batch_invariant(self.settings, self.model.device, speculative=self.speculative is not None,
-                              compiled=opts.steps.compiled, inductor=opts.steps.inductor)
+        check_batch_invariant(
+            self.settings,
+            self.model.device,
+            speculative=self.speculative is not None,
+            compiled=opts.steps.compiled,
+            inductor=opts.steps.inductor,
+        )
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
         swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
@@ -170,18 +208,33 @@ class LLM:
             # cp steps eagerly because it must, not because eager math was asked for: the
             # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
             # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU); batch invariance declines them
-            swaps = {**eager_kernel_swaps(self.settings.accelerator, self.model.device, opts.steps.disabled_passes), **swaps}
+            swaps = {
+                **eager_kernel_swaps(self.settings.accelerator, self.model.device, opts.steps.disabled_passes),
+                **swaps,
+            }
         method = None if self.speculative is None else self.speculative.method
         model_drafts = max_drafts if method in ("mtp", "dspark") else 0
         if model_drafts and self.engine_type is not EngineType.NORMAL:
-            raise ValueError(f"speculative_config method {method!r} with engine_type={self.engine_type.value!r}: the drafter's "
-                             "state does not travel between PROMPT and COMPLETION engines yet; use method 'ngram' or engine_type='normal'")
+            raise ValueError(
+                f"speculative_config method {method!r} with engine_type={self.engine_type.value!r}: the drafter's "
+                "state does not travel between PROMPT and COMPLETION engines yet; use method 'ngram' or engine_type='normal'"
+            )
         if model_drafts and keep is not None:
-            raise ValueError(f"speculative_config method {method!r} reads every prompt row's streams, and compact prefill "
-                             "replays only the last ones: pass yoco_mode='off' (or DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off)")
-        self.runner = ModelRunner(self.model, self.pool, opts.steps, {**swaps, **cp_swap}, split, lockstep=self.ranks.lockstep,
-                                  max_drafts=max_drafts, model_drafts=model_drafts,
-                                  varlen=self.speculative is not None and self.speculative.varlen)
+            raise ValueError(
+                f"speculative_config method {method!r} reads every prompt row's streams, and compact prefill "
+                "replays only the last ones: pass yoco_mode='off' (or DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off)"
+            )
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            opts.steps,
+            {**swaps, **cp_swap},
+            split,
+            lockstep=self.ranks.lockstep,
+            max_drafts=max_drafts,
+            model_drafts=model_drafts,
+            varlen=self.speculative is not None and self.speculative.varlen,
+        )
         self.transfer = None
         if self.engine_type is not EngineType.NORMAL:
             self.transfer = StateTransfer(self.pool, c, self.state_dir, self.runner.next_token)
@@ -213,7 +266,9 @@ class LLM:
     def _tokens(self, prompt: str | Seq[int], where: str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{where} is a str but this checkpoint has no tokenizer.json: pass token-id lists instead")
+                raise ValueError(
+                    f"{where} is a str but this checkpoint has no tokenizer.json: pass token-id lists instead"
+                )
             return prompt, encode(self.tokenizer, prompt)
         return None, inputs.token_ids(prompt, where, self.model.config.vocab_size)
 
@@ -239,8 +294,10 @@ class LLM:
         vocab = self.model.config.vocab_size
         outside = [t for t in params.stop_token_ids if t >= vocab]
         if outside:
-            raise ValueError(f"SamplingParams.stop_token_ids {outside} lie outside the model's vocabulary [0, {vocab}); "
-                             "no token can match them: drop them")
+            raise ValueError(
+                f"SamplingParams.stop_token_ids {outside} lie outside the model's vocabulary [0, {vocab}); "
+                "no token can match them: drop them"
+            )
         grammar = None if params.so_spec is None else self._grammar(params, where)
         seq_id = self._next_id
         self._next_id += 1
@@ -254,8 +311,9 @@ class LLM:
         """Images go through an eager prefill step of their own (``ModelRunner.launch``); what
         that step does not serve yet is refused here, by name."""
         if self.ranks.multi:
-            raise ValueError(f"{where}: images on a multi-rank mesh are not built yet (the ranks' steps would differ); "
-                             "run one rank")
+            raise ValueError(
+                f"{where}: images on a multi-rank mesh are not built yet (the ranks' steps would differ); run one rank"
+            )
         if self.speculative is not None:
             raise ValueError(f"{where}: images with speculative decoding are not built yet; drop speculative_config")
 
@@ -263,8 +321,10 @@ class LLM:
         """A matcher for ``params.so_args``, compiled (once per distinct spec) now, so that a bad
         regex, schema or grammar fails this request with xgrammar's message before it is queued."""
         if self.tokenizer is None:
-            raise ValueError(f"{where}: SamplingParams.so_args needs the checkpoint's tokenizer.json (structured output "
-                             "constrains text); this checkpoint has none")
+            raise ValueError(
+                f"{where}: SamplingParams.so_args needs the checkpoint's tokenizer.json (structured output "
+                "constrains text); this checkpoint has none"
+            )
         if self._grammars is None:
             c = self.model.config
             self._grammars = Grammars(self.tokenizer, c.vocab_size, c.eos_token_ids, threads=usable_cores())
@@ -294,7 +354,9 @@ class LLM:
             for i, sp in enumerate(plist):
                 if not isinstance(sp, SamplingParams):
                     raise ValueError(f"sampling_params[{i}] is {type(sp).__name__}; pass SamplingParams(...)")
-            seqs = [self._make_seq(p, sp, where) for p, sp, where in zip(prompts, plist, names)]  # validate all before running any
+            seqs = [
+                self._make_seq(p, sp, where) for p, sp, where in zip(prompts, plist, names)
+            ]  # validate all before running any
         return self._run(seqs, use_tqdm)
 
     def _imported_seqs(self, sampling_params) -> list[Sequence]:
@@ -321,8 +383,13 @@ class LLM:
         if self._engine_loop is None:
             detok = (lambda ids: decode(self.tokenizer, ids)) if self.tokenizer is not None else None
             self._engine_loop = EngineLoop(
-                self.scheduler, self.runner, detok, self.model.config.eos_token_ids, self.options.overlap,
-                transfer=self.transfer, lockstep=self.ranks.lockstep,
+                self.scheduler,
+                self.runner,
+                detok,
+                self.model.config.eos_token_ids,
+                self.options.overlap,
+                transfer=self.transfer,
+                lockstep=self.ranks.lockstep,
             )
         return self._engine_loop
 

@@ -87,6 +87,7 @@ class EngineLoop:
 
             def feed() -> None:
                 self._feed(prev_handle)
+
         mask_before = self.runner.mask_s
         sched = self.scheduler.schedule(now)
         if self.lockstep is not None and self.lockstep.any(sched is not None) and sched is None:
@@ -226,7 +227,9 @@ class EngineLoop:
             if hit is not None:
                 at, s = hit
                 seq.text, reason, stop = seq.text[:at], "stop", s
-        if reason is None and len(seq.output_ids) >= (1 if self.scheduler.engine_type is EngineType.PROMPT else p.max_tokens):
+        if reason is None and len(seq.output_ids) >= (
+            1 if self.scheduler.engine_type is EngineType.PROMPT else p.max_tokens
+        ):
             reason = "length"
         if reason is not None:
             if not isinstance(stop, str):  # a stop string already cut the text; else show every token's text
@@ -242,7 +245,11 @@ class EngineLoop:
             return
         if reason == "abort":
             self._flush_text(seq, seq.output_ids)
-        if self.transfer is not None and self.scheduler.engine_type is EngineType.PROMPT and reason not in ("abort", "error"):
+        if (
+            self.transfer is not None
+            and self.scheduler.engine_type is EngineType.PROMPT
+            and reason not in ("abort", "error")
+        ):
             self.transfer.export(seq)
         seq.status, seq.finish_reason, seq.stop_reason = Status.FINISHED, reason, stop
         seq.finished_at = now if now is not None else time.perf_counter()

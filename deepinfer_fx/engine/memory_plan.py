@@ -100,8 +100,10 @@ class MemoryPlan:
         """The plan as a table a person reads."""
         mode = "compiled steps" if self.compiled else "eager steps"
         gpus = f"{self.mesh.world_size} GPU{'s' if self.mesh.world_size > 1 else ''}"
-        lines = [f"memory plan per GPU: mesh {self.mesh} ({gpus}), {str(self.dtype).removeprefix('torch.')}, "
-                 f"{mode}, {self.gpu_bytes / GiB:.0f} GiB a GPU"]
+        lines = [
+            f"memory plan per GPU: mesh {self.mesh} ({gpus}), {str(self.dtype).removeprefix('torch.')}, "
+            f"{mode}, {self.gpu_bytes / GiB:.0f} GiB a GPU"
+        ]
         for c in self.device:
             lines.append(f"  {c.name:<24} {c.bytes / GiB:10.2f} GiB  {c.note}")
         lines.append(f"  {'weights on the GPU':<24} {self.weights / GiB:10.2f} GiB")
@@ -121,8 +123,10 @@ class MemoryPlan:
             verdict = "does NOT fit"
         else:
             verdict = f"does NOT fit {self.max_num_seqs} sequences; the engine's pool would hold {self.sequences}"
-        lines.append(f"{verdict}: {self.weights / GiB:.2f} GiB of weights + {pool / GiB:.2f} GiB of state + "
-                     f"{self.graph_pool / GiB:.2f} GiB of graph pool against {self.gpu_bytes / GiB:.0f} GiB")
+        lines.append(
+            f"{verdict}: {self.weights / GiB:.2f} GiB of weights + {pool / GiB:.2f} GiB of state + "
+            f"{self.graph_pool / GiB:.2f} GiB of graph pool against {self.gpu_bytes / GiB:.0f} GiB"
+        )
         return "\n".join(lines)
 
 
@@ -169,9 +173,18 @@ def _graph_pool(c: ModelConfig, tokens: int, max_len: int, dtype: torch.dtype) -
 
 
 def memory_plan(
-    c: ModelConfig, mesh: MeshSpec = ONE_GPU, *, gpu_memory_gib: float = H200_GIB, dtype: torch.dtype = torch.bfloat16,
-    compiled: bool = True, expert_format: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048, draft: bool = True, extra_experts: int | None = None,
+    c: ModelConfig,
+    mesh: MeshSpec = ONE_GPU,
+    *,
+    gpu_memory_gib: float = H200_GIB,
+    dtype: torch.dtype = torch.bfloat16,
+    compiled: bool = True,
+    expert_format: str | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    draft: bool = True,
+    extra_experts: int | None = None,
 ) -> MemoryPlan:
     """The plan of config ``c`` (a checkpoint's config, nothing else read) on one GPU of ``mesh``
     with the engine's settings: ``max_model_len`` (None: the engine's default,
@@ -191,8 +204,10 @@ def memory_plan(
             sums["engram_host"] += s.numel + s.numel // 32
             sums["engram"] += resident
             if compiled and resident > MAX_RESIDENT_ENGRAM_BYTES:
-                problems.append(f"compiled steps hold Engram table {s.path} on the device as fp32 ({resident / GiB:.1f} GiB) "
-                                f"and refuse tables above {MAX_RESIDENT_ENGRAM_BYTES / GiB:.0f} GiB: run eagerly (--eager)")
+                problems.append(
+                    f"compiled steps hold Engram table {s.path} on the device as fp32 ({resident / GiB:.1f} GiB) "
+                    f"and refuse tables above {MAX_RESIDENT_ENGRAM_BYTES / GiB:.0f} GiB: run eagerly (--eager)"
+                )
             continue
         shape = ((_expert_slots(mesh, s, extra_experts),) + s.held_shape[1:]) if s.stacked else s.held_shape
         key = "draft" if s.path.startswith("mtp.") else ("routed" if s.stacked else "dense")
@@ -202,35 +217,67 @@ def memory_plan(
     if c.engram_layer_ids:
         sums["dense"] += c.vocab_size * 8  # the token -> compressed class table, int64
     held = {"fp8": "block fp8 + fp32 scales", "fp4": "MXFP4 + ue8m0 scales"}.get(
-        c.held_experts or "", f"{str(dtype).removeprefix('torch.')} (dequantised on load)")
+        c.held_experts or "", f"{str(dtype).removeprefix('torch.')} (dequantised on load)"
+    )
     expert = next(s for s in param_specs(c, mtp=False) if s.stacked)
     released = {"fp4": "MXFP4", "fp8": "block FP8"}.get(_stored(c, expert) or "", "bf16")
     slots = _expert_slots(mesh, expert, extra_experts)
     device = [
-        Category("routed experts", sums["routed"], f"{slots} of {c.n_routed_experts} experts a layer, {held}; "
-                                                   f"{sums['released'] / GiB:.2f} GiB as released ({released})"),
-        Category("dense weights", sums["dense"], ("FP8 dense dequantised; " if c.fp8_block else "")
-                 + "mHC, sinks and biases fp32; on every GPU"),
+        Category(
+            "routed experts",
+            sums["routed"],
+            f"{slots} of {c.n_routed_experts} experts a layer, {held}; "
+            f"{sums['released'] / GiB:.2f} GiB as released ({released})",
+        ),
+        Category(
+            "dense weights",
+            sums["dense"],
+            ("FP8 dense dequantised; " if c.fp8_block else "") + "mHC, sinks and biases fp32; on every GPU",
+        ),
     ]
     if draft and sums["draft"]:
-        device.append(Category("draft model (mtp.*)", sums["draft"], "MTP-1 / DSpark, loaded when the checkpoint has it"))
+        device.append(
+            Category("draft model (mtp.*)", sums["draft"], "MTP-1 / DSpark, loaded when the checkpoint has it")
+        )
     host = []
     if c.engram_layer_ids:
         if compiled:
-            device.append(Category("Engram tables", sums["engram"], "dequantised to fp32 on the device (compiled steps)"))
+            device.append(
+                Category("Engram tables", sums["engram"], "dequantised to fp32 on the device (compiled steps)")
+            )
         else:
-            host.append(Category("Engram tables", sums["engram_host"], "memory-mapped fp8 rows + ue8m0 scales (eager steps)"))
+            host.append(
+                Category("Engram tables", sums["engram_host"], "memory-mapped fp8 rows + ue8m0 scales (eager steps)")
+            )
     state = state_bytes_per_slot(c, max_len, dtype)
     return MemoryPlan(
-        mesh=mesh, dtype=dtype, compiled=compiled, gpu_bytes=int(gpu_memory_gib * GiB), device=tuple(device), host=tuple(host),
-        state_per_token=state["per_token"], state_per_sequence=state["fixed"], max_model_len=max_len, max_num_seqs=max_num_seqs,
-        graph_pool=_graph_pool(c, max_num_batched_tokens, max_len, dtype), problems=tuple(problems),
+        mesh=mesh,
+        dtype=dtype,
+        compiled=compiled,
+        gpu_bytes=int(gpu_memory_gib * GiB),
+        device=tuple(device),
+        host=tuple(host),
+        state_per_token=state["per_token"],
+        state_per_sequence=state["fixed"],
+        max_model_len=max_len,
+        max_num_seqs=max_num_seqs,
+        graph_pool=_graph_pool(c, max_num_batched_tokens, max_len, dtype),
+        problems=tuple(problems),
     )
 
 
-def cli(model: str | None, mesh: str | None, gpu_memory_gib: float, *, dtype: str = "auto", eager: bool = False,
-        expert_format: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048) -> int:
+def cli(
+    model: str | None,
+    mesh: str | None,
+    gpu_memory_gib: float,
+    *,
+    dtype: str = "auto",
+    eager: bool = False,
+    expert_format: str | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+) -> int:
     """``generate --plan``: ``model`` is a checkpoint directory or a config.json (only the config is
     read; default ``DEEPINFER_HF_MODEL_DIR``); the other arguments are ``generate``'s flags."""
     from ..config import load_config
@@ -241,8 +288,16 @@ def cli(model: str | None, mesh: str | None, gpu_memory_gib: float, *, dtype: st
     if not path:
         raise ValueError("--plan needs --model: a checkpoint directory or a config.json (only the config is read)")
     run = torch.float32 if dtype == "float32" else torch.bfloat16  # auto: the engine's dtype on a GPU
-    plan = memory_plan(load_config(path), parse_mesh(mesh or "1"), gpu_memory_gib=gpu_memory_gib, dtype=run, compiled=not eager,
-                       expert_format=expert_format, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens)
+    plan = memory_plan(
+        load_config(path),
+        parse_mesh(mesh or "1"),
+        gpu_memory_gib=gpu_memory_gib,
+        dtype=run,
+        compiled=not eager,
+        expert_format=expert_format,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
     print(plan.format())
     return 0 if plan.fits else 1

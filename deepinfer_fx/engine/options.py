@@ -15,7 +15,9 @@ from ..graphs.yoco import min_keep_tokens
 from ..settings import PREFIX, EngineConfig
 
 
-def check_batch_invariant(settings: EngineConfig, device: torch.device, *, speculative: bool, compiled: bool, inductor: bool) -> None:
+def check_batch_invariant(
+    settings: EngineConfig, device: torch.device, *, speculative: bool, compiled: bool, inductor: bool
+) -> None:
     """Batch-invariant inference (``passes/batch_invariant.py``) is built for V4 and V4.1 on the
     CPU, in one process or on any mesh, eagerly or on aot_eager; asked for anywhere else it
     refuses, naming what is missing."""
@@ -24,18 +26,26 @@ def check_batch_invariant(settings: EngineConfig, device: torch.device, *, specu
     asked = f"batch_invariant=True / {PREFIX}BATCH_INVARIANT=1"
     missing = []
     if device.type != "cpu":
-        missing.append(f"on {device.type}: only the dense matmul kernel is built (kernels/triton/batch_invariant.py); "
-                       "attention, the expert GEMMs, mHC and the indexer have no batch-invariant kernels yet")
+        missing.append(
+            f"on {device.type}: only the dense matmul kernel is built (kernels/triton/batch_invariant.py); "
+            "attention, the expert GEMMs, mHC and the indexer have no batch-invariant kernels yet"
+        )
     if speculative:
         missing.append("with speculative decoding: verify steps are not checked for it")
     if compiled and inductor:
-        missing.append("under Inductor, whose generated loops choose their own reduction order (inductor=False runs aot_eager)")
+        missing.append(
+            "under Inductor, whose generated loops choose their own reduction order (inductor=False runs aot_eager)"
+        )
     if missing:
         raise ValueError(f"{asked} is not built " + "; ".join(missing))
 
 
 def compact_keep(
-    c: ModelConfig, settings: EngineConfig, mode: str | None = None, keep: int | None = None, max_draft: int = 0,
+    c: ModelConfig,
+    settings: EngineConfig,
+    mode: str | None = None,
+    keep: int | None = None,
+    max_draft: int = 0,
     cp: bool = False,
 ) -> int | None:
     """V4.1 compact prefill's KEEP, or None for exact prefill (spec §8.2). ``mode`` / ``keep``: the
@@ -53,16 +63,24 @@ def compact_keep(
     if asked == "off":
         return None
     if not c.is_v41:
-        raise ValueError(f"compact prefill (yoco_mode / {mode_var}) replays V4.1's CED decoder; {c.model_type} has none: "
-                         "set it to 'off' or leave it unset")
+        raise ValueError(
+            f"compact prefill (yoco_mode / {mode_var}) replays V4.1's CED decoder; {c.model_type} has none: "
+            "set it to 'off' or leave it unset"
+        )
     if cp:
-        raise ValueError(f"compact prefill (yoco_mode / {mode_var}) is not built for context parallelism; set it to 'off'")
+        raise ValueError(
+            f"compact prefill (yoco_mode / {mode_var}) is not built for context parallelism; set it to 'off'"
+        )
     keep = settings.yoco_keep_tokens if keep is None else keep
     need = min_keep_tokens(c, max_draft)
     if keep < need:
-        why = f"the sliding window ({c.sliding_window})" + (f" plus the longest rollback (a {max_draft}-token draft + 1)" if max_draft else "")
-        raise ValueError(f"yoco_keep_tokens / {keep_var} = {keep} is below the minimum {need}: the kept rows must cover {why}, "
-                         "the decoder rows the first decode steps read")
+        why = f"the sliding window ({c.sliding_window})" + (
+            f" plus the longest rollback (a {max_draft}-token draft + 1)" if max_draft else ""
+        )
+        raise ValueError(
+            f"yoco_keep_tokens / {keep_var} = {keep} is below the minimum {need}: the kept rows must cover {why}, "
+            "the decoder rows the first decode steps read"
+        )
     return keep
 
 
@@ -99,9 +117,19 @@ def default_cache_dir(settings: EngineConfig) -> Path:
 
 
 def build_options(
-    settings: EngineConfig, device: torch.device, *, eager: bool | None, overlap: bool, warmup: bool | None,
-    max_num_seqs: int, max_num_batched_tokens: int, cuda_graphs: bool | None, inductor: bool | None,
-    dump_graphs: str | os.PathLike | None, disable_passes: str | Sequence[str] | None, keep: int | None = None,
+    settings: EngineConfig,
+    device: torch.device,
+    *,
+    eager: bool | None,
+    overlap: bool,
+    warmup: bool | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    cuda_graphs: bool | None,
+    inductor: bool | None,
+    dump_graphs: str | os.PathLike | None,
+    disable_passes: str | Sequence[str] | None,
+    keep: int | None = None,
 ) -> EngineOptions:
     """Resolve the arguments together (``engine/inputs.py`` has checked each one). ``eager``
     None compiles on GPUs; ``warmup`` None warms up compiled steps."""
@@ -111,12 +139,27 @@ def build_options(
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
     if warmup and not compiled:
-        raise ValueError("warmup=True compiles and captures the steps ahead of time; these steps run eagerly (nothing to warm up)")
+        raise ValueError(
+            "warmup=True compiles and captures the steps ahead of time; these steps run eagerly (nothing to warm up)"
+        )
     steps = StepOptions(
-        compiled=compiled, max_requests=max_num_seqs, max_tokens=max_num_batched_tokens, accelerator=settings.accelerator,
-        cuda_graphs=cuda_graphs, inductor=device.type == "cuda" if inductor is None else inductor,
-        dump_dir=None if dump_graphs is None else str(dump_graphs), disabled_passes=disabled, keep=keep,
+        compiled=compiled,
+        max_requests=max_num_seqs,
+        max_tokens=max_num_batched_tokens,
+        accelerator=settings.accelerator,
+        cuda_graphs=cuda_graphs,
+        inductor=device.type == "cuda" if inductor is None else inductor,
+        dump_dir=None if dump_graphs is None else str(dump_graphs),
+        disabled_passes=disabled,
+        keep=keep,
         batch_invariant=settings.batch_invariant,
     )
-    return EngineOptions(steps, settings, max_num_seqs, max_num_batched_tokens, overlap,
-                         compiled if warmup is None else warmup, default_cache_dir(settings))
+    return EngineOptions(
+        steps,
+        settings,
+        max_num_seqs,
+        max_num_batched_tokens,
+        overlap,
+        compiled if warmup is None else warmup,
+        default_cache_dir(settings),
+    )

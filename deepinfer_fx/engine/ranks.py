@@ -49,7 +49,9 @@ class Ranks:
     world: Any = None  # the world DeviceMesh
 
     @classmethod
-    def join(cls, mesh: str | None, device: torch.device, eager: bool | None) -> tuple["Ranks", torch.device, bool | None]:
+    def join(
+        cls, mesh: str | None, device: torch.device, eager: bool | None
+    ) -> tuple["Ranks", torch.device, bool | None]:
         """Parse ``mesh`` and, for more than one rank, join the torchrun world; returns the ranks,
         this rank's device (a GPU rank takes GPU ``LOCAL_RANK``) and the eager setting to use."""
         spec = parse_mesh(mesh) if mesh else MeshSpec()
@@ -57,7 +59,9 @@ class Ranks:
             return cls(spec), device, eager
         if spec.cp > 1:
             if eager is False:
-                raise ValueError(f"mesh {spec}: context parallelism steps eagerly for now (its split is built on the host per step); drop eager=False / --compile")
+                raise ValueError(
+                    f"mesh {spec}: context parallelism steps eagerly for now (its split is built on the host per step); drop eager=False / --compile"
+                )
             eager = True
         world = init_world(spec, device.type)
         if device.type == "cuda" and device.index is None:
@@ -84,7 +88,9 @@ class Ranks:
         except RuntimeError as e:
             if not is_peer_failure(e):
                 raise
-            raise self.lockstep.failure(e, f"in a collective of the step after lock-step turn {self.lockstep.turn}") or e from None
+            raise (
+                self.lockstep.failure(e, f"in a collective of the step after lock-step turn {self.lockstep.turn}") or e
+            ) from None
 
     def experts(self) -> ExpertIds | None:
         """What the loader reads for this rank (None: every expert)."""
@@ -94,7 +100,9 @@ class Ranks:
         """This rank's share of an in-memory model."""
         if not self.multi:
             return model
-        return Model(model.config, rank_params(model.params, model.config, start_expert_ids(self.spec, self.rank)), model.path)
+        return Model(
+            model.config, rank_params(model.params, model.config, start_expert_ids(self.spec, self.rank)), model.path
+        )
 
     def start_ep(self, c: ModelConfig, max_tokens: int, device: torch.device) -> dict[str, Callable]:
         """The EP group of this rank's MoE and the swap that puts it in force. ``max_tokens`` is

@@ -53,7 +53,9 @@ class Sequence:
     emitted_chars: int = 0  # text handed out so far (streaming deltas start here)
     emitted_tokens: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed for this request
-    model_drafts: tuple[int, ...] = ()  # the model drafter's (MTP-1, DSpark) proposals for the next step (spec_decode.py)
+    model_drafts: tuple[
+        int, ...
+    ] = ()  # the model drafter's (MTP-1, DSpark) proposals for the next step (spec_decode.py)
     model_conf: tuple[float, ...] = ()  # DSpark's confidence in each of them (spec_schedule.py)
     num_accepted_tokens: int = 0  # and accepted
     grammar: Any = None  # structured output: the request's structured.GrammarState (None: unconstrained)
@@ -147,10 +149,25 @@ def to_output(seq: Sequence) -> RequestOutput:
         prompt_token_ids=list(seq.prompt_ids),
         prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
         outputs=[
-            CompletionOutput(0, text, list(seq.output_ids), list(seq.logprobs) if p.logprobs is not None else None,
-                             seq.finish_reason, seq.stop_reason, delta_text, list(delta_ids), seq.error)
+            CompletionOutput(
+                0,
+                text,
+                list(seq.output_ids),
+                list(seq.logprobs) if p.logprobs is not None else None,
+                seq.finish_reason,
+                seq.stop_reason,
+                delta_text,
+                list(delta_ids),
+                seq.error,
+            )
         ],
         finished=seq.finished,
-        metrics=RequestMetrics(seq.arrival, seq.first_scheduled, seq.first_token, seq.finished_at, seq.num_draft_tokens,
-                               seq.num_accepted_tokens),
+        metrics=RequestMetrics(
+            seq.arrival,
+            seq.first_scheduled,
+            seq.first_token,
+            seq.finished_at,
+            seq.num_draft_tokens,
+            seq.num_accepted_tokens,
+        ),
     )

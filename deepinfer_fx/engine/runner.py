@@ -47,8 +47,10 @@ from .steps import StepOut, decode_logits, sample_rows
 from .structured import GrammarState, MaskFiller, mask_words
 from ..vision.requests import batch_embeddings, encode_requests
 
-DEAD_GRAMMAR = ("SamplingParams.so_args: the grammar allows no token of this model's vocabulary at output position {n} "
-                "(a pattern the tokenizer cannot spell?)")
+DEAD_GRAMMAR = (
+    "SamplingParams.so_args: the grammar allows no token of this model's vocabulary at output position {n} "
+    "(a pattern the tokenizer cannot spell?)"
+)
 
 
 @dataclass
@@ -57,10 +59,16 @@ class StepHandle:
 
     sched: SchedulerOutputs
     where: list[tuple[int, int] | None]  # per chunk: (part, row) of its sampled token, None if it samples nothing
-    parts: list[tuple[torch.Tensor, ...]]  # per part (decode, prefill): host copies of tokens [, logprob, top ids, top lps]
-    prompt_lp: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # chunk -> (target, lp, top ids, top lps)
+    parts: list[
+        tuple[torch.Tensor, ...]
+    ]  # per part (decode, prefill): host copies of tokens [, logprob, top ids, top lps]
+    prompt_lp: dict[
+        int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    ]  # chunk -> (target, lp, top ids, top lps)
     done: torch.cuda.Event | None
-    verify: dict[int, tuple[VerifyChunk, int]] = field(default_factory=dict)  # chunk -> (its rows, its row of ``saved``)
+    verify: dict[int, tuple[VerifyChunk, int]] = field(
+        default_factory=dict
+    )  # chunk -> (its rows, its row of ``saved``)
     saved: tuple | None = None  # the verify slots' state before the step (``spec_decode.snapshot``)
     part_drafts: list[tuple | None] = field(default_factory=list)  # per part: host copies of its drafts and confidences
     fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
@@ -76,7 +84,9 @@ class StepHandle:
         self._tokens = [p[0].tolist() for p in self.parts]
         if self.verify:
             self._accepted = self.parts[VERIFY][1].tolist()
-        self._drafts = [None if d is None else (d[0].tolist(), None if d[1] is None else d[1].tolist()) for d in self.part_drafts]
+        self._drafts = [
+            None if d is None else (d[0].tolist(), None if d[1] is None else d[1].tolist()) for d in self.part_drafts
+        ]
 
     def drafts(self, i: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """The drafts the model's drafter proposed after chunk i for its request's next step, and
@@ -133,9 +143,16 @@ def step_mode(seqs: Seq[Sequence]) -> str:
 
 class ModelRunner:
     def __init__(
-        self, model: Model, pool: CachePool, options: StepOptions, swaps: dict | None = None,
-        split: Callable[[Batch], Batch] | None = None, lockstep: LockStep | None = None, max_drafts: int = 0,
-        model_drafts: int = 0, varlen: bool = False,
+        self,
+        model: Model,
+        pool: CachePool,
+        options: StepOptions,
+        swaps: dict | None = None,
+        split: Callable[[Batch], Batch] | None = None,
+        lockstep: LockStep | None = None,
+        max_drafts: int = 0,
+        model_drafts: int = 0,
+        varlen: bool = False,
     ) -> None:
         """``options``: how steps run (compiled or eager, graphs, passes, buckets). ``swaps``:
         ``graphs.swap`` replacements in force around every forward (a multi-rank mesh: the
@@ -160,10 +177,22 @@ class ModelRunner:
         # one entry per slot plus the scratch slot that padded rows read and write
         self.next_token = torch.zeros(pool.slots + 1, dtype=torch.long, device=self.device)
         self.steps = StepGraphs(
-            model, pool.state, self.next_token, max_requests=options.max_requests, max_tokens=options.max_tokens,
-            accelerator=options.accelerator, graphs=options.cuda_graphs, inductor=options.inductor,
-            dump_dir=options.dump_dir, disabled=options.disabled_passes, compile=options.compiled, max_drafts=max_drafts,
-            keep=options.keep, over=invariant, n_drafts=model_drafts, varlen=varlen,
+            model,
+            pool.state,
+            self.next_token,
+            max_requests=options.max_requests,
+            max_tokens=options.max_tokens,
+            accelerator=options.accelerator,
+            graphs=options.cuda_graphs,
+            inductor=options.inductor,
+            dump_dir=options.dump_dir,
+            disabled=options.disabled_passes,
+            compile=options.compiled,
+            max_drafts=max_drafts,
+            keep=options.keep,
+            over=invariant,
+            n_drafts=model_drafts,
+            varlen=varlen,
         )
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
@@ -181,8 +210,12 @@ class ModelRunner:
             return self.steps.warm_up(keys, progress)
 
     @torch.no_grad()
-    def launch(self, sched: SchedulerOutputs, importer: Callable[[Sequence], None] | None = None,
-               before_masks: Callable[[], None] | None = None) -> StepHandle:
+    def launch(
+        self,
+        sched: SchedulerOutputs,
+        importer: Callable[[Sequence], None] | None = None,
+        before_masks: Callable[[], None] | None = None,
+    ) -> StepHandle:
         """Launch ``sched``'s step. ``before_masks``: called before the token masks of
         constrained rows are filled, once the step is laid out (the loop feeds the previous
         step's tokens to the matchers there, so that scheduling and layout overlap it)."""
@@ -199,8 +232,9 @@ class ModelRunner:
             if self.split is not None or any(ch.seq.images is not None and not ch.from_device for ch in sched.chunks):
                 return self._launch_host(sched, mode, k, before_masks)
             outs, where, first_row, stride, verify = self._launch_steps(sched, mode, k, before_masks)
-        prompt_lp = self._prompt_logprobs(sched, outs[1].logits if outs[1] is not None else None,
-                                          [r * stride for r in first_row])
+        prompt_lp = self._prompt_logprobs(
+            sched, outs[1].logits if outs[1] is not None else None, [r * stride for r in first_row]
+        )
         return self._copy_back(sched, where, outs, prompt_lp, verify)
 
     def _prompt_logprobs(self, sched: SchedulerOutputs, logits: torch.Tensor | None, first_row: Seq[int]) -> dict:
@@ -219,7 +253,9 @@ class ModelRunner:
             prompt_lp[i] = (target, *logprobs(rows_lp, target, p.prompt_logprobs))
         return prompt_lp
 
-    def _launch_steps(self, sched: SchedulerOutputs | None, mode: str, k: int | None, before_masks: Callable[[], None] | None = None):
+    def _launch_steps(
+        self, sched: SchedulerOutputs | None, mode: str, k: int | None, before_masks: Callable[[], None] | None = None
+    ):
         """The decode rows and prompt chunks of ``sched`` (None: an idle rank's padding alone)
         through the step functions, at the sizes this turn's plan agreed."""
         chunks = [] if sched is None else sched.chunks
@@ -242,8 +278,12 @@ class ModelRunner:
                 exact = self.keep is None or seq.params.prompt_logprobs is not None
                 keep_from = 0 if exact else max(0, seq.prompt_len - self.keep)
                 pre.append(PrefillChunk(seq.slot, ch.start, ids, seq.controls if ch.sample else None, keep_from))
-        wants_rows = sched is not None and any(ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device)
-        n_dec, n_pre, length, all_rows = self._plan([len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)])
+        wants_rows = sched is not None and any(
+            ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device
+        )
+        n_dec, n_pre, length, all_rows = self._plan(
+            [len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)]
+        )
         # the decode and prefill parts' chunks in row order (a verify chunk's grammar masks: _verify_masks)
         parts = ([ch for ch in chunks if ch.from_device and not ch.drafts], [ch for ch in chunks if not ch.from_device])
         masked = tuple(any(ch.sample and ch.seq.grammar is not None for ch in part) for part in parts)
@@ -253,9 +293,23 @@ class ModelRunner:
                 before_masks()
             return tuple(self._masks(part) if m else None for part, m in zip(parts, masked))
 
-        d, p = self.steps.step(dec, pre, mode, k, bool(all_rows), min_requests=n_dec, min_chunks=n_pre, min_length=length,
-                               masked=masked, masks=masks)
-        stride = p.logits.shape[0] // self.steps.prefill_layout(max(len(pre), n_pre), 1).requests if p is not None and all_rows else 1
+        d, p = self.steps.step(
+            dec,
+            pre,
+            mode,
+            k,
+            bool(all_rows),
+            min_requests=n_dec,
+            min_chunks=n_pre,
+            min_length=length,
+            masked=masked,
+            masks=masks,
+        )
+        stride = (
+            p.logits.shape[0] // self.steps.prefill_layout(max(len(pre), n_pre), 1).requests
+            if p is not None and all_rows
+            else 1
+        )
         if not ver:
             return [d, p], where, first_row, stride, ({}, None)
         # saved before the verify forward writes the rows a rejected draft must not leave behind
@@ -307,8 +361,10 @@ class ModelRunner:
         slots' saved state and run each one's token and accepted drafts again, as prompt chunks
         that sample nothing, in one step (the bonus tokens in ``next_token`` stay)."""
         restore(self.pool, handle.saved, [handle.verify[i][1] for i, _ in rejected])
-        chunks = [PrefillChunk(handle.verify[i][0].slot, handle.verify[i][0].start, handle.verify[i][0].ids[: n + 1])
-                  for i, n in rejected]
+        chunks = [
+            PrefillChunk(handle.verify[i][0].slot, handle.verify[i][0].start, handle.verify[i][0].ids[: n + 1])
+            for i, n in rejected
+        ]
         with swapped(self.swaps):
             self.steps.step((), chunks, "greedy", draft=False)
 
@@ -324,8 +380,10 @@ class ModelRunner:
         for ch, st in zip(chunks, states):
             # a matcher must have accepted every token sampled so far, or its mask is stale
             if st is not None and ch.seq.error is None and st.accepted != ch.seq.num_sampled_scheduled - 1:
-                raise RuntimeError(f"request {ch.seq.id}: its grammar is {ch.seq.num_sampled_scheduled - 1 - st.accepted} "
-                                   "token(s) behind; the loop must feed a constrained request's tokens before its next step")
+                raise RuntimeError(
+                    f"request {ch.seq.id}: its grammar is {ch.seq.num_sampled_scheduled - 1 - st.accepted} "
+                    "token(s) behind; the loop must feed a constrained request's tokens before its next step"
+                )
         if self._filler is None:
             self._filler = MaskFiller(usable_cores())
         mask, dead = self._filler.fill(states, self.mask_words, pinned=self.async_copy, skip=failed)
@@ -334,7 +392,9 @@ class ModelRunner:
         self.mask_s += time.perf_counter() - t0
         return mask
 
-    def _launch_host(self, sched: SchedulerOutputs, mode: str, k: int | None, before_masks: Callable[[], None] | None) -> StepHandle:
+    def _launch_host(
+        self, sched: SchedulerOutputs, mode: str, k: int | None, before_masks: Callable[[], None] | None
+    ) -> StepHandle:
         """One eager packed forward of a batch built on the host: context parallelism (this
         rank's share of the chunks; every CP rank then samples from every row alike), or a step
         with image spans, whose rows take their merged embeddings (the requests' images are
@@ -358,10 +418,17 @@ class ModelRunner:
             offset += ch.length
         token_ids = torch.tensor(ids, device=self.device)
         if dev_rows:
-            token_ids[torch.tensor(dev_rows, device=self.device)] = self.next_token[torch.tensor(dev_slots, device=self.device)]
-        batch = Batch(token_ids, torch.tensor(pos, device=self.device), group_chunks(chunks, self.device), tuple(chunks))
-        spans = [(chunks[i].offset, ch.start, ch.length, ch.seq.images) for i, ch in enumerate(sched.chunks)
-                 if ch.seq.images is not None and not ch.from_device]
+            token_ids[torch.tensor(dev_rows, device=self.device)] = self.next_token[
+                torch.tensor(dev_slots, device=self.device)
+            ]
+        batch = Batch(
+            token_ids, torch.tensor(pos, device=self.device), group_chunks(chunks, self.device), tuple(chunks)
+        )
+        spans = [
+            (chunks[i].offset, ch.start, ch.length, ch.seq.images)
+            for i, ch in enumerate(sched.chunks)
+            if ch.seq.images is not None and not ch.from_device
+        ]
         if spans:
             encode_requests(self.model, [item for *_, item in spans])
             embeds, image_rows = batch_embeddings(self.model, token_ids, spans)
@@ -375,12 +442,17 @@ class ModelRunner:
         if batch.split is not None:  # this step's chunks were split: gather every row
             logits = context_gather(logits, batch.split)
         layout = Layout("decode", len(sampled))
-        buf = torch.tensor(fill(layout, [0] * layout.model_size, sampled, self.pool.slots), dtype=torch.long, device=self.device)
+        buf = torch.tensor(
+            fill(layout, [0] * layout.model_size, sampled, self.pool.slots), dtype=torch.long, device=self.device
+        )
         if before_masks is not None:
             before_masks()
         mask = self._masks([ch for ch in sched.chunks if ch.sample])
         mask = None if mask is None else mask.to(self.device)
-        out = StepOut(*sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids, mask), logits)
+        out = StepOut(
+            *sample_rows(logits, self.next_token, layout.sampling_part(buf), mode, k, self.steps.vocab_ids, mask),
+            logits,
+        )
         return self._copy_back(sched, where, [out], self._prompt_logprobs(sched, logits, [ch.offset for ch in chunks]))
 
     @torch.no_grad()
@@ -403,14 +475,22 @@ class ModelRunner:
 
     def _copy_back(self, sched, where, outs: list, prompt_lp, verify: tuple = ({}, None)) -> StepHandle:
         """Host copies of every part's results, queued behind the step."""
+
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to("cpu", non_blocking=self.async_copy)
 
-        parts = [tuple(host(t) for t in out[:4]) if out is not None else (torch.empty(0, dtype=torch.long),) for out in outs[:VERIFY]]
+        parts = [
+            tuple(host(t) for t in out[:4]) if out is not None else (torch.empty(0, dtype=torch.long),)
+            for out in outs[:VERIFY]
+        ]
         if len(outs) > VERIFY:
             v = outs[VERIFY]
-            parts.append(tuple(host(t) for t in (v.tokens, v.accepted, v.logprob, v.top_ids, v.top_logprobs) if t is not None))
-        drafts = [None if out is None or out.drafts is None else (host(out.drafts), host(out.confidence)) for out in outs]
+            parts.append(
+                tuple(host(t) for t in (v.tokens, v.accepted, v.logprob, v.top_ids, v.top_logprobs) if t is not None)
+            )
+        drafts = [
+            None if out is None or out.drafts is None else (host(out.drafts), host(out.confidence)) for out in outs
+        ]
         lp = {i: tuple(host(x) for x in v) for i, v in prompt_lp.items()}
         done = None
         if self.async_copy:

@@ -100,8 +100,10 @@ class SamplingParams:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("temperature", _float_in("temperature", self.temperature, 0.0, math.inf, False,
-                                     "a finite float >= 0 (0 = greedy)"))
+        put(
+            "temperature",
+            _float_in("temperature", self.temperature, 0.0, math.inf, False, "a finite float >= 0 (0 = greedy)"),
+        )
         put("top_p", _float_in("top_p", self.top_p, 0.0, 1.0, True, "in (0, 1]"))
         if not _is_int(self.top_k) or not (self.top_k >= 1 or self.top_k in (-1, 0)):
             raise _err("top_k", "-1 or 0 (off) or an int >= 1", self.top_k)

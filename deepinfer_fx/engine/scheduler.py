@@ -52,7 +52,11 @@ class SchedulerOutputs:
 
 class Scheduler:
     def __init__(
-        self, pool: CachePool, max_num_seqs: int, max_num_batched_tokens: int, engine_type: EngineType,
+        self,
+        pool: CachePool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        engine_type: EngineType,
         speculator: Speculator | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -123,8 +127,15 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutputs | None:
         budget = self.max_num_batched_tokens
         if self.speculator is not None and self.speculator.config.varlen:  # confidence scheduling weighs them together
-            ready = [s for s in self.running if not s.finished and s.prefill_done and not s.inflight and s.model_drafts
-                     and s.num_sampled_scheduled < self._max_samples(s)]
+            ready = [
+                s
+                for s in self.running
+                if not s.finished
+                and s.prefill_done
+                and not s.inflight
+                and s.model_drafts
+                and s.num_sampled_scheduled < self._max_samples(s)
+            ]
             self.speculator.plan(ready, [self._max_samples(s) - len(s.output_ids) - 1 for s in ready])
         chunks: list[ScheduledChunk] = []
         to_zero: list[int] = []

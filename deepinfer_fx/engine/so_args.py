@@ -50,8 +50,12 @@ def _text(name: str, val: Any, what: str) -> str:
 
 
 def _choice_grammar(name: str, val: Any) -> str:
-    if (isinstance(val, str) or not isinstance(val, Sequence) or not val
-            or not all(isinstance(c, str) and c for c in val)):
+    if (
+        isinstance(val, str)
+        or not isinstance(val, Sequence)
+        or not val
+        or not all(isinstance(c, str) and c for c in val)
+    ):
         raise _err(name, "a non-empty list of non-empty str", val)
     # json.dumps escapes quotes, backslashes and control characters as EBNF string literals do
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(val))
@@ -60,14 +64,18 @@ def _choice_grammar(name: str, val: Any) -> str:
 def _deepinfer_form(v: dict) -> SoSpec:
     extra = sorted(k for k in v if k not in ("schema_type", "schema"))
     if extra or "schema" not in v:
-        raise ValueError(f"SamplingParams.so_args in DeepInfer's form holds exactly 'schema_type' and 'schema', got keys {sorted(v)}")
+        raise ValueError(
+            f"SamplingParams.so_args in DeepInfer's form holds exactly 'schema_type' and 'schema', got keys {sorted(v)}"
+        )
     kind = v["schema_type"]
     if kind not in SCHEMA_TYPES:
         raise _err("so_args['schema_type']", f"one of {', '.join(map(repr, SCHEMA_TYPES))}", kind)
     kind = SCHEMA_TYPES[kind]
     if kind == "json":
         return SoSpec("json", _json_text("so_args['schema']", v["schema"]))
-    return SoSpec(kind, _text("so_args['schema']", v["schema"], "a regular expression" if kind == "regex" else "an EBNF grammar"))
+    return SoSpec(
+        kind, _text("so_args['schema']", v["schema"], "a regular expression" if kind == "regex" else "an EBNF grammar")
+    )
 
 
 def parse_so_args(v: Any) -> SoSpec | None:
@@ -81,10 +89,12 @@ def parse_so_args(v: Any) -> SoSpec | None:
         return _deepinfer_form(v)
     bad = [k for k in v if k not in SO_KEYS]
     if bad:
-        raise ValueError(f"SamplingParams.so_args has unknown key {bad[0]!r}; allowed keys: schema_type + schema, {', '.join(SO_KEYS)}")
+        raise ValueError(
+            f"SamplingParams.so_args has unknown key {bad[0]!r}; allowed keys: schema_type + schema, {', '.join(SO_KEYS)}"
+        )
     if len(v) != 1:
         raise ValueError(f"SamplingParams.so_args must hold {keys}, got keys {sorted(v)}")
-    (key, val), = v.items()
+    ((key, val),) = v.items()
     name = f"so_args[{key!r}]"
     if key == "json_schema":
         return SoSpec("json", _json_text(name, val))

@@ -35,7 +35,9 @@ def uniform(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
     return (k.to(torch.float32) + 0.5) * (2.0**-24)
 
 
-def accept(p: Tensor, q: Tensor, draft: Tensor, seed: Tensor, position: Tensor, vocab_ids: Tensor) -> tuple[Tensor, Tensor]:
+def accept(
+    p: Tensor, q: Tensor, draft: Tensor, seed: Tensor, position: Tensor, vocab_ids: Tensor
+) -> tuple[Tensor, Tensor]:
     """The general rule for one draft per row: ``p``, ``q`` ``[R, V]`` probabilities, ``draft``
     ``[R]``. Returns (accepted ``[R]`` bool, token ``[R]``: the draft, or a residual sample)."""
     pd = p.gather(-1, draft[:, None]).squeeze(-1)
@@ -49,8 +51,15 @@ def accept(p: Tensor, q: Tensor, draft: Tensor, seed: Tensor, position: Tensor, 
 
 
 def accept_rows(
-    logits: Tensor, next_token: Tensor, token_ids: Tensor, lens: Tensor, sampling: Tensor, mode: str,
-    vocab_ids: Tensor | None = None, k: int | None = None, mask: Tensor | None = None,
+    logits: Tensor,
+    next_token: Tensor,
+    token_ids: Tensor,
+    lens: Tensor,
+    sampling: Tensor,
+    mode: str,
+    vocab_ids: Tensor | None = None,
+    k: int | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """Point-mass drafts of ``C`` verify chunks of ``L`` rows: ``logits`` ``[C * L, V]``,
     ``token_ids`` ``[C * L]`` (row 0 of a chunk its last token, rows 1.. its drafts), ``lens``
@@ -70,11 +79,22 @@ def accept_rows(
     def rows(x: Tensor) -> Tensor:
         return x.repeat_interleave(L)
 
-    per_row = SamplingTensors(rows(t.temperature), rows(t.top_k), rows(t.top_p), rows(t.min_p), rows(t.seed),
-                              (t.position[:, None] + 1 + j).reshape(-1))  # row j samples position start + j + 1
+    per_row = SamplingTensors(
+        rows(t.temperature),
+        rows(t.top_k),
+        rows(t.top_p),
+        rows(t.min_p),
+        rows(t.seed),
+        (t.position[:, None] + 1 + j).reshape(-1),
+    )  # row j samples position start + j + 1
     finite = torch.isfinite(logits).all(dim=-1)
-    allowed = logits if mask is None else apply_token_mask(logits, mask, vocab_ids if vocab_ids is not None else
-                                                           torch.arange(logits.shape[-1], device=logits.device))
+    allowed = (
+        logits
+        if mask is None
+        else apply_token_mask(
+            logits, mask, vocab_ids if vocab_ids is not None else torch.arange(logits.shape[-1], device=logits.device)
+        )
+    )
     target = torch.where(finite, sample_mode(allowed, per_row, mode, vocab_ids), -1).view(C, L)
     drafts = token_ids.view(C, L)[:, 1:]
     match = (drafts == target[:, :-1]) & (j[None, 1:] < lens[:, None])

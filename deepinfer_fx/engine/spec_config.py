@@ -45,46 +45,63 @@ def _int(cfg: Mapping[str, Any], key: str, default: int, low: int) -> int:
 
 
 def parse_speculative_config(
-    cfg: Mapping[str, Any] | None, settings: EngineConfig, c: ModelConfig, params: dict,
+    cfg: Mapping[str, Any] | None,
+    settings: EngineConfig,
+    c: ModelConfig,
+    params: dict,
     environ: Mapping[str, str] = os.environ,
 ) -> SpeculativeConfig | None:
     """The checked config, or None for plain decoding. Refuses unknown keys and methods, k < 1,
     a method whose weights the checkpoint lacks, and every part that is not built yet."""
     nextn_set = bool(environ.get(NEXTN, "").strip())
     if settings.mtp_varlen and (cfg is None or not isinstance(cfg, Mapping) or cfg.get("method") != "dspark"):
-        raise ValueError(f"{VARLEN}=1 asks for confidence-scheduled variable-length verification, which reads DSpark's "
-                         "confidence head: pass speculative_config={'method': 'dspark', ...} (V4.1, V4-Flash-0731), or "
-                         f"unset {VARLEN} (fixed-length drafts)")
+        raise ValueError(
+            f"{VARLEN}=1 asks for confidence-scheduled variable-length verification, which reads DSpark's "
+            "confidence head: pass speculative_config={'method': 'dspark', ...} (V4.1, V4-Flash-0731), or "
+            f"unset {VARLEN} (fixed-length drafts)"
+        )
     if cfg is None:
         if nextn_set and settings.nextn_decode > 0:
-            raise ValueError(f"{NEXTN}={environ[NEXTN]!r} caps the draft length of speculative decoding, which is off: pass "
-                             "LLM(speculative_config={'method': 'ngram' or 'mtp', 'num_speculative_tokens': k}), or unset "
-                             f"{NEXTN}")
+            raise ValueError(
+                f"{NEXTN}={environ[NEXTN]!r} caps the draft length of speculative decoding, which is off: pass "
+                "LLM(speculative_config={'method': 'ngram' or 'mtp', 'num_speculative_tokens': k}), or unset "
+                f"{NEXTN}"
+            )
         return None
     if not isinstance(cfg, Mapping):
-        raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 3}}, got {cfg!r}")
+        raise ValueError(
+            f"speculative_config must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 3}}, got {cfg!r}"
+        )
     method = cfg.get("method")
     if method not in METHODS:
         raise ValueError(f"speculative_config['method'] must be one of {METHODS}, got {method!r}")
     unknown = sorted(set(cfg) - set(KEYS[method]))
     if unknown:
-        raise ValueError(f"speculative_config has unknown key(s) {unknown} for method {method!r}; allowed: {list(KEYS[method])}")
+        raise ValueError(
+            f"speculative_config has unknown key(s) {unknown} for method {method!r}; allowed: {list(KEYS[method])}"
+        )
     if "num_speculative_tokens" not in cfg:
         raise ValueError("speculative_config needs 'num_speculative_tokens' (the drafts per step, an int >= 1)")
     k = _int(cfg, "num_speculative_tokens", 0, 1)
     if nextn_set:
         if settings.nextn_decode == 0:
-            raise ValueError(f"{NEXTN}=0 turns speculative decoding off, and speculative_config asks for it: unset {NEXTN} "
-                             "or drop speculative_config")
+            raise ValueError(
+                f"{NEXTN}=0 turns speculative decoding off, and speculative_config asks for it: unset {NEXTN} "
+                "or drop speculative_config"
+            )
         k = min(k, settings.nextn_decode)
     if method in ("mtp", "dspark"):
         _check_draft_weights(method, c, params)
     if method == "dspark" and k > c.dspark_block_size:
-        raise ValueError(f"speculative_config['num_speculative_tokens'] = {k}: DSpark drafts blocks of {c.dspark_block_size} "
-                         f"tokens; ask for at most {c.dspark_block_size}")
+        raise ValueError(
+            f"speculative_config['num_speculative_tokens'] = {k}: DSpark drafts blocks of {c.dspark_block_size} "
+            f"tokens; ask for at most {c.dspark_block_size}"
+        )
     if method == "mtp" and k > c.sliding_window:
-        raise ValueError(f"speculative_config['num_speculative_tokens'] = {k}: the MTP drafter chains at most the "
-                         f"block's window ({c.sliding_window}) drafts")
+        raise ValueError(
+            f"speculative_config['num_speculative_tokens'] = {k}: the MTP drafter chains at most the "
+            f"block's window ({c.sliding_window}) drafts"
+        )
     if method in ("mtp", "dspark"):
         return SpeculativeConfig(method, k, varlen=settings.mtp_varlen)
     lo = _int(cfg, "prompt_lookup_min", 1, 1)
@@ -97,14 +114,20 @@ def parse_speculative_config(
 def _check_draft_weights(method: str, c: ModelConfig, params: dict) -> None:
     """A method that needs ``mtp.*`` weights on a model that has the wrong drafter or none."""
     if method == "mtp" and c.dspark_stages:
-        raise ValueError("speculative_config method 'mtp' needs an MTP-1 block; this checkpoint's mtp.* holds a DSpark "
-                         "drafter: use method 'dspark'")
+        raise ValueError(
+            "speculative_config method 'mtp' needs an MTP-1 block; this checkpoint's mtp.* holds a DSpark "
+            "drafter: use method 'dspark'"
+        )
     if method == "dspark" and not c.dspark_stages:
-        raise ValueError("speculative_config method 'dspark' needs a DSpark drafter (V4.1-Flash, V4-Flash-0731); this "
-                         "model's config has none")
+        raise ValueError(
+            "speculative_config method 'dspark' needs a DSpark drafter (V4.1-Flash, V4-Flash-0731); this "
+            "model's config has none"
+        )
     if not params.get("mtp"):
         keys = [s.key for s in mtp_specs(c)]
         shown = ", ".join(keys[:4]) + (f", ... ({len(keys)} tensors)" if len(keys) > 4 else "")
-        raise ValueError(f"speculative_config method {method!r} needs the draft weights, and this checkpoint has no mtp.* "
-                         f"tensors (missing: {shown or 'mtp.0.*: the config declares no draft layers'}); use method "
-                         "'ngram' (no weights) or a checkpoint with them")
+        raise ValueError(
+            f"speculative_config method {method!r} needs the draft weights, and this checkpoint has no mtp.* "
+            f"tensors (missing: {shown or 'mtp.0.*: the config declares no draft layers'}); use method "
+            "'ngram' (no weights) or a checkpoint with them"
+        )

@@ -61,9 +61,11 @@ class SpecStats:
         if not self.verify_steps:
             return "speculation: no verify steps (no drafts found)"
         rate = [f"{a / p:.2f}" for a, p in zip(self.accepted_at, self.proposed_at)]
-        return (f"speculation: {self.verify_steps} verify steps, {self.accepted_tokens}/{self.draft_tokens} drafts accepted "
-                f"({self.accepted_tokens / max(self.draft_tokens, 1):.1%}), mean accepted length "
-                f"{self.mean_accepted_length:.2f}, acceptance per draft position [{', '.join(rate)}]")
+        return (
+            f"speculation: {self.verify_steps} verify steps, {self.accepted_tokens}/{self.draft_tokens} drafts accepted "
+            f"({self.accepted_tokens / max(self.draft_tokens, 1):.1%}), mean accepted length "
+            f"{self.mean_accepted_length:.2f}, acceptance per draft position [{', '.join(rate)}]"
+        )
 
 
 class Speculator:
@@ -73,7 +75,9 @@ class Speculator:
         self.config = config
         self.drafter = None
         if config.method == "ngram":
-            self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+            self.drafter = NgramDrafter(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
         self.stats = SpecStats()
         self.step_time = step_time
         self.lengths: dict[int, int] = {}  # varlen: this step's planned draft count per request id
@@ -100,7 +104,11 @@ def snapshot(pool: CachePool, slots: list[int]) -> tuple[torch.Tensor, dict[str,
     one gather per state tensor for all the step's verify slots (not one copy per slot). The
     drafters' state (``mtp.*``, ``dspark.*``) is not among them: it holds verified positions only."""
     index = torch.tensor(slots, device=pool.state["layers"][0]["window"].device)
-    return index, {p: t[index] for p, t in iter_tensors(pool.state) if not p.endswith(GROWING_KEYS) and not p.startswith(("mtp.", "dspark."))}
+    return index, {
+        p: t[index]
+        for p, t in iter_tensors(pool.state)
+        if not p.endswith(GROWING_KEYS) and not p.startswith(("mtp.", "dspark."))
+    }
 
 
 def restore(pool: CachePool, saved: tuple[torch.Tensor, dict[str, torch.Tensor]], rows: list[int]) -> None:

@@ -94,11 +94,16 @@ def plan_lengths(confidences: Sequence[Sequence[float]], step_time: Callable[[li
     if step_time([0] * len(full)) is None or step_time(full) is None:
         return full
     gains = [survival(c) for c in confidences]
-    plans = [_greedy(gains, full, [0] * len(full), step_time), _greedy(gains, full, [min(1, n) for n in full], step_time)]
+    plans = [
+        _greedy(gains, full, [0] * len(full), step_time),
+        _greedy(gains, full, [min(1, n) for n in full], step_time),
+    ]
     return max(plans, key=lambda p: p[1])[0]
 
 
-def _greedy(gains: list[list[float]], full: list[int], lengths: list[int], step_time: Callable[[list[int]], float | None]):
+def _greedy(
+    gains: list[list[float]], full: list[int], lengths: list[int], step_time: Callable[[list[int]], float | None]
+):
     """(lengths, expected tokens per second) of the greedy from ``lengths`` on."""
     tokens = len(full) + sum(sum(g[:n]) for g, n in zip(gains, lengths))
     best = tokens / step_time(lengths)

@@ -124,7 +124,9 @@ def read_meta(path: str | os.PathLike) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{f}: corrupt, not valid JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{f}: not a {FORMAT} export (format field is {meta.get('format') if isinstance(meta, dict) else None!r})")
+        raise ValueError(
+            f"{f}: not a {FORMAT} export (format field is {meta.get('format') if isinstance(meta, dict) else None!r})"
+        )
     if meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"{f}: format version {meta.get('version')!r}; this build reads version {FORMAT_VERSION}")
     for key in ("model_type", "config_fingerprint", "dtype", "n_tokens", "prompt_token_ids"):
@@ -167,12 +169,16 @@ def import_slot(pool: CachePool, slot: int, path: str | os.PathLike, c: ModelCon
             keys = set(sf.keys())
             missing, extra = sorted(set(targets) - keys), sorted(keys - set(targets))
             if missing or extra:
-                raise ValueError(f"{f}: tensors do not match this model's state (missing {missing[:4]}, unexpected {extra[:4]})")
+                raise ValueError(
+                    f"{f}: tensors do not match this model's state (missing {missing[:4]}, unexpected {extra[:4]})"
+                )
             for name, t in targets.items():
                 got = tuple(sf.get_slice(name).get_shape())
                 want = _expected_shape(c, name, t.shape, n_tokens)
                 if got != want:
-                    raise ValueError(f"{f}: tensor {name} has shape {list(got)}; expected {list(want)} for {n_tokens} tokens")
+                    raise ValueError(
+                        f"{f}: tensor {name} has shape {list(got)}; expected {list(want)} for {n_tokens} tokens"
+                    )
             loaded = {name: sf.get_tensor(name) for name in targets}
     except FileNotFoundError:
         raise ValueError(f"{f}: missing; the export beside {META_FILE} is incomplete") from None
@@ -200,8 +206,11 @@ class StateTransfer:
 
     def export(self, seq) -> None:
         meta = {
-            "n_tokens": seq.prompt_len, "prompt_token_ids": seq.prompt_ids, "last_token": seq.output_ids[-1],
-            "seed": seq.seed, "prompt": seq.prompt,
+            "n_tokens": seq.prompt_len,
+            "prompt_token_ids": seq.prompt_ids,
+            "last_token": seq.output_ids[-1],
+            "seed": seq.seed,
+            "prompt": seq.prompt,
         }
         export_slot(self.pool, seq.slot, self.dir_for(seq), meta)
 

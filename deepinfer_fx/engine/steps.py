@@ -55,8 +55,13 @@ class StepOut(NamedTuple):
 
 
 def sample_rows(
-    logits: torch.Tensor, next_token: torch.Tensor, sampling: torch.Tensor, mode: str, k: int | None,
-    vocab_ids: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+    logits: torch.Tensor,
+    next_token: torch.Tensor,
+    sampling: torch.Tensor,
+    mode: str,
+    k: int | None,
+    vocab_ids: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple:
     """Sample the rows a sampling part ``[8, R]`` names from ``logits`` in ``mode``
     (``sampler.MODES``), write each token to ``next_token[write slot]`` and return (tokens,
@@ -95,14 +100,28 @@ class VerifyOut(NamedTuple):
     top_logprobs: torch.Tensor | None = None  # [C * L, k]
 
 
-def verify_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
-                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None, n_drafts: int = 0,
-                mask: torch.Tensor | None = None) -> VerifyOut:
+def verify_step(
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    next_token: torch.Tensor,
+    layout: Layout,
+    buf: torch.Tensor,
+    mode: str,
+    k: int | None = None,
+    vocab_ids: torch.Tensor | None = None,
+    n_drafts: int = 0,
+    mask: torch.Tensor | None = None,
+) -> VerifyOut:
     """One verify step over its input buffer: every row's logits, then acceptance (``k``: and
     every row's logprobs and top ``k``; ``mask``: every row's structured-output bitmask)."""
     token_ids, slots, starts, lens, rows, _ = layout.split_model(layout.model_part(buf))
-    logits, X = _with_streams(prefill_logits(params, state, c, token_ids, slots, starts, lens, rows, streams=bool(n_drafts)), n_drafts)
-    out = verify_out(accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids, k, mask), logits)
+    logits, X = _with_streams(
+        prefill_logits(params, state, c, token_ids, slots, starts, lens, rows, streams=bool(n_drafts)), n_drafts
+    )
+    out = verify_out(
+        accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids, k, mask), logits
+    )
     return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
 
 
@@ -112,22 +131,50 @@ def verify_out(accepted: tuple, logits: torch.Tensor) -> VerifyOut:
     return VerifyOut(tokens, n, logits, None, None, *lp)
 
 
-def decode_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
-                mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, n_drafts: int = 0) -> StepOut:
+def decode_step(
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    next_token: torch.Tensor,
+    layout: Layout,
+    buf: torch.Tensor,
+    mode: str,
+    k: int | None = None,
+    vocab_ids: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    n_drafts: int = 0,
+) -> StepOut:
     """One decode step over its input buffer: logits, then the sampled tokens."""
-    logits, X = _with_streams(decode_logits(params, state, c, next_token, *layout.split_model(layout.model_part(buf)),
-                                            streams=bool(n_drafts)), n_drafts)
+    logits, X = _with_streams(
+        decode_logits(
+            params, state, c, next_token, *layout.split_model(layout.model_part(buf)), streams=bool(n_drafts)
+        ),
+        n_drafts,
+    )
     out = StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
     return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
 
 
-def prefill_step(params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, layout: Layout, buf: torch.Tensor,
-                 mode: str, k: int | None = None, vocab_ids: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None, n_drafts: int = 0) -> StepOut:
+def prefill_step(
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    next_token: torch.Tensor,
+    layout: Layout,
+    buf: torch.Tensor,
+    mode: str,
+    k: int | None = None,
+    vocab_ids: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    n_drafts: int = 0,
+) -> StepOut:
     """One prefill step over its input buffer: logits at its rows, then the sampled tokens."""
-    logits, X = _with_streams(prefill_logits(params, state, c, *layout.split_model(layout.model_part(buf)), kept=layout.kept,
-                                             streams=bool(n_drafts)), n_drafts)
+    logits, X = _with_streams(
+        prefill_logits(
+            params, state, c, *layout.split_model(layout.model_part(buf)), kept=layout.kept, streams=bool(n_drafts)
+        ),
+        n_drafts,
+    )
     out = StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
     return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
 
@@ -137,7 +184,9 @@ def _with_streams(out, n_drafts: int) -> tuple:
     return out if n_drafts else (out, None)
 
 
-def with_drafts(out, params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, X: torch.Tensor, n_drafts: int):
+def with_drafts(
+    out, params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, X: torch.Tensor, n_drafts: int
+):
     """``out`` with its ``drafts`` (``n_drafts`` 0: unchanged)."""
     if not n_drafts:
         return out
@@ -147,8 +196,15 @@ def with_drafts(out, params: dict, state: dict, c: ModelConfig, layout: Layout, 
 
 
 def propose_drafts(
-    params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, feats, tokens: torch.Tensor,
-    n_drafts: int, accepted: torch.Tensor | None = None,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    layout: Layout,
+    buf: torch.Tensor,
+    feats,
+    tokens: torch.Tensor,
+    n_drafts: int,
+    accepted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's drafter after a step of ``layout``: ``feats`` what the step's forward kept
     for it (``_forward``), ``tokens`` its sampled tokens (verify: every row's target token, and
@@ -160,8 +216,15 @@ def propose_drafts(
 
 
 def dspark_drafts(
-    params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, captured: tuple, tokens: torch.Tensor,
-    n_drafts: int, accepted: torch.Tensor | None = None,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    layout: Layout,
+    buf: torch.Tensor,
+    captured: tuple,
+    tokens: torch.Tensor,
+    n_drafts: int,
+    accepted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DSpark after a step: the context of every verified row (a decode row, every prompt row,
     a verify chunk's token and accepted drafts), then a block drafted greedily after each
@@ -169,17 +232,28 @@ def dspark_drafts(
     model = layout.split_model(layout.model_part(buf))
     slots, starts, lens = model if layout.kind == "decode" else model[1:4]
     C = slots.shape[0]
-    group = Group(torch.arange(C * layout.length, device=slots.device).view(C, layout.length), slots, starts, lens, packed=True)
+    group = Group(
+        torch.arange(C * layout.length, device=slots.device).view(C, layout.length), slots, starts, lens, packed=True
+    )
     verified = lens if accepted is None else torch.minimum(accepted + 1, lens)
     context_rows(params, state, c, dict(zip(c.dspark_target_layer_ids, captured)), group, verified)
     newest = tokens if accepted is None else tokens.gather(1, accepted[:, None]).squeeze(1)
-    draft = draft_blocks(params, state, c, newest.clamp(min=0), starts + verified, slots, verified > 0, lambda z: z.argmax(-1))
+    draft = draft_blocks(
+        params, state, c, newest.clamp(min=0), starts + verified, slots, verified > 0, lambda z: z.argmax(-1)
+    )
     return draft.tokens[:, :n_drafts], draft.confidences[:, :n_drafts]
 
 
 def mtp_drafts(
-    params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, X: torch.Tensor, tokens: torch.Tensor,
-    n_drafts: int, accepted: torch.Tensor | None = None,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    layout: Layout,
+    buf: torch.Tensor,
+    X: torch.Tensor,
+    tokens: torch.Tensor,
+    n_drafts: int,
+    accepted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MTP drafter after a step of ``layout`` (``graphs/mtp.mtp_draft``): ``X`` the step's
     final streams. A row's next token is known up to: a decode row's sample; a prompt chunk's
@@ -205,7 +279,13 @@ def mtp_drafts(
 
 
 def decode_logits(
-    params: dict, state: dict, c: ModelConfig, next_token: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    next_token: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
     streams: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logits ``[B, vocab]`` of one decode token for each of ``B`` requests at positions ``starts``
@@ -226,8 +306,17 @@ def _forward(params: dict, state: dict, c: ModelConfig, batch: Batch, streams: b
 
 
 def prefill_logits(
-    params: dict, state: dict, c: ModelConfig, token_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-    lens: torch.Tensor, rows: torch.Tensor, keep_from: torch.Tensor | None = None, kept: int = 0, streams: bool = False,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    token_ids: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    rows: torch.Tensor,
+    keep_from: torch.Tensor | None = None,
+    kept: int = 0,
+    streams: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logits ``[R, vocab]`` at packed ``rows`` for ``C`` prompt chunks packed ``[C * L]``; with
     ``kept``, compact prefill from each chunk's ``keep_from`` (a row before it has no logits:

@@ -112,7 +112,9 @@ class Grammars:
         xgr = _xgrammar()
         n = tokenizer.get_vocab_size(with_added_tokens=True)
         if n > vocab_size:
-            raise ValueError(f"the tokenizer has {n} tokens but the model's vocabulary is {vocab_size}: a mismatched checkpoint")
+            raise ValueError(
+                f"the tokenizer has {n} tokens but the model's vocabulary is {vocab_size}: a mismatched checkpoint"
+            )
         special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         # special tokens (BOS, pads, EOS) as empty strings: xgrammar then never lets a grammar spell
         # text with them; EOS comes back as the stop token, allowed where the grammar may end
@@ -120,8 +122,9 @@ class Grammars:
         for text, i in tokenizer.get_vocab(with_added_tokens=True).items():
             vocab[i] = "" if i in special else text
         vocab_type, prefix = _vocab_type(tokenizer)
-        info = xgr.TokenizerInfo(vocab, vocab_type, vocab_size=vocab_size, stop_token_ids=list(stop_ids),
-                                 add_prefix_space=prefix)
+        info = xgr.TokenizerInfo(
+            vocab, vocab_type, vocab_size=vocab_size, stop_token_ids=list(stop_ids), add_prefix_space=prefix
+        )
         # xgrammar keeps its own cache too; ours also counts compiles and remembers failures
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self.stop_ids = tuple(stop_ids)
@@ -183,7 +186,9 @@ class MaskFiller:
             ring.reverse()
         return ring[-1][:rows]
 
-    def fill(self, states: Sequence[GrammarState | None], words: int, pinned: bool, skip: Sequence[int] = ()) -> tuple[torch.Tensor, list[int]]:
+    def fill(
+        self, states: Sequence[GrammarState | None], words: int, pinned: bool, skip: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, list[int]]:
         """The host bitmask ``[len(states), words]`` of one step's sampled rows in order
         (``states``: None for an unconstrained row: all ones). Rows in ``skip`` (requests that
         already failed) and rows whose grammar allows no token get token 0 alone, so the step

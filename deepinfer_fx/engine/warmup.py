@@ -81,6 +81,9 @@ def warm_up(runner: ModelRunner, opts: EngineOptions, show: bool = True) -> floa
             bar.close()
     total = time.perf_counter() - t0
     if show:
-        print(f"warm-up: {len(keys)} step graphs compiled and captured in {total:.1f} s (caches: {opts.cache_dir})",
-              file=sys.stderr, flush=True)
+        print(
+            f"warm-up: {len(keys)} step graphs compiled and captured in {total:.1f} s (caches: {opts.cache_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
     return total

@@ -60,8 +60,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=_count, default=4096, help="per response (default 4096)")
     g.add_argument("--seed", type=_seed, default=0, help="base of every per-sample seed (default 0)")
     g.add_argument("--batch-size", type=_count, default=64, help="samples per engine call; written after each")
-    g.add_argument("--num-threads", type=_count, default=None,
-                   help="CPU intra-op threads (default: the engine's; 1 is fastest on a shared machine)")
+    g.add_argument(
+        "--num-threads",
+        type=_count,
+        default=None,
+        help="CPU intra-op threads (default: the engine's; 1 is fastest on a shared machine)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = sub.add_parser("score", help="grade a generation file")
     s.add_argument("--task", required=True, help=" | ".join(TASKS))
@@ -87,7 +91,9 @@ def _generate(a: argparse.Namespace) -> None:
     records = plan(loaded, config, a.samples, opened.template)
     llm = opened.engine(records, a.max_tokens, a.batch_size, a.num_threads)
     images = {item["id"]: item["image"] for item in loaded.items if item.get("image")}
-    n = run(llm, opened.tokenizer, records, config, Path(a.out), a.batch_size, progress=not a.no_progress, images=images)
+    n = run(
+        llm, opened.tokenizer, records, config, Path(a.out), a.batch_size, progress=not a.no_progress, images=images
+    )
     print(f"{a.out}: {n} new, {len(records) - n} already there ({len(loaded.items)} items x {a.samples} samples)")
 
 
@@ -98,8 +104,10 @@ def _score(a: argparse.Namespace) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(f"{a.task}: pass@1 {result['pass@1']:.4f} ± {result['stderr']:.4f} over {result['items']} items, "
-          f"{result['samples']} samples ({result['no_answer']} without an answer)")
+    print(
+        f"{a.task}: pass@1 {result['pass@1']:.4f} ± {result['stderr']:.4f} over {result['items']} items, "
+        f"{result['samples']} samples ({result['no_answer']} without an answer)"
+    )
 
 
 def _ppl(a: argparse.Namespace) -> int:

@@ -58,7 +58,11 @@ class ChatTemplate:
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(messages=[{"role": "user", "content": content}], add_generation_prompt=True,
-                                         bos_token=self.bos, eos_token=self.eos)
+            return self._template.render(
+                messages=[{"role": "user", "content": content}],
+                add_generation_prompt=True,
+                bos_token=self.bos,
+                eos_token=self.eos,
+            )
         except TemplateError as e:
             raise EvalError(f"{self._file}: chat_template failed on a user turn ({e})") from None

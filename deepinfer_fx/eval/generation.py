@@ -99,8 +99,16 @@ def image_prompt_ids(tokenizer: Any, text: str, image_token_id: int) -> list[int
     return prompt_ids(tokenizer, before) + [image_token_id] + encode(tokenizer, after, add_bos=False)
 
 
-def run(llm: Any, tokenizer: Any, records: list[dict[str, Any]], config: GenConfig, out: Path, batch: int,
-        progress: bool = True, images: dict[str, str] | None = None) -> int:
+def run(
+    llm: Any,
+    tokenizer: Any,
+    records: list[dict[str, Any]],
+    config: GenConfig,
+    out: Path,
+    batch: int,
+    progress: bool = True,
+    images: dict[str, str] | None = None,
+) -> int:
     """Generate the records not in ``out`` yet, appending them; returns how many were written.
     ``images``: item id -> its image field, for the records with ``has_image``."""
     from tqdm import tqdm
@@ -110,17 +118,36 @@ def run(llm: Any, tokenizer: Any, records: list[dict[str, Any]], config: GenConf
     done = read_done(out, config)
     todo = [r for r in records if (r["id"], r["sample"]) not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc=f"{config.task} generate", unit="sample",
-                                                    disable=not progress, dynamic_ncols=True) as bar:
+    with (
+        open(out, "a", encoding="utf-8") as f,
+        tqdm(
+            total=len(todo), desc=f"{config.task} generate", unit="sample", disable=not progress, dynamic_ncols=True
+        ) as bar,
+    ):
         for start in range(0, len(todo), batch):
-            part = todo[start:start + batch]
+            part = todo[start : start + batch]
             ids = [_prompt(llm, tokenizer, r, images or {}) for r in part]
-            params = [SamplingParams(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens,
-                                     seq_seed=r["seed"]) for r in part]
+            params = [
+                SamplingParams(
+                    temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens, seq_seed=r["seed"]
+                )
+                for r in part
+            ]
             for rec, o in zip(part, llm.generate(ids, params)):
                 c = o.outputs[0]
-                f.write(json.dumps({**rec, "response": c.text, "finish_reason": c.finish_reason,
-                                    "num_tokens": len(c.token_ids), "config": asdict(config)}, ensure_ascii=False) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            **rec,
+                            "response": c.text,
+                            "finish_reason": c.finish_reason,
+                            "num_tokens": len(c.token_ids),
+                            "config": asdict(config),
+                        },
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(part))

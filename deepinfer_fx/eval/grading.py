@@ -30,7 +30,7 @@ def last_boxed(text: str) -> str | None:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth == 0:
-            found = text[m.end():i - 1]
+            found = text[m.end() : i - 1]
     return found
 
 

@@ -20,9 +20,19 @@ INPUT_TOKENS = 16_389
 OUTPUT_TOKENS = 4_096
 
 TINY_LONG = {
-    **TINY, "num_hidden_layers": 1, "compress_ratios": [128], "num_hash_layers": 0, "hc_sinkhorn_iters": 2,
+    **TINY,
+    "num_hidden_layers": 1,
+    "compress_ratios": [128],
+    "num_hash_layers": 0,
+    "hc_sinkhorn_iters": 2,
     "max_position_embeddings": 32_768,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 2048, "beta_fast": 32, "beta_slow": 1},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 2048,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
 }
 
 
@@ -45,10 +55,14 @@ def run_case(llm: Any, input_tokens: int = INPUT_TOKENS, output_tokens: int = OU
     lps = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
     decode_s = max(wall - stats.prefill_time, 1e-9)
     return {
-        "input_tokens": input_tokens, "output_tokens": len(out.token_ids),
-        "nextn": 0 if spec is None else spec.num_speculative_tokens, "drafter": None if spec is None else spec.method,
-        "finish_reason": out.finish_reason, "wall_s": round(wall, 3),
-        "prefill_s": round(stats.prefill_time, 3), "decode_tok_per_s": round((len(out.token_ids) - 1) / decode_s, 2),
+        "input_tokens": input_tokens,
+        "output_tokens": len(out.token_ids),
+        "nextn": 0 if spec is None else spec.num_speculative_tokens,
+        "drafter": None if spec is None else spec.method,
+        "finish_reason": out.finish_reason,
+        "wall_s": round(wall, 3),
+        "prefill_s": round(stats.prefill_time, 3),
+        "decode_tok_per_s": round((len(out.token_ids) - 1) / decode_s, 2),
         "decode_ppl": math.exp(-math.fsum(lps) / len(lps)) if lps else math.nan,
         "all_logprobs_finite": all(math.isfinite(v) for v in lps),
     }

@@ -17,7 +17,7 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
 
     ids = encode(tokenizer, text, add_bos=False)
     bos = encode(tokenizer, "", add_bos=True)  # what the post-processor prepends; [] if nothing
-    return ids if ids[:len(bos)] == bos else bos + ids
+    return ids if ids[: len(bos)] == bos else bos + ids
 
 
 @dataclass
@@ -37,15 +37,22 @@ class Opened:
         """An ``LLM`` whose context fits the longest prompt plus ``max_tokens``."""
         from ..config import load_config
         from ..engine import LLM
+
         c = load_config(self.path)
         # an image's span takes at most max_image_tokens positions in place of its placeholder
         span = c.vision.max_image_tokens if c.vision is not None else 0
-        longest = max(len(prompt_ids(self.tokenizer, r["prompt"])) + (span if r.get("has_image") else 0) for r in records)
+        longest = max(
+            len(prompt_ids(self.tokenizer, r["prompt"])) + (span if r.get("has_image") else 0) for r in records
+        )
         limit = c.max_position_embeddings
         if longest + max_tokens > limit:
-            raise EvalError(f"{self.path}: the longest prompt ({longest} tokens) + --max-tokens {max_tokens} exceeds "
-                            f"the model's {limit} positions; lower --max-tokens")
-        return LLM(model=str(self.path), max_model_len=longest + max_tokens, max_num_seqs=batch, num_threads=num_threads)
+            raise EvalError(
+                f"{self.path}: the longest prompt ({longest} tokens) + --max-tokens {max_tokens} exceeds "
+                f"the model's {limit} positions; lower --max-tokens"
+            )
+        return LLM(
+            model=str(self.path), max_model_len=longest + max_tokens, max_num_seqs=batch, num_threads=num_threads
+        )
 
 
 def open_model(model: str) -> Opened:

@@ -72,7 +72,7 @@ def measure(w: Workload) -> tuple[str, list[dict[str, Any]]]:
     for prompt, ids, o in zip(w.prompts, forced, scored):
         gen = range(len(prompt), len(ids))
         lps = [o.prompt_logprobs[j][ids[j]] for j in gen]
-        samples.append({"output_ids": ids[len(prompt):], "ppl": math.exp(-math.fsum(lps) / len(lps))})
+        samples.append({"output_ids": ids[len(prompt) :], "ppl": math.exp(-math.fsum(lps) / len(lps))})
     return platform_of(llm), samples
 
 
@@ -103,8 +103,10 @@ def check(name: str, path: Path = BASELINE) -> tuple[bool, str]:
     platform, got = measure(workload(name))
     entry = _read(path).get(platform, {}).get(name)
     if entry is None:
-        return False, (f"{path}: no baseline for platform {platform!r}, workload {name!r}; "
-                       f"run `python -m deepinfer_fx.eval ppl --workload {name} --refresh` on this platform")
+        return False, (
+            f"{path}: no baseline for platform {platform!r}, workload {name!r}; "
+            f"run `python -m deepinfer_fx.eval ppl --workload {name} --refresh` on this platform"
+        )
     bad = compare(entry["samples"], got)
     if bad:
         return False, f"{name} on {platform}: {len(bad)} of {len(got)} samples differ\n  " + "\n  ".join(bad)
@@ -115,8 +117,12 @@ def _commit() -> str | None:
     if os.environ.get("DEEPINFER_COMMIT"):
         return os.environ["DEEPINFER_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
-                              check=True).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
 

@@ -69,5 +69,13 @@ def score(task: str, records: list[dict[str, Any]]) -> dict[str, Any]:
         per_item[key[0]].append(ok)
         graded.append({"id": key[0], "sample": key[1], "extracted": got, "correct": ok})
     mean, se = pass_at_1(per_item)
-    return {"task": task, "pass@1": mean, "stderr": se, "items": len(per_item), "samples": len(graded),
-            "no_answer": missing, "per_item": {k: sum(v) / len(v) for k, v in per_item.items()}, "graded": graded}
+    return {
+        "task": task,
+        "pass@1": mean,
+        "stderr": se,
+        "items": len(per_item),
+        "samples": len(graded),
+        "no_answer": missing,
+        "per_item": {k: sum(v) / len(v) for k, v in per_item.items()},
+        "graded": graded,
+    }

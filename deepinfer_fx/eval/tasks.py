@@ -97,7 +97,12 @@ def shuffle_seed(seed: int, item_id: str, sample: int) -> int:
 
 def gpqa_choices(item: dict, seed: int) -> tuple[list[str], str]:
     """The four answers in a seeded order, and the letter the correct one landed on."""
-    answers = [item["Correct Answer"], item["Incorrect Answer 1"], item["Incorrect Answer 2"], item["Incorrect Answer 3"]]
+    answers = [
+        item["Correct Answer"],
+        item["Incorrect Answer 1"],
+        item["Incorrect Answer 2"],
+        item["Incorrect Answer 3"],
+    ]
     order = list(range(4))
     random.Random(seed).shuffle(order)
     choices = [answers[i].strip() for i in order]

@@ -57,7 +57,10 @@ def mqa_with_sink(
     if t <= rows:
         o = _mqa_rows(q, keys, bias, sink)
     else:
-        o = torch.cat([_mqa_rows(q[..., s : s + rows, :, :], keys, bias[..., s : s + rows, :], sink) for s in range(0, t, rows)], -3)
+        o = torch.cat(
+            [_mqa_rows(q[..., s : s + rows, :, :], keys, bias[..., s : s + rows, :], sink) for s in range(0, t, rows)],
+            -3,
+        )
     return apply_rope(o, cos, sin, inverse=True)
 
 
@@ -85,8 +88,12 @@ def mqa_ring(
 
 
 def ring_keys(
-    ring: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, entries: Optional[torch.Tensor],
-    entry_rows: Optional[torch.Tensor], entry_bias: Optional[torch.Tensor],
+    ring: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    entries: Optional[torch.Tensor],
+    entry_rows: Optional[torch.Tensor],
+    entry_bias: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mqa_ring``'s keys gathered: the window ring's rows then the chosen entries ``[C, W + K, d]``,
     the ring rows' positions ``[C, W]`` and the bias of every key."""
@@ -104,7 +111,12 @@ def ring_keys(
 
 @swappable
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    k_pos: torch.Tensor,
+    bias: torch.Tensor,
+    sink: torch.Tensor,
+    cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
     """``mqa_with_sink`` over a group's keys whose first ``k_pos.shape[-1]`` are window keys at
@@ -129,7 +141,9 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, grou
     return linear(project_blocks(o.flatten(-2), wo_a, groups), wo_b)
 
 
-def query(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def query(
+    p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> ``q_r`` ``[N, q_lora_rank]`` (the indexer reads it too) and rotated heads ``q`` ``[N, H, d]``."""
     eps = c.rms_norm_eps
     q_r = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
@@ -146,7 +160,14 @@ def latent_kv(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def attention(
-    p: dict, states: list, c: ModelConfig, x: torch.Tensor, batch: Batch, layer: int, ratio: int, ctx: dict,
+    p: dict,
+    states: list,
+    c: ModelConfig,
+    x: torch.Tensor,
+    batch: Batch,
+    layer: int,
+    ratio: int,
+    ctx: dict,
     keys_x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One attention sublayer over the packed tokens ``x`` ``[N, D]`` (already normed).
@@ -157,14 +178,20 @@ def attention(
     this batch's rows of them (all of them, except on a context-parallel rank, or where the
     caller gives the key side's rows ``keys_x`` for a ``QuerySubset``: V4.1 compact prefill)."""
     freq = inv_freq(c, ratio != 0, x.device)
-    cos, sin = _per_forward(ctx, ("rope", ratio != 0), batch.positions, lambda: cos_sin(batch.positions, freq, shared=True))
+    cos, sin = _per_forward(
+        ctx, ("rope", ratio != 0), batch.positions, lambda: cos_sin(batch.positions, freq, shared=True)
+    )
     q_r, q = query(p, c, x, cos, sin)
     keys_batch = batch.keys
     xk, k_cos, k_sin = x, cos, sin
     if batch.split is not None:  # the cache side needs every token of the chunks
         xk = context_gather(x, batch.split) if keys_x is None else keys_x
-        k_cos, k_sin = _per_forward(ctx, ("key rope", ratio != 0), keys_batch.positions,
-                                    lambda: cos_sin(keys_batch.positions, freq, shared=True))
+        k_cos, k_sin = _per_forward(
+            ctx,
+            ("key rope", ratio != 0),
+            keys_batch.positions,
+            lambda: cos_sin(keys_batch.positions, freq, shared=True),
+        )
     kv = latent_kv(p, c, xk, k_cos, k_sin)
 
     outs = []
@@ -172,16 +199,47 @@ def attention(
     for gi, (g, qs) in enumerate(zip(keys_batch.groups, batch.queries)):
         xg, kv_g = gather_rows(xk, g), gather_rows(kv, g)
         xq, q_rq, q_pos = gather_rows(x, qs), gather_rows(q_r, qs), qs.positions
-        if reads_after_write(st["window"], kv_g) and q_pos.shape[-1] == 1 and g.slots.shape[0] >= RING_MIN_CHUNKS and g.floor is None:
-            outs.append((qs, _decode(p, states, c, st, kv_g, xg, g, xq, q_rq, q_pos, gather_rows(q, qs), gather_rows(cos, qs),
-                                     gather_rows(sin, qs), layer, ratio, freq, ctx.setdefault(gi, {}))))
+        if (
+            reads_after_write(st["window"], kv_g)
+            and q_pos.shape[-1] == 1
+            and g.slots.shape[0] >= RING_MIN_CHUNKS
+            and g.floor is None
+        ):
+            outs.append(
+                (
+                    qs,
+                    _decode(
+                        p,
+                        states,
+                        c,
+                        st,
+                        kv_g,
+                        xg,
+                        g,
+                        xq,
+                        q_rq,
+                        q_pos,
+                        gather_rows(q, qs),
+                        gather_rows(cos, qs),
+                        gather_rows(sin, qs),
+                        layer,
+                        ratio,
+                        freq,
+                        ctx.setdefault(gi, {}),
+                    ),
+                )
+            )
             continue
         keys, k_pos = window_keys(st["window"], kv_g, g)
         # every layer's ring holds the same positions, so every layer sees the same window
-        bias = _per_forward(ctx, ("window bias", gi, k_pos.shape[-1]), qs, lambda: window_bias(q_pos, k_pos, c.sliding_window))
+        bias = _per_forward(
+            ctx, ("window bias", gi, k_pos.shape[-1]), qs, lambda: window_bias(q_pos, k_pos, c.sliding_window)
+        )
         if ratio:
             if c.is_v41:  # every V4.1 compressed layer attends a top-k selection
-                entries, chosen = csa2_entries(p, states, c, xg, g, xq, q_rq, q_pos, layer, freq, ctx.setdefault(gi, {}))
+                entries, chosen = csa2_entries(
+                    p, states, c, xg, g, xq, q_rq, q_pos, layer, freq, ctx.setdefault(gi, {})
+                )
             else:
                 entries, chosen = _v4_entries(p, st, c, xg, g, xq, q_rq, q_pos, ratio, freq)
             if (c.is_v41 or ratio == c.csa_ratio) and chosen.shape[-2] == 1 and entries.shape[1] > c.index_topk:
@@ -193,8 +251,25 @@ def attention(
     return grouped_output(rows_to_packed(outs, q.shape[0]), p["wo_a"], p["wo_b"], c.o_groups)
 
 
-def _decode(p, states, c: ModelConfig, st, kv_g, xg, g: Group, xq, q_rq, q_pos, q, cos, sin, layer: int, ratio: int, freq,
-            group_ctx: dict) -> torch.Tensor:
+def _decode(
+    p,
+    states,
+    c: ModelConfig,
+    st,
+    kv_g,
+    xg,
+    g: Group,
+    xq,
+    q_rq,
+    q_pos,
+    q,
+    cos,
+    sin,
+    layer: int,
+    ratio: int,
+    freq,
+    group_ctx: dict,
+) -> torch.Tensor:
     """One-token chunks of a large group: the window and the compressed entries are read from
     their pools by ``mqa_ring`` (no gathered copy of the keys, no window bias tensor)."""
     write_window(st["window"], kv_g, g)
@@ -222,14 +297,25 @@ def _per_forward(ctx: dict, key: tuple, owner: object, build: Callable[[], Any])
     return got[1]
 
 
-def _v4_entries(p, st, c: ModelConfig, xg, g: Group, xq, q_rq, q_pos, ratio: int, freq,
-                gather: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _v4_entries(
+    p, st, c: ModelConfig, xg, g: Group, xq, q_rq, q_pos, ratio: int, freq, gather: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """V4: the layer's own compressed entries (pooled from the group's chunks ``xg``; the whole
     pool without ``gather``); all visible ones (HCA) or the indexer's top-k for the queries
     ``xq`` / ``q_rq`` at ``q_pos`` (CSA)."""
     overlap = ratio == c.csa_ratio
-    entries = compress(p["compressor"], st["comp"], xg, g, ratio, overlap, freq, c.rms_norm_eps, lambda e: fq.compressed_entry(c, e),
-                       gather=gather)
+    entries = compress(
+        p["compressor"],
+        st["comp"],
+        xg,
+        g,
+        ratio,
+        overlap,
+        freq,
+        c.rms_norm_eps,
+        lambda e: fq.compressed_entry(c, e),
+        gather=gather,
+    )
     if overlap:
         return entries, select_entries(p["indexer"], st["index"], c, xg, g, xq, q_rq, q_pos, freq)
     return entries, visible_entries(q_pos, entries.shape[1], ratio)

@@ -196,7 +196,9 @@ def group_chunks(chunks: Sequence[Chunk], device=None) -> tuple[Group, ...]:
     return tuple(groups)
 
 
-def make_batch(token_lists: Sequence[Sequence[int] | torch.Tensor], slots: Sequence[int], starts: Sequence[int], device=None) -> Batch:
+def make_batch(
+    token_lists: Sequence[Sequence[int] | torch.Tensor], slots: Sequence[int], starts: Sequence[int], device=None
+) -> Batch:
     """Pack one chunk per sequence: ``token_lists[i]`` continues slot ``slots[i]`` at ``starts[i]``."""
     if not (len(token_lists) == len(slots) == len(starts)) or not token_lists:
         raise ValueError("make_batch needs one slot and one start per token list, and at least one list")

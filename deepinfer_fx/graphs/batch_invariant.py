@@ -50,8 +50,15 @@ def fixed_order_matmul(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torc
     n, k = w.shape
     cols = min(n, _rows_per_block(k))
     rows = _rows_per_block(cols * k)
-    y = _cat([_cat([(x[s : s + rows].float()[:, None, :] * wf[j : j + cols][None]).sum(-1) for j in range(0, n, cols)], -1)
-              for s in range(0, max(1, x.shape[0]), rows)], 0)
+    y = _cat(
+        [
+            _cat(
+                [(x[s : s + rows].float()[:, None, :] * wf[j : j + cols][None]).sum(-1) for j in range(0, n, cols)], -1
+            )
+            for s in range(0, max(1, x.shape[0]), rows)
+        ],
+        0,
+    )
     return y if out_fp32 else y.to(x.dtype)
 
 
@@ -91,8 +98,16 @@ def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.argsort(dim=-1, descending=True, stable=True)[..., :k]
 
 
-def route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
-                  temp: float, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_weights(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor | None,
+    k: int,
+    kind: str,
+    temp: float,
+    norm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe.route_weights`` with ties to the lower expert id and each token's experts listed
     in ascending id, the order every later sum over them takes (the place's own math otherwise;
     its scores go through the pointwise places)."""
@@ -107,7 +122,10 @@ def route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Te
 def _expert_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     """Row p of ``x`` ``[P, in]`` times ``w[expert[p]].T`` (``w`` ``[E, out, in]``), fixed order, in x's dtype."""
     step = _rows_per_block(w.shape[1] * w.shape[2])
-    parts = [(x[s : s + step].float()[:, None, :] * w[expert[s : s + step]].float()).sum(-1) for s in range(0, max(1, x.shape[0]), step)]
+    parts = [
+        (x[s : s + step].float()[:, None, :] * w[expert[s : s + step]].float()).sum(-1)
+        for s in range(0, max(1, x.shape[0]), step)
+    ]
     return _cat(parts, 0).to(x.dtype)
 
 
@@ -130,7 +148,11 @@ def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w:
 
 
 def index_scores(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    dot_scale: float,
     slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``indexer.index_scores`` with each dot product a fixed-order sum over the head dim."""
@@ -147,7 +169,12 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def score_topk(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int, slots: torch.Tensor | None = None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``indexer.score_topk`` with ties to the lower entry (entries keep their index in every layout)."""
     n = visible.shape[-1]
@@ -158,7 +185,12 @@ def score_topk(
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    k_pos: torch.Tensor,
+    bias: torch.Tensor,
+    sink: torch.Tensor,
+    cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
     """``attention.attend`` with every sum over the keys in one canonical order: a query's
@@ -168,7 +200,9 @@ def attend(
     c, t, h, d = q.shape
     n, nw = keys.shape[-2], k_pos.shape[-1]
     at = torch.arange(n, device=q.device)
-    rank = torch.where(at < nw, torch.nn.functional.pad(k_pos, (0, n - nw)), at + (1 << 40))  # entries after any position
+    rank = torch.where(
+        at < nw, torch.nn.functional.pad(k_pos, (0, n - nw)), at + (1 << 40)
+    )  # entries after any position
     step = _rows_per_block(c * h * n * d)
     outs = []
     for s in range(0, max(1, t), step):  # one (empty) block where a rank has no queries
@@ -190,8 +224,16 @@ def attend(
 
 
 def mqa_ring(
-    q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, entries: torch.Tensor | None,
-    entry_rows: torch.Tensor | None, entry_bias: torch.Tensor | None, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    entries: torch.Tensor | None,
+    entry_rows: torch.Tensor | None,
+    entry_bias: torch.Tensor | None,
+    sink: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
 ) -> torch.Tensor:
     """``attention.mqa_ring``'s gathered keys, attended by ``attend``."""
     keys, k_pos, bias = ring_keys(ring, slots, pos, entries, entry_rows, entry_bias)

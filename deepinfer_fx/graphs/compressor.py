@@ -40,7 +40,9 @@ def new_latents(
         gate = linear_fp32(x, p["wgate"])
         if "ape" in p:
             gate = gate + p["ape"].float()[torch.remainder(g.positions, ratio)]
-    return pool_windows(kv, gate, st["rows_kv"], st["rows_gate"], g.slots, g.starts, g.lens, p["norm"], ratio, overlap, eps)
+    return pool_windows(
+        kv, gate, st["rows_kv"], st["rows_gate"], g.slots, g.starts, g.lens, p["norm"], ratio, overlap, eps
+    )
 
 
 @swappable
@@ -99,7 +101,9 @@ def pool_windows(
     return w, complete, rms_norm(pooled, norm, eps)
 
 
-def store_entries(entries: torch.Tensor, g: Group, w: torch.Tensor, complete: torch.Tensor, values: torch.Tensor) -> None:
+def store_entries(
+    entries: torch.Tensor, g: Group, w: torch.Tensor, complete: torch.Tensor, values: torch.Tensor
+) -> None:
     """Write the completed windows' entries ``values`` ``[C, n, dim]`` at ``w`` of each chunk's slot."""
     write_rows(entries, g.slots, w, values, complete)
 

@@ -21,7 +21,9 @@ from .norm import linear, linear_fp32, rms_norm
 from .rope import apply_rope, cos_sin
 
 
-def _publish(p: dict, st: dict, c: ModelConfig, x: torch.Tensor, g: Group, ratio: int, freq: torch.Tensor) -> torch.Tensor:
+def _publish(
+    p: dict, st: dict, c: ModelConfig, x: torch.Tensor, g: Group, ratio: int, freq: torch.Tensor
+) -> torch.Tensor:
     """A KV source pools the chunks and stores new compressed entries and their index keys.
     Index keys come from the latent before RoPE; both are then rotated to the entry position.
     Returns ``[C]`` bool: whether any group closed in each chunk."""
@@ -47,8 +49,19 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, top_blocks: 
     return keep.repeat_interleave(block, dim=-1)[..., :n]
 
 
-def _select(p: dict, c: ModelConfig, keys: torch.Tensor, key_slots: torch.Tensor | None, x, q_r, q_pos, layer: int, ratio: int,
-            freq, group_ctx: dict) -> torch.Tensor:
+def _select(
+    p: dict,
+    c: ModelConfig,
+    keys: torch.Tensor,
+    key_slots: torch.Tensor | None,
+    x,
+    q_r,
+    q_pos,
+    layer: int,
+    ratio: int,
+    freq,
+    group_ctx: dict,
+) -> torch.Tensor:
     """An index source's selection: ``[C, L, n_entries]`` bool. ``keys``: each chunk's index keys
     ``[C, n, di]``, or the pool ``[S, n, di]`` that ``key_slots`` reads."""
     ip = p["indexer"]
@@ -69,7 +82,17 @@ def _select(p: dict, c: ModelConfig, keys: torch.Tensor, key_slots: torch.Tensor
 
 
 def csa2_entries(
-    p: dict, states: list, c: ModelConfig, xg, g: Group, xq, q_r, q_pos, layer: int, freq, group_ctx: dict,
+    p: dict,
+    states: list,
+    c: ModelConfig,
+    xg,
+    g: Group,
+    xq,
+    q_r,
+    q_pos,
+    layer: int,
+    freq,
+    group_ctx: dict,
     gather: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed entries ``[C, n, d]`` a V4.1 layer attends to (its KV source's, which a

@@ -88,7 +88,9 @@ def _check_drafter(params: dict, state: dict, c: ModelConfig) -> None:
         raise ValueError(f"this {c.model_type} config has no DSpark drafter (no dspark_target_layer_ids / stages)")
     mtp = params.get("mtp")
     if not mtp or "main_proj" not in mtp[0]:
-        raise ValueError("the parameters hold no DSpark weights (mtp.0.main_proj); load the checkpoint with its mtp.* tensors")
+        raise ValueError(
+            "the parameters hold no DSpark weights (mtp.0.main_proj); load the checkpoint with its mtp.* tensors"
+        )
     if "dspark" not in state:
         raise ValueError("the state has no DSpark windows; allocate it with init_state(..., mtp=True)")
 
@@ -99,7 +101,11 @@ def _window_freq(c: ModelConfig) -> torch.Tensor:
 
 @torch.no_grad()
 def dspark_context(
-    params: dict, state: dict, c: ModelConfig, captured: dict[int, torch.Tensor], batch: Batch,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    captured: dict[int, torch.Tensor],
+    batch: Batch,
     verified: Sequence[int] | None = None,
 ) -> None:
     """Write the stages' context windows for the verified rows of a target forward.
@@ -112,7 +118,9 @@ def dspark_context(
     _check_drafter(params, state, c)
     missing = [layer for layer in c.dspark_target_layer_ids if captured.get(layer) is None]
     if missing:
-        raise ValueError(f"captured has no streams for target layers {missing}; run forward_batch with captured=dspark_capture(c)")
+        raise ValueError(
+            f"captured has no streams for target layers {missing}; run forward_batch with captured=dspark_capture(c)"
+        )
     by_slot = {}
     for i, ch in enumerate(batch.chunks):
         n = ch.length if verified is None else int(verified[i])
@@ -124,8 +132,9 @@ def dspark_context(
         context_rows(params, state, c, captured, g, known)
 
 
-def context_rows(params: dict, state: dict, c: ModelConfig, captured: dict[int, torch.Tensor], group: Group,
-                 known: torch.Tensor) -> None:
+def context_rows(
+    params: dict, state: dict, c: ModelConfig, captured: dict[int, torch.Tensor], group: Group, known: torch.Tensor
+) -> None:
     """``dspark_context`` for one group ``[C, L]``: chunk c's first ``known[c]`` rows are
     verified. Only the last ``sliding_window`` of them can survive in the ring, so exactly
     that many rows a chunk are projected (the missing ones, before a chunk's start, are
@@ -166,8 +175,14 @@ def _stage_attention(
     held = last - torch.remainder(last - torch.arange(w, device=kv.device), w)  # the position each ring slot holds
     ok = torch.cat([held >= 0, torch.ones(C, k, dtype=torch.bool, device=kv.device)], dim=1)
     bias = torch.zeros(ok.shape, device=kv.device).masked_fill(~ok, float("-inf"))[:, None].expand(C, k, w + k)
-    o = mqa_with_sink(q.view(C, k, *q.shape[1:]), torch.cat([ring, kv], dim=1), bias, p["attn_sink"],
-                      cos.view(C, k, -1), sin.view(C, k, -1))
+    o = mqa_with_sink(
+        q.view(C, k, *q.shape[1:]),
+        torch.cat([ring, kv], dim=1),
+        bias,
+        p["attn_sink"],
+        cos.view(C, k, -1),
+        sin.view(C, k, -1),
+    )
     return grouped_output(o.reshape(q.shape), p["wo_a"], p["wo_b"], c.o_groups)
 
 
@@ -181,8 +196,15 @@ def _temperature_sampler(temperature: float, generator: torch.Generator | None) 
 
 @torch.no_grad()
 def dspark_propose(
-    params: dict, state: dict, c: ModelConfig, last_token: torch.Tensor, positions: torch.Tensor, slots: Sequence[int],
-    temperature: float = 0.0, sampler: Sampler | None = None, generator: torch.Generator | None = None,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    last_token: torch.Tensor,
+    positions: torch.Tensor,
+    slots: Sequence[int],
+    temperature: float = 0.0,
+    sampler: Sampler | None = None,
+    generator: torch.Generator | None = None,
 ) -> Draft:
     """Draft one block for each of B requests. ``last_token`` ``[B]``: the target's newest token
     ``x_{p+1}``; ``positions`` ``[B]``: its position ``p+1`` (context written up to p);
@@ -197,19 +219,35 @@ def dspark_propose(
     positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
     n = last_token.numel()
     if not (positions.numel() == len(slots) == n) or n == 0:
-        raise ValueError(f"dspark_propose needs one position and one slot per request; got {n} tokens, {positions.numel()} positions, {len(slots)} slots")
+        raise ValueError(
+            f"dspark_propose needs one position and one slot per request; got {n} tokens, {positions.numel()} positions, {len(slots)} slots"
+        )
     if int(positions.min()) < 1:
         raise ValueError("a draft needs context: positions (of x_{p+1}) must be >= 1")
     if len(set(slots)) != n:
         raise ValueError(f"dspark_propose drafts one block per state slot; got slots {list(slots)}")
     device = params["norm"].device
-    return draft_blocks(params, state, c, last_token.to(device), positions.to(device), torch.tensor(list(slots), device=device),
-                        torch.ones(n, dtype=torch.bool, device=device), sampler or _temperature_sampler(temperature, generator))
+    return draft_blocks(
+        params,
+        state,
+        c,
+        last_token.to(device),
+        positions.to(device),
+        torch.tensor(list(slots), device=device),
+        torch.ones(n, dtype=torch.bool, device=device),
+        sampler or _temperature_sampler(temperature, generator),
+    )
 
 
 def draft_blocks(
-    params: dict, state: dict, c: ModelConfig, last_token: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-    live: torch.Tensor, pick: Sampler,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    last_token: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    live: torch.Tensor,
+    pick: Sampler,
 ) -> Draft:
     """``dspark_propose`` on tensors (the engine's steps call it inside their graphs): one block
     ``[x_{p+1}, noise, ...]`` per slot at ``positions``; ``live`` False for padding blocks
@@ -217,7 +255,9 @@ def draft_blocks(
     k, vocab = c.dspark_block_size, c.vocab_size
     n = last_token.shape[0]
     device = last_token.device
-    ids = torch.cat([last_token[:, None], torch.full((n, k - 1), c.dspark_noise_token_id, dtype=torch.long, device=device)], 1)
+    ids = torch.cat(
+        [last_token[:, None], torch.full((n, k - 1), c.dspark_noise_token_id, dtype=torch.long, device=device)], 1
+    )
     group = Group(torch.arange(n * k, device=device).view(n, k), slots, positions, live.long() * k, packed=True)
     batch = Batch(ids.reshape(-1), group.positions.reshape(-1), (group,))
     stage_c = dspark_stage_config(c)
@@ -228,7 +268,9 @@ def draft_blocks(
         pre = torch.zeros(X.shape[:-1], dtype=torch.float32, device=device)
         pre[:, 0] = 1.0
     for s in range(c.dspark_stages):
-        X, pre_f = block(params["mtp"][s], state["dspark"], stage_c, X, batch, s, 0, pre_prev=pre, attn=_stage_attention)
+        X, pre_f = block(
+            params["mtp"][s], state["dspark"], stage_c, X, batch, s, 0, pre_prev=pre, attn=_stage_attention
+        )
         if c.is_v41:
             pre = pre_f
     last = params["mtp"][c.dspark_stages - 1]
@@ -255,8 +297,15 @@ def draft_blocks(
 
 
 def dspark_draft(
-    params: dict, state: dict, c: ModelConfig, last_token: torch.Tensor, positions: torch.Tensor, slots: Sequence[int],
-    temperature: float = 0.0, sampler: Sampler | None = None, generator: torch.Generator | None = None,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    last_token: torch.Tensor,
+    positions: torch.Tensor,
+    slots: Sequence[int],
+    temperature: float = 0.0,
+    sampler: Sampler | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dspark_propose``'s draft tokens ``[B, block]`` and confidences ``[B, block]``."""
     d = dspark_propose(params, state, c, last_token, positions, slots, temperature, sampler, generator)

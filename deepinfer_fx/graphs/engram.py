@@ -48,9 +48,17 @@ class EngramTable:
     unquantised); do not call the constructor directly.
     """
 
-    def __init__(self, name: str, num_rows: int, head_dim: int, *, dense: torch.Tensor | None = None,
-                 weight: np.memmap | None = None, scale: np.memmap | None = None,
-                 view_as: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        num_rows: int,
+        head_dim: int,
+        *,
+        dense: torch.Tensor | None = None,
+        weight: np.memmap | None = None,
+        scale: np.memmap | None = None,
+        view_as: torch.dtype | None = None,
+    ) -> None:
         self.name = name
         self._num_rows = num_rows
         self._head_dim = head_dim
@@ -68,8 +76,7 @@ class EngramTable:
         return cls(name, rows.shape[0], rows.shape[1], dense=rows)
 
     @classmethod
-    def from_checkpoint(cls, reader: CheckpointReader, weight_key: str,
-                        scale_key: str | None = None) -> "EngramTable":
+    def from_checkpoint(cls, reader: CheckpointReader, weight_key: str, scale_key: str | None = None) -> "EngramTable":
         """Memory-map ``weight_key`` (F8_E4M3 with ue8m0 ``scale_key`` [rows, head_dim/32], or an
         unquantised BF16/F16/F32 table with ``scale_key=None`` or an empty ``[rows, 0]`` scale)
         from its safetensors shard."""
@@ -86,20 +93,30 @@ class EngramTable:
             if s.dtype not in _SCALE_DTYPES or list(s.shape) != want or head_dim % SCALE_BLOCK:
                 raise CheckpointError(
                     f"{name}: scale '{scale_key}' is {s.dtype} {list(s.shape)}; expected F8_E8M0 {want} "
-                    f"(one ue8m0 per {SCALE_BLOCK} channels)")
-            return cls(name, rows, head_dim, weight=_memmap(w, np.dtype(np.uint8)),
-                       scale=_memmap(s, np.dtype(np.uint8)), view_as=torch.float8_e4m3fn)
+                    f"(one ue8m0 per {SCALE_BLOCK} channels)"
+                )
+            return cls(
+                name,
+                rows,
+                head_dim,
+                weight=_memmap(w, np.dtype(np.uint8)),
+                scale=_memmap(s, np.dtype(np.uint8)),
+                view_as=torch.float8_e4m3fn,
+            )
         if w.dtype in _PLAIN:
             # HF transformers' save_pretrained writes an empty [rows, 0] scale beside an
             # unquantised table: a placeholder with no values, so nothing to apply.
             s = None if scale_key is None else reader.raw(scale_key)
             if s is not None and list(s.shape) != [rows, 0]:
-                raise CheckpointError(f"{name}: {w.dtype} table is unquantised but scale '{scale_key}' "
-                                      f"({s.dtype} {list(s.shape)}) was given")
+                raise CheckpointError(
+                    f"{name}: {w.dtype} table is unquantised but scale '{scale_key}' "
+                    f"({s.dtype} {list(s.shape)}) was given"
+                )
             np_dtype, torch_dtype = _PLAIN[w.dtype]
             return cls(name, rows, head_dim, weight=_memmap(w, np_dtype), view_as=torch_dtype)
-        raise CheckpointError(f"{name}: unsupported Engram table dtype {w.dtype} "
-                              f"(F8_E4M3 + F8_E8M0 scale, BF16, F16 or F32)")
+        raise CheckpointError(
+            f"{name}: unsupported Engram table dtype {w.dtype} (F8_E4M3 + F8_E8M0 scale, BF16, F16 or F32)"
+        )
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -151,8 +168,9 @@ class EngramTable:
         return w.view(out_shape).to(ids.device)
 
 
-def engram_apply(p: dict[str, Any], X: torch.Tensor, hash_ids: torch.Tensor, eps: float,
-                 token_mask: torch.Tensor | None = None) -> torch.Tensor:
+def engram_apply(
+    p: dict[str, Any], X: torch.Tensor, hash_ids: torch.Tensor, eps: float, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Gated Engram residual on the mHC streams ``X [N, hc, D]`` (spec §7.7).
 
     ``p``: ``embed`` (EngramTable), ``wkv [(hc+1)*D, n_cols*head_dim]``, ``q_weight``/``k_weight``
@@ -170,8 +188,10 @@ def engram_apply(p: dict[str, Any], X: torch.Tensor, hash_ids: torch.Tensor, eps
     n_cols = hash_ids.shape[1]
     want = ((hc + 1) * d, n_cols * table.head_dim)
     if tuple(wkv.shape) != want:
-        raise ValueError(f"engram: wkv is {tuple(wkv.shape)}; expected {want} for hc={hc}, D={d}, "
-                         f"{n_cols} columns of head_dim {table.head_dim}")
+        raise ValueError(
+            f"engram: wkv is {tuple(wkv.shape)}; expected {want} for hc={hc}, D={d}, "
+            f"{n_cols} columns of head_dim {table.head_dim}"
+        )
     for k in ("q_weight", "k_weight"):
         if tuple(p[k].shape) != (hc, d):
             raise ValueError(f"engram: {k} is {tuple(p[k].shape)}; expected {(hc, d)}")
@@ -179,7 +199,7 @@ def engram_apply(p: dict[str, Any], X: torch.Tensor, hash_ids: torch.Tensor, eps
     rows = table.lookup(hash_ids).to(X.device).reshape(n, n_cols * table.head_dim)
     kv = linear(rows.to(X.dtype), wkv)  # the projection runs in the activations' dtype, like any linear
     key = kv[:, : hc * d].view(n, hc, d).float()
-    value = kv[:, hc * d:].float()  # one value shared by all streams
+    value = kv[:, hc * d :].float()  # one value shared by all streams
 
     xf = X.float()
     # q_weight and k_weight only ever appear as a product (the two RMSNorm weights fold together).
@@ -191,7 +211,9 @@ def engram_apply(p: dict[str, Any], X: torch.Tensor, hash_ids: torch.Tensor, eps
     out = xf + gate.unsqueeze(-1) * value.unsqueeze(1)
     if token_mask is not None:
         if token_mask.shape != (n,) or token_mask.dtype != torch.bool:
-            raise ValueError(f"engram: token_mask must be bool [N={n}], got {token_mask.dtype} {tuple(token_mask.shape)}")
+            raise ValueError(
+                f"engram: token_mask must be bool [N={n}], got {token_mask.dtype} {tuple(token_mask.shape)}"
+            )
         # where, not gate * mask: 0 · (inf or nan value) would still leak into masked rows.
         out = torch.where(token_mask.to(X.device).view(n, 1, 1), out, xf)
     return out.to(X.dtype)

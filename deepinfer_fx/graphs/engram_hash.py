@@ -223,8 +223,13 @@ def engram_history_after(comp_ids: torch.Tensor, history: torch.Tensor) -> torch
     return torch.cat([history, comp_ids], dim=-1)[..., -history.shape[-1] :]
 
 
-def engram_hash(comp_ids: torch.Tensor, history: torch.Tensor, layout: EngramLayout, layer_index: int,
-                pad_class: int | torch.Tensor | None = None) -> torch.Tensor:
+def engram_hash(
+    comp_ids: torch.Tensor,
+    history: torch.Tensor,
+    layout: EngramLayout,
+    layer_index: int,
+    pad_class: int | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Table row ids of Engram layer ``layout.layer_ids[layer_index]`` for a chunk.
 
     ``comp_ids``: int64 ``[..., T]`` compressed class ids; ``history``: int64 ``[..., N - 1]`` the

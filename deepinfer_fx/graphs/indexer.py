@@ -33,7 +33,9 @@ def select_entries(
     (the group's own rows, or a context-parallel rank's share of them)."""
     ratio = c.csa_ratio
     # the whole pool, read by slot: a gathered copy per chunk would move every slot's index keys
-    pool = compress(p["compressor"], st, xg, g, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k), gather=False)
+    pool = compress(
+        p["compressor"], st, xg, g, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k), gather=False
+    )
     q = linear(q_r, p["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(xq, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
@@ -42,7 +44,12 @@ def select_entries(
 
 @swappable
 def score_topk(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int, slots: torch.Tensor | None = None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per query the ``k`` visible entries with the highest ``sum_h head_w[t,h] relu(q[t,h] . keys[n])``
     (q ``[..., T, Hi, di]``, keys ``[..., N, di]`` or a pool read by ``slots``, see
@@ -58,7 +65,11 @@ def score_topk(
 
 @swappable
 def index_scores(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    dot_scale: float,
     slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``[..., T, N]``: ``sum_h head_w[t,h] * dot_scale * relu(q[t,h] . keys[n])`` where

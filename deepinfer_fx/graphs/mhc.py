@@ -24,7 +24,13 @@ def _mixes(X: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
 
 
 def mhc_coeffs(
-    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float, iters: int
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X ``[T, N, D]`` -> pre ``[T, N]``, post ``[T, N]``, comb ``[T, N, N]`` (all fp32)."""
     n = X.shape[-2]
@@ -56,7 +62,13 @@ def mhc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 @swappable
 def mhc_site(
-    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float, iters: int,
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    iters: int,
     pre_in: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One site up to the sublayer input: ``mhc_coeffs`` and the collapse of ``X`` with
@@ -81,7 +93,9 @@ def mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
 
 
 @swappable
-def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float) -> torch.Tensor:
+def hc_head(
+    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float
+) -> torch.Tensor:
     """Final learned collapse of the streams before the output norm: X ``[T, N, D]``, fn
     ``[N, N*D]``, base ``[N]``, scale ``[1]`` -> ``[T, D]`` in X's dtype. A swap place, so a kernel
     can run the mixing GEMV, ``pre`` and the collapse as ``mhc_site`` does (``passes/swaps.py``)."""

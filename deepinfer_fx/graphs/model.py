@@ -37,14 +37,28 @@ def embed(params: dict, c: ModelConfig, token_ids: torch.Tensor, dtype: torch.dt
 
 def _site(lp: dict, name: str, c: ModelConfig, X: torch.Tensor, pre_in: torch.Tensor | None):
     return mhc_site(
-        X, lp[f"hc_{name}_fn"], lp[f"hc_{name}_base"], lp[f"hc_{name}_scale"], c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+        X,
+        lp[f"hc_{name}_fn"],
+        lp[f"hc_{name}_base"],
+        lp[f"hc_{name}_scale"],
+        c.rms_norm_eps,
+        c.hc_eps,
+        c.hc_sinkhorn_iters,
         pre_in,
     )
 
 
 def block(
-    lp: dict, states: list, c: ModelConfig, X: torch.Tensor, batch: Batch, layer: int, ratio: int,
-    ctx: dict | None = None, pre_prev: torch.Tensor | None = None, attn: Callable = attention,
+    lp: dict,
+    states: list,
+    c: ModelConfig,
+    X: torch.Tensor,
+    batch: Batch,
+    layer: int,
+    ratio: int,
+    ctx: dict | None = None,
+    pre_prev: torch.Tensor | None = None,
+    attn: Callable = attention,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder block (attention site, FFN site) on the streams ``X`` ``[N, hc, D]``.
@@ -95,7 +109,10 @@ def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> li
     pad = params["engram_vocab"][c.engram_pad_token_id]
     hist_pool = state["engram"]["history"]
     n_hist = layout.max_ngram_size - 1
-    out = [torch.zeros(comp.shape[0] + 1, layout.n_columns, dtype=torch.long, device=comp.device) for _ in c.engram_layer_ids]
+    out = [
+        torch.zeros(comp.shape[0] + 1, layout.n_columns, dtype=torch.long, device=comp.device)
+        for _ in c.engram_layer_ids
+    ]
     for g in batch.groups:
         ids = gather_rows(comp, g)
         hist = torch.where((g.starts > 0)[:, None], hist_pool[g.slots], pad)
@@ -108,8 +125,16 @@ def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> li
 
 
 def run_layers(
-    params: dict, state: dict, c: ModelConfig, X: torch.Tensor, batch: Batch, layers: range,
-    ctx: dict, pre: torch.Tensor | None, hashes: list[torch.Tensor] | None, captured: dict | None = None,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    X: torch.Tensor,
+    batch: Batch,
+    layers: range,
+    ctx: dict,
+    pre: torch.Tensor | None,
+    hashes: list[torch.Tensor] | None,
+    captured: dict | None = None,
     kept: Kept | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Layers ``layers`` on the streams of the batch's rows. ``kept`` (V4.1 compact prefill):
@@ -125,7 +150,9 @@ def run_layers(
         if captured is not None and layer in captured:
             captured[layer] = X
         if layer == first_decoder:
-            X, pre_f = block(lp, state["layers"], c, X, kept.queries, layer, c.compress_ratios[layer], ctx, pre, rows=kept.rows)
+            X, pre_f = block(
+                lp, state["layers"], c, X, kept.queries, layer, c.compress_ratios[layer], ctx, pre, rows=kept.rows
+            )
             batch, hashes = kept.batch, None if hashes is None else [h[kept.rows] for h in hashes]
         else:
             X, pre_f = block(lp, state["layers"], c, X, batch, layer, c.compress_ratios[layer], ctx, pre)
@@ -135,7 +162,12 @@ def run_layers(
 
 
 def hidden_streams(
-    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None, replay: Replay | None = None,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    batch: Batch,
+    captured: dict | None = None,
+    replay: Replay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Residual streams after the last layer: ``[N, hc, D]`` (with ``replay``, V4.1's compact
     prefill: of the kept rows, ``yoco.kept_rows``' layout), and (V4.1) the last site's ``pre``.
@@ -143,7 +175,9 @@ def hidden_streams(
     if replay is not None and not c.is_v41:
         raise ValueError(f"compact prefill replays V4.1's decoder; this config is {c.model_type}")
     if replay is not None and (captured is not None or batch.split is not None):
-        raise ValueError("compact prefill with DSpark capture or context parallelism is not built; run these forwards exact")
+        raise ValueError(
+            "compact prefill with DSpark capture or context parallelism is not built; run these forwards exact"
+        )
     for ch in batch.keys.chunks:
         check_room(state, ch.slot, ch.start, ch.length)
     if batch.embeds is None:
@@ -163,7 +197,9 @@ def hidden_streams(
     return run_layers(params, state, c, X, batch, range(c.num_hidden_layers), {}, pre, hashes, captured, kept)
 
 
-def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None = None, pre: torch.Tensor | None = None) -> torch.Tensor:
+def head(
+    params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None = None, pre: torch.Tensor | None = None
+) -> torch.Tensor:
     """Collapse the streams (a learned ``hc_head``, or V4.1's last ``pre``), norm, and project
     to fp32 logits. ``head_prefix`` is the tree holding ``hc_head_*`` and ``norm``."""
     hp = params if head_prefix is None else head_prefix
@@ -176,7 +212,12 @@ def head(params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None
 
 
 def forward_batch(
-    params: dict, state: dict, c: ModelConfig, batch: Batch, captured: dict | None = None, rows: torch.Tensor | None = None,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    batch: Batch,
+    captured: dict | None = None,
+    rows: torch.Tensor | None = None,
     replay: Replay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits ``[N, vocab]`` (fp32) for every packed token (or only for packed ``rows``: the

@@ -32,8 +32,10 @@ def held_format(p: dict) -> str | None:
 def dequant_experts(p: dict, dtype: torch.dtype) -> dict:
     """Held experts ``p`` in ``dtype``: the values a load with ``expert_format="dequant"`` holds."""
     if held_format(p) == "fp8":
-        return {n: dequant_fp8_block(p[n], p[scale_path(n)], fp8_block_of(p[n].shape, p[scale_path(n)].shape), dtype)
-                for n in EXPERT_WEIGHTS}
+        return {
+            n: dequant_fp8_block(p[n], p[scale_path(n)], fp8_block_of(p[n].shape, p[scale_path(n)].shape), dtype)
+            for n in EXPERT_WEIGHTS
+        }
     return {n: dequant_mxfp4(p[n], p[scale_path(n)], dtype) for n in EXPERT_WEIGHTS}
 
 
@@ -45,15 +47,24 @@ def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
     return softmax(logits, -1)
 
 
-def route(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor,
-          image_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor, image_rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> expert ids ``[T, k]`` and routing weights ``[T, k]`` (fp32). ``image_rows`` ``[T]``
     bool (V4.1): those rows choose their experts with ``bias_vl`` instead of ``bias``."""
     gate = p["gate"]
     logits = linear_fp32(x, gate["weight"])
     if "tid2eid" in gate:
-        return route_weights(logits, None, gate["tid2eid"][token_ids].long(), c.num_experts_per_tok, c.scoring_func,
-                             c.gate_temp, c.norm_topk_prob, c.routed_scaling_factor)
+        return route_weights(
+            logits,
+            None,
+            gate["tid2eid"][token_ids].long(),
+            c.num_experts_per_tok,
+            c.scoring_func,
+            c.gate_temp,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
     args = (c.num_experts_per_tok, c.scoring_func, c.gate_temp, c.norm_topk_prob, c.routed_scaling_factor)
     idx, w = route_weights(logits, gate["bias"], None, *args)
     if image_rows is None:
@@ -65,8 +76,16 @@ def route(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor,
 
 
 @swappable
-def route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
-                  temp: float, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_weights(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor | None,
+    k: int,
+    kind: str,
+    temp: float,
+    norm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` (fp32) -> expert ids ``[T, k]`` (int64) and weights ``[T, k]``
     (fp32): scores ``kind(logits / temp)``; the k largest ``scores + bias`` choose the experts
     unless ``ids`` (hash layers) gives them; the weights are the chosen scores, divided by their
@@ -107,7 +126,9 @@ def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w:
     n_exp = p["w1"].shape[0]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_exp, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    counts = torch.zeros(n_exp, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32)
+    )
     groups = (torch.cumsum(counts, 0, dtype=torch.int32), flat[order])
     xs = x[order // k]
     h = swiglu_act(_grouped(xs, p["w1"], groups), _grouped(xs, p["w3"], groups), limit) * w.reshape(-1)[order, None]
@@ -134,7 +155,9 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, groups: tuple[torch.Tensor, torch
 
 
 @swappable
-def expert_parallel(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def expert_parallel(
+    p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor
+) -> torch.Tensor:
     """The region expert parallelism replaces with dispatch -> local experts -> combine
     (``sharding/ep.py``); in one process every expert is local. ``real`` ``[T]`` bool marks the
     rows that are tokens rather than a compiled bucket's padding: the dispatch sends no pair of
@@ -159,8 +182,14 @@ def experts_with_shared(
     return expert_parallel(pe, limit, x, idx, w, real) + shared_expert(ps, limit, x).float()
 
 
-def moe(p: dict, c: ModelConfig, x: torch.Tensor, token_ids: torch.Tensor, real: torch.Tensor,
-        image_rows: torch.Tensor | None = None) -> torch.Tensor:
+def moe(
+    p: dict,
+    c: ModelConfig,
+    x: torch.Tensor,
+    token_ids: torch.Tensor,
+    real: torch.Tensor,
+    image_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The FFN sublayer; ``real`` as in ``expert_parallel``, ``image_rows`` as in ``route``."""
     idx, w = route(p, c, x, token_ids, image_rows)
     return experts_with_shared(p["experts"], p["shared_experts"], c.swiglu_limit, x, idx, w, real).to(x.dtype)

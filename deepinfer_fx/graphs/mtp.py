@@ -24,7 +24,12 @@ from .norm import linear, rms_norm
 
 
 def mtp_forward_batch(
-    params: dict, state: dict, c: ModelConfig, X: torch.Tensor, batch: Batch, stage: int = 0,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    X: torch.Tensor,
+    batch: Batch,
+    stage: int = 0,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """X ``[N, hc, D]``: target streams at the batch's positions; ``batch.token_ids``: the token
@@ -39,15 +44,32 @@ def mtp_forward_batch(
 
 
 def mtp_forward(
-    params: dict, state: dict, c: ModelConfig, X: torch.Tensor, next_ids: torch.Tensor, start: int, stage: int = 0, slot: int = 0
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    X: torch.Tensor,
+    next_ids: torch.Tensor,
+    start: int,
+    stage: int = 0,
+    slot: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's form of ``mtp_forward_batch`` (positions ``start..``, state ``slot``)."""
     return mtp_forward_batch(params, state, c, X, make_batch([next_ids], [slot], [start], X.device), stage)
 
 
 def mtp_draft(
-    params: dict, state: dict, c: ModelConfig, X: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-    lens: torch.Tensor, first: torch.Tensor, nexts: torch.Tensor, known: torch.Tensor, pending: torch.Tensor, n_drafts: int,
+    params: dict,
+    state: dict,
+    c: ModelConfig,
+    X: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    first: torch.Tensor,
+    nexts: torch.Tensor,
+    known: torch.Tensor,
+    pending: torch.Tensor,
+    n_drafts: int,
 ) -> torch.Tensor:
     """Greedy drafts ``[C, n_drafts]`` after a target step of ``C`` chunks of ``L`` rows.
 
@@ -67,13 +89,18 @@ def mtp_draft(
     Xc = Xc.gather(1, src[:, :, None, None].expand(C, L + 1, hc, D))
     tokens = torch.cat([first[:, None], nexts], dim=1).gather(1, src)
     n_rows = pending.long() + known
-    group = Group(torch.arange(C * (L + 1), device=X.device).view(C, L + 1), slots, starts - pending.long(), n_rows, packed=True)
+    group = Group(
+        torch.arange(C * (L + 1), device=X.device).view(C, L + 1), slots, starts - pending.long(), n_rows, packed=True
+    )
     batch = Batch(tokens.reshape(-1), group.positions.reshape(-1), (group,))
     last = (n_rows - 1).clamp(min=0)
-    logits, Y = mtp_forward_batch(params, state, c, Xc.reshape(-1, hc, D), batch,
-                                  rows=torch.arange(C, device=X.device) * (L + 1) + last)
+    logits, Y = mtp_forward_batch(
+        params, state, c, Xc.reshape(-1, hc, D), batch, rows=torch.arange(C, device=X.device) * (L + 1) + last
+    )
     # the streams of each chunk's last row wait for the next chunk (used when this one samples nothing)
-    ms["pending"][slots] = X.view(C, L, hc, D)[torch.arange(C, device=X.device), (lens - 1).clamp(min=0)].to(ms["pending"].dtype)
+    ms["pending"][slots] = X.view(C, L, hc, D)[torch.arange(C, device=X.device), (lens - 1).clamp(min=0)].to(
+        ms["pending"].dtype
+    )
     drafts = [logits.argmax(-1)]
     if n_drafts == 1:
         return drafts[0][:, None]

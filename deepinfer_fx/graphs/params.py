@@ -76,7 +76,9 @@ def _hc_site(prefix: str, site: str, c: ModelConfig) -> list[ParamSpec]:
     n, d = c.hc_mult, c.hidden_size
     return [
         ParamSpec(f"{prefix}.hc_{site}_fn", f"{prefix}.hc_{site}_fn", ((2 + n) * n, n * d), (None, None), fp32=True),
-        ParamSpec(f"{prefix}.hc_{site}_base", f"{prefix}.hc_{site}_base", ((2 + n) * n,), (None,), init="zeros", fp32=True),
+        ParamSpec(
+            f"{prefix}.hc_{site}_base", f"{prefix}.hc_{site}_base", ((2 + n) * n,), (None,), init="zeros", fp32=True
+        ),
         ParamSpec(f"{prefix}.hc_{site}_scale", f"{prefix}.hc_{site}_scale", (3,), (None,), init="ones", fp32=True),
     ]
 
@@ -178,8 +180,15 @@ def _moe(prefix: str, c: ModelConfig, hashed: bool) -> list[ParamSpec]:
         specs.append(ParamSpec(f"{f}.gate.bias_vl", f"{f}.gate.bias_vl", (e,), ("experts",), init="zeros", fp32=True))
     if hashed:
         specs.append(
-            ParamSpec(f"{f}.gate.tid2eid", f"{f}.gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), ("vocab", None), init="tid2eid", integer=True,
-                      high=e)
+            ParamSpec(
+                f"{f}.gate.tid2eid",
+                f"{f}.gate.tid2eid",
+                (c.vocab_size, c.num_experts_per_tok),
+                ("vocab", None),
+                init="tid2eid",
+                integer=True,
+                high=e,
+            )
         )
     else:
         specs.append(ParamSpec(f"{f}.gate.bias", f"{f}.gate.bias", (e,), ("experts",), init="zeros", fp32=True))
@@ -187,18 +196,30 @@ def _moe(prefix: str, c: ModelConfig, hashed: bool) -> list[ParamSpec]:
         raise ValueError(f"held_experts={c.held_experts!r}: the checkpoint's experts are {xq or 'unquantised'}")
     if c.held_experts == "fp8" and c.fp8_block is None:
         raise ValueError("held_experts='fp8' needs fp8_block: the block scales' grid is unknown")
-    for w, shape, axes in (("w1", (e, i, d), ("experts", "expert_mlp", "embed")),
-                           ("w3", (e, i, d), ("experts", "expert_mlp", "embed")),
-                           ("w2", (e, d, i), ("experts", "embed", "expert_mlp"))):
+    for w, shape, axes in (
+        ("w1", (e, i, d), ("experts", "expert_mlp", "embed")),
+        ("w3", (e, i, d), ("experts", "expert_mlp", "embed")),
+        ("w2", (e, d, i), ("experts", "embed", "expert_mlp")),
+    ):
         path = f"{f}.experts.{w}"
         specs.append(ParamSpec(path, f"{f}.experts.{{e}}.{w}.weight", shape, axes, quant=xq, held=c.held_experts))
         if c.held_experts == "fp8":  # the scales shard with their experts and move with them
             grid = (e, -(-shape[1] // c.fp8_block), -(-shape[2] // c.fp8_block))
-            specs.append(ParamSpec(scale_path(path), f"{f}.experts.{{e}}.{w}.scale", grid, (axes[0], None, None),
-                                   fp32=True, held="scale"))
+            specs.append(
+                ParamSpec(
+                    scale_path(path),
+                    f"{f}.experts.{{e}}.{w}.scale",
+                    grid,
+                    (axes[0], None, None),
+                    fp32=True,
+                    held="scale",
+                )
+            )
         elif c.held_experts == "fp4":  # one ue8m0 byte per 32 values of a row
             grid = (e, shape[1], shape[2] // MXFP4_BLOCK)
-            specs.append(ParamSpec(scale_path(path), f"{f}.experts.{{e}}.{w}.scale", grid, (axes[0], None, None), held="scale"))
+            specs.append(
+                ParamSpec(scale_path(path), f"{f}.experts.{{e}}.{w}.scale", grid, (axes[0], None, None), held="scale")
+            )
     si = i * c.n_shared_experts
     specs += [
         _linear(f"{f}.shared_experts.w1", si, d, ("mlp", "embed"), "fp8"),
@@ -229,7 +250,9 @@ def backbone_specs(c: ModelConfig) -> list[ParamSpec]:
     v, d = c.vocab_size, c.hidden_size
     specs = [
         ParamSpec("embed", "embed.weight", (v, d), ("vocab", "embed")),
-        ParamSpec("head", "head.weight", (v, d), ("vocab", "embed")),  # fp32 accumulation, not storage: norm.linear_fp32
+        ParamSpec(
+            "head", "head.weight", (v, d), ("vocab", "embed")
+        ),  # fp32 accumulation, not storage: norm.linear_fp32
         _norm("norm", d),
     ]
     if not c.is_v41:  # V4.1 collapses the streams with the last site's pre: no learned hc_head
@@ -290,7 +313,9 @@ def dspark_specs(c: ModelConfig) -> list[ParamSpec]:
         # Stored in the model dtype (the released byte budget fits bf16); the bias is computed in fp32.
         ParamSpec(f"{last}.markov_head.embed", f"{last}.markov_head.embed.weight", (v, r), ("vocab", None)),
         ParamSpec(f"{last}.markov_head.head", f"{last}.markov_head.head.weight", (v, r), ("vocab", None)),
-        ParamSpec(f"{last}.confidence_head.proj", f"{last}.confidence_head.proj.weight", (1, d + r), (None, None), fp32=True),
+        ParamSpec(
+            f"{last}.confidence_head.proj", f"{last}.confidence_head.proj.weight", (1, d + r), (None, None), fp32=True
+        ),
     ]
     if not c.is_v41:
         specs += _hc_head(last, c)
@@ -312,11 +337,15 @@ def count_params(c: ModelConfig, mtp: bool = False, engram: bool = False, vision
     parameters."""
     from ..vision.params import is_vision_path
 
-    return sum(s.numel for s in param_specs(c, mtp=mtp)
-               if (engram or ".engram." not in s.path) and (vision or not is_vision_path(s.path)) and s.held != "scale")
+    return sum(
+        s.numel
+        for s in param_specs(c, mtp=mtp)
+        if (engram or ".engram." not in s.path) and (vision or not is_vision_path(s.path)) and s.held != "scale"
+    )
 
 
 # --- trees -------------------------------------------------------------------------------------
+
 
 def set_path(tree: dict, path: str, value: object) -> None:
     parts = path.split(".")

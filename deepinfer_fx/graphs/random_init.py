@@ -33,7 +33,9 @@ def random_flat(
     return flat
 
 
-def random_params(c: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True) -> dict:
+def random_params(
+    c: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True
+) -> dict:
     flat = random_flat(c, seed, dtype, mtp, device=torch.device(device) if device is not None else None)
     for path in [p for p in flat if p.endswith(".engram.embed")]:
         flat[path] = EngramTable.from_tensor(flat[path], name=path)

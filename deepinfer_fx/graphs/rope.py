@@ -25,7 +25,11 @@ def _inv_freq(rope_dim: int, theta: float, yarn: Yarn | None, device: torch.devi
         return freq
 
     def corr(rotations: float) -> float:
-        return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return (
+            rope_dim
+            * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
 
     low = max(math.floor(corr(yarn.beta_fast)), 0)
     high = min(math.ceil(corr(yarn.beta_slow)), rope_dim - 1)
@@ -72,7 +76,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 
 @swappable
-def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """``apply_rope(rms_norm(x, weight, eps), cos, sin)``: the normed query heads and K = V
     latent, rotated. One place, so a kernel can norm and rotate a row in one pass
     (``passes/swaps_attention.py``) where the compiled step ran a norm, a rotation of the tail and a

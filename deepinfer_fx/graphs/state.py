@@ -36,7 +36,9 @@ import torch
 from ..config import ModelConfig
 
 
-def _compressor_state(slots: int, ratio: int, overlap: bool, dim: int, max_len: int, dtype: torch.dtype, device) -> dict:
+def _compressor_state(
+    slots: int, ratio: int, overlap: bool, dim: int, max_len: int, dtype: torch.dtype, device
+) -> dict:
     width = dim * (2 if overlap else 1)
     ring = ratio * (2 if overlap else 1)
     return {
@@ -54,7 +56,9 @@ def layer_state(
     if c.is_v41:
         if ratio and layer is not None and c.is_kv_source(layer):  # other layers read their source's
             st["comp"] = _compressor_state(slots, ratio, False, c.head_dim, max_len, dtype, device)
-            st["comp"]["index_keys"] = torch.zeros(slots, max(max_len // ratio, 1), c.index_head_dim, dtype=dtype, device=device)
+            st["comp"]["index_keys"] = torch.zeros(
+                slots, max(max_len // ratio, 1), c.index_head_dim, dtype=dtype, device=device
+            )
         return st
     overlap = ratio == c.csa_ratio
     if ratio:
@@ -75,8 +79,13 @@ def init_state(
         "max_len": max_len,
         "slots": slots,
         "layers": [layer_state(c, r, max_len, dtype, device, rows, i) for i, r in enumerate(c.compress_ratios)],
-        "mtp": [{**layer_state(c, 0, max_len, dtype, device, rows),
-                 "pending": torch.zeros(rows, c.hc_mult, c.hidden_size, dtype=dtype, device=device)} for _ in range(n_mtp)],
+        "mtp": [
+            {
+                **layer_state(c, 0, max_len, dtype, device, rows),
+                "pending": torch.zeros(rows, c.hc_mult, c.hidden_size, dtype=dtype, device=device),
+            }
+            for _ in range(n_mtp)
+        ],
     }
     if mtp and c.dspark_stages:  # the drafter's per-stage context windows (window-only blocks)
         state["dspark"] = [layer_state(c, 0, max_len, dtype, device, rows) for _ in range(c.dspark_stages)]
@@ -90,7 +99,9 @@ def scratch_slot(state: dict) -> int:
     return state["slots"]
 
 
-def write_rows(buf: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+def write_rows(
+    buf: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> None:
     """``buf[slots[c], idx[c, j]] = values[c, j]`` where ``mask[c, j]``; other rows go to the
     scratch slot (the last row of ``buf``), so the write is one static-shape scatter."""
     scratch = buf.shape[0] - 1

@@ -60,7 +60,11 @@ def kept_rows(batch: Batch, replay: Replay) -> Kept:
     full_rows = torch.cat(rows)
     ids = batch.token_ids[full_rows]
     positions = torch.cat([g.positions.reshape(-1) for g in groups])
-    return Kept(Batch(ids, positions, (), (), QuerySubset(batch, tuple(queries))), Batch(ids, positions, tuple(groups)), full_rows)
+    return Kept(
+        Batch(ids, positions, (), (), QuerySubset(batch, tuple(queries))),
+        Batch(ids, positions, tuple(groups)),
+        full_rows,
+    )
 
 
 def min_keep_tokens(c: ModelConfig, max_draft: int = 0) -> int:
@@ -74,7 +78,9 @@ def replay_for(batch: Batch, prompt_lens: Sequence[int], keep: int, exact: Seque
     """The eager replay of a host-built batch: chunk i belongs to a prompt of ``prompt_lens[i]``
     tokens and keeps its last ``keep`` (every row where ``exact[i]``: prompt logprobs)."""
     if len(prompt_lens) != len(batch.chunks):
-        raise ValueError(f"replay_for needs one prompt length per chunk: {len(prompt_lens)} for {len(batch.chunks)} chunks")
+        raise ValueError(
+            f"replay_for needs one prompt length per chunk: {len(prompt_lens)} for {len(batch.chunks)} chunks"
+        )
     exact = list(exact) or [False] * len(prompt_lens)
     pivot = {ch.offset: (0 if ex else max(0, n - keep)) for ch, n, ex in zip(batch.chunks, prompt_lens, exact)}
     by_offset = {ch.offset: ch for ch in batch.chunks}

@@ -86,7 +86,7 @@ class CheckpointError(ValueError):
 
 def canonical_name(stored: str) -> str:
     """Map a stored tensor name of any supported scheme to DeepSeek's name."""
-    name = stored[len("model."):] if stored.startswith("model.") else stored
+    name = stored[len("model.") :] if stored.startswith("model.") else stored
     if name.startswith(("vision.", "aligner.")):  # the vision tower's names are its own (`.mlp.` is no text FFN)
         return name
     for pattern, repl in _RENAME_RES:
@@ -102,7 +102,8 @@ def resolve_model_dir(model: str | os.PathLike[str] | None) -> pathlib.Path:
         if not model:
             raise CheckpointError(
                 f"no model given and {ENV_MODEL_DIR} is not set; pass a checkpoint directory "
-                f"or hub repo id, or export {ENV_MODEL_DIR}=/path/to/checkpoint")
+                f"or hub repo id, or export {ENV_MODEL_DIR}=/path/to/checkpoint"
+            )
     text = os.fspath(model)
     path = pathlib.Path(text).expanduser()
     if path.is_dir():
@@ -117,17 +118,20 @@ def resolve_model_dir(model: str | os.PathLike[str] | None) -> pathlib.Path:
     # Read the offline switch at call time: huggingface_hub caches it at import.
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
-        return pathlib.Path(huggingface_hub.snapshot_download(
-            text, allow_patterns=_HUB_PATTERNS, local_files_only=offline))
+        return pathlib.Path(
+            huggingface_hub.snapshot_download(text, allow_patterns=_HUB_PATTERNS, local_files_only=offline)
+        )
     except (OSError, ValueError, hf_errors.HfHubHTTPError, hf_errors.OfflineModeIsEnabled) as exc:
         raise CheckpointError(
             f"hub repo '{text}' could not be fetched (offline? {type(exc).__name__}); pass a local "
-            f"checkpoint directory path instead, or set {ENV_MODEL_DIR}=/path/to/checkpoint") from exc
+            f"checkpoint directory path instead, or set {ENV_MODEL_DIR}=/path/to/checkpoint"
+        ) from exc
 
 
 @dataclass(frozen=True)
 class _Stored:
     """One tensor as written on disk (from the shard header; nothing read yet)."""
+
     shard: pathlib.Path
     name: str
     dtype: str  # safetensors dtype tag, e.g. "F8_E4M3", "I8", "BF16"
@@ -138,6 +142,7 @@ class _Stored:
 class RawTensor:
     """Where a stored tensor's bytes sit on disk, for callers that memory-map them directly
     (tables far too large to read, such as the ~98 GB Engram embeddings)."""
+
     path: pathlib.Path
     offset: int  # absolute byte offset of the tensor data in the file
     dtype: str  # safetensors dtype tag as stored, e.g. "F8_E4M3", "F8_E8M0", "BF16"
@@ -147,6 +152,7 @@ class RawTensor:
 @dataclass(frozen=True)
 class _Entry:
     """A canonical key: where its data lives and how to turn it into a tensor."""
+
     src: _Stored
     scale: _Stored | None = None
     chunk: tuple[int, int, int] | None = None  # (expert, row start, row stop) in a fused tensor
@@ -168,7 +174,7 @@ def _read_header(shard: pathlib.Path) -> dict[str, _Stored]:
     if header is None:
         raise CheckpointError(f"{bad} (header length {hlen} does not fit in {size} bytes); re-download it")
     out: dict[str, _Stored] = {}
-    for name, info in (header.items() if isinstance(header, dict) else [("<header>", None)]):
+    for name, info in header.items() if isinstance(header, dict) else [("<header>", None)]:
         if name == "__metadata__":
             continue
         try:
@@ -177,8 +183,9 @@ def _read_header(shard: pathlib.Path) -> dict[str, _Stored]:
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise CheckpointError(f"{bad} (bad header entry for tensor '{name}'); re-download it") from exc
         if end > size:  # the usual symptom of an interrupted download
-            raise CheckpointError(f"{bad} (truncated: tensor '{name}' ends at byte {end}, file has {size}); "
-                                  f"re-download it")
+            raise CheckpointError(
+                f"{bad} (truncated: tensor '{name}' ends at byte {end}, file has {size}); re-download it"
+            )
     return out
 
 
@@ -203,7 +210,8 @@ class CheckpointReader:
             except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
                 raise CheckpointError(
                     f"{index}: unreadable or corrupt index ({type(exc).__name__}: {exc}); "
-                    f"it needs a 'weight_map' of tensor name -> shard file") from exc
+                    f"it needs a 'weight_map' of tensor name -> shard file"
+                ) from exc
             by_shard: dict[str, list[str]] = {}
             for name, shard in weight_map.items():
                 by_shard.setdefault(str(shard), []).append(name)
@@ -213,7 +221,8 @@ class CheckpointReader:
                 if not shard.is_file():
                     raise CheckpointError(
                         f"{shard}: shard listed in {INDEX_FILE} is missing (it should hold tensor "
-                        f"'{names[0]}'); re-download it")
+                        f"'{names[0]}'); re-download it"
+                    )
                 header = _read_header(shard)
                 for name in names:
                     if name not in header:
@@ -222,8 +231,10 @@ class CheckpointReader:
             return stored
         shards = sorted(self.model_dir.glob("*.safetensors"))
         if not shards:
-            raise CheckpointError(f"{self.model_dir}: no *.safetensors files and no {INDEX_FILE}; "
-                                  f"point at a directory holding the checkpoint")
+            raise CheckpointError(
+                f"{self.model_dir}: no *.safetensors files and no {INDEX_FILE}; "
+                f"point at a directory holding the checkpoint"
+            )
         return [t for shard in shards for t in _read_header(shard).values()]
 
     def _build(self, stored: list[_Stored]) -> dict[str, _Entry]:
@@ -231,11 +242,9 @@ class CheckpointReader:
         for t in stored:
             key = canonical_name(t.name)
             if key in canon:
-                raise CheckpointError(
-                    f"{t.shard}: tensor '{t.name}' and {self._loc(canon[key])} both map to '{key}'")
+                raise CheckpointError(f"{t.shard}: tensor '{t.name}' and {self._loc(canon[key])} both map to '{key}'")
             canon[key] = t
-        scales = {k for k in canon for s in _SCALE_SUFFIXES
-                  if k.endswith(s) and k[: -len(s)] + ".weight" in canon}
+        scales = {k for k in canon for s in _SCALE_SUFFIXES if k.endswith(s) and k[: -len(s)] + ".weight" in canon}
         entries: dict[str, _Entry] = {}
         for key, t in canon.items():
             if key in scales:
@@ -274,7 +283,7 @@ class CheckpointReader:
         return f"{t.shard.name}:{t.name}"
 
     def location(self, key: str) -> str:
-        """"shard-file:stored-name" (plus the slice of a fused tensor), for messages."""
+        """ "shard-file:stored-name" (plus the slice of a fused tensor), for messages."""
         e = self._entry(key)
         return self._loc(e.src) + ("" if e.chunk is None else "[{}, {}:{}]".format(*e.chunk))
 
@@ -315,8 +324,9 @@ class CheckpointReader:
                 hlen = struct.unpack("<Q", fh.read(8))[0]
                 start = int(json.loads(fh.read(hlen))[t.name]["data_offsets"][0])
         except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
-            raise CheckpointError(f"{t.shard}: cannot locate tensor '{t.name}' for '{key}' "
-                                  f"({type(exc).__name__}: {exc})") from exc
+            raise CheckpointError(
+                f"{t.shard}: cannot locate tensor '{t.name}' for '{key}' ({type(exc).__name__}: {exc})"
+            ) from exc
         return RawTensor(t.shard, 8 + hlen + start, t.dtype, t.shape)
 
     def get(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -346,9 +356,15 @@ class CheckpointReader:
         if scale is None or w.dtype not in (torch.int8, torch.uint8):
             what = "no scale" if scale is None else "a scale"
             raise CheckpointError(f"{self.location(key)}: '{key}' is {w.dtype} with {what}, not an MXFP4 weight")
-        if list(scale.shape) != [ws[0], ws[1] // 16] or ws[1] % 16 or scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
-            raise CheckpointError(f"{self.location(key)}: packed FP4 weight {ws} needs ue8m0 scale [N, K/32] = "
-                                  f"[{ws[0]}, {ws[1] // 16}], got {scale.dtype} {list(scale.shape)}")
+        if (
+            list(scale.shape) != [ws[0], ws[1] // 16]
+            or ws[1] % 16
+            or scale.dtype not in (torch.float8_e8m0fnu, torch.uint8)
+        ):
+            raise CheckpointError(
+                f"{self.location(key)}: packed FP4 weight {ws} needs ue8m0 scale [N, K/32] = "
+                f"[{ws[0]}, {ws[1] // 16}], got {scale.dtype} {list(scale.shape)}"
+            )
         return w.view(torch.uint8), scale.view(torch.uint8)
 
     def _stored(self, key: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -359,8 +375,10 @@ class CheckpointReader:
             return w, None
         scale = self._read(e.scale)
         if w.dim() != 2 or scale.dim() != 2:
-            raise CheckpointError(f"{self.location(key)}: quantised weight {list(w.shape)} and its scale "
-                                  f"{list(scale.shape)} must both be 2-D")
+            raise CheckpointError(
+                f"{self.location(key)}: quantised weight {list(w.shape)} and its scale "
+                f"{list(scale.shape)} must both be 2-D"
+            )
         return w, scale
 
     def _read(self, t: _Stored, index: tuple[Any, ...] | None = None) -> torch.Tensor:
@@ -368,6 +386,7 @@ class CheckpointReader:
             handle = self._handles.get(t.shard)
             if handle is None:
                 from safetensors import safe_open
+
                 handle = self._handles[t.shard] = safe_open(str(t.shard), framework="pt")
             return handle.get_tensor(t.name) if index is None else handle.get_slice(t.name)[index]
         except Exception as exc:  # safetensors raises its own error types
@@ -382,9 +401,14 @@ class CheckpointReader:
         fits = [b for b in blocks if [math.ceil(ws[0] / b), math.ceil(ws[1] / b)] == ss]
         if not fits:
             b = self.fp8_block
-            fix = "pass fp8_block" if b is None else (
-                f"fp8_block={b} is wrong or the shard is damaged (block {b} needs scale "
-                f"{[math.ceil(ws[0] / b), math.ceil(ws[1] / b)]})")
+            fix = (
+                "pass fp8_block"
+                if b is None
+                else (
+                    f"fp8_block={b} is wrong or the shard is damaged (block {b} needs scale "
+                    f"{[math.ceil(ws[0] / b), math.ceil(ws[1] / b)]})"
+                )
+            )
             raise CheckpointError(f"{self.location(key)}: FP8 scale {ss} of '{key}' does not tile weight {ws}; {fix}")
         return fits[0]
 
@@ -394,8 +418,9 @@ class CheckpointReader:
             return dequant_fp8_block(w, scale, self._fp8_block(key, w, scale), dtype)
         if w.dtype in (torch.int8, torch.uint8):
             if ss != [ws[0], ws[1] // 16] or ws[1] % 16:
-                raise CheckpointError(f"{where}: packed FP4 weight {ws} needs scale [N, K/32] = [{ws[0]}, "
-                                      f"{ws[1] // 16}], got {ss}")
+                raise CheckpointError(
+                    f"{where}: packed FP4 weight {ws} needs scale [N, K/32] = [{ws[0]}, {ws[1] // 16}], got {ss}"
+                )
             return dequant_mxfp4(w, scale, dtype)
         raise CheckpointError(f"{where}: has a scale but dtype {w.dtype} is neither FP8 e4m3 nor packed FP4")
 

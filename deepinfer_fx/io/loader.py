@@ -31,7 +31,9 @@ def _expected(spec: ParamSpec) -> tuple[int, ...]:
     return spec.shape[1:] if spec.stacked else spec.shape
 
 
-def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, device, experts: ExpertIds | None = None) -> dict:
+def _load_one(
+    reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, device, experts: ExpertIds | None = None
+) -> dict:
     """``{tree path: value}`` of one spec; a weight held as stored brings its scales along."""
     if spec.quant == "engram":  # ~98 GB tables: memory-mapped, rows read on lookup
         if tuple(reader.shape(spec.key)) != spec.shape:
@@ -47,7 +49,9 @@ def _load_one(reader: CheckpointReader, spec: ParamSpec, dtype: torch.dtype, dev
         keys = [spec.key]
     for key in keys:
         if key not in reader:
-            raise CheckpointError(f"{reader.model_dir}: tensor '{key}' is missing; the config expects it (incomplete download?)")
+            raise CheckpointError(
+                f"{reader.model_dir}: tensor '{key}' is missing; the config expects it (incomplete download?)"
+            )
         got = tuple(reader.shape(key))
         if got != _expected(spec):
             raise CheckpointError(
@@ -83,10 +87,14 @@ def _bad_counts(t: torch.Tensor, high: int | None) -> torch.Tensor | None:
     if not t.is_floating_point() and high is None:
         return None
     zero = torch.zeros((), dtype=torch.long, device=t.device)
-    return torch.stack([sum((_bad_mask(c, high).sum() for c in row.reshape(-1).split(_CHECK_CHUNK)), zero) for row in t])
+    return torch.stack(
+        [sum((_bad_mask(c, high).sum() for c in row.reshape(-1).split(_CHECK_CHUNK)), zero) for row in t]
+    )
 
 
-def _check_values(reader: CheckpointReader, spec: ParamSpec, keys: list[str], t: torch.Tensor, what: str = "tensor") -> None:
+def _check_values(
+    reader: CheckpointReader, spec: ParamSpec, keys: list[str], t: torch.Tensor, what: str = "tensor"
+) -> None:
     """Refuse NaN/inf in float tensors (after dequantisation) and index tensors outside
     ``[0, spec.high)``: either means a damaged shard, which would otherwise run and emit NaN
     logprobs or index out of bounds deep in a step. ``t`` has one leading row per key; checked
@@ -101,11 +109,17 @@ def _check_values(reader: CheckpointReader, spec: ParamSpec, keys: list[str], t:
         holds = f"{n} non-finite value(s) (NaN or inf){after}"
     else:
         holds = f"{n} index value(s) outside [0, {spec.high}) (range [{int(t[i].min())}, {int(t[i].max())}])"
-    raise CheckpointError(f"{reader.location(key)}: {what} '{key}' holds {holds}; the shard is damaged or the weights are broken: re-download it")
+    raise CheckpointError(
+        f"{reader.location(key)}: {what} '{key}' holds {holds}; the shard is damaged or the weights are broken: re-download it"
+    )
 
 
 def load_params(
-    reader: CheckpointReader, c: ModelConfig, dtype: torch.dtype, device=None, mtp: bool | None = None,
+    reader: CheckpointReader,
+    c: ModelConfig,
+    dtype: torch.dtype,
+    device=None,
+    mtp: bool | None = None,
     experts: ExpertIds | None = None,
 ) -> dict:
     """The parameter tree of ``c`` from ``reader``. ``mtp=None`` loads the draft layers when the
@@ -124,8 +138,12 @@ def load_params(
         specs = specs + vision
     if c.tie_word_embeddings and "head.weight" not in reader:
         specs = [s for s in specs if s.path != "head"]
-    flat = {path: value for s in specs if s.held != "scale"  # scales come with their weights
-            for path, value in _load_one(reader, s, dtype, device, experts).items()}
+    flat = {
+        path: value
+        for s in specs
+        if s.held != "scale"  # scales come with their weights
+        for path, value in _load_one(reader, s, dtype, device, experts).items()
+    }
     if "head" not in flat:
         flat["head"] = flat["embed"]
     if c.engram_layer_ids:
@@ -147,7 +165,9 @@ def engram_vocab(model_dir, c: ModelConfig) -> torch.Tensor:
     try:
         tok = load_tokenizer(model_dir)
     except FileNotFoundError:
-        raise CheckpointError(f"{model_dir}: V4.1 Engram layers need the checkpoint's tokenizer.json to hash token ids; copy it in") from None
+        raise CheckpointError(
+            f"{model_dir}: V4.1 Engram layers need the checkpoint's tokenizer.json to hash token ids; copy it in"
+        ) from None
     lookup, n = compressed_vocab(tok)
     if c.engram_compressed_vocab_size is not None and n != c.engram_compressed_vocab_size:
         raise CheckpointError(
@@ -172,15 +192,21 @@ def held_experts(c: ModelConfig, expert_format: str | None, device=None) -> str 
     stored = None if c.fp8_block is None or c.expert_dtype == "bf16" else ("fp8" if c.expert_dtype == "fp8" else "fp4")
     if fmt in ("fp8", "fp4") and fmt != stored:
         names = {"fp8": "block-FP8", "fp4": "MXFP4", None: "unquantised"}
-        raise CheckpointError(f"expert_format={fmt!r} keeps {names[fmt]} routed experts, but this checkpoint's are "
-                              f"{names[stored]}; use 'auto' or 'dequant'")
+        raise CheckpointError(
+            f"expert_format={fmt!r} keeps {names[fmt]} routed experts, but this checkpoint's are "
+            f"{names[stored]}; use 'auto' or 'dequant'"
+        )
     if fmt == "auto":
         return stored if stored == "fp8" and torch.device(device or "cpu").type == "cuda" else None
     return None if fmt == "dequant" else stored
 
 
 def load_checkpoint(
-    path: str | os.PathLike, dtype: torch.dtype, device=None, fake_quant: bool | None = None, experts: ExpertIds | None = None,
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    device=None,
+    fake_quant: bool | None = None,
+    experts: ExpertIds | None = None,
     expert_format: str | None = None,
 ):
     """-> (config, params, model_dir). ``fake_quant`` overrides the config's switch; ``experts``

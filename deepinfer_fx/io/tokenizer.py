@@ -153,9 +153,7 @@ def build_demo_tokenizer(vocab_size: int = 512) -> Tokenizer:
     return tok
 
 
-def save_tokenizer(
-    tok: Tokenizer, path: str | Path, *, model_max_length: int = DEMO_MODEL_MAX_LENGTH
-) -> None:
+def save_tokenizer(tok: Tokenizer, path: str | Path, *, model_max_length: int = DEMO_MODEL_MAX_LENGTH) -> None:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into directory ``path``."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +202,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises a bare Exception for bad UTF-8 and bad JSON alike
-        raise CheckpointError(f"{file}: not a readable tokenizer ({exc}); re-download it or copy the checkpoint's tokenizer.json") from None
+        raise CheckpointError(
+            f"{file}: not a readable tokenizer ({exc}); re-download it or copy the checkpoint's tokenizer.json"
+        ) from None
 
 
 def encode(tok: Tokenizer, text: str, add_bos: bool = True) -> list[int]:

@@ -27,7 +27,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
 MAX_DEMO_TOKENIZER_VOCAB = 1024
 
 
-def _storage(name: str, w: torch.Tensor, quant: str | None, c: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _storage(
+    name: str, w: torch.Tensor, quant: str | None, c: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Checkpoint tensors for one logical weight: the weight and, when quantised, its scale."""
     base = name[: -len(".weight")] if name.endswith(".weight") else name
     if quant == "engram":  # fp8 rows, one ue8m0 scale per 32 channels

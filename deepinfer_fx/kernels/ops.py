@@ -118,9 +118,18 @@ def ring_mqa(
 
 
 @ring_mqa.register_fake
-def _ring_mqa_fake(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, entries: Optional[torch.Tensor],
-                   entry_rows: Optional[torch.Tensor], entry_bias: Optional[torch.Tensor], sink: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> torch.Tensor:
+def _ring_mqa_fake(
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    entries: Optional[torch.Tensor],
+    entry_rows: Optional[torch.Tensor],
+    entry_bias: Optional[torch.Tensor],
+    sink: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -129,7 +138,11 @@ def _ring_mqa_fake(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, pos
 
 @torch.library.custom_op(f"{NAMESPACE}::indexer_topk", mutates_args=())
 def indexer_topk(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
     slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Boolean ``[T, N]``: per query the top ``k`` visible entries by the V4 score
@@ -141,7 +154,11 @@ def indexer_topk(
 
 @indexer_topk.register_fake
 def _indexer_topk_fake(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
     slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return visible.new_empty(visible.shape, dtype=torch.bool)
@@ -149,7 +166,11 @@ def _indexer_topk_fake(
 
 @torch.library.custom_op(f"{NAMESPACE}::indexer_scores", mutates_args=())
 def indexer_scores(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    dot_scale: float,
     slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """fp32 ``[..., T, N]``: the indexer scores before the top-k, -inf where not ``visible``
@@ -160,7 +181,11 @@ def indexer_scores(
 
 @indexer_scores.register_fake
 def _indexer_scores_fake(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, dot_scale: float,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    dot_scale: float,
     slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return q.new_empty(visible.shape, dtype=torch.float32)
@@ -293,6 +318,16 @@ def _route_topk_fake(
 # The OpOverloads, for passes that insert calls and for tests that run opcheck on each.
 OPS: dict[str, torch._ops.OpOverload] = {
     name: getattr(torch.ops.deepinfer, name).default
-    for name in ("rms_norm", "swiglu_clamp", "mhc_sinkhorn", "sparse_mqa", "ring_mqa", "indexer_topk", "indexer_scores", "moe_experts",
-                 "moe_experts_shared", "route_topk")
+    for name in (
+        "rms_norm",
+        "swiglu_clamp",
+        "mhc_sinkhorn",
+        "sparse_mqa",
+        "ring_mqa",
+        "indexer_topk",
+        "indexer_scores",
+        "moe_experts",
+        "moe_experts_shared",
+        "route_topk",
+    )
 }

@@ -31,7 +31,9 @@ def fp8_block_unserved(block: int) -> Optional[str]:
     released blocks, 128 and 32, are served)."""
     if (block & -block) >= MIN_K_TILE:
         return None
-    return f"fp8 scale block {block}: the expert kernels need a multiple of {MIN_K_TILE} (their k tile lies in one block)"
+    return (
+        f"fp8 scale block {block}: the expert kernels need a multiple of {MIN_K_TILE} (their k tile lies in one block)"
+    )
 
 
 @torch.library.custom_op(f"{NAMESPACE}::moe_experts_fp8", mutates_args=())

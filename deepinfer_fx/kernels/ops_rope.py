@@ -39,8 +39,9 @@ from .ops import NAMESPACE
 NORM_ROPE_MAX_WIDTH = 16384
 
 
-def norm_rope_unserved(x_shape: torch.Size, weight_shape: Optional[torch.Size], table_shape: torch.Size,
-                       sin_shape: torch.Size) -> Optional[str]:
+def norm_rope_unserved(
+    x_shape: torch.Size, weight_shape: Optional[torch.Size], table_shape: torch.Size, sin_shape: torch.Size
+) -> Optional[str]:
     """Why the norm kernel cannot norm and rotate rows of ``x_shape`` (``rms_norm_rope``), or
     None: it takes a weight of the row's width, tables with exactly x's leading dims, and rows
     of an even width it holds whole."""
@@ -77,12 +78,16 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) 
 
 
 @torch.library.custom_op(f"{NAMESPACE}::rms_norm_rope", mutates_args=())
-def rms_norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rms_norm_rope(
+    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """``apply_rope(rms_norm(x, weight, eps), cos, sin)`` with ``torch.empty_like(x)``'s layout;
     cos / sin ``[*P, rd/2]`` have exactly x's leading dims (broadcast over the middle ones)."""
     return torch.empty_like(x).copy_(norm_rope.reference(x, weight, eps, cos, sin))  # type: ignore[attr-defined]
 
 
 @rms_norm_rope.register_fake
-def _rms_norm_rope_fake(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rms_norm_rope_fake(
+    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     return torch.empty_like(x)

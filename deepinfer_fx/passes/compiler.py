@@ -73,8 +73,9 @@ class DeepinferBackend:
     one graph name. ``records`` keeps what each pass did to each graph it compiled and ``graphs``
     the graphs after the pipeline, for tests and the start-up report."""
 
-    def __init__(self, pipeline: Pipeline, name: str, dump_dir: str | os.PathLike | None, inductor: bool,
-                 pdl: bool = False) -> None:
+    def __init__(
+        self, pipeline: Pipeline, name: str, dump_dir: str | os.PathLike | None, inductor: bool, pdl: bool = False
+    ) -> None:
         self.pipeline = pipeline
         self.name = name
         self.dump_dir = None if dump_dir is None else Path(dump_dir)
@@ -151,9 +152,12 @@ class DeepinferBackend:
         elif getattr(inductor_config.triton, "enable_pdl", False):
             # Unpatched, some of Inductor's PDL kernels never wait on their predecessor, which
             # breaks the ordering every PDL kernel relies on (inductor_pdl.py).
-            warnings.warn("TORCHINDUCTOR_ENABLE_PDL (Inductor's triton.enable_pdl) is ignored and turned off for "
-                          "deepinfer_fx's compiled steps: set DEEPINFER_PDL=1 for programmatic dependent launch of "
-                          "every kernel, with Inductor's kernels patched to wait first", stacklevel=2)
+            warnings.warn(
+                "TORCHINDUCTOR_ENABLE_PDL (Inductor's triton.enable_pdl) is ignored and turned off for "
+                "deepinfer_fx's compiled steps: set DEEPINFER_PDL=1 for programmatic dependent launch of "
+                "every kernel, with Inductor's kernels patched to wait first",
+                stacklevel=2,
+            )
             patches["triton.enable_pdl"] = False
         no_cache: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if dump is not None:
@@ -190,7 +194,9 @@ def make_backend(
     return DeepinferBackend(build_pipeline(accelerator, disabled, environ), name, dump_dir, inductor, pdl)
 
 
-def compile_graph(fn: Callable[..., Any], backend: DeepinferBackend, dynamic: bool | None = False) -> Callable[..., Any]:
+def compile_graph(
+    fn: Callable[..., Any], backend: DeepinferBackend, dynamic: bool | None = False
+) -> Callable[..., Any]:
     """``torch.compile`` as the engine uses it: one whole graph per step function (a graph break
     is a bug in the model code, not something to paper over), static shapes per bucket."""
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)

@@ -64,8 +64,14 @@ class GraphDump:
         return self.root / self.name
 
     def stage(
-        self, label: str, gm: torch.fx.GraphModule, *, rewrites: int | None = None, uuid: str | None = None,
-        diff: bool = True, declined: tuple[str, ...] = (),
+        self,
+        label: str,
+        gm: torch.fx.GraphModule,
+        *,
+        rewrites: int | None = None,
+        uuid: str | None = None,
+        diff: bool = True,
+        declined: tuple[str, ...] = (),
     ) -> None:
         """Write the graph after ``label``; with ``diff``, also its unified diff against the
         previous stage (passes get one; the first stages have nothing comparable before)."""
@@ -76,7 +82,10 @@ class GraphDump:
         if diff and self._last_text is not None:
             prev = self.stages[-1].file
             lines = difflib.unified_diff(
-                self._last_text.splitlines(keepends=True), text.splitlines(keepends=True), fromfile=prev, tofile=f"{stem}.py"
+                self._last_text.splitlines(keepends=True),
+                text.splitlines(keepends=True),
+                fromfile=prev,
+                tofile=f"{stem}.py",
             )
             diff_file = f"{stem}.diff"
             (self.dir / diff_file).write_text("".join(lines))

@@ -74,8 +74,9 @@ class SkinnyLinearGroup(GraphPass):
     def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
         x, _, out_fp32 = members[0].args
         with graph.inserting_before(members[0]):
-            group = graph.call_function(torch.ops.deepinfer.skinny_linear_group.default,
-                                        (x, [n.args[1] for n in members], out_fp32))
+            group = graph.call_function(
+                torch.ops.deepinfer.skinny_linear_group.default, (x, [n.args[1] for n in members], out_fp32)
+            )
             group.meta["val"] = [n.meta["val"] for n in members]
             for i, node in enumerate(members):
                 with graph.inserting_after(group):

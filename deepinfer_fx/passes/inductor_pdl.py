@@ -81,8 +81,10 @@ def install() -> None:
     idempotent. Raises RuntimeError naming the fix when this torch cannot be patched."""
     problem = supported()
     if problem is not None:
-        raise RuntimeError(f"DEEPINFER_PDL=1 needs Inductor's PDL codegen patched, but {problem}; "
-                           "set DEEPINFER_PDL=0 or use torch 2.11 to 2.13")
+        raise RuntimeError(
+            f"DEEPINFER_PDL=1 needs Inductor's PDL codegen patched, but {problem}; "
+            "set DEEPINFER_PDL=0 or use torch 2.11 to 2.13"
+        )
     from torch._inductor.codegen.triton import TritonKernel
 
     if not getattr(TritonKernel._handle_pdl_before_access, "deepinfer_patch", False):

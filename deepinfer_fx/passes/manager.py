@@ -29,8 +29,12 @@ ENV_DISABLE = "DEEPINFER_DISABLE_PASSES"
 
 # Modules whose import registers the built-in passes, in pipeline order. Imported lazily so that
 # pass modules can import this one without a cycle.
-_BUILTIN_PASS_MODULES: tuple[str, ...] = ("deepinfer_fx.passes.fusion", "deepinfer_fx.passes.swaps", "deepinfer_fx.passes.swaps_attention",
-                                          "deepinfer_fx.passes.grouping")
+_BUILTIN_PASS_MODULES: tuple[str, ...] = (
+    "deepinfer_fx.passes.fusion",
+    "deepinfer_fx.passes.swaps",
+    "deepinfer_fx.passes.swaps_attention",
+    "deepinfer_fx.passes.grouping",
+)
 
 
 class GraphPass(ABC):
@@ -187,7 +191,5 @@ def build_pipeline(
     if accelerator not in ACCELERATORS:
         raise ValueError(f"unknown accelerator {accelerator!r}; known: {list(ACCELERATORS)}")
     off = resolve_disabled(disabled, environ)
-    passes = tuple(
-        p for p in registered_passes().values() if accelerator in p.accelerators and p.name not in off
-    )
+    passes = tuple(p for p in registered_passes().values() if accelerator in p.accelerators and p.name not in off)
     return Pipeline(accelerator, passes, off)

@@ -35,7 +35,14 @@ import torch
 import torch.fx
 
 from ..graphs.mhc import hc_head, mhc_site, sinkhorn
-from ..graphs.moe import EXPERT_WEIGHTS, expert_parallel, experts_with_shared, held_format, route_weights, routed_experts
+from ..graphs.moe import (
+    EXPERT_WEIGHTS,
+    expert_parallel,
+    experts_with_shared,
+    held_format,
+    route_weights,
+    routed_experts,
+)
 from ..graphs.norm import project, project_blocks
 from ..graphs.params import scale_path
 from ..graphs.swap import active, reference
@@ -105,7 +112,8 @@ class KernelSwap(GraphPass):
         targets = self.targets()
         wrappers = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
         return sum(
-            1 for n in gm.graph.nodes
+            1
+            for n in gm.graph.nodes
             if n.op == "call_function" and (n.target in targets or (n.target in wrappers and n.args[0] in targets))
         )
 
@@ -144,8 +152,11 @@ class MoEExpertsSwap(KernelSwap):
         return (*super().sources(), fp8_block_unserved)
 
     def targets(self) -> tuple[Any, ...]:
-        return (torch.ops.deepinfer.moe_experts.default, torch.ops.deepinfer.moe_experts_fp8.default,
-                torch.ops.deepinfer.moe_experts_fp4.default)  # by the experts' storage
+        return (
+            torch.ops.deepinfer.moe_experts.default,
+            torch.ops.deepinfer.moe_experts_fp8.default,
+            torch.ops.deepinfer.moe_experts_fp4.default,
+        )  # by the experts' storage
 
 
 # The most tokens a step folds the shared expert in for: decode batches. A prefill chunk's shared
@@ -164,7 +175,9 @@ def _experts_with_shared(
     foldable = all(ps[n].shape == pe[n].shape[1:] and ps[n].dtype == pe[n].dtype for n in EXPERT_WEIGHTS)
     if held_format(pe) or expert_parallel.place in active() or not foldable or x.shape[0] > FOLD_MAX_TOKENS:  # type: ignore[attr-defined]
         return experts_with_shared.reference(pe, ps, limit, x, idx, w, real)  # type: ignore[attr-defined]
-    return torch.ops.deepinfer.moe_experts_shared(x, pe["w1"], pe["w3"], pe["w2"], ps["w1"], ps["w3"], ps["w2"], idx, w, limit)
+    return torch.ops.deepinfer.moe_experts_shared(
+        x, pe["w1"], pe["w3"], pe["w2"], ps["w1"], ps["w3"], ps["w2"], idx, w, limit
+    )
 
 
 @register_pass
@@ -294,8 +307,16 @@ class MHCHeadSwap(KernelSwap):
         return (*super().sources(), streams_unserved)
 
 
-def _route_weights(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
-                   temp: float, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_weights(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor | None,
+    k: int,
+    kind: str,
+    temp: float,
+    norm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.deepinfer.route_topk(logits, bias, ids, k, kind, float(temp), bool(norm), float(scale))
 
 
@@ -312,8 +333,9 @@ class RouterSwap(KernelSwap):
     def replacement(self) -> Callable[..., Any]:
         return _route_weights
 
-    def unserved(self, logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
-                 *args: Any) -> str | None:
+    def unserved(
+        self, logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str, *args: Any
+    ) -> str | None:
         return route_unserved(logits.shape[-1], k, kind, ids is not None, bias is not None)
 
     def sources(self) -> tuple[object, ...]:
@@ -321,8 +343,22 @@ class RouterSwap(KernelSwap):
 
 
 # the places exist where the functions are defined; importing them above registered them
-assert {routed_experts.place, experts_with_shared.place, sinkhorn.place, project.place, project_blocks.place,  # type: ignore[attr-defined]
-        mhc_site.place, route_weights.place, hc_head.place} == {  # type: ignore[attr-defined]
-    MoEExpertsSwap.place, MoESharedSwap.place, SinkhornSwap.place, SkinnyLinearSwap.place, SkinnyBlocksSwap.place,
-    MHCSiteSwap.place, RouterSwap.place, MHCHeadSwap.place,
+assert {
+    routed_experts.place,
+    experts_with_shared.place,
+    sinkhorn.place,
+    project.place,
+    project_blocks.place,  # type: ignore[attr-defined]
+    mhc_site.place,
+    route_weights.place,
+    hc_head.place,
+} == {  # type: ignore[attr-defined]
+    MoEExpertsSwap.place,
+    MoESharedSwap.place,
+    SinkhornSwap.place,
+    SkinnyLinearSwap.place,
+    SkinnyBlocksSwap.place,
+    MHCSiteSwap.place,
+    RouterSwap.place,
+    MHCHeadSwap.place,
 }

@@ -58,8 +58,18 @@ class CompressorSwap(KernelSwap):
     def replacement(self) -> Callable[..., Any]:
         return torch.ops.deepinfer.compressor_pool
 
-    def unserved(self, kv: torch.Tensor, gate: torch.Tensor | None, rows_kv: torch.Tensor, rows_gate: torch.Tensor,
-                 slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, norm: torch.Tensor, *args: Any) -> str | None:
+    def unserved(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor | None,
+        rows_kv: torch.Tensor,
+        rows_gate: torch.Tensor,
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        lens: torch.Tensor,
+        norm: torch.Tensor,
+        *args: Any,
+    ) -> str | None:
         return compressor_unserved(norm.shape[0])
 
     def sources(self) -> tuple[object, ...]:
@@ -173,8 +183,9 @@ class NormRopeSwap(KernelSwap):
     def replacement(self) -> Callable[..., Any]:
         return torch.ops.deepinfer.rms_norm_rope
 
-    def unserved(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-                 sin: torch.Tensor) -> str | None:
+    def unserved(
+        self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    ) -> str | None:
         return norm_rope_unserved(x.shape, None if weight is None else weight.shape, cos.shape, sin.shape)
 
     def sources(self) -> tuple[object, ...]:
@@ -182,8 +193,22 @@ class NormRopeSwap(KernelSwap):
 
 
 # the places exist where the functions are defined; importing them above registered them
-assert {mqa_with_sink.place, mqa_ring.place, pool_windows.place, score_topk.place, index_scores.place,  # type: ignore[attr-defined]
-        cos_sin.place, apply_rope.place, norm_rope.place} == {  # type: ignore[attr-defined]
-    SparseMQASwap.place, RingMQASwap.place, CompressorSwap.place, IndexerTopkSwap.place, IndexerScoresSwap.place,
-    RopeTableSwap.place, RopeSwap.place, NormRopeSwap.place,
+assert {
+    mqa_with_sink.place,
+    mqa_ring.place,
+    pool_windows.place,
+    score_topk.place,
+    index_scores.place,  # type: ignore[attr-defined]
+    cos_sin.place,
+    apply_rope.place,
+    norm_rope.place,
+} == {  # type: ignore[attr-defined]
+    SparseMQASwap.place,
+    RingMQASwap.place,
+    CompressorSwap.place,
+    IndexerTopkSwap.place,
+    IndexerScoresSwap.place,
+    RopeTableSwap.place,
+    RopeSwap.place,
+    NormRopeSwap.place,
 }

@@ -55,10 +55,13 @@ def split_batch(full: Batch, rank: int, size: int) -> Batch:
     width = max(counts)
     source = owner * width + local_index
     rows = torch.tensor(mine, dtype=torch.long)
-    queries = tuple(_queries(g.index.cpu(), full.positions.cpu(), owner, local_index, rank, len(mine)) for g in full.groups)
+    queries = tuple(
+        _queries(g.index.cpu(), full.positions.cpu(), owner, local_index, rank, len(mine)) for g in full.groups
+    )
     dev = full.token_ids.device
-    split = ContextSplit(full, tuple(Queries(q.index.to(dev), q.positions.to(dev)) for q in queries),
-                         source.to(dev), rows.to(dev), width)
+    split = ContextSplit(
+        full, tuple(Queries(q.index.to(dev), q.positions.to(dev)) for q in queries), source.to(dev), rows.to(dev), width
+    )
     return Batch(full.token_ids[rows.to(dev)], full.positions[rows.to(dev)], (), (), split)
 
 
@@ -71,8 +74,14 @@ def split_step(full: Batch, rank: int, size: int) -> Batch:
     return full
 
 
-def _queries(index: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor, local_index: torch.Tensor,
-             rank: int, n_local: int) -> Queries:
+def _queries(
+    index: torch.Tensor,
+    positions: torch.Tensor,
+    owner: torch.Tensor,
+    local_index: torch.Tensor,
+    rank: int,
+    n_local: int,
+) -> Queries:
     """A group's rows that ``rank`` owns, ``[C, Lq]`` local rows (padding -> ``n_local``) with
     their positions (padding -1)."""
     n_full = owner.shape[0]

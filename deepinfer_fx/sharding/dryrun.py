@@ -56,7 +56,9 @@ LAYER_KEY = "moe_layer"
 DEFAULT_CONFIG = released_config("deepseek_v41_flash")
 
 
-def abstract_params(c: ModelConfig, spec: MeshSpec, rank: int, placement: ExpertPlacement, dtype: torch.dtype = torch.bfloat16) -> dict:
+def abstract_params(
+    c: ModelConfig, spec: MeshSpec, rank: int, placement: ExpertPlacement, dtype: torch.dtype = torch.bfloat16
+) -> dict:
     """Rank ``rank``'s parameter tree as empty tensors (call it under a ``FakeTensorMode`` for
     abstract ones): the shapes the loader would produce for it (its expert slots only; everything
     else whole), in the run dtype."""
@@ -126,12 +128,21 @@ class DryRun:
 
 
 def dry_run(
-    c: ModelConfig, spec: MeshSpec, rank: int, dump_dir: str | Path | None, *, decode_requests: int = 4, prefill_tokens: int = 64,
-    extra_experts: int | None = None, dtype: torch.dtype = torch.bfloat16,
+    c: ModelConfig,
+    spec: MeshSpec,
+    rank: int,
+    dump_dir: str | Path | None,
+    *,
+    decode_requests: int = 4,
+    prefill_tokens: int = 64,
+    extra_experts: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> DryRun:
     """Trace rank ``rank``'s decode step (``decode_requests`` requests) and prefill step (one chunk
     of ``prefill_tokens``) on ``spec``, dumping every graph under ``dump_dir`` (None: no dump)."""
-    placement = default_placement(c.n_routed_experts, num_physical_experts(c.n_routed_experts, spec.ep, extra_experts), spec.ep)
+    placement = default_placement(
+        c.n_routed_experts, num_physical_experts(c.n_routed_experts, spec.ep, extra_experts), spec.ep
+    )
     run = DryRun(spec, rank, placement, {}, {}, {})
     with fake_world(spec.world_size, rank), torch.no_grad():
         ep_view = moe_view(build_mesh(spec))  # before the fake mode: a mesh reads its rank table
@@ -140,8 +151,14 @@ def dry_run(
             params = abstract_params(c, spec, rank, placement, dtype)
             state = init_state(c, 4096, dtype, mtp=False, slots=decode_requests)  # long enough for every top-k
             steps = StepGraphs(
-                Model(c, params), state, torch.zeros(decode_requests + 1, dtype=torch.long), max_requests=decode_requests,
-                max_tokens=prefill_tokens, graphs=False, inductor=False, dump_dir=None if dump_dir is None else str(dump_dir),
+                Model(c, params),
+                state,
+                torch.zeros(decode_requests + 1, dtype=torch.long),
+                max_requests=decode_requests,
+                max_tokens=prefill_tokens,
+                graphs=False,
+                inductor=False,
+                dump_dir=None if dump_dir is None else str(dump_dir),
             )
             slots = list(range(decode_requests))
             kinds = {
@@ -188,7 +205,10 @@ def summary(run: DryRun) -> str:
             f"(traced in {run.seconds[name.split('-')[0]]:.1f}s)"
         )
         for layer in sorted(by_layer, key=lambda v: -1 if v is None else v):
-            parts = ", ".join(f"{x.kind} over {x.group_size} ranks {list(x.shape)} {str(x.dtype).removeprefix('torch.')} = {_size(x.nbytes)}" for x in by_layer[layer])
+            parts = ", ".join(
+                f"{x.kind} over {x.group_size} ranks {list(x.shape)} {str(x.dtype).removeprefix('torch.')} = {_size(x.nbytes)}"
+                for x in by_layer[layer]
+            )
             lines.append(f"  {'outside MoE' if layer is None else f'layer {layer:2d}'}: {parts}")
     lines.append(NOT_REAL)
     return "\n".join(lines)

@@ -89,13 +89,17 @@ def ep_group(
     else:
         rank, size, pg = 0, 1, None
     if size != placement.ep_degree:
-        raise ValueError(f"ep_group: the group has {size} ranks but the expert placement is for ep{placement.ep_degree}")
+        raise ValueError(
+            f"ep_group: the group has {size} ranks but the expert placement is for ep{placement.ep_degree}"
+        )
     if size > 1 and pg is None:
         raise ValueError(f"ep_group: ep{size} needs a process group")
     if capacity is None:
         capacity = capacity_for(max_tokens, top_k, size, setting("DEEPINFER_EP_CAPACITY_FACTOR"))
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"ep_group: capacity must be a positive integer (token-expert pairs per destination rank), got {capacity!r}")
+        raise ValueError(
+            f"ep_group: capacity must be a positive integer (token-expert pairs per destination rank), got {capacity!r}"
+        )
     slots, counts = placement.replica_table(device)
     overflow = torch.zeros((), dtype=torch.int64, device=device)
     loads = torch.zeros(placement.n_logical, dtype=torch.int64, device=device)
@@ -178,7 +182,9 @@ def ep_routed_experts(
     send_meta = torch.stack([_pad(slot.int())[src], _pad(w.reshape(-1).float())[src].view(torch.int32)], dim=-1)
 
     recv_x, recv_meta = _exchange(send_x, group), _exchange(send_meta, group)
-    y = routed_experts(p_local, limit, recv_x, recv_meta[:, :1].long(), recv_meta[:, 1:].contiguous().view(torch.float32))
+    y = routed_experts(
+        p_local, limit, recv_x, recv_meta[:, :1].long(), recv_meta[:, 1:].contiguous().view(torch.float32)
+    )
     back = _exchange(y, group)
 
     # each pair reads its result row; a dropped pair reads the pad row (zeros)

@@ -169,7 +169,9 @@ def plan_placement(
     Deterministic: same loads, same placement.
     """
     if loads.dim() != 1 or loads.numel() == 0 or not bool(torch.isfinite(loads).all()) or bool((loads < 0).any()):
-        raise ValueError(f"plan_placement: loads must be a non-empty 1-D tensor of finite values >= 0, got shape {tuple(loads.shape)}")
+        raise ValueError(
+            f"plan_placement: loads must be a non-empty 1-D tensor of finite values >= 0, got shape {tuple(loads.shape)}"
+        )
     n_logical = loads.numel()
     if n_physical < n_logical or ep_degree < 1 or n_physical % ep_degree:
         raise ValueError(
@@ -185,7 +187,9 @@ def plan_placement(
         hot = max(pool, key=lambda e: (load[e] / reps[e], -e))
         reps[hot] += 1
 
-    items = sorted(((load[e] / reps[e], e) for e in range(n_logical) for _ in range(reps[e])), key=lambda t: (-t[0], t[1]))
+    items = sorted(
+        ((load[e] / reps[e], e) for e in range(n_logical) for _ in range(reps[e])), key=lambda t: (-t[0], t[1])
+    )
     cap = n_physical // ep_degree
     per_rank: list[list[int]] = [[] for _ in range(ep_degree)]
     rank_load = [0.0] * ep_degree
@@ -199,7 +203,9 @@ def plan_placement(
     return _from_rank_lists(per_rank, n_logical, previous)
 
 
-def default_placement(n_logical: int, n_physical: int, ep_degree: int, topology: Topology | None = None) -> ExpertPlacement:
+def default_placement(
+    n_logical: int, n_physical: int, ep_degree: int, topology: Topology | None = None
+) -> ExpertPlacement:
     """The placement before any load was measured: uniform loads."""
     return plan_placement(torch.ones(n_logical), n_physical, ep_degree, topology)
 
@@ -244,7 +250,9 @@ def apply_shuffle(experts: torch.Tensor, moves: list[tuple[int, int]]) -> torch.
     return out
 
 
-def route_to_physical(logical_idx: torch.Tensor, placement: ExpertPlacement, token_positions: torch.Tensor) -> torch.Tensor:
+def route_to_physical(
+    logical_idx: torch.Tensor, placement: ExpertPlacement, token_positions: torch.Tensor
+) -> torch.Tensor:
     """``[T, k]`` logical expert ids -> physical slots: replica ``position % replicas``. The
     choice depends only on the token's position, never on batch composition, so results are
     reproducible; any replica gives the same output because replicas are copies."""
@@ -252,7 +260,9 @@ def route_to_physical(logical_idx: torch.Tensor, placement: ExpertPlacement, tok
     return pick_replicas(logical_idx, table, counts, token_positions)
 
 
-def pick_replicas(logical_idx: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+def pick_replicas(
+    logical_idx: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, token_positions: torch.Tensor
+) -> torch.Tensor:
     """``route_to_physical``'s rule over a ``replica_table`` built once: callers that run under a
     captured graph (``ep.ep_routed_experts``) keep the table on the device instead of rebuilding
     it from Python lists every step."""

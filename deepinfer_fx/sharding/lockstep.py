@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..settings import setting
 from .world import TIMEOUT_VAR
+
 ROLL_CALL_S = 3.0  # how long a failing rank waits for the others to post: they fail within ms of it
 
 
@@ -82,7 +83,9 @@ class LockStep:
         """The element-wise max of ``values`` over every rank (compiled steps: the graph sizes
         of a turn, so that every rank runs the same graphs and their collectives match)."""
         t = torch.tensor(values, dtype=torch.int64)
-        self._agreement("the sizes of this turn's graphs", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
+        self._agreement(
+            "the sizes of this turn's graphs", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        )
         return t.tolist()
 
     def _agreement(self, what: str, collective: Callable[[], Any]) -> None:
@@ -99,8 +102,11 @@ class LockStep:
         missing = self._roll_call()
         if missing == []:
             return None
-        who = "a peer rank (the rendezvous store could not say which)" if missing is None else \
-            ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
+        who = (
+            "a peer rank (the rendezvous store could not say which)"
+            if missing is None
+            else ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
+        )
         detail = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         return RankTimeout(
             f"rank {self.rank} of {self.size}: {who} did not answer {where}; collectives wait "
@@ -115,8 +121,9 @@ class LockStep:
         None when the store is out of reach (outside torchrun, rank 0 hosts it and may be the
         dead one)."""
         try:
-            store = dist.PrefixStore(f"deepinfer/lockstep/{self.group.group_name}/roll/",
-                                     dist.distributed_c10d._get_default_store())
+            store = dist.PrefixStore(
+                f"deepinfer/lockstep/{self.group.group_name}/roll/", dist.distributed_c10d._get_default_store()
+            )
             store.set(str(self.rank), str(self.turn))
             deadline = time.monotonic() + min(ROLL_CALL_S, self.timeout)
             while True:

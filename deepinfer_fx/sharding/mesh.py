@@ -61,7 +61,9 @@ def parse_mesh(text: str) -> MeshSpec:
     for part in text.split(","):
         m = re.fullmatch(r"([a-z]+)(\d+)", part.strip())
         if m is None:
-            raise ValueError(f"bad mesh {text!r}: each part is an axis (dp, cp, ep) and a degree, e.g. 'ep8' or 'ep2,dp4'")
+            raise ValueError(
+                f"bad mesh {text!r}: each part is an axis (dp, cp, ep) and a degree, e.g. 'ep8' or 'ep2,dp4'"
+            )
         axis, deg = m.group(1), int(m.group(2))
         if axis not in AXES:
             raise ValueError(f"bad mesh {text!r}: unknown axis {axis!r} (the axes are dp, cp, ep)")

@@ -55,7 +55,9 @@ def ep_swaps(group: EPGroup) -> dict[str, Callable[..., torch.Tensor]]:
     """The replacement for ``moe.expert_parallel`` on this rank: the MoE's routed experts run over
     ``group`` (the params it receives must be the rank's local slots, ``rank_params``)."""
 
-    def dispatch(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    def dispatch(
+        p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor
+    ) -> torch.Tensor:
         # replica choice by row index: any replica gives the same output (they are copies)
         return ep_routed_experts(p, limit, x, idx, w, group, real=real)
 

@@ -40,8 +40,9 @@ def rebalance(group: EPGroup, experts: list[dict[str, torch.Tensor]], topology: 
             for name in tensors:
                 tensors[name] = move_slots(tensors[name], moves, group)
     slots, counts = new.replica_table(group.loads.device)
-    return dataclasses.replace(group, placement=new, replica_slots=slots, replica_counts=counts,
-                               loads=torch.zeros_like(group.loads))
+    return dataclasses.replace(
+        group, placement=new, replica_slots=slots, replica_counts=counts, loads=torch.zeros_like(group.loads)
+    )
 
 
 def move_slots(local: torch.Tensor, moves: list[tuple[int, int]], group: EPGroup) -> torch.Tensor:
@@ -55,11 +56,25 @@ def move_slots(local: torch.Tensor, moves: list[tuple[int, int]], group: EPGroup
         if dst_rank == me and src_rank == me:
             out[dst % s] = local[src % s]
         elif dst_rank == me:
-            ops.append(dist.P2POp(dist.irecv, out[dst % s], dist.get_global_rank(group.process_group, src_rank),
-                                  group.process_group, tag=dst))
+            ops.append(
+                dist.P2POp(
+                    dist.irecv,
+                    out[dst % s],
+                    dist.get_global_rank(group.process_group, src_rank),
+                    group.process_group,
+                    tag=dst,
+                )
+            )
         elif src_rank == me:
-            ops.append(dist.P2POp(dist.isend, local[src % s].contiguous(), dist.get_global_rank(group.process_group, dst_rank),
-                                  group.process_group, tag=dst))
+            ops.append(
+                dist.P2POp(
+                    dist.isend,
+                    local[src % s].contiguous(),
+                    dist.get_global_rank(group.process_group, dst_rank),
+                    group.process_group,
+                    tag=dst,
+                )
+            )
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()

@@ -77,7 +77,9 @@ def _sharded_dims(spec: ParamSpec, sizes: dict[str, int]) -> dict[int, str]:
         if axis is None:
             continue
         if axis not in sizes:
-            raise ValueError(f"{spec.path}: dim {d} shards on mesh axis {axis!r}, which mesh {tuple(sizes)} does not have")
+            raise ValueError(
+                f"{spec.path}: dim {d} shards on mesh axis {axis!r}, which mesh {tuple(sizes)} does not have"
+            )
         if axis in out.values():
             raise ValueError(f"{spec.path}: two dims shard on the same mesh axis {axis!r}")
         out[d] = axis
@@ -93,9 +95,13 @@ def placements(spec: ParamSpec, mesh: MeshLike) -> tuple[Placement, ...]:
 
 def _check_experts(spec: ParamSpec, d: int, sizes: dict[str, int], axis: str, experts: ExpertPlacement) -> None:
     if experts.n_logical != spec.shape[d]:
-        raise ValueError(f"{spec.path}: expert placement is for {experts.n_logical} experts, the parameter has {spec.shape[d]}")
+        raise ValueError(
+            f"{spec.path}: expert placement is for {experts.n_logical} experts, the parameter has {spec.shape[d]}"
+        )
     if experts.ep_degree != sizes[axis]:
-        raise ValueError(f"{spec.path}: expert placement is for ep{experts.ep_degree}, the mesh has {axis}{sizes[axis]}")
+        raise ValueError(
+            f"{spec.path}: expert placement is for ep{experts.ep_degree}, the mesh has {axis}{sizes[axis]}"
+        )
 
 
 def global_shape(spec: ParamSpec, experts: ExpertPlacement | None = None) -> tuple[int, ...]:
@@ -106,7 +112,9 @@ def global_shape(spec: ParamSpec, experts: ExpertPlacement | None = None) -> tup
     return (experts.n_physical,) + spec.held_shape[1:]
 
 
-def local_shape(spec: ParamSpec, mesh: MeshLike, coord: Coord = None, experts: ExpertPlacement | None = None) -> tuple[int, ...]:
+def local_shape(
+    spec: ParamSpec, mesh: MeshLike, coord: Coord = None, experts: ExpertPlacement | None = None
+) -> tuple[int, ...]:
     """The shape of this rank's shard. Every split must be even (static shapes for graph capture);
     otherwise the error names the parameter, the dim and both sizes. ``coord`` is accepted for
     symmetry with ``local_slice``: even splits make the shape the same on every rank."""
@@ -117,7 +125,11 @@ def local_shape(spec: ParamSpec, mesh: MeshLike, coord: Coord = None, experts: E
             _check_experts(spec, d, sizes, axis, experts)
         n = sizes[axis]
         if shape[d] % n:
-            hint = " (redundant experts round the count up to a multiple of the EP degree)" if d == 0 and spec.stacked else ""
+            hint = (
+                " (redundant experts round the count up to a multiple of the EP degree)"
+                if d == 0 and spec.stacked
+                else ""
+            )
             raise ValueError(
                 f"{spec.path}: dim {d} ({spec.axes[d]}) has size {shape[d]}, not divisible by mesh axis "
                 f"{axis!r} of size {n}{hint}"
@@ -142,7 +154,9 @@ def _coord_dict(mesh: MeshLike, coord: Coord) -> dict[str, int]:
     return dict(zip(names, coord))
 
 
-def local_slice(spec: ParamSpec, mesh: MeshLike, coord: Coord = None, experts: ExpertPlacement | None = None) -> tuple[slice, ...]:
+def local_slice(
+    spec: ParamSpec, mesh: MeshLike, coord: Coord = None, experts: ExpertPlacement | None = None
+) -> tuple[slice, ...]:
     """This rank's block of the global tensor, one slice per dim. For stacked experts the slice
     on dim 0 is over *physical* slots; ``expert_ids`` says which checkpoint experts fill them."""
     sizes = _axis_sizes(mesh)
@@ -159,7 +173,9 @@ def local_slice(spec: ParamSpec, mesh: MeshLike, coord: Coord = None, experts: E
     return tuple(out)
 
 
-def expert_ids(spec: ParamSpec, mesh: MeshLike, coord: Coord = None, experts: ExpertPlacement | None = None) -> list[int]:
+def expert_ids(
+    spec: ParamSpec, mesh: MeshLike, coord: Coord = None, experts: ExpertPlacement | None = None
+) -> list[int]:
     """The logical experts whose checkpoint tensors (``spec.key.format(e=i)``) this rank loads, in
     slot order; a replicated expert appears once per slot it fills. Goes through the EPLB
     placement's phys->logical map when one is given."""

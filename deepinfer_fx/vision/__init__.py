@@ -10,8 +10,13 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "preprocess": "processor", "resize_plan": "processor", "encode": "merge",
-    "input_embeddings": "merge", "span_ids": "spans", "span_length": "spans", "expand_placeholders": "spans",
+    "preprocess": "processor",
+    "resize_plan": "processor",
+    "encode": "merge",
+    "input_embeddings": "merge",
+    "span_ids": "spans",
+    "span_length": "spans",
+    "expand_placeholders": "spans",
 }
 
 
@@ -23,5 +28,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["encode", "expand_placeholders", "input_embeddings", "preprocess", "resize_plan",
-           "span_ids", "span_length"]
+__all__ = ["encode", "expand_placeholders", "input_embeddings", "preprocess", "resize_plan", "span_ids", "span_length"]

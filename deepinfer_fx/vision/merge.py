@@ -47,12 +47,16 @@ def span_embeddings(model: Any, images: Any | Sequence[Any]) -> tuple[list[torch
     pixel_values, grids = preprocess(images, c)
     feats = encode(model, pixel_values, grids)
     tgrids = token_grids(c, grids)
-    spans = [merge_span(f, h, w, params["image_start"], params["image_newline"], params["image_end"])
-             for f, (h, w) in zip(feats, tgrids)]
+    spans = [
+        merge_span(f, h, w, params["image_start"], params["image_newline"], params["image_end"])
+        for f, (h, w) in zip(feats, tgrids)
+    ]
     return spans, tgrids
 
 
-def span_starts(ids: Sequence[int], image_token_id: int, tgrids: Sequence[tuple[int, int]], where: str = "token_ids") -> list[int]:
+def span_starts(
+    ids: Sequence[int], image_token_id: int, tgrids: Sequence[tuple[int, int]], where: str = "token_ids"
+) -> list[int]:
     """The first position of each image's span in laid-out ``ids``: spans are read in order,
     each the length its grid gives, every position ``image_token_id``."""
     starts, i, k = [], 0, 0
@@ -65,8 +69,10 @@ def span_starts(ids: Sequence[int], image_token_id: int, tgrids: Sequence[tuple[
             raise ValueError(f"{where}: more image-span positions than the spans of {len(tgrids)} image(s)")
         length = span_length(*tgrids[k])
         if any(t != image_token_id for t in ids[i : i + length]) or i + length > n:
-            raise ValueError(f"{where}: the span at position {i} is shorter than image {k}'s {length} positions "
-                             f"(aligner grid {tgrids[k]})")
+            raise ValueError(
+                f"{where}: the span at position {i} is shorter than image {k}'s {length} positions "
+                f"(aligner grid {tgrids[k]})"
+            )
         starts.append(i)
         i += length
         k += 1

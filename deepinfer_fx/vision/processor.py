@@ -134,7 +134,9 @@ def letterbox(image: Any, plan: Plan, v: VisionConfig) -> Any:
     if v.max_wh_ratio is not None and image.width >= v.max_wh_ratio * image.height:
         return image.resize((plan.width, plan.height), Image.Resampling.BICUBIC)
     gray = (v.pad_value,) * 3
-    return ImageOps.pad(image, (plan.width, plan.height), method=Image.Resampling.BICUBIC, color=gray, centering=(0.5, 0.5))
+    return ImageOps.pad(
+        image, (plan.width, plan.height), method=Image.Resampling.BICUBIC, color=gray, centering=(0.5, 0.5)
+    )
 
 
 def patchify(pixels: np.ndarray, patch: int) -> np.ndarray:

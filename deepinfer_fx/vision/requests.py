@@ -37,8 +37,10 @@ def split_prompt(prompt: dict, where: str) -> tuple[Any, list[Any]]:
     """A multimodal prompt dict -> its text or ids and its list of images (one-line errors)."""
     unknown = sorted(set(prompt) - set(PROMPT_KEYS))
     if unknown or "prompt" not in prompt:
-        raise ValueError(f"{where}: a prompt dict takes 'prompt' (a str or token ids) and optionally "
-                         f"'multi_modal_data' ({{'image': image or list}}); got keys {sorted(prompt)}")
+        raise ValueError(
+            f"{where}: a prompt dict takes 'prompt' (a str or token ids) and optionally "
+            f"'multi_modal_data' ({{'image': image or list}}); got keys {sorted(prompt)}"
+        )
     mm = prompt.get("multi_modal_data") or {}
     if not isinstance(mm, dict) or set(mm) - {"image"}:
         raise ValueError(f"{where}: multi_modal_data takes one key, 'image'; got {mm!r:.80}")
@@ -83,7 +85,9 @@ def encode_requests(model: Any, items: Sequence[ImageInputs]) -> None:
     for it in todo:
         spans = []
         for h, w in token_grids(c, it.grids):
-            spans.append(merge_span(next(feats), h, w, params["image_start"], params["image_newline"], params["image_end"]))
+            spans.append(
+                merge_span(next(feats), h, w, params["image_start"], params["image_newline"], params["image_end"])
+            )
         it.spans, it.pixel_values = spans, []  # the patches are not needed again
 
 
@@ -103,8 +107,11 @@ def chunk_rows(item: ImageInputs, start: int, length: int, device=None) -> tuple
     return mask.to(device), rows
 
 
-def batch_embeddings(model: Any, token_ids: torch.Tensor, chunks: Sequence[tuple[int, int, int, ImageInputs | None]],
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_embeddings(
+    model: Any,
+    token_ids: torch.Tensor,
+    chunks: Sequence[tuple[int, int, int, ImageInputs | None]],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merged embeddings ``[N, hidden]`` and image rows ``[N]`` of a packed batch:
     ``chunks`` are ``(first packed row, prompt start, length, the request's images or None)``."""
     c, params = model

@@ -28,8 +28,9 @@ def span_ids(h: int, w: int, image_token_id: int) -> list[int]:
     return [image_token_id] * span_length(h, w)
 
 
-def merge_span(features: torch.Tensor, h: int, w: int, start: torch.Tensor, newline: torch.Tensor,
-               end: torch.Tensor) -> torch.Tensor:
+def merge_span(
+    features: torch.Tensor, h: int, w: int, start: torch.Tensor, newline: torch.Tensor, end: torch.Tensor
+) -> torch.Tensor:
     """Span embeddings ``[span_length, D]``: the aligner's ``[h * w, D]`` rows in raster order,
     a newline after each row, the start and end embeddings around them."""
     rows = features.reshape(h, w, -1)
@@ -38,16 +39,19 @@ def merge_span(features: torch.Tensor, h: int, w: int, start: torch.Tensor, newl
     return torch.cat([start.to(features.dtype)[None], body, end.to(features.dtype)[None]])
 
 
-def expand_placeholders(ids: Sequence[int], grids: Sequence[tuple[int, int]], image_token_id: int,
-                        where: str = "prompt") -> tuple[list[int], list[int]]:
+def expand_placeholders(
+    ids: Sequence[int], grids: Sequence[tuple[int, int]], image_token_id: int, where: str = "prompt"
+) -> tuple[list[int], list[int]]:
     """Prompt ids with one ``image_token_id`` placeholder per image -> the ids with each
     placeholder replaced by its image's span, and each span's first position. ``grids`` are the
     aligner grids ``(H, W)`` in image order; a count that differs from the placeholders' is a
     one-line ``ValueError`` naming ``where``."""
     marks = [i for i, t in enumerate(ids) if t == image_token_id]
     if len(marks) != len(grids):
-        raise ValueError(f"{where}: {len(marks)} image placeholder(s) (token id {image_token_id}) but "
-                         f"{len(grids)} image(s); put one placeholder where each image goes")
+        raise ValueError(
+            f"{where}: {len(marks)} image placeholder(s) (token id {image_token_id}) but "
+            f"{len(grids)} image(s); put one placeholder where each image goes"
+        )
     out: list[int] = []
     starts: list[int] = []
     prev = 0

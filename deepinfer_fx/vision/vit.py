@@ -23,7 +23,9 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
 
 
-def rope_tables(grids: Sequence[tuple[int, int]], head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    grids: Sequence[tuple[int, int]], head_dim: int, theta: float, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos``, ``sin`` ``[P, head_dim / 2]`` for the packed patches of ``grids``: a head's
     first ``head_dim / 4`` angles turn with the patch's row, the next with its column, at
     frequencies ``theta ** (-j / (head_dim / 4))``."""
@@ -47,16 +49,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def attention(p: dict, v: VisionConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+def attention(
+    p: dict, v: VisionConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[tuple[int, int]]
+) -> torch.Tensor:
     """Self-attention of each image's rows ``x[a:b]`` among themselves (``bounds``)."""
     n, heads, hd = x.shape[0], v.num_attention_heads, v.head_dim
     q, k, val = _linear(x, p["wqkv"], p["wqkv_bias"]).view(n, 3, heads, hd).unbind(1)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     out = torch.empty_like(q)
     for a, b in bounds:  # one image at a time: no mask, and each image's result is its own
-        out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                  val[a:b].transpose(0, 1)).transpose(0, 1)
+        out[a:b] = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), val[a:b].transpose(0, 1)
+        ).transpose(0, 1)
     return _linear(out.reshape(n, heads * hd), p["wo"], p["wo_bias"])
 
 
@@ -66,8 +70,9 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return _linear(F.silu(gate) * up, p["w2"])
 
 
-def block(p: dict, v: VisionConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+def block(
+    p: dict, v: VisionConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[tuple[int, int]]
+) -> torch.Tensor:
     eps = v.rms_norm_eps
     x = x + attention(p["attn"], v, rms_norm(x, p["norm1"], eps), cos, sin, bounds)
     return x + mlp(p["mlp"], rms_norm(x, p["norm2"], eps))
@@ -87,8 +92,9 @@ def vit(p: dict, v: VisionConfig, pixel_values: torch.Tensor, grids: Sequence[tu
     final-normed patch tokens ``[P, hidden]`` in the weights' dtype."""
     bounds = image_bounds(grids)
     if pixel_values.dim() != 2 or pixel_values.shape != (bounds[-1][1], v.patch_dim):
-        raise ValueError(f"pixel_values is {list(pixel_values.shape)}; grids {list(grids)} need "
-                         f"[{bounds[-1][1]}, {v.patch_dim}]")
+        raise ValueError(
+            f"pixel_values is {list(pixel_values.shape)}; grids {list(grids)} need [{bounds[-1][1]}, {v.patch_dim}]"
+        )
     w = p["patch_embed"]["proj"]
     x = _linear(pixel_values.to(device=w.device, dtype=w.dtype), w, p["patch_embed"]["proj_bias"])
     cos, sin = rope_tables(grids, v.head_dim, v.rope_theta, device=x.device)

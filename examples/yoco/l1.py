@@ -40,7 +40,9 @@ def _chunks(P: int, size: str) -> list[int]:
     return [min(n, P - s) for s in range(0, P, n)]
 
 
-def _keys_ok(keys: torch.Tensor, k_pos: torch.Tensor, bias: torch.Tensor, rows: list[int], low: int, W: int) -> str | None:
+def _keys_ok(
+    keys: torch.Tensor, k_pos: torch.Tensor, bias: torch.Tensor, rows: list[int], low: int, W: int
+) -> str | None:
     """Query row j (at position ``rows[j]``) must see exactly the keys at ``[max(low, t - W + 1), t]``,
     each holding its own position; the first row that does not, described."""
     t = torch.tensor(rows, dtype=torch.long)[:, None]
@@ -73,7 +75,9 @@ def check(P: int, size: str, keep: int, W: int, ratio: int, shift: int = 0) -> l
         want_kept = list(range(max(start, pivot), end))
         got_kept = kept.batch.positions[: int(kg.lens[0])].tolist()
         if int(kg.floor[0]) != pivot or got_kept != want_kept:
-            bad.append(f"chunk {start}+{n}: pivot {int(kg.floor[0])} rows {got_kept[:1]}..{got_kept[-1:]}, want {pivot} {want_kept[:1]}..{want_kept[-1:]}")
+            bad.append(
+                f"chunk {start}+{n}: pivot {int(kg.floor[0])} rows {got_kept[:1]}..{got_kept[-1:]}, want {pivot} {want_kept[:1]}..{want_kept[-1:]}"
+            )
         # keys at the first decoder layer: every row's kv on the key side, kept rows query
         kv = g.positions.float()[..., None]
         keys, k_pos = window_keys(first_ring, kv, g)
@@ -90,10 +94,23 @@ def check(P: int, size: str, keep: int, W: int, ratio: int, shift: int = 0) -> l
             newest = [end - 1 - (end - 1 - i) % W for i in range(W)]  # the newest position p < end with p % W == i
             want = [float(p) if p >= low else STALE for p in newest]
             if ring[0, :, 0].tolist() != want:
-                bad.append(f"chunk {start}+{n}: {name} decoder ring holds {ring[0, :, 0].tolist()[:4]}.., want {want[:4]}..")
+                bad.append(
+                    f"chunk {start}+{n}: {name} decoder ring holds {ring[0, :, 0].tolist()[:4]}.., want {want[:4]}.."
+                )
         # compressed entries written (every row) and visible to each kept row
-        w, complete, _ = pool_windows(torch.zeros(1, n, 1), None, rows_kv, rows_kv.clone(), g.slots, g.starts, g.lens,
-                                      torch.ones(1), ratio, False, 1e-6)
+        w, complete, _ = pool_windows(
+            torch.zeros(1, n, 1),
+            None,
+            rows_kv,
+            rows_kv.clone(),
+            g.slots,
+            g.starts,
+            g.lens,
+            torch.ones(1),
+            ratio,
+            False,
+            1e-6,
+        )
         want_w = [e for e in range(P // ratio + 1) if start <= e * ratio + ratio - 1 < end]
         if w[complete].tolist() != want_w:
             bad.append(f"chunk {start}+{n}: entries written {w[complete].tolist()[:3]}.., want {want_w[:3]}..")
@@ -122,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             for keep in (int(x) for x in args.keep.split(",")):
                 bad = check(P, size, keep, args.window, args.ratio, args.shift_pivot)
                 failed += bool(bad)
-                print(f"{P:>6} {size:>7} {keep:>5} {max(0, P - keep):>6}  " + ("ok" if not bad else f"MISMATCH ({len(bad)}): {bad[0]}"))
+                print(
+                    f"{P:>6} {size:>7} {keep:>5} {max(0, P - keep):>6}  "
+                    + ("ok" if not bad else f"MISMATCH ({len(bad)}): {bad[0]}")
+                )
     print(f"{failed} mismatching case(s)")
     return 1 if failed else 0
 

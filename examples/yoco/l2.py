@@ -44,9 +44,15 @@ def teacher_forced(model, ids: torch.Tensor, n_prompt: int, keep: int | None, ch
 def compare(a: torch.Tensor, b: torch.Tensor, forced: torch.Tensor) -> list[dict]:
     """Per position: max |a - b| over the vocabulary, the forced token's difference, same argmax."""
     d = (a - b).abs()
-    return [{"position": i, "max_abs": round(d[i].max().item(), 6),
-             "forced_abs": round(d[i, forced[i]].item(), 6) if i < forced.numel() else None,
-             "same_argmax": bool(a[i].argmax() == b[i].argmax())} for i in range(a.shape[0])]
+    return [
+        {
+            "position": i,
+            "max_abs": round(d[i].max().item(), 6),
+            "forced_abs": round(d[i, forced[i]].item(), 6) if i < forced.numel() else None,
+            "same_argmax": bool(a[i].argmax() == b[i].argmax()),
+        }
+        for i in range(a.shape[0])
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,7 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--keep {args.keep} is below the minimum {min_keep_tokens(c)} (the sliding window)")
     n = args.prompt_len
     chunk = args.chunk or n
-    ids = torch.randint(3, c.vocab_size, (n + args.decode,), generator=torch.Generator().manual_seed(args.seed)).to(args.device)
+    ids = torch.randint(3, c.vocab_size, (n + args.decode,), generator=torch.Generator().manual_seed(args.seed)).to(
+        args.device
+    )
     exact = teacher_forced(model, ids, n, None, chunk)
     compact = teacher_forced(model, ids, n, args.keep, chunk)
     noise = teacher_forced(model, ids, n, None, n if chunk < n else max(1, n // 2))
@@ -78,12 +86,27 @@ def main(argv: list[str] | None = None) -> dict:
     floor = compare(noise, exact, forced)
     print(f"{'pos':>5} {'max|dlp|':>10} {'forced':>10} {'argmax':>6} {'noise':>10}")
     for r, f in zip(rows, floor):
-        print(f"{n - 1 + r['position']:>5} {r['max_abs']:>10.2e} {r['forced_abs'] or 0:>10.2e} {str(r['same_argmax']):>6} {f['max_abs']:>10.2e}")
-    result = {"model": args.model, "prompt_len": n, "decode": args.decode, "keep": args.keep, "chunk": chunk, "dtype": args.dtype,
-              "device": args.device, "max_abs": max(r["max_abs"] for r in rows), "noise_max_abs": max(f["max_abs"] for f in floor),
-              "argmax_agree": sum(r["same_argmax"] for r in rows) / len(rows), "rows": rows, "noise": floor}
-    print(f"compact vs exact: max |dlogprob| {result['max_abs']:.3e} (noise floor {result['noise_max_abs']:.3e}), "
-          f"argmax agrees at {result['argmax_agree']:.0%} of positions")
+        print(
+            f"{n - 1 + r['position']:>5} {r['max_abs']:>10.2e} {r['forced_abs'] or 0:>10.2e} {str(r['same_argmax']):>6} {f['max_abs']:>10.2e}"
+        )
+    result = {
+        "model": args.model,
+        "prompt_len": n,
+        "decode": args.decode,
+        "keep": args.keep,
+        "chunk": chunk,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_abs": max(r["max_abs"] for r in rows),
+        "noise_max_abs": max(f["max_abs"] for f in floor),
+        "argmax_agree": sum(r["same_argmax"] for r in rows) / len(rows),
+        "rows": rows,
+        "noise": floor,
+    }
+    print(
+        f"compact vs exact: max |dlogprob| {result['max_abs']:.3e} (noise floor {result['noise_max_abs']:.3e}), "
+        f"argmax agrees at {result['argmax_agree']:.0%} of positions"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

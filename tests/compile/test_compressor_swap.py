@@ -27,7 +27,9 @@ def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little") >> 1
 
 
-def _pool_args(seed: int, ratio: int, overlap: bool, gated: bool, length: int, starts: list[int], lens: list[int]) -> tuple:
+def _pool_args(
+    seed: int, ratio: int, overlap: bool, gated: bool, length: int, starts: list[int], lens: list[int]
+) -> tuple:
     """Random rows and ring (stale rows included) for chunks on distinct slots of a 4-slot state."""
     g = torch.Generator().manual_seed(seed)
     dim, halves = 8, 2 if overlap else 1
@@ -36,7 +38,18 @@ def _pool_args(seed: int, ratio: int, overlap: bool, gated: bool, length: int, s
     gate = torch.randn(c, length, dim * halves, generator=g) * 2 if gated else None
     ring = (torch.randn(5, ratio * halves, dim * halves, generator=g) for _ in range(2))
     slots = torch.randperm(4, generator=g)[:c]
-    return (kv, gate, *ring, slots, torch.tensor(starts), torch.tensor(lens), torch.randn(dim, generator=g), ratio, overlap, EPS)
+    return (
+        kv,
+        gate,
+        *ring,
+        slots,
+        torch.tensor(starts),
+        torch.tensor(lens),
+        torch.randn(dim, generator=g),
+        ratio,
+        overlap,
+        EPS,
+    )
 
 
 CASES = {  # ratio, overlap, gated, L, starts, lens
@@ -74,13 +87,24 @@ def _params(g: torch.Generator, hidden: int, dim: int, ratio: int, overlap: bool
     return {k: v.to(device) for k, v in p.items()}
 
 
-def _step(p: dict, st: dict, x: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, ratio: int, overlap: bool):
+def _step(
+    p: dict,
+    st: dict,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+):
     c, length = x.shape[:2]
     g = Group(torch.arange(length, device=x.device).expand(c, length), slots, starts, lens)
     return new_latents(p, st, x, g, ratio, overlap, EPS)
 
 
-def _compiled_vs_eager(ratio: int, overlap: bool, enabled: bool, accelerator: str, inductor: bool, device: str, tol: float) -> None:
+def _compiled_vs_eager(
+    ratio: int, overlap: bool, enabled: bool, accelerator: str, inductor: bool, device: str, tol: float
+) -> None:
     """A prefill chunk and then a decode step through the compiled compressor (the ring carries
     over between them) == the same calls eagerly, ring included; the pass counts one op per
     call when enabled and none when disabled (the reference is traced instead)."""
@@ -107,7 +131,9 @@ def _compiled_vs_eager(ratio: int, overlap: bool, enabled: bool, accelerator: st
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"seed={seed}: {m}")
     for k in st:
-        torch.testing.assert_close(st[k][:slots], eager_st[k][:slots], rtol=0, atol=0, msg=lambda m: f"seed={seed} {k}: {m}")
+        torch.testing.assert_close(
+            st[k][:slots], eager_st[k][:slots], rtol=0, atol=0, msg=lambda m: f"seed={seed} {k}: {m}"
+        )
     assert len(be.graphs) == 1 and be.rewrites().get(SWAP, 0) == int(enabled), f"seed={seed}"
     assert (SWAP in be.pipeline.names) == enabled
 

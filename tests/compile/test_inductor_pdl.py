@@ -33,7 +33,7 @@ def _kernel_sources(fn: Callable[..., object], *args: torch.Tensor, handle: Call
 
     def record(self: TritonKernel, *a: object, **k: object) -> str:
         src = codegen(self, *a, **k)
-        sources.append(src[src.rindex("@triton.jit"):])  # the kernel, after any helper functions
+        sources.append(src[src.rindex("@triton.jit") :])  # the kernel, after any helper functions
         return src
 
     with pytest.MonkeyPatch.context() as mp:
@@ -42,8 +42,10 @@ def _kernel_sources(fn: Callable[..., object], *args: torch.Tensor, handle: Call
         mp.setattr(TritonKernel, "codegen_kernel", record)
         mp.setattr(torch_triton, "triton_hash_with_backend", lambda: "0" * 64)  # no GPU driver to hash
         torch._dynamo.reset()
-        with inductor_config.patch(cpu_backend="triton", fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+        with (
+            inductor_config.patch(cpu_backend="triton", fx_graph_cache=False),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+        ):
             try:
                 torch.compile(fn, backend="inductor", fullgraph=True)(*args)
             except Exception as e:  # the interpreter cannot run gdc_wait: only the codegen matters
@@ -75,8 +77,12 @@ def _step(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) 
 
 def _args() -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(torch.seed())
-    return (torch.randn(4, 64, generator=g), torch.randn(64, 128, generator=g), torch.randn(64, generator=g),
-            torch.randint(0, 16, (4,), generator=g))
+    return (
+        torch.randn(4, 64, generator=g),
+        torch.randn(64, 128, generator=g),
+        torch.randn(64, generator=g),
+        torch.randint(0, 16, (4,), generator=g),
+    )
 
 
 def test_upstream_codegen_lets_kernels_touch_memory_before_waiting() -> None:
@@ -101,7 +107,9 @@ def test_backend_turns_on_patched_pdl_unless_switched_off(monkeypatch: pytest.Mo
     import torch._inductor.compile_fx as compile_fx_module
 
     seen: list[dict] = []
-    monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches) or gm)
+    monkeypatch.setattr(
+        compile_fx_module, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches) or gm
+    )
     monkeypatch.setattr(TritonKernel, "_handle_pdl_before_access", inductor_pdl.upstream())
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     off = make_backend("nvidia", environ={"DEEPINFER_PDL": "0"}, inductor=True)

@@ -30,10 +30,16 @@ def _seed() -> int:
 
 def _site_params(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = 2 * N + N * N
-    return torch.randn(m, N * D, generator=g) * (N * D) ** -0.5, torch.randn(m, generator=g), 0.5 + torch.rand(3, generator=g)
+    return (
+        torch.randn(m, N * D, generator=g) * (N * D) ** -0.5,
+        torch.randn(m, generator=g),
+        0.5 + torch.rand(3, generator=g),
+    )
 
 
-def _two_sites(X: torch.Tensor, a: tuple, f: tuple, w: torch.Tensor, pre_prev: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def _two_sites(
+    X: torch.Tensor, a: tuple, f: tuple, w: torch.Tensor, pre_prev: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
     """``model.block`` with a tanh layer for each sublayer."""
     pre_a, post, comb, u = mhc_site(X, *a, RMS_EPS, HC_EPS, ITERS, pre_prev)
     X = mhc_expand(X, torch.tanh(u @ w), post, comb)
@@ -80,7 +86,11 @@ def test_compiled_sites_equal_eager(which: str, enabled: bool, tokens: int) -> N
 
 
 def _head_params(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.randn(N, N * D, generator=g) * (N * D) ** -0.5, torch.randn(N, generator=g), 0.5 + torch.rand(1, generator=g)
+    return (
+        torch.randn(N, N * D, generator=g) * (N * D) ** -0.5,
+        torch.randn(N, generator=g),
+        0.5 + torch.rand(1, generator=g),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -90,7 +100,9 @@ def test_head_op_is_the_graphs_function(lead: tuple[int, ...], dtype: torch.dtyp
     g = torch.Generator().manual_seed(seed)
     args = (torch.randn(*lead, N, D, generator=g).to(dtype), *_head_params(g), RMS_EPS, HC_EPS)
     got, want = torch.ops.deepinfer.mhc_head(*args), hc_head.reference(*args)  # type: ignore[attr-defined]
-    assert got.is_contiguous() and got.shape == (*lead, D) and got.dtype == dtype and torch.equal(got, want), f"seed={seed}"
+    assert got.is_contiguous() and got.shape == (*lead, D) and got.dtype == dtype and torch.equal(got, want), (
+        f"seed={seed}"
+    )
     torch.library.opcheck(torch.ops.deepinfer.mhc_head.default, args)
 
 
@@ -112,4 +124,6 @@ def test_head_place_traces_to_the_op() -> None:
     assert torch.equal(got, hc_head.reference(X, *params, RMS_EPS, HC_EPS) * 2), f"seed={seed}"  # type: ignore[attr-defined]
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     op = torch.ops.deepinfer.mhc_head
-    assert len(graphs) == 1 and len(targets) == 2 and sum(t in (op, op.default) for t in targets) == 1, targets  # op, * 2
+    assert len(graphs) == 1 and len(targets) == 2 and sum(t in (op, op.default) for t in targets) == 1, (
+        targets
+    )  # op, * 2

@@ -66,7 +66,9 @@ def test_compiled_moe_equals_eager(enabled: bool) -> None:
     got, rewrites = _compiled(c, p, x, ids, real, disabled=() if enabled else (FUSED,))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
     # on: one fused node and the routed place never reached; off: the routed op, as before
-    assert (rewrites.get(FUSED, 0), rewrites.get(ROUTED, 0)) == ((1, 0) if enabled else (0, 1)), f"seed={seed} {rewrites}"
+    assert (rewrites.get(FUSED, 0), rewrites.get(ROUTED, 0)) == ((1, 0) if enabled else (0, 1)), (
+        f"seed={seed} {rewrites}"
+    )
 
 
 def test_eager_swap_equals_reference() -> None:
@@ -86,7 +88,9 @@ def test_prefill_sized_steps_fall_back(t: int) -> None:
     seed = _seed()
     c, p, x, ids, real = _layer(seed, t=t)
     got, rewrites = _compiled(c, p, x, ids, real)
-    torch.testing.assert_close(got, moe.moe(p, c, x, ids, real), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        got, moe.moe(p, c, x, ids, real), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}"
+    )
     fused = t <= FOLD_MAX_TOKENS
     assert (rewrites.get(FUSED, 0), rewrites.get(ROUTED, 0)) == ((1, 0) if fused else (0, 1)), f"seed={seed} {rewrites}"
 
@@ -95,7 +99,9 @@ def test_fp8_experts_fall_back() -> None:
     seed = _seed()
     c, p, x, ids, real = _layer(seed, fp8=True)
     got, rewrites = _compiled(c, p, x, ids, real)
-    torch.testing.assert_close(got, moe.moe(p, c, x, ids, real), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        got, moe.moe(p, c, x, ids, real), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}"
+    )
     assert (rewrites.get(FUSED, 0), rewrites.get(ROUTED, 0)) == (0, 1), f"seed={seed} {rewrites}"
 
 
@@ -124,5 +130,7 @@ def test_wider_shared_expert_falls_back() -> None:
     _, _, x, ids, real = _layer(seed)
     p = params["layers"][LAYER]["ffn"]
     got, rewrites = _compiled(c, p, x, ids, real)
-    torch.testing.assert_close(got, moe.moe(p, c, x, ids, real), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        got, moe.moe(p, c, x, ids, real), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}"
+    )
     assert (rewrites.get(FUSED, 0), rewrites.get(ROUTED, 0)) == (0, 1), f"seed={seed} {rewrites}"

@@ -59,8 +59,18 @@ def _ring_args(g: torch.Generator) -> tuple:
     c, h, d, w, e, k = 2, 4, 16, 8, 10, 6
     bias = torch.zeros(c, 1, k).masked_fill(torch.rand(c, 1, k, generator=g) < 0.3, float("-inf"))
     angles = torch.rand(c, 1, 2, generator=g) * 6.3
-    return (_randn(g, c, 1, h, d), _randn(g, 4, w, d), torch.tensor([2, 0]), torch.tensor([5, 30]), _randn(g, 4, e, d),
-            torch.randint(0, e, (c, k), generator=g), bias, _randn(g, h), angles.cos(), angles.sin())
+    return (
+        _randn(g, c, 1, h, d),
+        _randn(g, 4, w, d),
+        torch.tensor([2, 0]),
+        torch.tensor([5, 30]),
+        _randn(g, 4, e, d),
+        torch.randint(0, e, (c, k), generator=g),
+        bias,
+        _randn(g, h),
+        angles.cos(),
+        angles.sin(),
+    )
 
 
 def _indexer_args(g: torch.Generator) -> tuple:
@@ -76,7 +86,15 @@ def _indexer_scores_args(g: torch.Generator) -> tuple:
 def _moe_args(g: torch.Generator) -> tuple:
     t, d, i, e, k = 7, 16, 8, 5, 2
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    return (_randn(g, t, d), _randn(g, e, i, d), _randn(g, e, i, d), _randn(g, e, d, i), idx, torch.rand(t, k, generator=g), 3.0)
+    return (
+        _randn(g, t, d),
+        _randn(g, e, i, d),
+        _randn(g, e, i, d),
+        _randn(g, e, d, i),
+        idx,
+        torch.rand(t, k, generator=g),
+        3.0,
+    )
 
 
 def _route_args(g: torch.Generator, hashed: bool = False) -> tuple:
@@ -172,7 +190,9 @@ def test_indexer_topk_matches_graphs(seed: int, k: int, monkeypatch: pytest.Monk
     monkeypatch.setattr(indexer_mod, "linear_fp32", lambda x, w: x)  # head_w = x * scale
     p = {"compressor": None, "wq_b": torch.eye(hi * di), "weights_proj": None}
     g1 = Group.one(start, t)
-    chosen = indexer_mod.select_entries(p, {}, c, None, g1, head_w_raw[None], q.flatten(1)[None], g1.positions, torch.ones(1))[0]
+    chosen = indexer_mod.select_entries(
+        p, {}, c, None, g1, head_w_raw[None], q.flatten(1)[None], g1.positions, torch.ones(1)
+    )[0]
     head_w = head_w_raw * (di**-0.5 * hi**-0.5)
     visible = visible_entries(torch.arange(start, start + t), n, c.csa_ratio)
     assert torch.equal(ops.indexer_topk(q, keys, head_w, visible, k), chosen)
@@ -198,8 +218,12 @@ def test_moe_experts_matches_graphs(seed: int) -> None:
 def test_moe_experts_shared_matches_graphs(seed: int) -> None:
     x, w1, w3, w2, sw1, sw3, sw2, idx, w, limit = _moe_shared_args(_gen(seed))
     real = torch.ones(len(x), dtype=torch.bool)
-    expect = moe.experts_with_shared({"w1": w1, "w3": w3, "w2": w2}, {"w1": sw1, "w3": sw3, "w2": sw2}, limit, x, idx, w, real)
-    torch.testing.assert_close(ops.moe_experts_shared(x, w1, w3, w2, sw1, sw3, sw2, idx, w, limit), expect, rtol=0, atol=0)
+    expect = moe.experts_with_shared(
+        {"w1": w1, "w3": w3, "w2": w2}, {"w1": sw1, "w3": sw3, "w2": sw2}, limit, x, idx, w, real
+    )
+    torch.testing.assert_close(
+        ops.moe_experts_shared(x, w1, w3, w2, sw1, sw3, sw2, idx, w, limit), expect, rtol=0, atol=0
+    )
 
 
 # --- opcheck ----------------------------------------------------------------------------------

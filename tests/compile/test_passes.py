@@ -13,21 +13,45 @@ import torch.fx
 from deepinfer_fx.graphs.moe import swiglu
 from deepinfer_fx.graphs.norm import linear, rms_norm
 from deepinfer_fx.passes import manager
-from deepinfer_fx.passes.compiler import META_KEY, DeepinferBackend, _PipelineAsInductorPass, compile_graph, make_backend
+from deepinfer_fx.passes.compiler import (
+    META_KEY,
+    DeepinferBackend,
+    _PipelineAsInductorPass,
+    compile_graph,
+    make_backend,
+)
 from deepinfer_fx.passes.dump import graph_name
 
 RMS, SWIGLU = "rms_norm_fusion", "swiglu_clamp_fusion"
 RMS_OP, SWIGLU_OP = torch.ops.deepinfer.rms_norm.default, torch.ops.deepinfer.swiglu_clamp.default
 # kernel swaps (not installed around these blocks) and the grouping of their projections
-SWAPS = ("moe_experts_kernel", "moe_shared_fused_kernel", "mhc_sinkhorn_kernel", "skinny_linear_kernel", "skinny_linear_blocks_kernel",
-         "mhc_site_kernel", "mhc_head_kernel", "route_topk_kernel", "sparse_mqa_kernel", "ring_mqa_kernel", "compressor_kernel",
-         "indexer_topk_kernel", "indexer_scores_kernel", "rope_table_op", "rope_kernel", "norm_rope_kernel", "skinny_linear_group")
+SWAPS = (
+    "moe_experts_kernel",
+    "moe_shared_fused_kernel",
+    "mhc_sinkhorn_kernel",
+    "skinny_linear_kernel",
+    "skinny_linear_blocks_kernel",
+    "mhc_site_kernel",
+    "mhc_head_kernel",
+    "route_topk_kernel",
+    "sparse_mqa_kernel",
+    "ring_mqa_kernel",
+    "compressor_kernel",
+    "indexer_topk_kernel",
+    "indexer_scores_kernel",
+    "rope_table_op",
+    "rope_kernel",
+    "norm_rope_kernel",
+    "skinny_linear_group",
+)
 NO_SWAPS = dict.fromkeys(SWAPS, 0)
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
-def ffn_block(x: torch.Tensor, norm_w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def ffn_block(
+    x: torch.Tensor, norm_w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
     """norm -> clamped SwiGLU -> down projection, plus an unweighted per-head norm: two RMSNorm
     sites (weighted and not) and one SwiGLU site."""
     h = rms_norm(x, norm_w, 1e-6)
@@ -93,7 +117,9 @@ def test_inductor_pdl_is_turned_off_with_a_warning(monkeypatch: pytest.MonkeyPat
     import torch._inductor.config as inductor_config
 
     seen: list[dict] = []
-    monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches) or gm)
+    monkeypatch.setattr(
+        compile_fx_module, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches) or gm
+    )
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     be = make_backend("cpu", environ={}, inductor=True)
     be._compile_inductor(gm, [torch.zeros(2)], None)
@@ -145,7 +171,11 @@ def test_api_and_env_disables_add_up() -> None:
 
 @pytest.mark.parametrize("where", ["api", "env"])
 def test_unknown_pass_name_is_a_clear_error(where: str) -> None:
-    kwargs = {"disabled": ["rms_norm_fuson"], "environ": {}} if where == "api" else {"environ": {manager.ENV_DISABLE: "nope"}}
+    kwargs = (
+        {"disabled": ["rms_norm_fuson"], "environ": {}}
+        if where == "api"
+        else {"environ": {manager.ENV_DISABLE: "nope"}}
+    )
     with pytest.raises(ValueError, match="unknown graph pass") as err:
         make_backend("cpu", **kwargs)
     assert RMS in str(err.value) and SWIGLU in str(err.value)  # the known names are listed

@@ -28,13 +28,17 @@ def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little") >> 1
 
 
-def _rotate_and_back(x: torch.Tensor, o: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotate_and_back(
+    x: torch.Tensor, o: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What attention does: rotate the queries, un-rotate the output, with one pair of tables."""
     cos, sin = cos_sin(positions, freq)
     return apply_rope(x, cos, sin), apply_rope(o, cos, sin, inverse=True)
 
 
-@pytest.mark.parametrize("shape, lead", [((5, 3, 96), 1), ((2, 7, 4, 64), 2), ((6, 40), 1)], ids=["heads", "chunks", "flat"])
+@pytest.mark.parametrize(
+    "shape, lead", [((5, 3, 96), 1), ((2, 7, 4, 64), 2), ((6, 40), 1)], ids=["heads", "chunks", "flat"]
+)
 def test_op_is_the_graphs_function(shape: tuple[int, ...], lead: int) -> None:
     g = torch.Generator().manual_seed(_seed())
     x = torch.randn(*shape, generator=g)
@@ -49,8 +53,9 @@ def test_op_is_the_graphs_function(shape: tuple[int, ...], lead: int) -> None:
 
 # 2^20 elements is the smallest rotation the op takes: 1024 positions x 16 heads x 64 channels
 # (prefill), or 64 positions x 256 heads (a large decode batch, the P8 shape at b64: 64 x 64 x 512)
-@pytest.mark.parametrize("tokens, heads, ops", [(1024, 16, 2), (64, 256, 2), (8, 16, 0)],
-                         ids=["prefill", "large-decode", "small-decode"])
+@pytest.mark.parametrize(
+    "tokens, heads, ops", [(1024, 16, 2), (64, 256, 2), (8, 16, 0)], ids=["prefill", "large-decode", "small-decode"]
+)
 def test_compiled_rotation_equals_eager(tokens: int, heads: int, ops: int) -> None:
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
@@ -66,7 +71,9 @@ def test_compiled_rotation_equals_eager(tokens: int, heads: int, ops: int) -> No
     assert be.rewrites().get(SWAP, 0) == ops, f"seed={seed}"
 
 
-def _query_and_output(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, reread: bool) -> torch.Tensor:
+def _query_and_output(
+    x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, reread: bool
+) -> torch.Tensor:
     """The attention shape of the rotations: heads from a projection rotated, normed (the stand-in
     for attention), un-rotated and projected back; ``reread`` also reads the query before rotation."""
     cos, sin = cos_sin(positions, freq)
@@ -89,8 +96,9 @@ def test_inductor_rotates_the_producers_buffer_in_place(reread: bool) -> None:
     compiled = compile_graph(_query_and_output, be)
     with torch.no_grad(), swapped(be.pipeline.swaps()):
         got, code = run_and_get_code(compiled, x, w, positions, freq, reread)
-    torch.testing.assert_close(got, _query_and_output(x, w, positions, freq, reread), rtol=1e-5, atol=1e-4,
-                               msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        got, _query_and_output(x, w, positions, freq, reread), rtol=1e-5, atol=1e-4, msg=lambda m: f"seed={seed}: {m}"
+    )
     assert be.rewrites().get(SWAP, 0) == 2, f"seed={seed}"
     src = "\n".join(code)
     assert src.count("torch.ops.deepinfer.rope_.default(") == 2
@@ -111,7 +119,9 @@ def test_norm_rope_op_is_the_graphs_function(weighted: bool, dtype: torch.dtype)
     torch.library.opcheck(torch.ops.deepinfer.rms_norm_rope.default, (x, w, 1e-6, cos, sin))
 
 
-def _norm_and_rotate(q: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _norm_and_rotate(
+    q: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """The two calls of a V4 attention layer: the unweighted query-head norm and the latent's."""
     cos, sin = cos_sin(positions, freq)
     return norm_rope(q, None, 1e-6, cos, sin), norm_rope(kv, w, 1e-6, cos, sin)

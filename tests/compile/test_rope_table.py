@@ -48,5 +48,7 @@ def test_compiled_rotation_equals_eager(tokens: int, ops: int) -> None:
     compiled = compile_graph(_rotate, be)
     with torch.no_grad(), swapped(be.pipeline.swaps()):
         got = compiled(x, positions, freq)
-    torch.testing.assert_close(got, _rotate(x, positions, freq), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        got, _rotate(x, positions, freq), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}"
+    )
     assert be.rewrites().get(SWAP, 0) == ops, f"seed={seed}"

@@ -23,8 +23,15 @@ GROUP = torch.ops.deepinfer.skinny_linear_group.default
 SINGLE = torch.ops.deepinfer.skinny_linear.default
 
 
-def layer(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, wc: torch.Tensor, wd: torch.Tensor,
-          we: torch.Tensor, wf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def layer(
+    x: torch.Tensor,
+    wa: torch.Tensor,
+    wb: torch.Tensor,
+    wc: torch.Tensor,
+    wd: torch.Tensor,
+    we: torch.Tensor,
+    wf: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """Like an attention block's decode: two bf16 and two fp32 projections of x (one through a
     view of x), a projection of another input, and one of a weight computed in the step."""
     a = linear(x, wa)

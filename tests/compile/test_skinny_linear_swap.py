@@ -25,7 +25,9 @@ def _seed() -> int:
     return torch.seed() % 2**31
 
 
-def block(x: torch.Tensor, big: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, wodd: torch.Tensor, w32: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def block(
+    x: torch.Tensor, big: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, wodd: torch.Tensor, w32: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """Three decode-sized calls (2-D bf16 out, 3-D fp32 out, 2-D fp32 out) and three that must
     keep the reference: too many rows, a weight dim not a multiple of 16, fp32 operands."""
     h = linear(x, wa)  # [4, 32]
@@ -40,8 +42,14 @@ def _inputs(seed: int) -> tuple[torch.Tensor, ...]:
     def r(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
 
-    return (r(4, 64).to(BF16), r(MAX_ROWS + 1, 64).to(BF16), r(32, 64).to(BF16), r(48, 32).to(BF16),
-            r(24, 64).to(BF16), r(32, 64))
+    return (
+        r(4, 64).to(BF16),
+        r(MAX_ROWS + 1, 64).to(BF16),
+        r(32, 64).to(BF16),
+        r(48, 32).to(BF16),
+        r(24, 64).to(BF16),
+        r(32, 64),
+    )
 
 
 def test_decode_sized() -> None:
@@ -89,14 +97,22 @@ def grouped(o: torch.Tensor, wa: torch.Tensor, big: torch.Tensor, odd: torch.Ten
     """``project_blocks`` as ``attention.grouped_output`` calls it (4 groups): decode-sized on 2-D
     and 3-D rows, then too many rows and a block of 8 rows (weight N = 32, but R = 8 is no
     multiple of 16: the op would refuse it, so the swap must keep the reference)."""
-    return (project_blocks(o, wa, 4), project_blocks(o.view(2, 2, -1), wa, 4), project_blocks(big, wa, 4),
-            project_blocks(o, odd, 4))
+    return (
+        project_blocks(o, wa, 4),
+        project_blocks(o.view(2, 2, -1), wa, 4),
+        project_blocks(big, wa, 4),
+        project_blocks(o, odd, 4),
+    )
 
 
 def _grouped_inputs(seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(4, 4 * 32, generator=g).to(BF16), (torch.randn(4 * 16, 32, generator=g) / 32**0.5).to(BF16),
-            torch.randn(MAX_ROWS + 1, 4 * 32, generator=g).to(BF16), (torch.randn(4 * 8, 32, generator=g) / 32**0.5).to(BF16))
+    return (
+        torch.randn(4, 4 * 32, generator=g).to(BF16),
+        (torch.randn(4 * 16, 32, generator=g) / 32**0.5).to(BF16),
+        torch.randn(MAX_ROWS + 1, 4 * 32, generator=g).to(BF16),
+        (torch.randn(4 * 8, 32, generator=g) / 32**0.5).to(BF16),
+    )
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 def _real_slots(state: dict, n: int):
     """(path, tensor) of every state tensor restricted to the first n slots (not the scratch)."""
+
     def walk(tree, prefix):
         for k, v in tree.items():
             if isinstance(v, dict):
@@ -38,10 +39,13 @@ def _real_slots(state: dict, n: int):
                     yield from walk(x, f"{prefix}{k}.{i}.")
             elif isinstance(v, torch.Tensor):
                 yield prefix + k, v[:n]
+
     return list(walk(state, ""))
 
 
-def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), device: str = "cpu", graphs: bool | None = None):
+def _run(
+    cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), device: str = "cpu", graphs: bool | None = None
+):
     """Prefill in two rounds (each prompt cut in two chunks, the second round replays the first
     round's bucket), then decode steps; the prefill returns every row's logits on CPU and only
     the last rows where graphs are captured (prompt-logprob prefills are not captured).
@@ -57,8 +61,17 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
     state = init_state(c, 64, torch.float32, device=device, mtp=False, slots=slots)
     eager_state = copy.deepcopy(state)
     next_token = torch.zeros(slots + 1, dtype=torch.long, device=device)
-    steps = StepGraphs(model, state, next_token, max_requests=4, max_tokens=16, inductor=inductor,
-                       dump_dir=tmp_path / "dump", disabled=disabled, graphs=graphs)
+    steps = StepGraphs(
+        model,
+        state,
+        next_token,
+        max_requests=4,
+        max_tokens=16,
+        inductor=inductor,
+        dump_dir=tmp_path / "dump",
+        disabled=disabled,
+        graphs=graphs,
+    )
     all_rows = not steps.graphs
     pos = [0] * slots
     outs = []
@@ -78,7 +91,9 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
             want = prefill_logits(params, eager_state, c, ids.reshape(-1).to(device), *meta.to(device), rows.to(device))
             for s, n in enumerate(lens):
                 if all_rows:
-                    torch.testing.assert_close(got[first[s] : first[s] + n], want[s * 16 : s * 16 + n], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(
+                        got[first[s] : first[s] + n], want[s * 16 : s * 16 + n], rtol=1e-5, atol=1e-5
+                    )
                 else:
                     torch.testing.assert_close(got[first[s]], want[s], rtol=1e-5, atol=1e-5)
             pos = [p + n for p, n in zip(pos, lens)]
@@ -90,7 +105,9 @@ def _run(cfg: dict, seed: int, tmp_path, inductor: bool = False, disabled=(), de
             outs.append(got.clone())
             meta = torch.tensor([[0, 1, 2, slots], [*pos, 0], [1, 1, 1, 0]], device=device)
             want = decode_logits(params, eager_state, c, fed, *meta)[:slots]
-            assert torch.equal(out.tokens[:slots], got[:slots].argmax(-1)) and torch.equal(next_token[:slots], out.tokens[:slots])
+            assert torch.equal(out.tokens[:slots], got[:slots].argmax(-1)) and torch.equal(
+                next_token[:slots], out.tokens[:slots]
+            )
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             pos = [p + 1 for p in pos]
     for (path, a), (_, b) in zip(_real_slots(state, slots), _real_slots(eager_state, slots)):
@@ -111,27 +128,47 @@ def test_compiled_prefill_and_decode_equal_eager(which: str, tmp_path, monkeypat
     for r in report.values():  # the fusion passes fired in both graphs, and every kernel swap
         # decode attention reads the window ring and the entry pools in place; prefill gathers
         attn, gathered = ("ring_mqa_kernel", "sparse_mqa_kernel")[:: 1 if r["graph"].startswith("decode") else -1]
-        for name in ("rms_norm_fusion", "moe_shared_fused_kernel", "mhc_site_kernel", attn, "compressor_kernel", "norm_rope_kernel",
-                     "route_topk_kernel", indexer[which]):
+        for name in (
+            "rms_norm_fusion",
+            "moe_shared_fused_kernel",
+            "mhc_site_kernel",
+            attn,
+            "compressor_kernel",
+            "norm_rope_kernel",
+            "route_topk_kernel",
+            indexer[which],
+        ):
             assert r["rewrites"].get(name, 0) > 0, (name, r["graph"])
         assert r["rewrites"].get(gathered, 0) == 0, (gathered, r["graph"])
         # one pair of rope tables a forward for each kind of attention layer (window-only, compressed)
-        assert r["rewrites"].get("rope_table_op", 0) == len({ratio != 0 for ratio in cfg["compress_ratios"]}), r["graph"]
+        assert r["rewrites"].get("rope_table_op", 0) == len({ratio != 0 for ratio in cfg["compress_ratios"]}), r[
+            "graph"
+        ]
         # V4 ends with a learned hc_head, V4.1 collapses with the last site's pre
         assert (r["rewrites"].get("mhc_head_kernel", 0) > 0) == (which == "v4"), r["graph"]
         # the routed experts and the shared expert's SwiGLU are inside the fused MoE op
-        assert r["rewrites"].get("moe_experts_kernel", 0) == 0 and r["rewrites"].get("swiglu_clamp_fusion", 0) == 0, r["graph"]
+        assert r["rewrites"].get("moe_experts_kernel", 0) == 0 and r["rewrites"].get("swiglu_clamp_fusion", 0) == 0, r[
+            "graph"
+        ]
         other = indexer["v41" if which == "v4" else "v4"]  # replaced whole (V4) or never called (V4.1)
         assert r["rewrites"].get(other, 0) == 0, (other, r["graph"])
     index = json.loads((tmp_path / "dump" / "index.json").read_text())
-    assert {"prefill-t64-r4-all", "decode-t4-r4"} <= set(json.dumps(index).split('"')), "every graph is in the dump index"
+    assert {"prefill-t64-r4-all", "decode-t4-r4"} <= set(json.dumps(index).split('"')), (
+        "every graph is in the dump index"
+    )
 
 
 def test_disabled_pass_leaves_no_rewrite_and_same_result(tmp_path) -> None:
     seed = random.SystemRandom().randrange(2**31)
     # with the whole-site swap off, the site's Sinkhorn is traced and its own swap fills it; with
     # the fused MoE op off, the shared expert's SwiGLU is traced and fused
-    disabled = ("rms_norm_fusion", "moe_experts_kernel", "moe_shared_fused_kernel", "indexer_topk_kernel", "mhc_site_kernel")
+    disabled = (
+        "rms_norm_fusion",
+        "moe_experts_kernel",
+        "moe_shared_fused_kernel",
+        "indexer_topk_kernel",
+        "mhc_site_kernel",
+    )
     graphs, _, _ = _run(tiny_v4(), seed, tmp_path, disabled=disabled)
     for r in graphs.report():
         for off in disabled:  # a disabled swap traces the reference
@@ -151,7 +188,9 @@ def test_fp8_experts_compiled_equal_eager(tmp_path) -> None:
         assert r["rewrites"].get("moe_experts_kernel", 0) > 0, f"seed={seed} {r['graph']}"
         assert r["rewrites"].get("moe_shared_fused_kernel", 0) == 0, f"seed={seed} {r['graph']}"
         final = sorted((tmp_path / "dump" / r["model_graph"]).glob("*.py"))[-1].read_text()
-        assert "deepinfer.moe_experts_fp8" in final and "deepinfer.moe_experts." not in final, f"seed={seed} {r['graph']}"
+        assert "deepinfer.moe_experts_fp8" in final and "deepinfer.moe_experts." not in final, (
+            f"seed={seed} {r['graph']}"
+        )
 
 
 def test_inductor_steps_equal_eager(tmp_path) -> None:
@@ -191,7 +230,9 @@ def test_captured_prefill_and_decode_replay_equal_eager_on_cuda(which: str, ring
     ``ring``: the decode bucket of 4 reads its keys in place (the Triton ``ring_mqa``)."""
     seed = random.SystemRandom().randrange(2**31)
     monkeypatch.setattr(attention, "RING_MIN_CHUNKS", 1 if ring else 10**9)
-    steps, pos, _ = _run(tiny_v4() if which == "v4" else tiny_v41(), seed, tmp_path, inductor=True, device="cuda", graphs=True)
+    steps, pos, _ = _run(
+        tiny_v4() if which == "v4" else tiny_v41(), seed, tmp_path, inductor=True, device="cuda", graphs=True
+    )
     report = {r["graph"]: r for r in steps.report()}
     assert set(report) == {"prefill-t64-r4-greedy", "decode-t4-r4-greedy"}, f"seed={seed}"
     for r in report.values():
@@ -204,7 +245,9 @@ def test_captured_prefill_and_decode_replay_equal_eager_on_cuda(which: str, ring
     assert torch.equal(decoded, want), f"seed={seed}: the prefill replay overwrote the decode logits"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs sm_90+")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs sm_90+"
+)
 def test_pdl_on_and_off_replay_the_same_bits_on_cuda(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Programmatic dependent launch only moves when kernels start (``kernels/triton/pdl.py``,
     ``passes/inductor_pdl.py``): captured steps with it (our kernels and Inductor's) and without

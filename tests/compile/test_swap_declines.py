@@ -40,8 +40,12 @@ def test_mhc_site_declines_streams_it_does_not_tile(n: int, tmp_path) -> None:
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
     m = 2 * n + n * n
-    args = (torch.randn(5, n, D, generator=g), torch.randn(m, n * D, generator=g) * (n * D) ** -0.5,
-            torch.randn(m, generator=g), 0.5 + torch.rand(3, generator=g))
+    args = (
+        torch.randn(5, n, D, generator=g),
+        torch.randn(m, n * D, generator=g) * (n * D) ** -0.5,
+        torch.randn(m, generator=g),
+        0.5 + torch.rand(3, generator=g),
+    )
     be = make_backend("cpu", dump_dir=tmp_path, name="site", environ={})
     compiled = compile_graph(_site, be)
     with torch.no_grad(), swapped(be.pipeline.swaps()), warnings.catch_warnings(record=True) as caught:
@@ -53,7 +57,8 @@ def test_mhc_site_declines_streams_it_does_not_tile(n: int, tmp_path) -> None:
     assert be.declines() == declined, f"seed={seed}"
     assert be.rewrites().get(MHCSiteSwap.name, 0) == int(n == 4) and be.rewrites().get(SinkhornSwap.name, 0) == 0
     assert [str(w.message) for w in caught if "declines" in str(w.message)] == [
-        f"kernel swap {name!r} declines a call: {why}; the reference runs there" for name in declined]
+        f"kernel swap {name!r} declines a call: {why}; the reference runs there" for name in declined
+    ]
     stages = {s["label"]: s for s in json.loads((tmp_path / "site" / "index.json").read_text())["stages"]}
     assert stages[MHCSiteSwap.name]["declined"] == declined.get(MHCSiteSwap.name, [])
     assert (why in (tmp_path / "site" / "index.md").read_text()) == (n == 3)
@@ -61,7 +66,9 @@ def test_mhc_site_declines_streams_it_does_not_tile(n: int, tmp_path) -> None:
     be2 = make_backend("cpu", environ={})
     with torch.no_grad(), swapped(be2.pipeline.swaps()):
         compile_graph(_site, be2)(*args)
-    assert be2.declines() == declined and [len(r.declined) for r in be.records[0] if r.name == MHCSiteSwap.name] == [int(n == 3)]
+    assert be2.declines() == declined and [len(r.declined) for r in be.records[0] if r.name == MHCSiteSwap.name] == [
+        int(n == 3)
+    ]
 
 
 def test_router_declines_more_experts_than_its_tile() -> None:
@@ -78,6 +85,10 @@ def test_router_declines_more_experts_than_its_tile() -> None:
     with torch.no_grad(), swapped(be.pipeline.swaps()), pytest.warns(UserWarning, match="declines"):
         idx, w = compile_graph(route, be)(logits, bias)
     want_idx, want_w = route(logits, bias)
-    assert torch.equal(idx.sort(-1).values, want_idx.sort(-1).values) and torch.allclose(w.sum(-1), want_w.sum(-1)), f"seed={seed}"
-    assert be.declines() == {RouterSwap.name: [f"{e} experts: the router kernel holds at most {ROUTE_MAX_EXPERTS} a token"]}
+    assert torch.equal(idx.sort(-1).values, want_idx.sort(-1).values) and torch.allclose(w.sum(-1), want_w.sum(-1)), (
+        f"seed={seed}"
+    )
+    assert be.declines() == {
+        RouterSwap.name: [f"{e} experts: the router kernel holds at most {ROUTE_MAX_EXPERTS} a token"]
+    }
     assert be.rewrites().get(RouterSwap.name, 0) == 0

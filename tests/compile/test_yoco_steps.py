@@ -37,4 +37,6 @@ def test_compiled_compact_prefill_equals_eager() -> None:
         pos = [p + n for p, n in zip(pos, lens)]
     assert {r["graph"] for r in compiled.report()} == {"prefill-t64-r4-kept12-greedy"}
     for i, (a, b) in enumerate(zip(state["layers"], eager_state["layers"])):
-        torch.testing.assert_close(a["window"][:3], b["window"][:3], rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {i}: {m}")
+        torch.testing.assert_close(
+            a["window"][:3], b["window"][:3], rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {i}: {m}"
+        )

@@ -23,8 +23,18 @@ def main(ckpt: str, requests: str, out: str, meshes: list[str]) -> None:
         # "ep2@compiled": compiled steps (aot_eager on the CPU); "cp2@auto": the engine's default
         # (cp steps eagerly with the kernel swaps); no suffix: eager=True, the reference math
         mesh, _, steps = name.partition("@")
-        llm = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=96, max_num_seqs=4,
-                  max_num_batched_tokens=48, mesh=mesh, eager={"compiled": False, "auto": None}.get(steps, True), warmup=False)
+        llm = LLM(
+            ckpt,
+            dtype="float32",
+            device="cpu",
+            fake_quant=False,
+            max_model_len=96,
+            max_num_seqs=4,
+            max_num_batched_tokens=48,
+            mesh=mesh,
+            eager={"compiled": False, "auto": None}.get(steps, True),
+            warmup=False,
+        )
         results[f"{name}:swap places"] = sorted(llm.runner.swaps)
         outs = llm.generate([r["prompt"] for r in reqs], params)
         assert len(outs) == len(reqs), (name, dist.get_rank(), len(outs))

@@ -11,7 +11,12 @@ def mesh_requests(rng: random.Random) -> list[dict]:
     out = []
     for i in range(5):
         sampled = i % 2 == 1
-        params = {"temperature": 0.8 if sampled else 0.0, "max_tokens": rng.randint(1, 8), "ignore_eos": True, "logprobs": 2,
-                  "seq_seed": rng.randrange(2**31) if sampled else None}
+        params = {
+            "temperature": 0.8 if sampled else 0.0,
+            "max_tokens": rng.randint(1, 8),
+            "ignore_eos": True,
+            "logprobs": 2,
+            "seq_seed": rng.randrange(2**31) if sampled else None,
+        }
         out.append({"prompt": [rng.randrange(3, 300) for _ in range(rng.randint(1, 30))], "params": params})
     return out

@@ -71,8 +71,17 @@ def _arm(out: Path, mode: str, n: int) -> None:
 def main(ckpt: str, out_dir: str, mesh: str, mode: str, n: int) -> None:
     out = Path(out_dir)
     _meet(out, "start", int(os.environ["RANK"]))
-    llm = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=32, mesh=mesh, eager=True)
+    llm = LLM(
+        ckpt,
+        dtype="float32",
+        device="cpu",
+        fake_quant=False,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        mesh=mesh,
+        eager=True,
+    )
     rank = dist.get_rank()
     groups = {"default": dist.group.WORLD, "lockstep": llm.ranks.lockstep.group}
     groups.update({f"mesh:{a}": llm.ranks.world.get_group(a) for a in llm.ranks.world.mesh_dim_names})

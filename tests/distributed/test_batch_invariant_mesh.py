@@ -24,8 +24,11 @@ JOB = Path(__file__).with_name("llm_mesh_job.py")
 REPO = Path(deepinfer_fx.__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("ranks,meshes", [(2, ["ep2", "dp2", "cp2", "ep2@compiled"]), (4, ["ep4", "dp2,ep2", "cp2,ep2"])],
-                         ids=["2ranks", "4ranks"])
+@pytest.mark.parametrize(
+    "ranks,meshes",
+    [(2, ["ep2", "dp2", "cp2", "ep2@compiled"]), (4, ["ep4", "dp2,ep2", "cp2,ep2"])],
+    ids=["2ranks", "4ranks"],
+)
 def test_mesh_equals_one_process_bit_for_bit(tmp_path: Path, ranks: int, meshes: list[str]) -> None:
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
@@ -33,18 +36,44 @@ def test_mesh_equals_one_process_bit_for_bit(tmp_path: Path, ranks: int, meshes:
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=seed)
     reqs = mesh_requests(rng)
     (tmp_path / "requests.json").write_text(json.dumps(reqs))
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
-           "DEEPINFER_BATCH_INVARIANT": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(JOB), str(ckpt),
-           str(tmp_path / "requests.json"), str(tmp_path / "out.json"), *meshes]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "DEEPINFER_BATCH_INVARIANT": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        str(JOB),
+        str(ckpt),
+        str(tmp_path / "requests.json"),
+        str(tmp_path / "out.json"),
+        *meshes,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     assert r.returncode == 0, f"seed={seed}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     got = json.loads((tmp_path / "out.json").read_text())
 
-    one = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=13,
-              batch_invariant=True, num_threads=1)
-    want = [[o.outputs[0].token_ids, o.outputs[0].logprobs]
-            for o in one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])]
+    one = LLM(
+        ckpt,
+        dtype="float32",
+        device="cpu",
+        fake_quant=False,
+        max_model_len=96,
+        max_num_seqs=2,
+        max_num_batched_tokens=13,
+        batch_invariant=True,
+        num_threads=1,
+    )
+    want = [
+        [o.outputs[0].token_ids, o.outputs[0].logprobs]
+        for o in one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])
+    ]
     want = json.loads(json.dumps(want))  # the job's JSON spelling (string keys)
     for mesh in [*meshes, *(f"{m}+eplb" for m in meshes)]:
         for i, (g, w) in enumerate(zip(got[mesh], want)):

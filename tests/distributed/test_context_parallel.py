@@ -85,7 +85,9 @@ def _check(rank: int, mesh: str, which: str, seed: int) -> None:
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{where}: {m}")
         starts = [s + len(t) for s, t in zip(starts, step)]
     for path, a, b in _leaves(ref_state, cp_state):
-        torch.testing.assert_close(a[:3], b[:3], **TOL, msg=lambda m: f"{which} mesh={mesh} seed={seed} rank={rank} state {path}: {m}")
+        torch.testing.assert_close(
+            a[:3], b[:3], **TOL, msg=lambda m: f"{which} mesh={mesh} seed={seed} rank={rank} state {path}: {m}"
+        )
     if spec.ep > 1:
         check_overflow(group)
 
@@ -102,7 +104,9 @@ def _leaves(a, b, path=""):
 
 
 def _worker(rank: int, size: int, init_file: str, mesh: str, seeds: list[int]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=size, timeout=timedelta(seconds=120)
+    )
     try:
         for seed in seeds:
             for which in ("v4", "v41"):

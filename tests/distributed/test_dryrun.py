@@ -35,8 +35,12 @@ def _trimmed(name: str) -> dict:
         d.update(num_hidden_layers=4, compress_ratios=[0, 0, 4, 128, 0])
     else:  # V4.1 roles: KV/index sources 2 and 4 (candidate source), reuse, reindex; Engram on 1 and 3
         d["text_config"].update(
-            num_hidden_layers=8, compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0], kv_source_layer_ids=[2, 4],
-            index_source_layer_ids=[2, 4, 6], candidate_source_layer_id=4, engram_layer_ids=[1, 3],
+            num_hidden_layers=8,
+            compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0],
+            kv_source_layer_ids=[2, 4],
+            index_source_layer_ids=[2, 4, 6],
+            candidate_source_layer_id=4,
+            engram_layer_ids=[1, 3],
             dspark_target_layer_ids=[5, 6, 7],
         )
     return d
@@ -53,7 +57,9 @@ def test_v41_flash_ep8_one_all_to_all_set_per_moe_layer(tmp_path) -> None:
         assert "_c10d_functional.all_to_all_single" in (tmp_path / graph / "01-aten.py").read_text()
         assert run.moe_calls[graph] == c.num_hidden_layers
         items = run.graphs[graph]
-        assert sorted({x.layer for x in items}) == list(range(c.num_hidden_layers)), "a collective outside the MoE region"
+        assert sorted({x.layer for x in items}) == list(range(c.num_hidden_layers)), (
+            "a collective outside the MoE region"
+        )
         rows = 8 * tokens * k  # ep destinations x worst-case capacity (every pair to one rank)
         want = [((rows, d), torch.bfloat16), ((rows, 2), torch.int32), ((rows, d), torch.float32)]
         for layer in range(c.num_hidden_layers):
@@ -70,9 +76,15 @@ def test_cli_v4_flash_ep8(tmp_path, capsys) -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(_trimmed("deepseek_v4_flash")))
     dump = tmp_path / "graphs"
-    assert generate.main(["--mesh", "ep8", "--dry-run", "--rank", "3", "--dump-graphs", str(dump), "--model", str(model)]) == 0
+    assert (
+        generate.main(["--mesh", "ep8", "--dry-run", "--rank", "3", "--dump-graphs", str(dump), "--model", str(model)])
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "mesh ep8 (world 8), rank 3 = {'dp': 0, 'cp': 0, 'ep': 3}" in out and "256 logical -> 288 physical, 36 slots" in out
+    assert (
+        "mesh ep8 (world 8), rank 3 = {'dp': 0, 'cp': 0, 'ep': 3}" in out
+        and "256 logical -> 288 physical, 36 slots" in out
+    )
     for graph in ("decode-t4-r4", "prefill-t64-r1"):
         assert f"{graph}: 12 collectives in 4 MoE layers" in out
         assert (dump / graph / "01-aten.py").is_file()
@@ -92,5 +104,7 @@ def test_cli_released_v41_flash_ep64(tmp_path, capsys) -> None:
         assert f"{graph}: {3 * n} collectives in {n} MoE layers" in out
         assert (dump / graph / "01-aten.py").is_file()
     layers = [line for line in out.splitlines() if line.startswith("  layer ")]
-    assert len(layers) == 2 * n and all(len(re.findall(r"all_to_all_single over 64 ranks", line)) == 3 for line in layers)
+    assert len(layers) == 2 * n and all(
+        len(re.findall(r"all_to_all_single over 64 ranks", line)) == 3 for line in layers
+    )
     assert NOT_REAL in out

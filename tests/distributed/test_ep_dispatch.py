@@ -39,7 +39,12 @@ def _batch(seed: int, t: int, hot: int | None = None) -> tuple[torch.Tensor, ...
     if hot is not None:
         scores[torch.rand(t, generator=g) < 0.9, hot] = 2.0
     idx = scores.topk(K, dim=1).indices
-    return torch.randn(t, D, generator=g), idx, torch.rand(t, K, generator=g) + 0.1, torch.randint(0, 10_000, (t,), generator=g)
+    return (
+        torch.randn(t, D, generator=g),
+        idx,
+        torch.rand(t, K, generator=g) + 0.1,
+        torch.randint(0, 10_000, (t,), generator=g),
+    )
 
 
 def _placement(seed: int, ep: int, extra: int) -> eplb.ExpertPlacement:
@@ -51,7 +56,7 @@ def _placement(seed: int, ep: int, extra: int) -> eplb.ExpertPlacement:
 
 def _local(logical: dict[str, torch.Tensor], pl: eplb.ExpertPlacement, rank: int) -> dict[str, torch.Tensor]:
     s = pl.slots_per_rank
-    return {n: eplb.physical_experts(v, pl)[rank * s:(rank + 1) * s] for n, v in logical.items()}
+    return {n: eplb.physical_experts(v, pl)[rank * s : (rank + 1) * s] for n, v in logical.items()}
 
 
 def _kept(idx: torch.Tensor, pos: torch.Tensor, pl: eplb.ExpertPlacement, capacity: int) -> torch.Tensor:
@@ -100,13 +105,17 @@ def _host_syncs(gm: torch.fx.GraphModule) -> list[str]:
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         tensors = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
-        if n.target is torch.ops.aten._local_scalar_dense.default or any(not all(isinstance(d, int) for d in v.shape) for v in tensors):
+        if n.target is torch.ops.aten._local_scalar_dense.default or any(
+            not all(isinstance(d, int) for d in v.shape) for v in tensors
+        ):
             bad.append(n.name)
     return bad
 
 
 def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     try:
         logical = _experts(seed)
         pl = _placement(seed + 1, world, extra=5)
@@ -146,7 +155,10 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
             check_overflow(grp)
         else:
             assert int(grp.overflow) > 0
-            with pytest.raises(RuntimeError, match=rf"dropped {int(grp.overflow)} token-expert.*capacity={cap}.*Raise DEEPINFER_EP_CAPACITY_FACTOR"):
+            with pytest.raises(
+                RuntimeError,
+                match=rf"dropped {int(grp.overflow)} token-expert.*capacity={cap}.*Raise DEEPINFER_EP_CAPACITY_FACTOR",
+            ):
                 check_overflow(grp)
 
         # 4. every pair of a full batch goes to one rank: the worst-case default holds all of them,
@@ -221,7 +233,13 @@ def test_dispatch_and_combine_have_no_host_sync(monkeypatch) -> None:
     replays fresh inputs exactly as eager does, overflow count included."""
     monkeypatch.setattr(ep_mod, "routed_experts", _dense_experts)
     # the check has teeth: each kind of sync is caught, a static sort/cumsum is not
-    syncing = (lambda v: v[v > 0], lambda v: v * v.sum().item(), lambda v: v * v.long().tolist()[0], torch.nonzero, torch.unique)
+    syncing = (
+        lambda v: v[v > 0],
+        lambda v: v * v.sum().item(),
+        lambda v: v * v.long().tolist()[0],
+        torch.nonzero,
+        torch.unique,
+    )
     for f in syncing:
         assert _host_syncs(make_fx(f, tracing_mode="fake")(torch.randn(6)))
     assert not _host_syncs(make_fx(lambda v: v.sort().values.cumsum(0), tracing_mode="fake")(torch.randn(6)))
@@ -229,7 +247,9 @@ def test_dispatch_and_combine_have_no_host_sync(monkeypatch) -> None:
     logical, pl = _experts(8901), _placement(8902, 1, extra=4)
     p = _local(logical, pl, 0)
 
-    def step(p: dict, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        p: dict, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         grp = ep_group(pl, MAX_T, K, capacity=9)
         return ep_routed_experts(p, LIMIT, x, idx, w, grp, pos), grp.overflow
 

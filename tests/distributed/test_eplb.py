@@ -19,6 +19,7 @@ ENV = eplb.EXTRA_EXPERTS_ENV
 
 # --- how many physical experts -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("ep", [1, 3, 8, 64])
 @pytest.mark.parametrize("extra", [0, 5, 32])
 @pytest.mark.parametrize("n_routed", [256, 384, 128])
@@ -29,7 +30,15 @@ def test_round_up_rule(n_routed: int, ep: int, extra: int) -> None:
 
 @pytest.mark.parametrize(
     "n_routed, ep, extra, expect",
-    [(256, 64, 32, 320), (384, 64, 32, 448), (128, 64, 32, 192), (256, 1, 0, 256), (256, 3, 5, 261), (256, 8, 5, 264), (256, 3, 0, 258)],
+    [
+        (256, 64, 32, 320),
+        (384, 64, 32, 448),
+        (128, 64, 32, 192),
+        (256, 1, 0, 256),
+        (256, 3, 5, 261),
+        (256, 8, 5, 264),
+        (256, 3, 0, 258),
+    ],
 )
 def test_round_up_values(n_routed: int, ep: int, extra: int, expect: int) -> None:
     assert eplb.num_physical_experts(n_routed, ep, extra) == expect
@@ -69,6 +78,7 @@ def test_trunk_and_draft_counts_round_separately(ep: int, extra: int, monkeypatc
 
 
 # --- placement ------------------------------------------------------------------------------------
+
 
 def _skewed(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -152,6 +162,7 @@ def test_placement_rejects_bad_inputs() -> None:
 
 
 # --- topology -------------------------------------------------------------------------------------
+
 
 def test_topology_default_json_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert Topology.default() == Topology(hosts=1, gpus_per_host=8)

@@ -34,16 +34,22 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _worker(rank: int, init_file: str, seed: int, fp8: bool) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
     try:
-        c = config_from_dict(tiny_v4(**FP8_EXPERTS) if fp8 else tiny_v4()).replace(fake_quant=False, held_experts="fp8" if fp8 else None)
+        c = config_from_dict(tiny_v4(**FP8_EXPERTS) if fp8 else tiny_v4()).replace(
+            fake_quant=False, held_experts="fp8" if fp8 else None
+        )
         full = random_model(c, seed=seed, dtype=torch.float64).params
         spec = MeshSpec(ep=2)
         start = eplb.default_placement(c.n_routed_experts, eplb.num_physical_experts(c.n_routed_experts, 2, 4), 2)
         group = ep_group(start, 3 * 48, c.num_experts_per_tok, dist.group.WORLD)
         params = rank_params(full, c, rank_expert_ids(spec, rank, start))
         rng = random.Random(seed + rank)  # each rank serves its own requests
-        steps = [[[rng.randrange(3, c.vocab_size) for _ in range(rng.randint(20, 48))] for _ in range(3)]] + [[[rng.randrange(3, c.vocab_size)] for _ in range(3)]] * 3
+        steps = [[[rng.randrange(3, c.vocab_size) for _ in range(rng.randint(20, 48))] for _ in range(3)]] + [
+            [[rng.randrange(3, c.vocab_size)] for _ in range(3)]
+        ] * 3
         ref_state, state = (init_state(c, 128, torch.float64, "cpu", mtp=False, slots=3) for _ in range(2))
         starts, pairs = [0, 0, 0], 0
         for i, step in enumerate(steps):
@@ -59,7 +65,9 @@ def _worker(rank: int, init_file: str, seed: int, fp8: bool) -> None:
                 dist.all_reduce(total)
                 mine = torch.tensor([pairs])
                 dist.all_reduce(mine)
-                assert int(total.sum()) == int(mine), f"seed={seed}: measured loads {int(total.sum())} != routed pairs {int(mine)}"
+                assert int(total.sum()) == int(mine), (
+                    f"seed={seed}: measured loads {int(total.sum())} != routed pairs {int(mine)}"
+                )
                 check_overflow(group)
                 new = rebalance(group, [lp["ffn"]["experts"] for lp in params["layers"]])
                 assert new.placement != group.placement, f"seed={seed}: skewed loads left the placement alone"
@@ -68,9 +76,13 @@ def _worker(rank: int, init_file: str, seed: int, fp8: bool) -> None:
                 moved = dict(iter_tree(rank_params(full, c, rank_expert_ids(spec, rank, new.placement))))
                 local = {path: t for path, t in iter_tree(params) if path.startswith("layers.") and ".experts." in path}
                 assert len(local) == c.num_hidden_layers * (6 if fp8 else 3)  # fp8: the scales move too
-                for path, t in local.items():  # the trunk's placement; as floats: torch.equal takes no fp8, fp8 -> fp32 is exact
-                    assert t.dtype == moved[path].dtype and torch.equal(t.float(), moved[path].float()), \
+                for (
+                    path,
+                    t,
+                ) in local.items():  # the trunk's placement; as floats: torch.equal takes no fp8, fp8 -> fp32 is exact
+                    assert t.dtype == moved[path].dtype and torch.equal(t.float(), moved[path].float()), (
                         f"seed={seed} rank={rank}: {path} not in the new layout"
+                    )
                 group = new
     finally:
         dist.destroy_process_group()

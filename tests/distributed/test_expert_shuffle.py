@@ -24,9 +24,16 @@ def _weights(n: int, seed: int, *shape: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "n_logical, ep, extra, seeds, keep_slots",
-    [(256, 64, 32, (7101, 7102), False), (256, 64, 32, (7103, 7104), True), (16, 4, 4, (7105, 7106), True), (10, 3, 7, (7107, 7108), False)],
+    [
+        (256, 64, 32, (7101, 7102), False),
+        (256, 64, 32, (7103, 7104), True),
+        (16, 4, 4, (7105, 7106), True),
+        (10, 3, 7, (7107, 7108), False),
+    ],
 )
-def test_moves_turn_old_layout_into_new(n_logical: int, ep: int, extra: int, seeds: tuple[int, int], keep_slots: bool) -> None:
+def test_moves_turn_old_layout_into_new(
+    n_logical: int, ep: int, extra: int, seeds: tuple[int, int], keep_slots: bool
+) -> None:
     n_phys = eplb.num_physical_experts(n_logical, ep, extra)
     old = eplb.plan_placement(_loads(n_logical, seeds[0]), n_phys, ep)
     new = eplb.plan_placement(_loads(n_logical, seeds[1]), n_phys, ep, previous=old if keep_slots else None)
@@ -48,7 +55,7 @@ def test_previous_placement_keeps_slots_and_cuts_copies() -> None:
     kept = eplb.plan_placement(loads, 320, 64, previous=old)
     # same experts on each rank either way; only the order of slots within a rank differs
     for r in range(64):
-        assert sorted(fresh.phys_to_logical[r * 5:(r + 1) * 5]) == sorted(kept.phys_to_logical[r * 5:(r + 1) * 5])
+        assert sorted(fresh.phys_to_logical[r * 5 : (r + 1) * 5]) == sorted(kept.phys_to_logical[r * 5 : (r + 1) * 5])
     assert len(eplb.shuffle(old, kept)) <= len(eplb.shuffle(old, fresh))
     assert eplb.shuffle(old, old) == []
 
@@ -82,14 +89,16 @@ def test_route_to_physical_is_deterministic_and_valid() -> None:
     assert set(many.flatten().tolist()) == set(pl.logical_to_phys[hot])
 
 
-def _moe_by_slot(w: dict[str, torch.Tensor], x: torch.Tensor, phys: torch.Tensor, gate: torch.Tensor, limit: float) -> torch.Tensor:
+def _moe_by_slot(
+    w: dict[str, torch.Tensor], x: torch.Tensor, phys: torch.Tensor, gate: torch.Tensor, limit: float
+) -> torch.Tensor:
     """routed_experts' math per (token, slot), summed over the k slots in slot order, so the result
     depends only on the weights each slot reads: equal copies give bitwise-equal outputs."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     for j in range(phys.shape[1]):
         for t in range(x.shape[0]):
             p = int(phys[t, j])
-            h = swiglu(x[t:t + 1], w["w1"][p], w["w3"][p], limit) * gate[t, j]
+            h = swiglu(x[t : t + 1], w["w1"][p], w["w3"][p], limit) * gate[t, j]
             out[t] += linear(h.to(x.dtype), w["w2"][p]).float()[0]
     return out
 

@@ -34,15 +34,36 @@ def _meshes_equal_one_process(tmp_path: Path, meshes: list[str]) -> dict:
     reqs = mesh_requests(random.Random(seed))
     (tmp_path / "requests.json").write_text(json.dumps(reqs))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB), str(ckpt),
-           str(tmp_path / "requests.json"), str(tmp_path / "out.json"), *meshes]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(JOB),
+        str(ckpt),
+        str(tmp_path / "requests.json"),
+        str(tmp_path / "out.json"),
+        *meshes,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, f"seed={seed}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     got = json.loads((tmp_path / "out.json").read_text())
 
-    one = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=48)
+    one = LLM(
+        ckpt,
+        dtype="float32",
+        device="cpu",
+        fake_quant=False,
+        max_model_len=96,
+        max_num_seqs=4,
+        max_num_batched_tokens=48,
+    )
     first = one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])
-    again = one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])  # later request ids
+    again = one.generate(
+        [q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs]
+    )  # later request ids
     runs = [(m, first) for m in meshes] + [(f"{m}+eplb", again) for m in meshes]
     for mesh, want in runs:
         for i, (w, (ids, lps)) in enumerate(zip(want, got[mesh])):
@@ -57,7 +78,9 @@ def test_llm_on_ep2_dp2_cp2_equals_one_process(tmp_path) -> None:
     """cp2@auto: cp steps eagerly by necessity, so the kernel swaps stay in force (op
     references on the CPU); cp2 asked eager=True and runs the model's own functions."""
     got = _meshes_equal_one_process(tmp_path, ["ep2", "dp2", "cp2", "cp2@auto"])
-    assert "attention.mqa_with_sink" in got["cp2@auto:swap places"] and "moe.routed_experts" in got["cp2@auto:swap places"]
+    assert (
+        "attention.mqa_with_sink" in got["cp2@auto:swap places"] and "moe.routed_experts" in got["cp2@auto:swap places"]
+    )
     assert "attention.mqa_with_sink" not in got["cp2:swap places"]
 
 
@@ -71,9 +94,15 @@ def test_compiled_steps_on_ep2_dp2_equal_one_process(tmp_path) -> None:
 def test_mesh_errors_before_any_work(tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=3)
-    with pytest.raises(ValueError, match=r"mesh ep2 has 2 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh ep2 has 2 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 2",
+    ):
         LLM(ckpt, dtype="float32", device="cpu", mesh="ep2")
-    with pytest.raises(ValueError, match=r"mesh cp2,ep2 has 4 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh cp2,ep2 has 4 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 4",
+    ):
         LLM(ckpt, dtype="float32", device="cpu", mesh="cp2,ep2")
     with pytest.raises(ValueError, match="context parallelism steps eagerly"):
         LLM(ckpt, dtype="float32", device="cpu", mesh="cp2", eager=False)

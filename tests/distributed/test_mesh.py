@@ -11,8 +11,17 @@ from deepinfer_fx.sharding.world import build_mesh, fake_world
 
 @pytest.mark.parametrize(
     "text, degrees",
-    [("ep64", (1, 1, 64)), ("ep8", (1, 1, 8)), ("ep2,dp8", (8, 1, 2)), ("ep2,cp8", (1, 8, 2)), ("dp2,ep4", (2, 1, 4)),
-     ("cp2,ep8", (1, 2, 8)), ("cp3", (1, 3, 1)), (" DP2 , EP4 ", (2, 1, 4)), ("1", (1, 1, 1))],
+    [
+        ("ep64", (1, 1, 64)),
+        ("ep8", (1, 1, 8)),
+        ("ep2,dp8", (8, 1, 2)),
+        ("ep2,cp8", (1, 8, 2)),
+        ("dp2,ep4", (2, 1, 4)),
+        ("cp2,ep8", (1, 2, 8)),
+        ("cp3", (1, 3, 1)),
+        (" DP2 , EP4 ", (2, 1, 4)),
+        ("1", (1, 1, 1)),
+    ],
 )
 def test_good_meshes_parse(text: str, degrees: tuple[int, int, int]) -> None:
     spec = parse_mesh(text)

@@ -17,8 +17,29 @@ import deepinfer_fx
 from deepinfer_fx.bench.mesh import main
 
 REPO = Path(deepinfer_fx.__file__).resolve().parents[1]
-SMALL = ["--tiny", "--requests", "8", "--max-tokens", "4", "--prompt-lens", "3,9,20", "--decode-batches", "2,4",
-         "--prefill-tokens", "32", "--context", "16", "--budget", "32", "--steps", "2", "--warmup", "1", "--profile-steps", "1"]
+SMALL = [
+    "--tiny",
+    "--requests",
+    "8",
+    "--max-tokens",
+    "4",
+    "--prompt-lens",
+    "3,9,20",
+    "--decode-batches",
+    "2,4",
+    "--prefill-tokens",
+    "32",
+    "--context",
+    "16",
+    "--budget",
+    "32",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--profile-steps",
+    "1",
+]
 
 
 def _launch(tmp_path: Path, ranks: int, args: list[str], extra_experts: int | None = None) -> dict[str, dict]:
@@ -26,8 +47,20 @@ def _launch(tmp_path: Path, ranks: int, args: list[str], extra_experts: int | No
     if extra_experts is not None:
         env["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = str(extra_experts)
     out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "-m", "deepinfer_fx.bench.mesh", *SMALL, *args, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "deepinfer_fx.bench.mesh",
+        *SMALL,
+        *args,
+        "--out",
+        str(out),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return {json.loads(p.read_text())["mesh"]: json.loads(p.read_text()) for p in out.glob("mesh_*.json")}
@@ -64,7 +97,11 @@ def test_two_ranks_ep2_dp2_cp2(tmp_path) -> None:
     for result in results.values():
         _check(result, eplb=False)
     # auto on the CPU: eager steps; cp steps eagerly with the kernel swaps (op references here)
-    assert {m: r["engine"]["steps"]["mesh"] for m, r in results.items()} == {"ep2": "eager", "dp2": "eager", "cp2": "eager+kernels"}
+    assert {m: r["engine"]["steps"]["mesh"] for m, r in results.items()} == {
+        "ep2": "eager",
+        "dp2": "eager",
+        "cp2": "eager+kernels",
+    }
 
 
 def test_four_ranks_with_eplb_shuffle(tmp_path) -> None:

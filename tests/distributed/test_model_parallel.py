@@ -53,7 +53,9 @@ def _model(which: str, seed: int) -> Model:
 
 
 @torch.no_grad()
-def _serve(model: Model, work: Workload, mine: list[int], group: EPGroup | None = None) -> dict[tuple[int, int], torch.Tensor]:
+def _serve(
+    model: Model, work: Workload, mine: list[int], group: EPGroup | None = None
+) -> dict[tuple[int, int], torch.Tensor]:
     """Prefill and decode the requests ``mine`` (in this process's own state pool) and return
     ``{(request, step): logits}``, step -1 being the prompt's rows. With ``group`` the MoE runs
     over the EP group; a step with none of ``mine`` runs a padding request."""
@@ -108,18 +110,24 @@ def _check_mesh(model: Model, work: Workload, want: dict, spec: MeshSpec, rank: 
     got = _serve(Model(c, rank_params(params, c, rank_expert_ids(spec, rank, pl))), work, mine, grp)
     assert set(got) == {k for k in want if k[0] in mine}, where
     for key, value in got.items():
-        torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} request/step {key}: {m}")
+        torch.testing.assert_close(
+            value, want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} request/step {key}: {m}"
+        )
     check_overflow(grp)
     return grp
 
 
 def _worker(rank: int, world: int, init_file: str, seed: int, meshes: tuple[str, ...], models: tuple[str, ...]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     try:
         for k, which in enumerate(models):
             model = _model(which, seed + k)
             # v4: more requests than ranks; v41: fewer, so a rank starts idle
-            work = _workload(seed + 10 + k, 2 * world + 1 if which.startswith("v4") else world - 1, model.config.vocab_size)
+            work = _workload(
+                seed + 10 + k, 2 * world + 1 if which.startswith("v4") else world - 1, model.config.vocab_size
+            )
             want = _serve(model, work, list(range(len(work.prompts))))
             for mesh in meshes:
                 spec = parse_mesh(mesh)
@@ -131,7 +139,12 @@ def _worker(rank: int, world: int, init_file: str, seed: int, meshes: tuple[str,
             work = _workload(seed + 20, 4, c.vocab_size)
             pl = _placement(seed, c.n_routed_experts, 2)
             grp = ep_group(pl, 1, c.num_experts_per_tok, dist.group.WORLD, capacity=1)
-            _serve(Model(c, rank_params(model.params, c, rank_expert_ids(MeshSpec(ep=2), rank, pl))), work, [rank, rank + 2], grp)
+            _serve(
+                Model(c, rank_params(model.params, c, rank_expert_ids(MeshSpec(ep=2), rank, pl))),
+                work,
+                [rank, rank + 2],
+                grp,
+            )
             assert int(grp.overflow) > 0, f"seed={seed} rank={rank}"
             with pytest.raises(RuntimeError, match=r"dropped \d+ token-expert pair"):
                 check_overflow(grp)
@@ -143,9 +156,15 @@ def _seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
 
-@pytest.mark.parametrize("world, meshes, models", [
-    (2, ("ep2",), ("v4", "v41")), (4, ("ep4", "dp2,ep2"), ("v4", "v41")), (2, ("ep2",), ("v4-fp8",)),
-], ids=["ep2", "ep4", "ep2-fp8-experts"])
+@pytest.mark.parametrize(
+    "world, meshes, models",
+    [
+        (2, ("ep2",), ("v4", "v41")),
+        (4, ("ep4", "dp2,ep2"), ("v4", "v41")),
+        (2, ("ep2",), ("v4-fp8",)),
+    ],
+    ids=["ep2", "ep4", "ep2-fp8-experts"],
+)
 def test_mesh_logits_equal_one_process(tmp_path, world: int, meshes: tuple[str, ...], models: tuple[str, ...]) -> None:
     seed = _seed()
     print(f"seed={seed}")

@@ -21,7 +21,9 @@ from deepinfer_fx.sharding.rules import expert_ids
 @pytest.mark.parametrize("expert_format", ["dequant", "fp8"])
 def test_rank_loads_only_its_experts(tmp_path, expert_format: str) -> None:
     seed = random.SystemRandom().randrange(2**31)
-    deepinfer_fx.write_random_checkpoint(tmp_path, tiny_v4(**FP8_EXPERTS) if expert_format == "fp8" else tiny_v4(), seed=seed)
+    deepinfer_fx.write_random_checkpoint(
+        tmp_path, tiny_v4(**FP8_EXPERTS) if expert_format == "fp8" else tiny_v4(), seed=seed
+    )
     full = deepinfer_fx.load_model(tmp_path, dtype=torch.float32, expert_format=expert_format)
     mesh = parse_mesh("ep4")
     n_logical = full.config.n_routed_experts
@@ -40,8 +42,11 @@ def test_rank_loads_only_its_experts(tmp_path, expert_format: str) -> None:
                 for name, got in experts.items():
                     want = full.params["layers"][layer]["ffn"]["experts"][name][ids]
                     # compared as floats: torch.equal takes no fp8 tensors, and fp8 -> fp32 is exact
-                    assert got.shape[0] == n_phys // 4 and got.dtype == want.dtype and torch.equal(got.float(), want.float()), \
-                        f"seed={seed} rank {rank} layer {layer} {name}"
+                    assert (
+                        got.shape[0] == n_phys // 4
+                        and got.dtype == want.dtype
+                        and torch.equal(got.float(), want.float())
+                    ), f"seed={seed} rank {rank} layer {layer} {name}"
             # everything that is not an expert is the same on every rank
             assert torch.equal(part.params["layers"][1]["attn"]["wq_a"], full.params["layers"][1]["attn"]["wq_a"])
         assert sorted(set(held)) == list(range(n_logical)), f"seed={seed}: an expert is on no rank"

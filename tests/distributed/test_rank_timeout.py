@@ -49,10 +49,26 @@ def ckpt(tmp_path_factory) -> Path:
     ],
 )
 def test_silent_rank_ends_the_job_with_a_message(ckpt: Path, tmp_path: Path, mode: str, n: int, where: str) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
-           "DEEPINFER_DIST_TIMEOUT": str(TIMEOUT_S)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB), str(ckpt),
-           str(tmp_path), "ep2", mode, str(n)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "DEEPINFER_DIST_TIMEOUT": str(TIMEOUT_S),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(JOB),
+        str(ckpt),
+        str(tmp_path),
+        "ep2",
+        mode,
+        str(n),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     ended = time.time()
     log = f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
@@ -63,7 +79,9 @@ def test_silent_rank_ends_the_job_with_a_message(ckpt: Path, tmp_path: Path, mod
     stalled = float((tmp_path / "stalled").read_text())
     failed = json.loads((tmp_path / "failed0.json").read_text())
     msg = failed["message"]
-    assert re.search(rf"^rank 0 of 2: rank 1 did not answer {where}; collectives wait DEEPINFER_DIST_TIMEOUT={TIMEOUT_S} s", msg), msg
+    assert re.search(
+        rf"^rank 0 of 2: rank 1 did not answer {where}; collectives wait DEEPINFER_DIST_TIMEOUT={TIMEOUT_S} s", msg
+    ), msg
     assert "RankTimeout: " + msg[:60] in r.stderr, log  # what the user sees: our message, not gloo's alone
     waited = failed["time"] - stalled  # rank 0 waited the timeout, and no more than the roll call after it
     assert "Timed out" in msg and TIMEOUT_S <= waited < TIMEOUT_S + ROLL_CALL_S + 3, (waited, msg)
@@ -71,7 +89,9 @@ def test_silent_rank_ends_the_job_with_a_message(ckpt: Path, tmp_path: Path, mod
 
 
 def _peers(rank: int, store: str, out: Path) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
     alike, dying = LockStep(timeout=2), LockStep(timeout=2)
     # both ranks fail alike (a mismatch, say): every rank answers the roll call, nobody is blamed
     (out / f"alike{rank}").write_text(json.dumps(alike.failure(RuntimeError("gloo: mismatch"), "here") is None))
@@ -90,7 +110,9 @@ def test_dead_rank_is_named_and_ranks_failing_alike_blame_nobody(tmp_path: Path)
     mp.start_processes(_peers, args=(str(tmp_path / "store"), tmp_path), nprocs=2, join=True, start_method="fork")
     assert json.loads((tmp_path / "alike0").read_text()) and json.loads((tmp_path / "alike1").read_text())
     msg, took = json.loads((tmp_path / "dead").read_text())
-    assert msg.startswith("rank 0 of 2: rank 1 did not answer at lock-step turn 2 (agreeing on whether any rank has work); "
-                          "collectives wait DEEPINFER_DIST_TIMEOUT=2 s"), msg
+    assert msg.startswith(
+        "rank 0 of 2: rank 1 did not answer at lock-step turn 2 (agreeing on whether any rank has work); "
+        "collectives wait DEEPINFER_DIST_TIMEOUT=2 s"
+    ), msg
     assert "Connection closed by peer" in msg or "Connection reset by peer" in msg, msg  # gloo says either
     assert took < 2 + 2, took  # a closed connection is seen at once; then the roll call's 2 s (its timeout)

@@ -27,10 +27,16 @@ from deepinfer_fx.sharding.world import (
 )
 
 
-
 @pytest.mark.parametrize(
     "text, world, rank",
-    [("ep64", 64, 37), ("dp2,ep32", 64, 45), ("dp2,cp4,ep8", 64, 29), ("ep8,dp8", 64, 63), ("dp2,ep4", 8, 6), ("1", 1, 0)],
+    [
+        ("ep64", 64, 37),
+        ("dp2,ep32", 64, 45),
+        ("dp2,cp4,ep8", 64, 29),
+        ("ep8,dp8", 64, 63),
+        ("dp2,ep4", 8, 6),
+        ("1", 1, 0),
+    ],
 )
 def test_mesh_axes_sizes_and_views(text: str, world: int, rank: int) -> None:
     spec = parse_mesh(text)
@@ -104,7 +110,7 @@ def test_released_configs_on_ep64(name: str, ep_per_rank: int) -> None:
                 rank * placement.slots_per_rank, (rank + 1) * placement.slots_per_rank
             )
             ids = rules.expert_ids(s, mesh, experts=placement)
-            assert ids == list(placement.phys_to_logical[rank * placement.slots_per_rank:][: placement.slots_per_rank])
+            assert ids == list(placement.phys_to_logical[rank * placement.slots_per_rank :][: placement.slots_per_rank])
         assert n_trunk == 3 * c.num_hidden_layers
 
 
@@ -129,11 +135,15 @@ def test_every_expert_loaded_once_per_slot_across_ranks(name: str) -> None:
 
 def test_placements_agree_with_dtensor() -> None:
     """A DTensor built from a rank's local shard with our placements has the global shape."""
-    spec = ParamSpec("layers.0.ffn.experts.w1", "layers.0.ffn.experts.{e}.w1.weight", (6, 4, 8), ("experts", "expert_mlp", "embed"))
+    spec = ParamSpec(
+        "layers.0.ffn.experts.w1", "layers.0.ffn.experts.{e}.w1.weight", (6, 4, 8), ("experts", "expert_mlp", "embed")
+    )
     placement = eplb.plan_placement(torch.tensor([5.0, 1, 1, 1, 1, 1]), 8, 4)
     with fake_world(8, 5):
         mesh = build_mesh(parse_mesh("dp2,ep4"))
-        local = torch.randn(rules.local_shape(spec, mesh, experts=placement), generator=torch.Generator().manual_seed(5102))
+        local = torch.randn(
+            rules.local_shape(spec, mesh, experts=placement), generator=torch.Generator().manual_seed(5102)
+        )
         dt = DTensor.from_local(local, mesh, rules.placements(spec, mesh), run_check=False)
         assert tuple(dt.shape) == rules.global_shape(spec, placement) == (8, 4, 8)
         assert rules.local_slice(spec, mesh, experts=placement)[0] == slice(2, 4)  # ep coordinate of rank 5 is 1
@@ -148,7 +158,9 @@ def test_non_divisible_split_names_parameter_dim_and_sizes() -> None:
     w2 = next(s for s in param_specs(c) if s.path == "layers.5.ffn.experts.w2")
     with fake_world(3, 2):
         mesh = build_mesh(parse_mesh("ep3"))
-        with pytest.raises(ValueError, match=r"layers\.5\.ffn\.experts\.w2: dim 0 \(experts\) has size 256, .*'ep' of size 3"):
+        with pytest.raises(
+            ValueError, match=r"layers\.5\.ffn\.experts\.w2: dim 0 \(experts\) has size 256, .*'ep' of size 3"
+        ):
             rules.local_shape(w2, mesh)
         # redundant experts round 256 + 32 up to 288 = 3 x 96: divisible
         placement = eplb.default_placement(256, eplb.num_physical_experts(256, 3, 32), 3)

@@ -44,8 +44,12 @@ def _greedy(rng: random.Random, n: int) -> list[SamplingParams]:
 
 def _sampled(rng: random.Random, n: int) -> list[SamplingParams]:
     kinds = [{"temperature": 0.9}, {"temperature": 0.8, "top_p": 0.9}, {"temperature": 1.1, "top_k": 30, "min_p": 0.02}]
-    return [SamplingParams(**kinds[i % 3], max_tokens=rng.randint(2, 8), ignore_eos=True, logprobs=3, seq_seed=rng.randrange(2**40))
-            for i in range(n)]
+    return [
+        SamplingParams(
+            **kinds[i % 3], max_tokens=rng.randint(2, 8), ignore_eos=True, logprobs=3, seq_seed=rng.randrange(2**40)
+        )
+        for i in range(n)
+    ]
 
 
 def _result(out) -> tuple[list[int], list[dict[int, float]]]:
@@ -132,7 +136,14 @@ def test_flag_off_differs(model) -> None:
     prompts = _prompts(rng, 8)
     params = _greedy(rng, 8)
     want = _alone(make_llm(model, max_num_seqs=1, batch_invariant=False), prompts, params)
-    got = _together(model, {"max_num_seqs": 16, "max_num_batched_tokens": 64, "batch_invariant": False}, "plain", prompts, params, rng)
+    got = _together(
+        model,
+        {"max_num_seqs": 16, "max_num_batched_tokens": 64, "batch_invariant": False},
+        "plain",
+        prompts,
+        params,
+        rng,
+    )
     assert got != want, f"seed={seed}: every request matched alone without the flag"
 
 
@@ -142,9 +153,13 @@ def test_compiled_equals_eager() -> None:
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(5, 14))] for _ in range(2)]
-    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3),
-              SamplingParams(temperature=0.9, max_tokens=3, ignore_eos=True, logprobs=3, seq_seed=rng.randrange(2**40))]
-    compiled = make_llm(model, eager=False, warmup=False, inductor=False, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48)
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.9, max_tokens=3, ignore_eos=True, logprobs=3, seq_seed=rng.randrange(2**40)),
+    ]
+    compiled = make_llm(
+        model, eager=False, warmup=False, inductor=False, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48
+    )
     got = [_result(o) for o in compiled.generate(prompts, params)]
     want = _alone(make_llm(model, max_num_seqs=1, max_model_len=48), prompts, params)
     assert got == want, f"seed={seed}"
@@ -191,4 +206,6 @@ def test_pointwise_forms_do_not_depend_on_position() -> None:
         whole = f(x)
         assert torch.equal(torch.cat([f(x[i : i + 1]) for i in range(40)]), whole[:40]), f.__name__
         assert torch.equal(f(x[3:]), whole[3:]), f.__name__
-    assert torch.allclose(bi.softplus(x), torch.nn.functional.softplus(x)) and torch.allclose(bi.silu(x), torch.nn.functional.silu(x))
+    assert torch.allclose(bi.softplus(x), torch.nn.functional.softplus(x)) and torch.allclose(
+        bi.silu(x), torch.nn.functional.silu(x)
+    )

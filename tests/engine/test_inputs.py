@@ -34,7 +34,10 @@ def llm(tmp_path_factory) -> LLM:
         ([[5, torch.tensor(2.0)]], r"prompts\[0\]\[1\] is a torch.float32 tensor of shape \[\], not a token id"),
         ([[5, np.float32(3)]], r"prompts\[0\]\[1\] is .*float32.*not a token id"),
         ([[5, b"6"]], r"prompts\[0\]\[1\] is b'6' \(bytes\), not a token id"),
-        (b"hi", r"prompts is bytes, which would read as byte values; decode it \(prompts.decode\(\)\) or pass token ids"),
+        (
+            b"hi",
+            r"prompts is bytes, which would read as byte values; decode it \(prompts.decode\(\)\) or pass token ids",
+        ),
         ([b"hi"], r"prompts\[0\] is bytes, which would read as byte values; decode it \(prompts\[0\].decode\(\)\)"),
         (None, r"generate\(\) needs prompts: a str, a list of token ids \(ints\), a dict .*, or a list of those"),
         ([None], r"prompts\[0\] is None; it must be a str or a list of token ids"),
@@ -43,7 +46,10 @@ def llm(tmp_path_factory) -> LLM:
         (torch.tensor([5, 6]), r"prompts is a Tensor; pass a list of ints \(prompts.tolist\(\)\)"),
         ([[5, 6], np.array([5, 6])], r"prompts\[1\] is a ndarray; pass a list of ints \(prompts\[1\].tolist\(\)\)"),
         ([[5, 6], []], r"prompts\[1\] is empty; a prompt needs at least one token"),
-        ([[5, 6], [5, 300]], r"prompts\[1\]: token ids must lie in \[0, 300\) \(the model's vocabulary\); prompts\[1\]\[1\] is 300"),
+        (
+            [[5, 6], [5, 300]],
+            r"prompts\[1\]: token ids must lie in \[0, 300\) \(the model's vocabulary\); prompts\[1\]\[1\] is 300",
+        ),
         ([[-1]], r"prompts\[0\]: token ids must lie in \[0, 300\).*prompts\[0\]\[0\] is -1"),
     ],
     ids=lambda v: repr(v)[:24],
@@ -65,16 +71,25 @@ def test_add_request_names_its_prompt(llm) -> None:
 
 def test_integer_ids_of_numpy_and_torch_are_token_ids(llm) -> None:
     want = llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
-    for ids in ([np.int64(5), np.int32(6), 7], [torch.tensor(5), torch.tensor(6, dtype=torch.int32), np.uint8(7)], (5, 6, 7)):
+    for ids in (
+        [np.int64(5), np.int32(6), 7],
+        [torch.tensor(5), torch.tensor(6, dtype=torch.int32), np.uint8(7)],
+        (5, 6, 7),
+    ):
         got = llm.generate([ids], GREEDY)[0]
         assert got.prompt_token_ids == [5, 6, 7] and got.outputs[0].token_ids == want
     assert [type(t) for t in llm.generate([np.int64(5), np.int64(6)], GREEDY)[0].prompt_token_ids] == [int, int]
-    assert not is_token_id(np.bool_(True)) and not is_token_id(torch.tensor(True)) and not is_token_id(torch.tensor([1]))
+    assert (
+        not is_token_id(np.bool_(True)) and not is_token_id(torch.tensor(True)) and not is_token_id(torch.tensor([1]))
+    )
     assert prompt_list([]) == ([], [])  # no prompts, no outputs (vLLM alike)
 
 
 def test_stop_token_ids_outside_the_vocabulary(llm) -> None:
-    with pytest.raises(ValueError, match=r"SamplingParams.stop_token_ids \[300, 5000\] lie outside the model's vocabulary \[0, 300\); .*drop them"):
+    with pytest.raises(
+        ValueError,
+        match=r"SamplingParams.stop_token_ids \[300, 5000\] lie outside the model's vocabulary \[0, 300\); .*drop them",
+    ):
         llm.generate([[5, 6]], SamplingParams(stop_token_ids=[7, 300, 5000]))
     llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=1, stop_token_ids=[299]))  # the last id is in
 
@@ -93,14 +108,23 @@ def test_stop_token_ids_outside_the_vocabulary(llm) -> None:
         ({"seed": -1}, r"seed must be an int >= 0, got -1"),
         ({"overlap": "yes"}, r"overlap must be True or False, got 'yes'"),
         ({"eager": 1}, r"eager must be True or False or None, got 1"),
-        ({"eager": True, "dump_graphs": "d"}, r"dump_graphs act on compiled steps, which eager=True \(--eager\) turns off; drop one or the other"),
+        (
+            {"eager": True, "dump_graphs": "d"},
+            r"dump_graphs act on compiled steps, which eager=True \(--eager\) turns off; drop one or the other",
+        ),
         ({"eager": True, "disable_passes": "rope_kernel"}, r"disable_passes act on compiled steps, which eager=True"),
         ({"eager": True, "cuda_graphs": False, "inductor": False}, r"cuda_graphs, inductor act on compiled steps"),
-        ({"mesh": "cp2", "dump_graphs": "d"}, r"dump_graphs act on compiled steps, but a cp2 mesh steps eagerly for now; drop them"),
+        (
+            {"mesh": "cp2", "dump_graphs": "d"},
+            r"dump_graphs act on compiled steps, but a cp2 mesh steps eagerly for now; drop them",
+        ),
         ({"device": "garbage"}, r"device 'garbage' is not a device; use 'cpu', 'cuda', 'cuda:N' or 'npu'"),
         ({"device": 3}, r"device must be a str or torch.device, got 3 \(int\)"),
         ({"device": "meta"}, r"device 'meta': the engine runs on 'cpu', 'cuda'"),
-        ({"mesh": "ep3"}, r"mesh ep3 has 3 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 3"),
+        (
+            {"mesh": "ep3"},
+            r"mesh ep3 has 3 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 3",
+        ),
         ({"mesh": "dp2,ep2"}, r"launch it under torchrun --nproc-per-node 4"),
     ],
     ids=lambda v: str(v)[:40],
@@ -114,7 +138,10 @@ def test_bad_options_are_refused(llm, kwargs, message) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message needs a machine without CUDA")
 def test_cuda_on_a_machine_without_cuda(llm) -> None:
     for device in ("cuda", "cuda:1", torch.device("cuda")):
-        with pytest.raises(ValueError, match=r"this machine has no usable CUDA device \(torch.cuda.is_available\(\) is False\); use 'cpu'"):
+        with pytest.raises(
+            ValueError,
+            match=r"this machine has no usable CUDA device \(torch.cuda.is_available\(\) is False\); use 'cpu'",
+        ):
             resolve_device(device)
     with pytest.raises(ValueError, match="no usable CUDA device"):
         LLM(llm.model.path, device="cuda")
@@ -132,8 +159,16 @@ def test_compiled_step_options_ask_for_compiled_steps() -> None:
 
 def test_disable_passes_on_the_cpu_compiles_the_steps(llm) -> None:
     torch._dynamo.reset()
-    compiled = LLM(llm.model.path, dtype="float32", device="cpu", fake_quant=False, max_model_len=64, max_num_seqs=2,
-                   disable_passes="rope_kernel", warmup=False)
+    compiled = LLM(
+        llm.model.path,
+        dtype="float32",
+        device="cpu",
+        fake_quant=False,
+        max_model_len=64,
+        max_num_seqs=2,
+        disable_passes="rope_kernel",
+        warmup=False,
+    )
     assert compiled.options.steps.compiled and "rope_kernel" in compiled.runner.steps.disabled
     assert not llm.options.steps.compiled  # the default CPU run stays eager
 

@@ -54,7 +54,12 @@ def test_seeded_sampling_is_reproducible(ckpt) -> None:
     prompts = [p for p, _ in reqs]
 
     def run(llm, seq_seed_base: int, order: list[int]) -> dict[int, list[int]]:
-        ps = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=10, ignore_eos=True, seq_seed=seq_seed_base + i) for i in order]
+        ps = [
+            SamplingParams(
+                temperature=0.9, top_p=0.95, top_k=50, max_tokens=10, ignore_eos=True, seq_seed=seq_seed_base + i
+            )
+            for i in order
+        ]
         outs = llm.generate([prompts[i] for i in order], ps)
         return {i: o.outputs[0].token_ids for i, o in zip(order, outs)}
 
@@ -63,8 +68,12 @@ def test_seeded_sampling_is_reproducible(ckpt) -> None:
     assert base == again, f"seed={seed}: same seeds, different tokens"
     shuffled = list(range(12))
     random.Random(seed).shuffle(shuffled)
-    assert run(make_llm(ckpt, max_num_seqs=3, overlap=False), seed, shuffled) == base, f"seed={seed}: batch composition changed samples"
-    assert run(make_llm(ckpt, max_num_seqs=5, max_num_batched_tokens=7), seed, shuffled[:6]) == {i: base[i] for i in shuffled[:6]}
+    assert run(make_llm(ckpt, max_num_seqs=3, overlap=False), seed, shuffled) == base, (
+        f"seed={seed}: batch composition changed samples"
+    )
+    assert run(make_llm(ckpt, max_num_seqs=5, max_num_batched_tokens=7), seed, shuffled[:6]) == {
+        i: base[i] for i in shuffled[:6]
+    }
     other = run(make_llm(ckpt), seed + 1000, list(range(12)))
     assert sum(other[i] != base[i] for i in range(12)) >= 10, f"seed={seed}: different seeds should differ"
 
@@ -81,7 +90,9 @@ def test_overlap_matches_sync_and_runs_ahead(ckpt) -> None:
     ev = on.last_events
     # with overlap, step N+1 is scheduled and launched before step N's results are read
     for n in range(on.last_stats.steps - 1):
-        assert ev.index(("launch", n + 1)) < ev.index(("read", n)), f"step {n + 1} not launched before reading {n}: {ev[:12]}"
+        assert ev.index(("launch", n + 1)) < ev.index(("read", n)), (
+            f"step {n + 1} not launched before reading {n}: {ev[:12]}"
+        )
     ev = off.last_events
     for n in range(off.last_stats.steps - 1):
         assert ev.index(("read", n)) < ev.index(("schedule", n + 1))
@@ -144,7 +155,9 @@ def test_pool_exhaustion_queues(ckpt) -> None:
     llm = make_llm(ckpt, max_num_seqs=8)
     assert llm.plan.slots == 8
     reqs = _requests(seed, 200, 300)
-    outs = llm.generate([p for p, _ in reqs], [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs])
+    outs = llm.generate(
+        [p for p, _ in reqs], [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+    )
     assert all(o.finished and len(o.outputs[0].token_ids) == m for o, (_, m) in zip(outs, reqs))
     assert llm.pool.num_free == llm.pool.slots and llm.pool.free_pages == llm.pool.num_pages
 
@@ -183,12 +196,16 @@ def test_graphs_recaptured_after_reset_and_in_a_second_engine(ckpt) -> None:
     def run(llm: LLM) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate([p for p, _ in reqs], params)]
 
-    first = LLM(ckpt, dtype="float32", device="cuda", fake_quant=False, max_model_len=MAX_LEN, inductor=False, warmup=False)
+    first = LLM(
+        ckpt, dtype="float32", device="cuda", fake_quant=False, max_model_len=MAX_LEN, inductor=False, warmup=False
+    )
     want = run(first)
     first.runner.steps.reset()
     assert run(first) == want, f"seed={seed}: after reset"
     del first
     gc.collect()
-    second = LLM(ckpt, dtype="float32", device="cuda", fake_quant=False, max_model_len=MAX_LEN, inductor=False, warmup=False)
+    second = LLM(
+        ckpt, dtype="float32", device="cuda", fake_quant=False, max_model_len=MAX_LEN, inductor=False, warmup=False
+    )
     assert run(second) == want, f"seed={seed}: second engine"
     assert any(r["captured"] for r in second.runner.steps.report()), "decode was not replayed from a graph"

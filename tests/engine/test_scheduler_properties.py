@@ -73,7 +73,9 @@ class Harness:
 
     def arrive(self, r: Request) -> None:
         rid = len(self.seqs)
-        seq = Sequence(rid, None, [3] * r.prompt_len, SamplingParams(max_tokens=r.max_tokens, temperature=0.0), seed=rid)
+        seq = Sequence(
+            rid, None, [3] * r.prompt_len, SamplingParams(max_tokens=r.max_tokens, temperature=0.0), seed=rid
+        )
         self.seqs[rid], self.plans[rid] = seq, r
         self.next_pos[rid] = self.samples[rid] = 0
         self.scheduler.add(seq)
@@ -92,7 +94,9 @@ class Harness:
             assert seq is None, f"abort({rid}) returned a request that is unknown or already finished"
             return
         assert seq is known, f"abort({rid}) returned another request"
-        _note("abort: " + ("waiting" if seq.slot is None else "running, a step in flight" if seq.inflight else "running"))
+        _note(
+            "abort: " + ("waiting" if seq.slot is None else "running, a step in flight" if seq.inflight else "running")
+        )
         self.finish(seq, "abort")
 
     def turn(self) -> bool:
@@ -144,24 +148,38 @@ class Harness:
         new = [sid for sid in waiting_before if self.seqs[sid].status is Status.RUNNING]
         assert new == waiting_before[: len(new)], f"admitted out of arrival order: {new} of {waiting_before}"
         self.admitted += new
-        assert sorted(out.to_zero) == sorted(self.seqs[sid].slot for sid in new), "a new request's slot not zeroed (or a stale one)"
+        assert sorted(out.to_zero) == sorted(self.seqs[sid].slot for sid in new), (
+            "a new request's slot not zeroed (or a stale one)"
+        )
         for sid in new:
             slot = self.seqs[sid].slot
-            assert slot not in self.prev_slots, f"slot {slot} given to request {sid} while request {self.prev_slots.get(slot)}'s launched step still uses it"
+            assert slot not in self.prev_slots, (
+                f"slot {slot} given to request {sid} while request {self.prev_slots.get(slot)}'s launched step still uses it"
+            )
         for ch in out.chunks:
             seq, rid = ch.seq, ch.seq.id
-            assert not seq.finished and seq.status is Status.RUNNING and seq.slot is not None, f"request {rid} scheduled after it finished"
-            assert ch.length >= 1 and ch.start == self.next_pos[rid], f"request {rid}: chunk at {ch.start}, expected {self.next_pos[rid]}"
+            assert not seq.finished and seq.status is Status.RUNNING and seq.slot is not None, (
+                f"request {rid} scheduled after it finished"
+            )
+            assert ch.length >= 1 and ch.start == self.next_pos[rid], (
+                f"request {rid}: chunk at {ch.start}, expected {self.next_pos[rid]}"
+            )
             if rid in new:
                 assert ch.start == 0, f"request {rid}: admitted without its first chunk"
             if ch.from_device:
-                assert ch.length == 1 and ch.sample and ch.start >= seq.prompt_len, f"request {rid}: decode row before its prefill ended"
+                assert ch.length == 1 and ch.sample and ch.start >= seq.prompt_len, (
+                    f"request {rid}: decode row before its prefill ended"
+                )
             else:
-                assert ch.start + ch.length <= seq.prompt_len and ch.sample == (ch.start + ch.length == seq.prompt_len), (rid, ch)
+                assert ch.start + ch.length <= seq.prompt_len and ch.sample == (
+                    ch.start + ch.length == seq.prompt_len
+                ), (rid, ch)
             self.next_pos[rid] += ch.length
             self.samples[rid] += int(ch.sample)
             assert self.samples[rid] <= self.max_samples(seq), f"request {rid}: more samples than max_tokens"
-            assert self.next_pos[rid] <= seq.prompt_len + self.max_samples(seq) - 1, f"request {rid}: positions past its last token"
+            assert self.next_pos[rid] <= seq.prompt_len + self.max_samples(seq) - 1, (
+                f"request {rid}: positions past its last token"
+            )
             assert seq.num_scheduled == self.next_pos[rid] and seq.num_sampled_scheduled == self.samples[rid]
 
     def check_pool(self) -> None:
@@ -189,7 +207,9 @@ def scenarios(draw):
     page_size = draw(st.sampled_from([1, 2, 4, 16]))
     max_len = draw(st.integers(2, 40))
     full = slots * math.ceil(max_len / page_size)
-    num_pages = draw(st.integers(min(full, math.ceil(2 / page_size)), full))  # fewer pages than slots x max_len: over-subscribed
+    num_pages = draw(
+        st.integers(min(full, math.ceil(2 / page_size)), full)
+    )  # fewer pages than slots x max_len: over-subscribed
     engine = draw(st.sampled_from([EngineType.NORMAL, EngineType.PROMPT]))
     limit = min(max_len, num_pages * page_size)  # a request that fits the pool alone
 
@@ -202,8 +222,15 @@ def scenarios(draw):
 
     turns = draw(st.lists(st.tuples(st.lists(request(), max_size=4), st.lists(ABORT, max_size=3)), max_size=25))
     return {
-        "slots": slots, "page_size": page_size, "max_len": max_len, "num_pages": num_pages, "engine": engine,
-        "max_num_seqs": draw(st.integers(1, 8)), "budget": draw(st.integers(1, 32)), "overlap": draw(st.booleans()), "turns": turns,
+        "slots": slots,
+        "page_size": page_size,
+        "max_len": max_len,
+        "num_pages": num_pages,
+        "engine": engine,
+        "max_num_seqs": draw(st.integers(1, 8)),
+        "budget": draw(st.integers(1, 32)),
+        "overlap": draw(st.booleans()),
+        "turns": turns,
         "drain_aborts": draw(st.lists(st.tuples(st.integers(0, 40), ABORT), max_size=6)),  # (drain turn, abort)
     }
 
@@ -211,7 +238,11 @@ def scenarios(draw):
 def _aborts(h: Harness, aborts: list) -> None:
     for a in aborts:  # ids not yet handed out, or already finished, must come back None
         if isinstance(a, tuple):
-            pick = [q.id for q in h.scheduler.running] if a[0] == "running" else [sid for sid, q in h.seqs.items() if not q.finished]
+            pick = (
+                [q.id for q in h.scheduler.running]
+                if a[0] == "running"
+                else [sid for sid, q in h.seqs.items() if not q.finished]
+            )
             a = pick[a[1]] if a[1] < len(pick) else len(h.seqs)
         h.abort(a)
 
@@ -236,19 +267,27 @@ def test_scheduler_invariants(sc: dict) -> None:
             break
     else:
         raise AssertionError(f"the loop did not drain in {bound} turns")
-    assert h.prev is None and all(s.finished for s in h.seqs.values()), [s.id for s in h.seqs.values() if not s.finished]
-    assert sorted(h.admitted) == sorted(sid for sid, s in h.seqs.items() if s.finish_reason != "abort" or s.first_scheduled is not None)
+    assert h.prev is None and all(s.finished for s in h.seqs.values()), [
+        s.id for s in h.seqs.values() if not s.finished
+    ]
+    assert sorted(h.admitted) == sorted(
+        sid for sid, s in h.seqs.items() if s.finish_reason != "abort" or s.first_scheduled is not None
+    )
     for sid, s in h.seqs.items():
         if s.finish_reason != "abort":  # ran to its end: every prompt position, every sample
             want = 1 if sc["engine"] is EngineType.PROMPT else (h.plans[sid].stop_after or h.plans[sid].max_tokens)
             assert len(s.output_ids) == want and h.next_pos[sid] >= s.prompt_len, (sid, s.output_ids, h.plans[sid])
-    assert not pool.in_use and pool.num_free == pool.slots and pool.free_pages == pool.num_pages, "slots or pages left held"
+    assert not pool.in_use and pool.num_free == pool.slots and pool.free_pages == pool.num_pages, (
+        "slots or pages left held"
+    )
     assert not h.scheduler.running and not h.scheduler.waiting
 
 
 @SETTINGS
 @given(st.integers(1, 4), st.integers(1, 6), st.integers(1, 16), st.lists(st.integers(1, 12), min_size=1, max_size=12))
-def test_a_full_pool_queues_and_an_empty_one_admits(slots: int, max_num_seqs: int, budget: int, prompts: list[int]) -> None:
+def test_a_full_pool_queues_and_an_empty_one_admits(
+    slots: int, max_num_seqs: int, budget: int, prompts: list[int]
+) -> None:
     """With no results ever read, admission stops at min(slots, max_num_seqs) requests, and the
     queue's head is admitted as soon as the pool is empty again."""
     plan = plan_capacity(TINY, 1 << 40, 16, torch.float32, max_slots=slots)
@@ -288,7 +327,9 @@ def test_finished_with_a_step_in_flight_is_neither_aborted_nor_scheduled() -> No
     assert first.inflight == 1 and first.slot == 0 and h.scheduler.running == [first]  # the window
     h.abort(0)  # asserts abort() returns None
     assert h.turn() and h.prev is None and first.slot is None  # nothing launched: the only slot was still held
-    assert h.turn() and [c.seq.id for c in h.prev.chunks] == [1] and h.seqs[1].slot == 0  # now the waiting request has it
+    assert (
+        h.turn() and [c.seq.id for c in h.prev.chunks] == [1] and h.seqs[1].slot == 0
+    )  # now the waiting request has it
     while h.turn():
         pass
     assert all(q.finished for q in h.seqs.values()) and pool.num_free == 1

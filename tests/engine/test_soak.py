@@ -79,20 +79,35 @@ def test_soak_every_request_ends_once_and_the_pool_is_whole(tmp_path, one_thread
     rng = random.Random(seed)
     ckpt = tmp_path / "ckpt"
     # two layers (a window layer and a CSA layer): the invariants are the engine's, and half the layers halve the time
-    deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4, 0]), seed=seed % 1000)
+    deepinfer_fx.write_random_checkpoint(
+        ckpt, tiny_v4(num_hidden_layers=2, compress_ratios=[0, 4, 0]), seed=seed % 1000
+    )
     per_slot = state_bytes_per_slot(load_config(ckpt), MAX_LEN, torch.float32)["total"]
     # the memory budget, not max_num_seqs, is what holds the pool to SLOTS (+1 scratch)
-    llm = LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=MAX_LEN, max_num_seqs=2 * SLOTS,
-              max_num_batched_tokens=24, memory_budget=(SLOTS + 1) * per_slot, seed=seed)
+    llm = LLM(
+        ckpt,
+        dtype="float32",
+        device="cpu",
+        fake_quant=False,
+        max_model_len=MAX_LEN,
+        max_num_seqs=2 * SLOTS,
+        max_num_batched_tokens=24,
+        memory_budget=(SLOTS + 1) * per_slot,
+        seed=seed,
+    )
     assert llm.plan.slots == SLOTS
     eos = llm.model.config.eos_token_ids
 
     # stops that fire: the tokens and text pieces this random model actually produces
-    probe = llm.generate([[rng.randrange(3, 300) for _ in range(rng.randint(1, 20))] for _ in range(24)],
-                         SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seq_seed=seed))
+    probe = llm.generate(
+        [[rng.randrange(3, 300) for _ in range(rng.randint(1, 20))] for _ in range(24)],
+        SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seq_seed=seed),
+    )
     made = Counter(t for o in probe for t in o.outputs[0].token_ids)
     stop_ids = [t for t, _ in made.most_common(8)]
-    pieces = Counter(t[i : i + n] for t in (o.outputs[0].text for o in probe) for n in (1, 2) for i in range(len(t) - n + 1))
+    pieces = Counter(
+        t[i : i + n] for t in (o.outputs[0].text for o in probe) for n in (1, 2) for i in range(len(t) - n + 1)
+    )
     stop_strings = [p for p, _ in pieces.most_common() if "\ufffd" not in p and p.strip()][:12]  # no half-decoded bytes
     assert stop_ids and stop_strings, f"seed={seed}"
 
@@ -109,7 +124,11 @@ def test_soak_every_request_ends_once_and_the_pool_is_whole(tmp_path, one_thread
     while len(params) < N_REQUESTS or llm.has_unfinished_requests():
         for _ in range(min(rng.choice([0, 0, 1, 2, 3, 6, 9]), N_REQUESTS - len(params))):
             n = rng.randint(1, 40)
-            prompt = [rng.randrange(3, 300) for _ in range(n)] if rng.random() < 0.8 else " ".join(["the weather is"] * rng.randint(1, 6))
+            prompt = (
+                [rng.randrange(3, 300) for _ in range(n)]
+                if rng.random() < 0.8
+                else " ".join(["the weather is"] * rng.randint(1, 6))
+            )
             sp = _params(rng, stop_ids, stop_strings)
             rid = llm.add_request(prompt, sp)
             assert rid not in params, f"seed={seed}: request id {rid} handed out twice"
@@ -131,7 +150,9 @@ def test_soak_every_request_ends_once_and_the_pool_is_whole(tmp_path, one_thread
         turn += 1
         assert turn < 20 * N_REQUESTS, f"seed={seed}: the engine stopped making progress"
 
-    assert sorted(ends) == sorted(params), f"seed={seed}: requests that never ended: {sorted(set(params) - set(ends))[:10]}"
+    assert sorted(ends) == sorted(params), (
+        f"seed={seed}: requests that never ended: {sorted(set(params) - set(ends))[:10]}"
+    )
     twice = [r for r, n in ends.items() if n != 1]
     assert not twice, f"seed={seed}: requests that ended more than once: {twice[:10]}"
     for rid, out in ended.items():
@@ -145,7 +166,12 @@ def test_soak_every_request_ends_once_and_the_pool_is_whole(tmp_path, one_thread
     aborted = [o for o in ended.values() if o.outputs[0].finish_reason == "abort"]
     waiting_aborts = sum(o.metrics.first_scheduled_time is None for o in aborted)
     # the battery exercised what it claims: every ending, aborts of queued and of running requests
-    assert by_string and by_id and reasons["length"] and 0.04 * N_REQUESTS <= len(aborted) <= 0.15 * N_REQUESTS, (seed, reasons, by_string, by_id)
+    assert by_string and by_id and reasons["length"] and 0.04 * N_REQUESTS <= len(aborted) <= 0.15 * N_REQUESTS, (
+        seed,
+        reasons,
+        by_string,
+        by_id,
+    )
     assert 0 < waiting_aborts < len(aborted), (seed, waiting_aborts, len(aborted))
 
     assert not llm.has_unfinished_requests()

@@ -63,9 +63,18 @@ def _verify_rows(draft: int, temperature: float) -> tuple[torch.Tensor, torch.Te
     ids = torch.tensor([0, draft]).repeat(N)
     lens = torch.full((N,), L)
     seeds = torch.arange(N) * 104729 + 11
-    sampling = torch.stack([torch.zeros(N, dtype=torch.long), torch.arange(N), torch.full((N,), float_bits(temperature)),
-                            torch.zeros(N, dtype=torch.long), torch.full((N,), float_bits(1.0)), torch.zeros(N, dtype=torch.long),
-                            seeds, torch.full((N,), 5)])
+    sampling = torch.stack(
+        [
+            torch.zeros(N, dtype=torch.long),
+            torch.arange(N),
+            torch.full((N,), float_bits(temperature)),
+            torch.zeros(N, dtype=torch.long),
+            torch.full((N,), float_bits(1.0)),
+            torch.zeros(N, dtype=torch.long),
+            seeds,
+            torch.full((N,), 5),
+        ]
+    )
     next_token = torch.zeros(N + 1, dtype=torch.long)
     tokens, accepted = accept_rows(logits, next_token, ids, lens, sampling, "plain", torch.arange(V))
     return tokens, accepted
@@ -95,18 +104,24 @@ def v4():
     return deepinfer_fx.random_model(config_from_dict(tiny_v4()).replace(fake_quant=False), seed=1)
 
 
-@pytest.mark.parametrize("cfg,match", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method.*must be one of"),
-    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens.*int >= 1"),
-    ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens.*int >= 1"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown key.*draft_model"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
-    ({"method": "mtp", "num_speculative_tokens": 9}, "chains at most the block's window"),  # tiny window: 8
-    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "unknown key.*prompt_lookup_max"),
-    ({"method": "dspark", "num_speculative_tokens": 1}, "needs a DSpark drafter"),
-    ("ngram", "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method.*must be one of"),
+        ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens.*int >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens.*int >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown key.*draft_model"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            "prompt_lookup_max",
+        ),
+        ({"method": "mtp", "num_speculative_tokens": 9}, "chains at most the block's window"),  # tiny window: 8
+        ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "unknown key.*prompt_lookup_max"),
+        ({"method": "dspark", "num_speculative_tokens": 1}, "needs a DSpark drafter"),
+        ("ngram", "must be a dict"),
+    ],
+)
 def test_bad_speculative_config(v4, cfg, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(v4, device="cpu", eager=True, max_model_len=32, speculative_config=cfg)
@@ -115,23 +130,51 @@ def test_bad_speculative_config(v4, cfg, match: str) -> None:
 def test_missing_draft_weights_are_named() -> None:
     c, params = deepinfer_fx.random_model(config_from_dict(tiny_v4()), seed=1)
     with pytest.raises(ValueError, match=r"'mtp' needs the draft weights.*missing: mtp\.0\."):
-        LLM(deepinfer_fx.api.Model(c, {k: v for k, v in params.items() if k != "mtp"}), device="cpu", eager=True,
-            max_model_len=32, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        LLM(
+            deepinfer_fx.api.Model(c, {k: v for k, v in params.items() if k != "mtp"}),
+            device="cpu",
+            eager=True,
+            max_model_len=32,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        )
     v41 = deepinfer_fx.random_model(config_from_dict(tiny_v41()), seed=1)
     with pytest.raises(ValueError, match="'mtp' needs.*no mtp"):
-        LLM(v41, device="cpu", eager=True, max_model_len=32, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        LLM(
+            v41,
+            device="cpu",
+            eager=True,
+            max_model_len=32,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        )
     dspark = deepinfer_fx.random_model(config_from_dict(v41_dspark()), seed=1)
-    with pytest.raises(ValueError, match="'dspark' reads every prompt row.*yoco_mode='off'"):  # V4.1's default compact prefill
-        LLM(dspark, device="cpu", eager=True, max_model_len=32, speculative_config={"method": "dspark", "num_speculative_tokens": 1})
+    with pytest.raises(
+        ValueError, match="'dspark' reads every prompt row.*yoco_mode='off'"
+    ):  # V4.1's default compact prefill
+        LLM(
+            dspark,
+            device="cpu",
+            eager=True,
+            max_model_len=32,
+            speculative_config={"method": "dspark", "num_speculative_tokens": 1},
+        )
     with pytest.raises(ValueError, match="DSpark drafts blocks of 5 tokens"):
-        LLM(dspark, device="cpu", eager=True, max_model_len=32, yoco_mode="off",
-            speculative_config={"method": "dspark", "num_speculative_tokens": 6})
+        LLM(
+            dspark,
+            device="cpu",
+            eager=True,
+            max_model_len=32,
+            yoco_mode="off",
+            speculative_config={"method": "dspark", "num_speculative_tokens": 6},
+        )
 
 
 def test_deepinfer_variables(v4, monkeypatch) -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
-    assert LLM(v4, device="cpu", eager=True, max_model_len=32, speculative_config=ngram).speculative.num_speculative_tokens == 2
+    assert (
+        LLM(v4, device="cpu", eager=True, max_model_len=32, speculative_config=ngram).speculative.num_speculative_tokens
+        == 2
+    )
     with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE.*speculative decoding, which is off"):
         LLM(v4, device="cpu", eager=True, max_model_len=32)
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")  # DeepInfer's off value: plain decoding, and no config
@@ -149,5 +192,7 @@ def test_cli_refusals(capsys) -> None:
     with pytest.raises(SystemExit):
         generate.main(["--num-speculative-tokens", "2"])
     assert "--num-speculative-tokens: needs --speculative-method" in capsys.readouterr().err
-    assert generate.main(["--speculative-method", "dspark", "--eager", "--max-tokens", "2"]) == 2  # the demo has no DSpark
+    assert (
+        generate.main(["--speculative-method", "dspark", "--eager", "--max-tokens", "2"]) == 2
+    )  # the demo has no DSpark
     assert "needs a DSpark drafter" in capsys.readouterr().err

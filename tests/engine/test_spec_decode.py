@@ -57,6 +57,7 @@ def _requests(seed: int, n: int) -> list[list[int]]:
 def oracle(llm: LLM, reference: dict[tuple, list[int]], wrong_every: int = 3) -> None:
     """Drafts from the tokens a plain run produced, every ``wrong_every``-th one corrupted: a mix
     of fully accepted, partly accepted and rejected verify steps, whatever the random model says."""
+
     def drafts(seq, limit):
         ref = reference[tuple(seq.prompt_ids)]
         done = len(seq.output_ids)
@@ -112,8 +113,10 @@ def test_sampled_outputs_equal(model) -> None:
     equals them, so sampled requests get exactly the tokens they get without speculation."""
     seed = random.SystemRandom().randrange(2**31)
     prompts = _requests(seed, 3)
-    params = [SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0, max_tokens=8, ignore_eos=True, seq_seed=seed + i)
-              for i in range(3)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0, max_tokens=8, ignore_eos=True, seq_seed=seed + i)
+        for i in range(3)
+    ]
     plain, got, llm = _plain_and_speculative(model, prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain], f"seed={seed}"
     assert 0 < llm.speculator.stats.accepted_tokens < llm.speculator.stats.draft_tokens
@@ -132,8 +135,10 @@ def test_logprobs_requests_speculate(model) -> None:
     each emitted token keeps its own, as plain decoding reports them."""
     seed = random.SystemRandom().randrange(2**31)
     prompts = _requests(seed, 3)
-    params = [SamplingParams(temperature=0.7 * (i % 2), max_tokens=8, ignore_eos=True, logprobs=2 + i, seq_seed=seed + i)
-              for i in range(3)]
+    params = [
+        SamplingParams(temperature=0.7 * (i % 2), max_tokens=8, ignore_eos=True, logprobs=2 + i, seq_seed=seed + i)
+        for i in range(3)
+    ]
     plain, got, llm = _plain_and_speculative(model, prompts, params)
     st = llm.speculator.stats
     assert 0 < st.accepted_tokens < st.draft_tokens, f"seed={seed}: {st}"
@@ -204,7 +209,9 @@ def test_compiled_verify_step() -> None:
     prompt, ref = PROMPTS[0], None
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ref = make_llm(model, max_num_seqs=1).generate([prompt], sp)[0].outputs[0].token_ids
-    llm = make_llm(model, eager=False, warmup=False, max_num_seqs=1, max_num_batched_tokens=16, speculative_config=NGRAM)
+    llm = make_llm(
+        model, eager=False, warmup=False, max_num_seqs=1, max_num_batched_tokens=16, speculative_config=NGRAM
+    )
     oracle(llm, {tuple(prompt): ref})
     assert llm.generate([prompt], sp)[0].outputs[0].token_ids == ref
     assert 0 < llm.speculator.stats.accepted_tokens < llm.speculator.stats.draft_tokens

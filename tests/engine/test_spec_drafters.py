@@ -57,13 +57,18 @@ def drafting(kind: str):
     c, params = cycling(_random(kind))
     if method(kind) == "mtp":
         D = c.hidden_size
-        mp = {**params["mtp"][0], "e_proj": torch.eye(D) * 20,
-              "h_proj": torch.randn(D, D, generator=torch.Generator().manual_seed(0)) * 45 / D**0.5}
+        mp = {
+            **params["mtp"][0],
+            "e_proj": torch.eye(D) * 20,
+            "h_proj": torch.randn(D, D, generator=torch.Generator().manual_seed(0)) * 45 / D**0.5,
+        }
         return deepinfer_fx.api.Model(c, {**params, "mtp": [mp]})
     inverse = torch.empty(c.vocab_size, dtype=torch.long)
     inverse[_after(c.vocab_size)] = torch.arange(c.vocab_size)
     last = dict(params["mtp"][-1])
-    E = torch.nn.functional.normalize(torch.randn(last["markov_head"]["embed"].shape, generator=torch.Generator().manual_seed(0)), dim=-1)
+    E = torch.nn.functional.normalize(
+        torch.randn(last["markov_head"]["embed"].shape, generator=torch.Generator().manual_seed(0)), dim=-1
+    )
     last["markov_head"] = {"embed": E, "head": E[inverse] * 140}  # row j scores the token whose next is j
     return deepinfer_fx.api.Model(c, {**params, "mtp": params["mtp"][:-1] + [last]})
 
@@ -133,8 +138,10 @@ def test_sampled_outputs_equal(kind, model) -> None:
     seed, same position) equals them, so every token is the one plain sampling gives."""
     seed = random.SystemRandom().randrange(2**31)
     prompts = _prompts(seed, 3)
-    params = [SamplingParams(temperature=0.8, top_p=0.9 if i % 2 else 1.0, max_tokens=12, ignore_eos=True, seq_seed=seed + i)
-              for i in range(3)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9 if i % 2 else 1.0, max_tokens=12, ignore_eos=True, seq_seed=seed + i)
+        for i in range(3)
+    ]
     ref = [o.outputs[0].token_ids for o in make_llm(model).generate(prompts, params)]
     llm = make_llm(model, speculative_config=spec(kind))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref, f"seed={seed}"
@@ -211,12 +218,26 @@ def test_chunked_mtp_drafts_equal_one_shot() -> None:
         nexts = torch.cat([tokens[1:], tokens[:1]])[None].clone()
         nexts[0, len(ids) - 1] = sampled
         known = torch.tensor([len(ids) - 1 + int(samples)])
-        got = mtp_draft(params, state, c, X, one, torch.tensor([start]), torch.tensor([len(ids)]), tokens[:1], nexts, known,
-                        torch.tensor([start > 0]), k)
+        got = mtp_draft(
+            params,
+            state,
+            c,
+            X,
+            one,
+            torch.tensor([start]),
+            torch.tensor([len(ids)]),
+            tokens[:1],
+            nexts,
+            known,
+            torch.tensor([start > 0]),
+            k,
+        )
     assert got[0].tolist() == want, f"seed={seed}"
     W = c.sliding_window
     live = [p % W for p in range(max(0, len(prompt) - W), len(prompt))]
-    torch.testing.assert_close(state["mtp"][0]["window"][0, live], window[live], atol=1e-5, rtol=1e-5, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        state["mtp"][0]["window"][0, live], window[live], atol=1e-5, rtol=1e-5, msg=lambda m: f"seed={seed}: {m}"
+    )
 
 
 @pytest.mark.parametrize("compiled_kind", ["mtp-v4", "dspark-v41"])
@@ -228,13 +249,20 @@ def test_compiled_drafter_steps(compiled_kind: str) -> None:
     prompt = _prompts(3, 1)[0]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = make_llm(model, max_num_seqs=1).generate([prompt], sp)[0].outputs[0].token_ids
-    llm = make_llm(model, eager=False, warmup=True, max_num_seqs=1, max_num_batched_tokens=16, speculative_config=spec(compiled_kind))
+    llm = make_llm(
+        model,
+        eager=False,
+        warmup=True,
+        max_num_seqs=1,
+        max_num_batched_tokens=16,
+        speculative_config=spec(compiled_kind),
+    )
     warmed = [r["graph"] for r in llm.runner.steps.report()]
     assert llm.generate([prompt], sp)[0].outputs[0].token_ids == ref
     st = llm.speculator.stats
     assert 0 < st.accepted_tokens < st.draft_tokens, st
     names = [r["graph"] for r in llm.runner.steps.report()]
-    assert names == warmed, f"compiled after the warm-up: {names[len(warmed):]}"
+    assert names == warmed, f"compiled after the warm-up: {names[len(warmed) :]}"
     assert any(n.startswith("verify") and n.endswith("-draft3") for n in names), names
 
 

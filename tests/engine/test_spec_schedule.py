@@ -83,7 +83,11 @@ def test_engine_schedules_lengths(monkeypatch, eager: bool) -> None:
     seed = random.SystemRandom().randrange(2**31)
     prompt = _prompts(seed, 1)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    kw = dict(max_num_seqs=1, max_num_batched_tokens=16) if eager else dict(eager=False, warmup=True, max_num_seqs=1, max_num_batched_tokens=16)
+    kw = (
+        dict(max_num_seqs=1, max_num_batched_tokens=16)
+        if eager
+        else dict(eager=False, warmup=True, max_num_seqs=1, max_num_batched_tokens=16)
+    )
     ref = [o.outputs[0].token_ids for o in make_llm(model, **kw).generate(prompt, sp)]
     monkeypatch.setenv(VARLEN, "1")
     llm = make_llm(model, speculative_config=spec("dspark-v41", 4), **kw)
@@ -96,7 +100,9 @@ def test_engine_schedules_lengths(monkeypatch, eager: bool) -> None:
     assert got == ref, f"seed={seed}"
     st = llm.speculator.stats
     assert st.accepted_tokens > 0 and len(st.proposed_at) == 2, f"seed={seed}: {st}"  # never a third draft
-    assert st.proposed_at[1] >= st.verify_steps - 1, f"seed={seed}: {st}"  # two drafts, but where the request's end caps it
+    assert st.proposed_at[1] >= st.verify_steps - 1, (
+        f"seed={seed}: {st}"
+    )  # two drafts, but where the request's end caps it
     if not eager:
         assert [r["graph"] for r in llm.runner.steps.report()] == warmed
 
@@ -105,6 +111,10 @@ def test_varlen_needs_dspark(monkeypatch) -> None:
     from test_spec_drafters import _random
 
     monkeypatch.setenv(VARLEN, "1")
-    for kind, cfg in (("mtp-v4", spec("mtp-v4")), ("mtp-v4", {"method": "ngram", "num_speculative_tokens": 2}), ("mtp-v4", None)):
+    for kind, cfg in (
+        ("mtp-v4", spec("mtp-v4")),
+        ("mtp-v4", {"method": "ngram", "num_speculative_tokens": 2}),
+        ("mtp-v4", None),
+    ):
         with pytest.raises(ValueError, match="DEEPINFER_ENABLE_MTP_VARLEN=1 .* reads DSpark's confidence head"):
             make_llm(_random(kind), speculative_config=cfg)

@@ -30,10 +30,24 @@ def make_llm(ckpt, **kw) -> LLM:
 def _mixed_params(seed: int, n: int) -> list[SamplingParams]:
     """Rows of every sampler mode side by side, seeded, some with logprobs."""
     rng = random.Random(seed)
-    kinds = [dict(temperature=0), dict(temperature=0.8), dict(temperature=0.9, min_p=0.05),
-             dict(temperature=0.7, top_p=0.9), dict(temperature=1.1, top_k=20), dict(temperature=0.6, top_p=0.8, top_k=30)]
-    return [SamplingParams(**kinds[i % len(kinds)], max_tokens=rng.randint(2, 9), ignore_eos=True, seq_seed=rng.randrange(2**40),
-                           logprobs=3 if i % 4 == 1 else None) for i in range(n)]
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.8),
+        dict(temperature=0.9, min_p=0.05),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.1, top_k=20),
+        dict(temperature=0.6, top_p=0.8, top_k=30),
+    ]
+    return [
+        SamplingParams(
+            **kinds[i % len(kinds)],
+            max_tokens=rng.randint(2, 9),
+            ignore_eos=True,
+            seq_seed=rng.randrange(2**40),
+            logprobs=3 if i % 4 == 1 else None,
+        )
+        for i in range(n)
+    ]
 
 
 def test_compiled_sampling_equals_eager_after_warm_up(ckpt) -> None:
@@ -68,10 +82,18 @@ def test_streamed_deltas_add_up(ckpt) -> None:
     seed = random.SystemRandom().randrange(2**31)
     llm = make_llm(ckpt, max_num_seqs=3, max_num_batched_tokens=24)
     rng = random.Random(seed)
-    ids = [llm.add_request("the weather today is" + " a" * rng.randint(0, 20),
-                           SamplingParams(temperature=0.8, max_tokens=rng.randint(3, 16), seq_seed=rng.randrange(1000),
-                                          stop=["e"] if i == 2 else None))
-           for i in range(5)]
+    ids = [
+        llm.add_request(
+            "the weather today is" + " a" * rng.randint(0, 20),
+            SamplingParams(
+                temperature=0.8,
+                max_tokens=rng.randint(3, 16),
+                seq_seed=rng.randrange(1000),
+                stop=["e"] if i == 2 else None,
+            ),
+        )
+        for i in range(5)
+    ]
     text = {i: "" for i in ids}
     tokens = {i: [] for i in ids}
     final = {}
@@ -131,5 +153,3 @@ def test_nan_logits_end_the_request_with_an_error(ckpt) -> None:
         done += [o for o in llm.step() if o.finished]
     assert [o.request_id for o in done] == [ok] and done[0].outputs[0].finish_reason == "error"
     assert llm.pool.num_free == llm.pool.slots
-
-

@@ -28,36 +28,57 @@ xgr = pytest.importorskip("xgrammar")
 TOKENIZER_VOCAB = 300  # the model's logits are 320 wide: ids 300..319 are padding
 REGEXES = [r"[0-9]{1,3}-[a-z]{2,4}", r"(yes|no|maybe)( [A-Z][a-z]{0,3}){0,2}\."]
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "enum": ["ann", "bob", "cy"]},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": ["ann", "bob", "cy"]},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "integer", "minimum": -50, "maximum": 50}, "minItems": 1, "maxItems": 4},
-    {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "yy"]}, "maxItems": 3},
-        "pos": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
-                "required": ["x", "ok"], "additionalProperties": False}},
-     "required": ["id", "tags", "pos"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "yy"]}, "maxItems": 3},
+            "pos": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+                "required": ["x", "ok"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["id", "tags", "pos"],
+        "additionalProperties": False,
+    },
 ]
 EBNF = 'root ::= expr\nexpr ::= term (("+" | "*") term){0,3}\nterm ::= [0-9]{1,2} | "(" expr ")"'
-SETTINGS = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.9, top_p=0.9), dict(temperature=0.7, top_k=5)]
+SETTINGS = [
+    dict(temperature=0),
+    dict(temperature=1.0),
+    dict(temperature=0.9, top_p=0.9),
+    dict(temperature=0.7, top_k=5),
+]
 
 
 def _expr_ok(text: str) -> bool:
     """An independent parser of ``EBNF``'s language (recursive descent)."""
+
     def term(i: int) -> int | None:
         m = re.match(r"[0-9]{1,2}", text[i:])
         if m:
             return i + m.end()
-        if text[i:i + 1] == "(":
+        if text[i : i + 1] == "(":
             j = expr(i + 1)
-            return j + 1 if j is not None and text[j:j + 1] == ")" else None
+            return j + 1 if j is not None and text[j : j + 1] == ")" else None
         return None
 
     def expr(i: int) -> int | None:
         i = term(i)
         for _ in range(3):
-            if i is None or text[i:i + 1] not in ("+", "*"):
+            if i is None or text[i : i + 1] not in ("+", "*"):
                 break
             i = term(i + 1)
         return i
@@ -68,7 +89,10 @@ def _expr_ok(text: str) -> bool:
 def _cases() -> list[tuple[str, dict]]:
     """(name, so_args) in both spellings."""
     out = [(f"regex{i}", {"schema_type": "regex", "schema": r}) for i, r in enumerate(REGEXES)]
-    out += [(f"json{i}", {"schema_type": "json", "schema": s} if i % 2 else {"json_schema": json.dumps(s)}) for i, s in enumerate(SCHEMAS)]
+    out += [
+        (f"json{i}", {"schema_type": "json", "schema": s} if i % 2 else {"json_schema": json.dumps(s)})
+        for i, s in enumerate(SCHEMAS)
+    ]
     return out + [("ebnf", {"schema_type": "ebnf", "schema": EBNF})]
 
 
@@ -131,8 +155,10 @@ def test_outputs_match_their_grammars(llm, overlap: bool, round_: int) -> None:
         for st in SETTINGS:
             names.append(name)
             params.append(SamplingParams(**st, max_tokens=64, seq_seed=rng.randrange(2**40), so_args=so))
-    free = [SamplingParams(temperature=0.8, max_tokens=rng.randint(4, 12), seq_seed=rng.randrange(2**40), ignore_eos=True)
-            for _ in range(4)]
+    free = [
+        SamplingParams(temperature=0.8, max_tokens=rng.randint(4, 12), seq_seed=rng.randrange(2**40), ignore_eos=True)
+        for _ in range(4)
+    ]
     order = list(range(len(params) + len(free)))
     rng.shuffle(order)  # constrained and unconstrained rows interleaved
     allp = params + free
@@ -150,8 +176,12 @@ def test_outputs_match_their_grammars(llm, overlap: bool, round_: int) -> None:
 
 
 def test_bad_specs_fail_their_request_and_the_engine_goes_on(llm) -> None:
-    bad = [({"regex": "(unclosed"}, "regular expression"), ({"schema_type": "json", "schema": {"type": "objec"}}, "JSON schema"),
-           ({"grammar": 'root ::= foo'}, "EBNF grammar"), ({"schema_type": "ebnf", "schema": 'root ::= "a" |'}, "EBNF grammar")]
+    bad = [
+        ({"regex": "(unclosed"}, "regular expression"),
+        ({"schema_type": "json", "schema": {"type": "objec"}}, "JSON schema"),
+        ({"grammar": "root ::= foo"}, "EBNF grammar"),
+        ({"schema_type": "ebnf", "schema": 'root ::= "a" |'}, "EBNF grammar"),
+    ]
     for so, what in bad:
         with pytest.raises(ValueError) as e:
             llm.add_request([5, 6], SamplingParams(so_args=so))
@@ -164,7 +194,9 @@ def test_bad_specs_fail_their_request_and_the_engine_goes_on(llm) -> None:
     ok = SamplingParams(temperature=0, max_tokens=20, so_args={"regex": REGEXES[0]})
     outs = llm.generate([[5, 6], [7]], [ok, ok])
     assert llm._grammars.compiles <= compiles + 1  # two requests, one spec: one compile at most
-    outs += llm.generate([[8]], [SamplingParams(temperature=0, max_tokens=20, so_args={"schema_type": "regex", "schema": REGEXES[0]})])
+    outs += llm.generate(
+        [[8]], [SamplingParams(temperature=0, max_tokens=20, so_args={"schema_type": "regex", "schema": REGEXES[0]})]
+    )
     assert llm._grammars.compiles <= compiles + 1  # the other spelling, the same spec
     assert [o.outputs[0].finish_reason for o in outs] == ["stop"] * 3
     assert all(re.fullmatch(REGEXES[0], o.outputs[0].text) for o in outs)
@@ -177,14 +209,24 @@ def test_grammar_with_no_spellable_token_ends_with_an_error(ckpt, tmp_path) -> N
         if not f.name.startswith("tokenizer"):
             (tmp_path / f.name).symlink_to(f)
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
     words = ["a", "b", "c", " "]
-    tok = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "<pad>": 2, **{w: 3 + i for i, w in enumerate(words)}}, unk_token="<pad>"))
+    tok = Tokenizer(
+        models.WordLevel(
+            {"<s>": 0, "</s>": 1, "<pad>": 2, **{w: 3 + i for i, w in enumerate(words)}}, unk_token="<pad>"
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<pad>")])
     tok.save(str(tmp_path / "tokenizer.json"))
     llm = make_llm(tmp_path, max_num_seqs=4, max_num_batched_tokens=64)
-    outs = llm.generate([[3, 4], [3]], [SamplingParams(max_tokens=8, so_args={"regex": "z+"}),
-                                       SamplingParams(temperature=0, max_tokens=8, so_args={"regex": "(a|b)c"})])
+    outs = llm.generate(
+        [[3, 4], [3]],
+        [
+            SamplingParams(max_tokens=8, so_args={"regex": "z+"}),
+            SamplingParams(temperature=0, max_tokens=8, so_args={"regex": "(a|b)c"}),
+        ],
+    )
     dead, ok = outs[0].outputs[0], outs[1].outputs[0]
     assert dead.finish_reason == "error" and "allows no token" in dead.error, dead
     assert ok.finish_reason == "stop" and ok.token_ids[-1] == 1 and ok.token_ids[1] == 5, ok
@@ -212,13 +254,23 @@ def test_constrained_requests_speculate(ckpt, eager: bool) -> None:
     rng = random.Random(seed)
     cases = _cases() if eager else _cases()[:1]
     settings = SETTINGS if eager else SETTINGS[:2]
-    params = [SamplingParams(**st, max_tokens=24, seq_seed=rng.randrange(2**40), so_args=so) for _, so in cases for st in settings]
+    params = [
+        SamplingParams(**st, max_tokens=24, seq_seed=rng.randrange(2**40), so_args=so)
+        for _, so in cases
+        for st in settings
+    ]
     names = [name for name, _ in cases for _ in settings]
     params.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))  # an unconstrained neighbour
     names.append(None)
-    prompts = [[rng.randrange(3, TOKENIZER_VOCAB) for _ in range(rng.randint(3, 9))] + [len(params) + i] for i in range(len(params))]
-    kw = dict(max_num_seqs=32, max_num_batched_tokens=512) if eager else dict(eager=False, warmup=False, max_num_seqs=1,
-                                                                              max_num_batched_tokens=16, max_model_len=64)
+    prompts = [
+        [rng.randrange(3, TOKENIZER_VOCAB) for _ in range(rng.randint(3, 9))] + [len(params) + i]
+        for i in range(len(params))
+    ]
+    kw = (
+        dict(max_num_seqs=32, max_num_batched_tokens=512)
+        if eager
+        else dict(eager=False, warmup=False, max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64)
+    )
     plain = make_llm(ckpt, **kw).generate(prompts, params)
     ref = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
     llm = make_llm(ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
@@ -238,7 +290,7 @@ def test_mask_on_the_device_equals_xgrammars() -> None:
     """``apply_token_mask`` (tensor ops, inside the sampler graph) against xgrammar's own CPU kernel."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 77, generator=g)
-    mask = torch.randint(-2**31, 2**31 - 1, (5, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    mask = torch.randint(-(2**31), 2**31 - 1, (5, 3), generator=g, dtype=torch.int64).to(torch.int32)
     want = logits.clone()
     xgr.apply_token_bitmask_inplace(want, mask)
     assert torch.equal(apply_token_mask(logits, mask, torch.arange(77)), want)
@@ -266,9 +318,12 @@ def test_cli_flags_give_so_args(tmp_path) -> None:
     grammar = tmp_path / "g.ebnf"
     grammar.write_text(EBNF)
     ap = build_parser()
-    for argv, want in ((["--regex", "a+"], {"schema_type": "regex", "schema": "a+"}),
-                       (["--json-schema", str(schema)], {"schema_type": "json", "schema": json.dumps(SCHEMAS[0])}),
-                       (["--grammar", str(grammar)], {"schema_type": "ebnf", "schema": EBNF}), ([], None)):
+    for argv, want in (
+        (["--regex", "a+"], {"schema_type": "regex", "schema": "a+"}),
+        (["--json-schema", str(schema)], {"schema_type": "json", "schema": json.dumps(SCHEMAS[0])}),
+        (["--grammar", str(grammar)], {"schema_type": "ebnf", "schema": EBNF}),
+        ([], None),
+    ):
         assert _so_args(ap, ap.parse_args(argv)) == want
     for argv in (["--regex", "a", "--grammar", str(grammar)], ["--json-schema", str(tmp_path / "missing.json")]):
         with pytest.raises(SystemExit):

@@ -52,7 +52,9 @@ def test_mode_defaults_and_settings(v41: Model, monkeypatch) -> None:
 
 
 def test_keep_below_the_minimum_refuses(v41: Model, monkeypatch) -> None:
-    with pytest.raises(ValueError, match=r"= 7 is below the minimum 8: the kept rows must cover the sliding window \(8\)"):
+    with pytest.raises(
+        ValueError, match=r"= 7 is below the minimum 8: the kept rows must cover the sliding window \(8\)"
+    ):
         LLM(v41, eager=True, max_model_len=64, yoco_keep_tokens=7)
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "3")
     with pytest.raises(ValueError, match="DEEPINFER_YOCO_PREFILL_KEEP_TOKENS = 3 is below the minimum 8"):
@@ -60,7 +62,9 @@ def test_keep_below_the_minimum_refuses(v41: Model, monkeypatch) -> None:
     from deepinfer_fx.engine.options import compact_keep
     from deepinfer_fx.settings import EngineConfig
 
-    with pytest.raises(ValueError, match=r"minimum 14: .*window \(8\) plus the longest rollback \(a 5-token draft \+ 1\)"):
+    with pytest.raises(
+        ValueError, match=r"minimum 14: .*window \(8\) plus the longest rollback \(a 5-token draft \+ 1\)"
+    ):
         compact_keep(v41.config, EngineConfig.from_env(), "compact", 12, max_draft=5)
 
 

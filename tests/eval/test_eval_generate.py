@@ -14,8 +14,21 @@ FAST = ["--model", "demo", "--max-tokens", "4", "--num-threads", "1", "--no-prog
 
 
 def _generate(task: str, out: Path, samples: int = 2, *extra: str) -> int:
-    return main(["generate", "--task", task, "--data", str(DATA / f"{task}.jsonl"), "--samples", str(samples),
-                 "--out", str(out), *FAST, *extra])
+    return main(
+        [
+            "generate",
+            "--task",
+            task,
+            "--data",
+            str(DATA / f"{task}.jsonl"),
+            "--samples",
+            str(samples),
+            "--out",
+            str(out),
+            *FAST,
+            *extra,
+        ]
+    )
 
 
 def _lines(path: Path) -> list[dict]:
@@ -27,16 +40,21 @@ def test_generate_then_score(task, tmp_path, capsys):
     gen = tmp_path / "gen.jsonl"
     assert _generate(task, gen) == 0
     recs = _lines(gen)
-    assert [(r["id"], r["sample"]) for r in recs] == [(i, s) for i in (["h1", "h2"] if task == "hle" else
-                                                                       [ln["id"] for ln in _lines(DATA / f"{task}.jsonl")])
-                                                      for s in (0, 1)]
+    assert [(r["id"], r["sample"]) for r in recs] == [
+        (i, s)
+        for i in (["h1", "h2"] if task == "hle" else [ln["id"] for ln in _lines(DATA / f"{task}.jsonl")])
+        for s in (0, 1)
+    ]
     first = recs[0]
-    assert first["prompt"].startswith("<｜begin▁of▁sentence｜><｜User｜>") and first["prompt"].endswith("<｜Assistant｜>")
+    assert first["prompt"].startswith("<｜begin▁of▁sentence｜><｜User｜>") and first["prompt"].endswith(
+        "<｜Assistant｜>"
+    )
     assert first["chat_template"] == "tokenizer_config" and first["num_tokens"] <= 4
     if task == "gpqa":
         for r in recs:
-            assert sorted(r["choices"]) == sorted(["photon", "gluon", "W boson", "graviton"] if r["id"] == "rec1"
-                                                  else ["7", "0", "14", "1"])
+            assert sorted(r["choices"]) == sorted(
+                ["photon", "gluon", "W boson", "graviton"] if r["id"] == "rec1" else ["7", "0", "14", "1"]
+            )
             assert r["choices"]["ABCD".index(r["correct_letter"])] in ("photon", "7")
             assert f"{r['correct_letter']}) {r['choices']['ABCD'.index(r['correct_letter'])]}" in r["prompt"]
         assert recs[0]["seed"] != recs[1]["seed"]  # each sample its own shuffle
@@ -68,7 +86,10 @@ def test_bad_data_one_line(tmp_path, capsys):
         ('{"id": 1, "problem": "p", "answer": 3}\n{oops\n', f"{bad}:2: not a JSON line"),
         ('{"id": 1, "problem": "p"}\n', f"{bad}:1: missing field(s) 'answer' for task aime"),
         ('{"id": 1, "problem": "p", "answer": "x"}\n', f"{bad}:1: AIME 'answer' must be an integer"),
-        ('{"id": 1, "problem": "p", "answer": 1}\n{"id": 1, "problem": "q", "answer": 2}\n', f"{bad}:2: duplicate id '1'"),
+        (
+            '{"id": 1, "problem": "p", "answer": 1}\n{"id": 1, "problem": "q", "answer": 2}\n',
+            f"{bad}:2: duplicate id '1'",
+        ),
     ]
     for text, message in cases:
         bad.write_text(text, encoding="utf-8")
@@ -86,8 +107,9 @@ def test_chat_template_fallback_and_errors(tmp_path):
     from deepinfer_fx.eval.errors import EvalError
 
     assert ChatTemplate(tmp_path).render("hi") == "<｜User｜>hi<｜Assistant｜>"  # no tokenizer_config: fallback
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<s>"}, "chat_template": "{{ raise_exception('no user turns here') }}"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": "<s>"}, "chat_template": "{{ raise_exception('no user turns here') }}"})
+    )
     with pytest.raises(EvalError, match="no user turns here"):
         ChatTemplate(tmp_path).render("hi")
 

@@ -17,8 +17,14 @@ from deepinfer_fx.io.writer import write_random_checkpoint
 
 def test_long_context_case(tmp_path):
     path = write_random_checkpoint(tmp_path / "tiny-long", TINY_LONG, seed=0, mtp=False)
-    llm = LLM(model=str(path), eager=True, max_model_len=INPUT_TOKENS + OUTPUT_TOKENS, max_num_seqs=1,
-              max_num_batched_tokens=4096, num_threads=1)
+    llm = LLM(
+        model=str(path),
+        eager=True,
+        max_model_len=INPUT_TOKENS + OUTPUT_TOKENS,
+        max_num_seqs=1,
+        max_num_batched_tokens=4096,
+        num_threads=1,
+    )
     r = run_case(llm)
     assert (r["input_tokens"], r["output_tokens"], r["nextn"]) == (16_389, 4_096, 0)
     assert r["finish_reason"] == "length" and r["all_logprobs_finite"] and math.isfinite(r["decode_ppl"])

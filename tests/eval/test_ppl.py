@@ -58,9 +58,26 @@ def test_concurrent_refreshes_both_land(tmp_path):
     shutil.copy(BASELINE, shared)  # other platforms' rows must survive too
     before = json.loads(shared.read_text())
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DEEPINFER_COMMIT": "test"}
-    procs = [subprocess.Popen([sys.executable, "-m", "deepinfer_fx.eval", "ppl", "--workload", name, "--refresh",
-                               "--baseline", str(shared)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name in ("cpu-tiny", "cpu-tiny-long")]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deepinfer_fx.eval",
+                "ppl",
+                "--workload",
+                name,
+                "--refresh",
+                "--baseline",
+                str(shared),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for name in ("cpu-tiny", "cpu-tiny-long")
+    ]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode()[-2000:]

@@ -36,33 +36,40 @@ AIME = [  # (response, answer, correct)
 
 def test_aime_pass_at_1(tmp_path):
     # two items: item a gets 3 of 4 samples right, item b 0 of 2 -> (0.75 + 0) / 2
-    recs = [{"id": "a" if i < 4 else "b", "sample": i % 4, "response": r, "answer": ans, "config": CFG}
-            for i, (r, ans, _) in enumerate(AIME)]
+    recs = [
+        {"id": "a" if i < 4 else "b", "sample": i % 4, "response": r, "answer": ans, "config": CFG}
+        for i, (r, ans, _) in enumerate(AIME)
+    ]
     got = score("aime", read_gen(_write(tmp_path / "g.jsonl", recs), "aime"))
     assert [g["correct"] for g in got["graded"]] == [ok for *_, ok in AIME]
     assert got["pass@1"] == 0.375
-    assert got["stderr"] == pytest.approx(math.sqrt(((0.75 - 0.375) ** 2 + 0.375 ** 2) / 1 / 2))
+    assert got["stderr"] == pytest.approx(math.sqrt(((0.75 - 0.375) ** 2 + 0.375**2) / 1 / 2))
     assert got["no_answer"] == 2
 
 
-@pytest.mark.parametrize("response,letter", [
-    ("Reasoning...\nAnswer: C", "C"),
-    ("**Answer:** (B)", "B"),
-    ("I think the answer is D because ...", "D"),
-    ("Answer: A\nOn reflection, Answer: B", "B"),  # the last one counts
-    (r"so \boxed{C}", "C"),
-    ("The best option is\n(A)", "A"),
-    ("A big question. Maybe", None),  # a capital A inside a sentence is no choice
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "response,letter",
+    [
+        ("Reasoning...\nAnswer: C", "C"),
+        ("**Answer:** (B)", "B"),
+        ("I think the answer is D because ...", "D"),
+        ("Answer: A\nOn reflection, Answer: B", "B"),  # the last one counts
+        (r"so \boxed{C}", "C"),
+        ("The best option is\n(A)", "A"),
+        ("A big question. Maybe", None),  # a capital A inside a sentence is no choice
+        ("", None),
+    ],
+)
 def test_letter_positions(response, letter):
     assert extract_letter(response) == letter
 
 
 def test_gpqa_pass_at_1(tmp_path):
     rows = [("Answer: C", "C"), ("answer is (B)", "C"), ("", "A"), ("Answer: D", "D")]
-    recs = [{"id": str(i // 2), "sample": i % 2, "response": r, "correct_letter": c, "choices": ["w", "x", "y", "z"]}
-            for i, (r, c) in enumerate(rows)]
+    recs = [
+        {"id": str(i // 2), "sample": i % 2, "response": r, "correct_letter": c, "choices": ["w", "x", "y", "z"]}
+        for i, (r, c) in enumerate(rows)
+    ]
     got = score("gpqa", read_gen(_write(tmp_path / "g.jsonl", recs), "gpqa"))
     assert got["pass@1"] == 0.5 and got["per_item"] == {"0": 0.5, "1": 0.5} and got["stderr"] == 0.0
 
@@ -76,7 +83,9 @@ def test_hle_exact_and_choice(tmp_path):
         ("Explanation: ...\nAnswer: B. Because\nConfidence: 3%", "B", "multipleChoice", True),
         ("Answer: (E)", "D", "multipleChoice", False),
     ]
-    recs = [{"id": str(i), "sample": 0, "response": r, "answer": a, "answer_type": t} for i, (r, a, t, _) in enumerate(rows)]
+    recs = [
+        {"id": str(i), "sample": 0, "response": r, "answer": a, "answer_type": t} for i, (r, a, t, _) in enumerate(rows)
+    ]
     got = score("hle", read_gen(_write(tmp_path / "g.jsonl", recs), "hle"))
     assert [g["correct"] for g in got["graded"]] == [ok for *_, ok in rows]
     assert got["pass@1"] == pytest.approx(0.5)

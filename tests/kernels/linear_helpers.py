@@ -40,7 +40,7 @@ def live_counters(device: torch.device) -> torch.Tensor:
 def assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, out_fp32: bool, why: str) -> None:
     """Within fp32 accumulation error of the exact product (bounded by ``|x| @ |w|.T``), plus
     one rounding to bf16 where the result is bf16."""
-    want = (x.double() @ w.double().T)
+    want = x.double() @ w.double().T
     assert got.shape == want.shape and got.dtype == (torch.float32 if out_fp32 else x.dtype), why
     bound = 2e-5 * (x.double().abs() @ w.double().abs().T)
     if got.dtype == torch.bfloat16:

@@ -110,6 +110,7 @@ def _meta_key(a: Any) -> Any:
 def _grouped(calls: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> torch.fx.GraphModule:
     """The ``skinny_linear`` calls as the traced graph holds them (each input a view of the tensor
     its rows come from, each weight a placeholder), after ``skinny_linear_group``."""
+
     def root(x: torch.Tensor) -> torch.Tensor:  # the tensor x views (the calls keep it alive: ids stay unique)
         return x if x._base is None else x._base
 
@@ -128,7 +129,9 @@ def _grouped(calls: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> torch.fx.G
         view = g.call_function(torch.ops.aten.view.default, (roots[id(root(x))], list(x.shape)))
         view.meta["val"] = x
         outs.append(g.call_function(torch.ops.deepinfer.skinny_linear.default, (view, wn, out_fp32)))
-        outs[-1].meta["val"] = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype, device="meta")
+        outs[-1].meta["val"] = torch.empty(
+            x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype, device="meta"
+        )
     g.output(tuple(outs))
     gm = torch.fx.GraphModule({}, g)
     SkinnyLinearGroup()(gm)
@@ -137,11 +140,17 @@ def _grouped(calls: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> torch.fx.G
 
 def _launch_skinny(calls: list[tuple[torch.Tensor, torch.Tensor, bool]], rec: _OpCalls) -> None:
     def val(n: Any) -> Any:
-        return [val(m) for m in n] if isinstance(n, (list, tuple)) else (n.meta["val"] if isinstance(n, torch.fx.Node) else n)
+        return (
+            [val(m) for m in n]
+            if isinstance(n, (list, tuple))
+            else (n.meta["val"] if isinstance(n, torch.fx.Node) else n)
+        )
 
     for node in _grouped(calls).graph.nodes:
-        if node.op == "call_function" and node.target in (torch.ops.deepinfer.skinny_linear.default,
-                                                          torch.ops.deepinfer.skinny_linear_group.default):
+        if node.op == "call_function" and node.target in (
+            torch.ops.deepinfer.skinny_linear.default,
+            torch.ops.deepinfer.skinny_linear_group.default,
+        ):
             rec.launch(node.target._schema.name, tuple(val(a) for a in node.args), {})
 
 
@@ -165,9 +174,13 @@ def _fused_as_ops() -> Iterator[None]:
     def swiglu_op(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         return torch.ops.deepinfer.swiglu_clamp(gate, up, limit) if limit else swiglu(gate, up, limit)
 
-    patched = [(mod, name, value) for mod in list(sys.modules.values())
-               if getattr(mod, "__name__", "").startswith("deepinfer_fx.graphs.")
-               for name, value in vars(mod).items() if value is rms or value is swiglu]
+    patched = [
+        (mod, name, value)
+        for mod in list(sys.modules.values())
+        if getattr(mod, "__name__", "").startswith("deepinfer_fx.graphs.")
+        for name, value in vars(mod).items()
+        if value is rms or value is swiglu
+    ]
     for mod, name, value in patched:
         setattr(mod, name, rms_op if value is rms else swiglu_op)
     try:
@@ -192,8 +205,15 @@ def _step(c: ModelConfig, params: dict, kind: str, tokens: int) -> Callable[[], 
     if kind == "decode":
         state = init_state(c, CONTEXT, torch.bfloat16, "meta", mtp=False, slots=tokens)
         slots = torch.zeros(tokens, **meta)
-        return lambda: decode_logits(params, state, c, torch.zeros(tokens + 1, **meta), slots, torch.zeros(tokens, **meta),
-                                   torch.zeros(tokens, **meta))
+        return lambda: decode_logits(
+            params,
+            state,
+            c,
+            torch.zeros(tokens + 1, **meta),
+            slots,
+            torch.zeros(tokens, **meta),
+            torch.zeros(tokens, **meta),
+        )
     state = init_state(c, CONTEXT, torch.bfloat16, "meta", mtp=False, slots=1)
     one = torch.zeros(1, **meta)
     return lambda: prefill_logits(params, state, c, torch.zeros(tokens, **meta), one, one, one, one)
@@ -202,11 +222,17 @@ def _step(c: ModelConfig, params: dict, kind: str, tokens: int) -> Callable[[], 
 def trunk(c: ModelConfig) -> ModelConfig:
     """``c`` without its draft model: all the steps run (they hold no ``mtp.*`` parameters or
     state here), so configs with equal trunks launch the same kernels (V4-Flash and -0731)."""
-    drafter = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("dspark_") and f.name != "dspark_stages"}
+    drafter = {
+        f.name: f.default
+        for f in dataclasses.fields(ModelConfig)
+        if f.name.startswith("dspark_") and f.name != "dspark_stages"
+    }
     return c.replace(dspark_stages=0, num_nextn_predict_layers=0, **drafter)
 
 
-def model_launches(c: ModelConfig, cases: tuple[tuple[str, int], ...] = CASES, disabled: tuple[str, ...] = ()) -> ModelLaunches:
+def model_launches(
+    c: ModelConfig, cases: tuple[tuple[str, int], ...] = CASES, disabled: tuple[str, ...] = ()
+) -> ModelLaunches:
     """Every distinct launch of ``c``'s compiled steps in ``cases`` (bf16 activations, the
     nvidia pipeline without ``disabled``), and the swaps' declines."""
     register_nvidia_kernels()

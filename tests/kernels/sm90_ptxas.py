@@ -38,8 +38,12 @@ def ptxas_report(ptx: str) -> tuple[list[int], int, str]:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", str(src), "-o", str(src.with_suffix(".cubin"))],
-                             capture_output=True, text=True, check=True).stderr
+        log = subprocess.run(
+            [PTXAS, "-v", "--gpu-name=sm_90a", str(src), "-o", str(src.with_suffix(".cubin"))],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     registers = int(re.search(r"Used (\d+) registers", log).group(1))  # type: ignore[union-attr]
     return spills, registers, log
@@ -58,13 +62,17 @@ def compile_in_subprocesses(module: str, calls: list[tuple[Path, ...]]) -> None:
     each: compiling is single-threaded)."""
     here = Path(__file__).parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here), str(here.parent / "models"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(here.parents[1]), str(here), str(here.parent / "models"), env.get("PYTHONPATH", "")]
+    )
     procs = []
     for out, *args in calls:
         code = f"from {module} import _compile_for_sm90; _compile_for_sm90({str(out)!r}, *{[str(a) for a in args]!r})"
         log = Path(out) / "stderr.txt"  # a file, not a pipe: a full pipe would stall a process nobody reads yet
         with open(log, "w") as err:
-            procs.append((subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=err), log))
+            procs.append(
+                (subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=err), log)
+            )
     errors = [log.read_text() for proc, log in procs if proc.wait()]
     assert not errors, "\n".join(errors)
 
@@ -72,9 +80,15 @@ def compile_in_subprocesses(module: str, calls: list[tuple[Path, ...]]) -> None:
 ArgType = str | tuple[str, ...]  # an argument's Triton type: a tuple of them for a tuple argument
 
 
-def compile_sm90(fn: Any, types: Mapping[str, ArgType], constants: dict[str, Any],
-                 aligned: Iterable[str] | Callable[[str], bool] = (), *, align_pointers: bool = True,
-                 **options: Any) -> CompiledKernel:
+def compile_sm90(
+    fn: Any,
+    types: Mapping[str, ArgType],
+    constants: dict[str, Any],
+    aligned: Iterable[str] | Callable[[str], bool] = (),
+    *,
+    align_pointers: bool = True,
+    **options: Any,
+) -> CompiledKernel:
     """Compile the JIT kernel ``fn`` for sm_90 as a launch would specialise it; returns Triton's
     compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). Only in a process without
     ``TRITON_INTERPRET`` (see ``compile_in_subprocess``), hence the imports in here.
@@ -121,16 +135,25 @@ class Launch:
 
     def key(self) -> tuple:
         """Equal for launches that compile to the same binary (Triton's own cache key parts)."""
+
         def items(d: dict) -> tuple:
             return tuple(sorted((str(k), repr(v)) for k, v in d.items()))
 
-        return (self.fn.fn.__module__, self.fn.fn.__qualname__, tuple(self.signature.items()), items(self.constexprs),
-                items(self.attrs), items(self.options.__dict__))
+        return (
+            self.fn.fn.__module__,
+            self.fn.fn.__qualname__,
+            tuple(self.signature.items()),
+            items(self.constexprs),
+            items(self.attrs),
+            items(self.options.__dict__),
+        )
 
     def describe(self) -> str:
         """The kernel and its constexprs by name, for messages."""
         names = list(self.signature)
-        consts = ", ".join(f"{names[k[0]]}={v}" for k, v in sorted(self.constexprs.items()) if len(k) == 1 and v is not None)
+        consts = ", ".join(
+            f"{names[k[0]]}={v}" for k, v in sorted(self.constexprs.items()) if len(k) == 1 and v is not None
+        )
         return f"{self.name}({consts}; warps={self.options.num_warps}, stages={self.options.num_stages})"
 
     def compile(self) -> CompiledKernel:

@@ -59,7 +59,8 @@ def test_engine_flag_refuses_on_cuda() -> None:
     from deepinfer_fx import LLM
     from deepinfer_fx.config import config_from_dict
 
-    model = deepinfer_fx.random_model(config_from_dict(tiny_v4()).replace(fake_quant=False), seed=0, dtype=torch.bfloat16,
-                                      device="cuda")
+    model = deepinfer_fx.random_model(
+        config_from_dict(tiny_v4()).replace(fake_quant=False), seed=0, dtype=torch.bfloat16, device="cuda"
+    )
     with pytest.raises(ValueError, match="not built on cuda"):
         LLM(model, device="cuda", max_model_len=32, batch_invariant=True, eager=True)

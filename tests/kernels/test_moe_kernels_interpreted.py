@@ -52,15 +52,23 @@ print(json.dumps(out))
 # (format, experts, intermediate, hidden, tokens, k): decode-like (few rows an expert), then a
 # prefill-like batch (over 64 rows an expert: the 128-row half-height tiles), then widths whose
 # k tiles overrun K (96 and 160 are multiples of 32, not of the 128 / 64 tiles)
-CASES = [(fmt, *shape) for fmt in ("plain", "fp8", "fp4")
-         for shape in ((4, 64, 128, 5, 2), (2, 64, 64, 140, 2), (3, 96, 160, 7, 2))]
+CASES = [
+    (fmt, *shape)
+    for fmt in ("plain", "fp8", "fp4")
+    for shape in ((4, 64, 128, 5, 2), (2, 64, 64, 140, 2), (3, 96, 160, 7, 2))
+]
 
 
 def test_expert_kernels_match_the_eager_math() -> None:
     seed = random.SystemRandom().randrange(2**31)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    run = subprocess.run([sys.executable, "-c", CHILD, str(seed), json.dumps(CASES)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD, str(seed), json.dumps(CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     errors = json.loads(run.stdout.strip().splitlines()[-1])
     bad = {CASES[j]: err for j, err in enumerate(errors) if not err < 1e-5}

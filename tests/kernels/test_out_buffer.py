@@ -14,8 +14,11 @@ def test_fitting_out_is_used_and_none_allocates() -> None:
     assert fresh.shape == (2, 5) and fresh.dtype == torch.bool and fresh.is_contiguous()
 
 
-@pytest.mark.parametrize("bad", [torch.empty(4, 3), torch.empty(3, 4, dtype=torch.float64), torch.empty(4, 3).T],
-                         ids=["shape", "dtype", "strided"])
+@pytest.mark.parametrize(
+    "bad",
+    [torch.empty(4, 3), torch.empty(3, 4, dtype=torch.float64), torch.empty(4, 3).T],
+    ids=["shape", "dtype", "strided"],
+)
 def test_unfitting_out_names_the_op(bad: torch.Tensor) -> None:
     with pytest.raises(ValueError, match=r"myop: out must be a contiguous torch.float32 tensor of shape \(3, 4\)"):
         out_buffer(bad, (3, 4), torch.float32, bad.device, "myop")

@@ -65,7 +65,9 @@ def _compile_for_sm90(out_dir: str, *names: str) -> None:
                     done[key] = {"spills": spills, "registers": registers, "log": log if spills != [0, 0] else ""}
                 except Exception as exc:  # a kernel that does not compile at this width: the finding
                     done[key] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
-            rows.append({"kernel": launch.name, "launch": launch.describe(), "where": f"{variant} {case} {op}", **done[key]})
+            rows.append(
+                {"kernel": launch.name, "launch": launch.describe(), "where": f"{variant} {case} {op}", **done[key]}
+            )
     for name in names:
         Path(out_dir, f"{name}.json").write_text(json.dumps({"launches": rows, "declined": declined}, indent=1))
 
@@ -100,8 +102,11 @@ def test_every_kernel_compiles_at_the_released_width(name: str, sm90_results: Pa
     rows = result["launches"]
     failed = [f"{r['where']}: {r['launch']}: {r['error']}" for r in rows if "error" in r]
     assert not failed, "kernels that do not compile for sm_90:\n" + "\n".join(failed)
-    spilled = [f"{r['where']}: {r['launch']}: {r['spills']} bytes spilled, {r['registers']} registers\n{r['log']}"
-               for r in rows if r["spills"][0] > P8_SPILLS.get(r["kernel"], 0)]
+    spilled = [
+        f"{r['where']}: {r['launch']}: {r['spills']} bytes spilled, {r['registers']} registers\n{r['log']}"
+        for r in rows
+        if r["spills"][0] > P8_SPILLS.get(r["kernel"], 0)
+    ]
     assert not spilled, "kernels that spill more than at P8's widths:\n" + "\n".join(spilled)
     assert result["declined"] == {}, f"kernel swaps that decline calls at a released width: {result['declined']}"
 

@@ -98,8 +98,9 @@ def _batch_invariance(seed: int, c: int, t: int, h: int, d: int, n: int, dtype: 
     q, keys, bias, sink, cos, sin = _case(seed, (c,), t, h, d, n, dtype, device)
     batched = sparse_mqa_triton(q, keys, bias, sink, cos, sin, **kw)
     for ci in (0, c - 1, c // 2):
-        alone = sparse_mqa_triton(q[ci : ci + 1], keys[ci : ci + 1], bias[ci : ci + 1], sink, cos[ci : ci + 1],
-                                  sin[ci : ci + 1], **kw)
+        alone = sparse_mqa_triton(
+            q[ci : ci + 1], keys[ci : ci + 1], bias[ci : ci + 1], sink, cos[ci : ci + 1], sin[ci : ci + 1], **kw
+        )
         assert torch.equal(alone[0], batched[ci]), f"seed {seed}: chunk {ci} differs alone"
 
 
@@ -121,7 +122,9 @@ def test_skipping_hidden_tiles_is_exact(device: str, t: int) -> None:
     _check(a, q, keys, bias, sink, cos, sin, seed)
 
 
-@pytest.mark.parametrize("n, block_n", [(100, 16), (3000, 64), (64, 64)], ids=["partial-tile", "two-chunks", "one-tile"])
+@pytest.mark.parametrize(
+    "n, block_n", [(100, 16), (3000, 64), (64, 64)], ids=["partial-tile", "two-chunks", "one-tile"]
+)
 def test_live_tile_lists(device: str, n: int, block_n: int) -> None:
     """Per row, the tiles holding a visible key, ascending and packed first, and their count:
     against a torch scan, on a column-strided bias (rows of all -inf, of all live, and random)."""

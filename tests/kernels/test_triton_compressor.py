@@ -50,9 +50,21 @@ class Case:
     distinct real slots of a state with ``n_slots`` real slots plus the scratch slot; chunks of
     length 0 sit on the scratch slot, as a compiled step's padding does."""
 
-    def __init__(self, seed: int, ratio: int, overlap: bool, dim: int, length: int, starts: list[int], lens: list[int],
-                 gated: bool = True, device: str = "cpu", norm_dtype: torch.dtype = torch.float32, strided: bool = False,
-                 n_slots: int | None = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        ratio: int,
+        overlap: bool,
+        dim: int,
+        length: int,
+        starts: list[int],
+        lens: list[int],
+        gated: bool = True,
+        device: str = "cpu",
+        norm_dtype: torch.dtype = torch.float32,
+        strided: bool = False,
+        n_slots: int | None = None,
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         halves = 2 if overlap else 1
         width, ring, c = dim * halves, ratio * halves, len(starts)
@@ -74,8 +86,19 @@ class Case:
         self.norm = (1 + 0.2 * torch.randn(dim, generator=g)).to(device, norm_dtype)
 
     def args(self, rows_kv: torch.Tensor, rows_gate: torch.Tensor) -> tuple:
-        return (self.kv, self.gate, rows_kv, rows_gate, self.slots, self.starts, self.lens, self.norm,
-                self.ratio, self.overlap, EPS)
+        return (
+            self.kv,
+            self.gate,
+            rows_kv,
+            rows_gate,
+            self.slots,
+            self.starts,
+            self.lens,
+            self.norm,
+            self.ratio,
+            self.overlap,
+            EPS,
+        )
 
 
 def _check(case: Case, why: str) -> None:
@@ -128,8 +151,19 @@ def test_pooling_matches_reference(name: str, device: str) -> None:
 def test_strided_rows_and_bf16_norm_weight(name: str, device: str) -> None:
     seed = _fresh_seed()
     ratio, overlap, gated, dim, length, starts, lens = CPU_CASES[name]
-    case = Case(seed, ratio, overlap, dim, length, starts, lens, gated=gated, device=device,
-                norm_dtype=torch.bfloat16, strided=True)
+    case = Case(
+        seed,
+        ratio,
+        overlap,
+        dim,
+        length,
+        starts,
+        lens,
+        gated=gated,
+        device=device,
+        norm_dtype=torch.bfloat16,
+        strided=True,
+    )
     _check(case, f"seed={seed} {name} strided")
 
 
@@ -153,7 +187,15 @@ def test_sequences_fed_in_chunks(ratio: int, overlap: bool, gated: bool, chunkin
         kv = torch.randn(n_seq, length, dim * halves, generator=g).to(device)
         gate = torch.randn(n_seq, length, dim * halves, generator=g).to(device) if gated else None
         slots = torch.where(torch.tensor(lens) > 0, torch.arange(n_seq), n_seq).to(device)
-        meta = (slots, torch.tensor(pos, device=device), torch.tensor(lens, device=device), base.norm, ratio, overlap, EPS)
+        meta = (
+            slots,
+            torch.tensor(pos, device=device),
+            torch.tensor(lens, device=device),
+            base.norm,
+            ratio,
+            overlap,
+            EPS,
+        )
         got = compressor_pool_triton(kv, gate, *ring_k, *meta)
         want = pool_windows(kv, gate, *ring_r, *meta)
         why = f"seed={seed} at positions {pos}"
@@ -167,6 +209,7 @@ def test_sequences_fed_in_chunks(ratio: int, overlap: bool, gated: bool, chunkin
 def test_split_cases_split() -> None:
     """The -split cases above do spread a window over programs, and so do the model's decode
     windows: CSA at dim 512 (width 1024) and HCA over at least 8 programs, the indexer over 2."""
+
     def blocks(dim: int, ring: int) -> int:
         return triton.cdiv(dim, pool_config(dim, ring)["BLOCK_D"])
 
@@ -181,9 +224,22 @@ def test_window_does_not_depend_on_the_batch(ratio: int, overlap: bool, gated: b
     same latent bit for bit (the tiling depends on the widths and the ratio only)."""
     seed = _fresh_seed()
     start = 3 * ratio - 1  # closes a window
-    batch = Case(seed, ratio, overlap, dim, 2 * ratio + 3, [5, start, 0], [2 * ratio + 3, 1, 2], gated=gated, device=device)
-    alone = (batch.kv[1:2, :1], None if batch.gate is None else batch.gate[1:2, :1], batch.rows_kv.clone(), batch.rows_gate.clone(),
-             batch.slots[1:2], batch.starts[1:2], batch.lens[1:2], batch.norm, ratio, overlap, EPS)
+    batch = Case(
+        seed, ratio, overlap, dim, 2 * ratio + 3, [5, start, 0], [2 * ratio + 3, 1, 2], gated=gated, device=device
+    )
+    alone = (
+        batch.kv[1:2, :1],
+        None if batch.gate is None else batch.gate[1:2, :1],
+        batch.rows_kv.clone(),
+        batch.rows_gate.clone(),
+        batch.slots[1:2],
+        batch.starts[1:2],
+        batch.lens[1:2],
+        batch.norm,
+        ratio,
+        overlap,
+        EPS,
+    )
     got_alone = compressor_pool_triton(*alone)
     got_batch = compressor_pool_triton(*batch.args(batch.rows_kv.clone(), batch.rows_gate.clone()))
     assert bool(got_alone[1][0, 0]) and bool(got_batch[1][1, 0]), f"seed={seed}"
@@ -246,14 +302,18 @@ def test_op_dispatches_to_two_launches() -> None:
         torch.cuda.synchronize()
     launches = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(launches) == 2, f"seed={seed}: {launches}"
-    assert "_compressor_pool_kernel" in launches[0] and "_compressor_norm_kernel" in launches[1], f"seed={seed}: {launches}"
+    assert "_compressor_pool_kernel" in launches[0] and "_compressor_norm_kernel" in launches[1], (
+        f"seed={seed}: {launches}"
+    )
     want_ring = (case.rows_kv.clone(), case.rows_gate.clone())
     want = pool_windows(*case.args(*want_ring))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"seed={seed}"
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
     for a, b in zip(ring, want_ring):
         assert torch.equal(a[:-1], b[:-1]), f"seed={seed}"
-    torch.library.opcheck(torch.ops.deepinfer.compressor_pool.default, case.args(case.rows_kv.clone(), case.rows_gate.clone()))
+    torch.library.opcheck(
+        torch.ops.deepinfer.compressor_pool.default, case.args(case.rows_kv.clone(), case.rows_gate.clone())
+    )
 
 
 @needs_cuda
@@ -301,8 +361,15 @@ def _compile_for_sm90(out_dir: str) -> None:
     are interpreted ones, which its compiler cannot inline. The signatures are what a launch
     specialises on: contiguous fp32 rows (unit channel strides become constants; the others,
     multiples of 16, aligned), a bf16 norm weight, 16-byte aligned pointers."""
-    pointers = {"slots_ptr": "*i64", "starts_ptr": "*i64", "lens_ptr": "*i64", "norm_ptr": "*bf16", "w_ptr": "*i64",
-                "done_ptr": "*u8", "eps": "fp32"}
+    pointers = {
+        "slots_ptr": "*i64",
+        "starts_ptr": "*i64",
+        "lens_ptr": "*i64",
+        "norm_ptr": "*bf16",
+        "w_ptr": "*i64",
+        "done_ptr": "*u8",
+        "eps": "fp32",
+    }
 
     def ptx(fn: triton.runtime.jit.JITFunction, constants: dict, num_warps: int) -> str:
         return compile_sm90(fn, pointers, constants, lambda a: a.startswith("s_"), num_warps=num_warps).asm["ptx"]
@@ -312,11 +379,21 @@ def _compile_for_sm90(out_dir: str) -> None:
         cfg = pool_config(dim, ratio * halves)
         warps = cfg.pop("num_warps")
         unit = dict.fromkeys(("s_kd", "s_gd", "s_rd", "s_qd"), 1)
-        consts = {"DIM": dim, "RATIO": ratio, "HALVES": halves, "RING": ratio * halves, "HAS_GATE": gated, **unit, **cfg}
+        consts = {
+            "DIM": dim,
+            "RATIO": ratio,
+            "HALVES": halves,
+            "RING": ratio * halves,
+            "HAS_GATE": gated,
+            **unit,
+            **cfg,
+        }
         Path(out_dir, f"{name}-pool.ptx").write_text(ptx(_compressor_pool_kernel, consts, warps))
         cfg = norm_config(dim)
         warps = cfg.pop("num_warps")
-        Path(out_dir, f"{name}-norm.ptx").write_text(ptx(_compressor_norm_kernel, {"DIM": dim, "RATIO": ratio, **cfg}, warps))
+        Path(out_dir, f"{name}-norm.ptx").write_text(
+            ptx(_compressor_norm_kernel, {"DIM": dim, "RATIO": ratio, **cfg}, warps)
+        )
 
 
 @pytest.fixture(scope="module")

@@ -48,13 +48,24 @@ def _case(seed: int, lead: tuple[int, ...], t: int, h: int, d: int, n: int, dtyp
 
 def _ref_scores(q, keys, head_w, visible, dot_scale: float = 1.0) -> torch.Tensor:
     """The graphs function, 512 queries at a time (its ``[T, Hi, N]`` intermediate is large)."""
-    parts = [index_scores(q[..., i : i + 512, :, :], keys, head_w[..., i : i + 512, :], visible[..., i : i + 512, :], dot_scale)
-             for i in range(0, q.shape[-3], 512)]
+    parts = [
+        index_scores(
+            q[..., i : i + 512, :, :], keys, head_w[..., i : i + 512, :], visible[..., i : i + 512, :], dot_scale
+        )
+        for i in range(0, q.shape[-3], 512)
+    ]
     return torch.cat(parts, dim=-2)
 
 
-def _check_selection(mask: torch.Tensor, ref: torch.Tensor, visible: torch.Tensor, k: int, tol: float, seed: int,
-                     expect: torch.Tensor | None = None) -> None:
+def _check_selection(
+    mask: torch.Tensor,
+    ref: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    tol: float,
+    seed: int,
+    expect: torch.Tensor | None = None,
+) -> None:
     """``mask`` against the reference scores ``ref`` (-inf where hidden) and the reference
     selection ``expect`` (by default score_topk's, restated on ``ref``)."""
     assert mask.dtype == torch.bool and mask.shape == visible.shape, f"seed {seed}"
@@ -79,8 +90,11 @@ def _check_selection(mask: torch.Tensor, ref: torch.Tensor, visible: torch.Tenso
 
 
 @pytest.mark.parametrize("dot_scale", [1.0, 32**-0.5])
-@pytest.mark.parametrize("lead, t, h, d, n", [((2,), 3, 4, 32, 70), ((), 5, 3, 20, 33), ((2, 2), 2, 16, 64, 130)],
-                         ids=["small", "odd-dims", "CL"])
+@pytest.mark.parametrize(
+    "lead, t, h, d, n",
+    [((2,), 3, 4, 32, 70), ((), 5, 3, 20, 33), ((2, 2), 2, 16, 64, 130)],
+    ids=["small", "odd-dims", "CL"],
+)
 def test_scores_match_reference(device: str, lead, t: int, h: int, d: int, n: int, dot_scale: float) -> None:
     seed = _fresh_seed()
     q, keys, head_w, visible = _case(seed, lead, t, h, d, n, torch.float32, device)
@@ -170,15 +184,19 @@ def test_keys_read_from_a_pool_by_slot(dtype: torch.dtype, device: str) -> None:
     torch.testing.assert_close(scores, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
     mask = indexer_topk_triton(q, pool, head_w, visible, 16, slots)
     assert torch.equal(mask, topk_mask_triton(scores, 16)), f"seed {seed}"
-    assert torch.equal(torch.ops.deepinfer.indexer_topk(q, pool, head_w, visible, 16, slots), mask if device == "cuda"
-                       else score_topk(q, pool, head_w, visible, 16, slots)), f"seed {seed}"
+    assert torch.equal(
+        torch.ops.deepinfer.indexer_topk(q, pool, head_w, visible, 16, slots),
+        mask if device == "cuda" else score_topk(q, pool, head_w, visible, 16, slots),
+    ), f"seed {seed}"
     torch.library.opcheck(torch.ops.deepinfer.indexer_scores.default, (q, pool, head_w, visible, 1.0, slots))
     torch.library.opcheck(torch.ops.deepinfer.indexer_topk.default, (q, pool, head_w, visible, 16, slots))
     with pytest.raises(ValueError, match="mismatched shapes"):
         indexer_scores_triton(q, pool, head_w, visible, 1.0, slots[:2])
 
 
-def _batch_invariance(seed: int, c: int, t: int, h: int, d: int, n: int, k: int, dtype: torch.dtype, device: str) -> None:
+def _batch_invariance(
+    seed: int, c: int, t: int, h: int, d: int, n: int, k: int, dtype: torch.dtype, device: str
+) -> None:
     q, keys, head_w, visible = _case(seed, (c,), t, h, d, n, dtype, device)
     scores = indexer_scores_triton(q, keys, head_w, visible)
     mask = topk_mask_triton(scores, k)
@@ -278,11 +296,26 @@ def _compile_for_sm90(out_dir: str) -> None:
     without the interpreter, see ``sm90_ptxas.compile_in_subprocess``)."""
     from deepinfer_fx.kernels.triton.indexer import _BLOCK_M, _BLOCK_N, _NUM_WARPS, _scores_kernel
 
-    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "slot_ptr": "*i64", "w_ptr": "*fp32", "v_ptr": "*u8", "out_ptr": "*fp32",
-             "dot_scale": "fp32"}
+    types = {
+        "q_ptr": "*bf16",
+        "k_ptr": "*bf16",
+        "slot_ptr": "*i64",
+        "w_ptr": "*fp32",
+        "v_ptr": "*u8",
+        "out_ptr": "*fp32",
+        "dot_scale": "fp32",
+    }
     for has_slots in (False, True):
-        consts = {"BLOCK_Q": _BLOCK_M // 64, "BLOCK_H": 64, "BLOCK_N": _BLOCK_N, "BLOCK_D": 128, "D": 128,
-                  "DOT_FP32": False, "HAS_SLOTS": has_slots, "PDL": True}
+        consts = {
+            "BLOCK_Q": _BLOCK_M // 64,
+            "BLOCK_H": 64,
+            "BLOCK_N": _BLOCK_N,
+            "BLOCK_D": 128,
+            "D": 128,
+            "DOT_FP32": False,
+            "HAS_SLOTS": has_slots,
+            "PDL": True,
+        }
         if not has_slots:
             consts["slot_ptr"] = None
         kernel = compile_sm90(_scores_kernel, types, consts, align_pointers=False, num_warps=_NUM_WARPS)

@@ -22,7 +22,17 @@ import pytest
 import torch
 import triton
 
-from linear_helpers import DTYPES, GROUP_WEIGHTS, MODEL_WEIGHTS, assert_close, cuda_only, fresh_seed, live_counters, operands, reference
+from linear_helpers import (
+    DTYPES,
+    GROUP_WEIGHTS,
+    MODEL_WEIGHTS,
+    assert_close,
+    cuda_only,
+    fresh_seed,
+    live_counters,
+    operands,
+    reference,
+)
 from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.kernels.triton import linear
@@ -59,7 +69,9 @@ def _split_bounds(k: int, t: Tiles) -> list[int]:
 @pytest.mark.parametrize("out_fp32", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,tiles", CASES)
-def test_matches_reference(m: int, n: int, k: int, tiles: Tiles | None, dtype: torch.dtype, out_fp32: bool, device: str) -> None:
+def test_matches_reference(
+    m: int, n: int, k: int, tiles: Tiles | None, dtype: torch.dtype, out_fp32: bool, device: str
+) -> None:
     seed = fresh_seed()
     x, w = operands(seed, m, n, k, dtype, device)
     got = skinny_linear_triton(x, w, out_fp32, tiles)
@@ -113,7 +125,9 @@ def test_op_reference_on_cpu() -> None:
 @pytest.mark.parametrize("out_fp32", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,tiles", SPLIT_CASES)
-def test_split_k_is_the_ordered_sum_of_partials(m: int, n: int, k: int, tiles: Tiles, dtype: torch.dtype, out_fp32: bool, device: str) -> None:
+def test_split_k_is_the_ordered_sum_of_partials(
+    m: int, n: int, k: int, tiles: Tiles, dtype: torch.dtype, out_fp32: bool, device: str
+) -> None:
     """One launch == partial_0 + partial_1 + ... in fp32, summed in torch, bitwise; each partial
     is a one-split call over the split's k range (the same tiles run the same dots), and the
     arrival counters are all zero after every call."""
@@ -183,7 +197,9 @@ def test_batch_invariant(n: int, k: int, out_fp32: bool, tma: bool) -> None:
                 inside = skinny_linear_triton(x[:m], w, out_fp32, t)
                 assert torch.equal(alone[0], inside[r]), f"seed={seed} N={n} K={k} row {r} of M={m}"
         assert torch.equal(alone[0], full[r]), f"seed={seed} N={n} K={k} row {r}"
-    assert torch.equal(skinny_linear_triton(other, w, out_fp32, t)[0], full[0]), f"seed={seed}: other rows changed row 0"
+    assert torch.equal(skinny_linear_triton(other, w, out_fp32, t)[0], full[0]), (
+        f"seed={seed}: other rows changed row 0"
+    )
 
 
 @cuda_only
@@ -240,8 +256,9 @@ def test_one_launch_per_call(n: int, k: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,tiles", CASES + SPLIT_CASES)
-def test_tma_tiles_match_reference(m: int, n: int, k: int, tiles: Tiles | None, dtype: torch.dtype,
-                                  device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tma_tiles_match_reference(
+    m: int, n: int, k: int, tiles: Tiles | None, dtype: torch.dtype, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Weight tiles read through a tensor descriptor (zeros past N and K), split K included;
     weights whose rows are not 16-byte aligned keep pointer loads."""
     seed = fresh_seed()
@@ -249,7 +266,9 @@ def test_tma_tiles_match_reference(m: int, n: int, k: int, tiles: Tiles | None, 
     t = tiles or choose_tiles(n, k)
     made = []
     real = linear.TensorDescriptor.from_tensor
-    monkeypatch.setattr(linear.TensorDescriptor, "from_tensor", staticmethod(lambda *a, **kw: made.append(1) or real(*a, **kw)))
+    monkeypatch.setattr(
+        linear.TensorDescriptor, "from_tensor", staticmethod(lambda *a, **kw: made.append(1) or real(*a, **kw))
+    )
     got = skinny_linear_triton(x, w, False, t._replace(tma=True))
     why = f"seed={seed} M={m} N={n} K={k} tiles={t} {dtype}"
     assert len(made) == int(k * w.element_size() % 16 == 0), why
@@ -260,7 +279,9 @@ def test_tma_tiles_match_reference(m: int, n: int, k: int, tiles: Tiles | None, 
 
 
 # (weights' N, K, X_BLOCK_N): each P8 weight, each group, and wo_a as stacked diagonal blocks.
-SM90_CASES = [((n,), k, 0) for n, k in MODEL_WEIGHTS] + [(ns, k, 0) for ns, k in GROUP_WEIGHTS] + [((8192,), 4096, 1024)]
+SM90_CASES = (
+    [((n,), k, 0) for n, k in MODEL_WEIGHTS] + [(ns, k, 0) for ns, k in GROUP_WEIGHTS] + [((8192,), 4096, 1024)]
+)
 
 
 def _case_name(ns: tuple[int, ...], k: int, x_block_n: int) -> str:
@@ -280,23 +301,50 @@ def _compile_for_sm90(out_dir: str) -> None:
         tile0 = [0]
         for n in ns:
             tile0.append(tile0[-1] + -(-n // t.bn))
-        consts = {"stride_xk": 1, "stride_wk": 1, "K": k, "K_SPLIT": bounds[1], "SPLITS": len(bounds) - 1,
-                  "BM": BM, "BN": t.bn, "BK": t.bk, "EVEN": all(n % t.bn == 0 for n in ns), "PREC": "tf32",
-                  "NS": ns, "TILE0": tuple(tile0[:-1]), "COL0": tuple(sum(ns[:g]) for g in range(len(ns))), "N_ALL": sum(ns),
-                  "X_BLOCK_N": x_block_n, "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // 64)), "LINE": 64,
-                  "PDL": True}
+        consts = {
+            "stride_xk": 1,
+            "stride_wk": 1,
+            "K": k,
+            "K_SPLIT": bounds[1],
+            "SPLITS": len(bounds) - 1,
+            "BM": BM,
+            "BN": t.bn,
+            "BK": t.bk,
+            "EVEN": all(n % t.bn == 0 for n in ns),
+            "PREC": "tf32",
+            "NS": ns,
+            "TILE0": tuple(tile0[:-1]),
+            "COL0": tuple(sum(ns[:g]) for g in range(len(ns))),
+            "N_ALL": sum(ns),
+            "X_BLOCK_N": x_block_n,
+            "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // 64)),
+            "LINE": 64,
+            "PDL": True,
+        }
         if len(bounds) == 2:
             consts |= {"ws_ptr": None, "count_ptr": None}
         for out in ("bf16", "fp32"):
-            pointers = {"x_ptr": "*bf16", "w_ptrs": ("*bf16",) * len(ns), "out_ptrs": (f"*{out}",) * len(ns),
-                        "ws_ptr": "*fp32", "count_ptr": "*i32"}
-            kernel = compile_sm90(fn, pointers, consts | {"w_desc": None}, ["stride_xm", "stride_wn"],
-                                  num_warps=t.warps, num_stages=t.stages)
+            pointers = {
+                "x_ptr": "*bf16",
+                "w_ptrs": ("*bf16",) * len(ns),
+                "out_ptrs": (f"*{out}",) * len(ns),
+                "ws_ptr": "*fp32",
+                "count_ptr": "*i32",
+            }
+            kernel = compile_sm90(
+                fn,
+                pointers,
+                consts | {"w_desc": None},
+                ["stride_xm", "stride_wn"],
+                num_warps=t.warps,
+                num_stages=t.stages,
+            )
             Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}.ptx").write_text(kernel.asm["ptx"])
             if len(ns) == 1:  # the tensor-descriptor variant (``Tiles.tma``)
                 desc = {"w_desc": f"tensordesc<bf16[{t.bn}, {t.bk}]>"}
-                kernel = compile_sm90(fn, pointers | desc, consts, ["stride_xm", "stride_wn"],
-                                      num_warps=t.warps, num_stages=t.stages)
+                kernel = compile_sm90(
+                    fn, pointers | desc, consts, ["stride_xm", "stride_wn"], num_warps=t.warps, num_stages=t.stages
+                )
                 Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").write_text(kernel.asm["ptx"])
 
 
@@ -308,7 +356,9 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("out", ["bf16", "fp32"])
 @pytest.mark.parametrize("ns,k,x_block_n", SM90_CASES, ids=str)
-def test_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, x_block_n: int, out: str, sm90_ptx: Path) -> None:
+def test_compiles_for_sm90_without_spills(
+    ns: tuple[int, ...], k: int, x_block_n: int, out: str, sm90_ptx: Path
+) -> None:
     """No spills, and at most 128 registers (four warps: several programs per SM). With split K:
     one gpu-scope acq_rel atomic, issued after a barrier that follows every partial store, and
     the partials read back through L2 (``ld.global.cg``); with one split, neither. With PDL: L2
@@ -326,17 +376,22 @@ def test_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, x_block_n
     if choose_tiles(sum(ns), k).split == 1:
         assert not atoms and not any("ld.global.cg" in line for line in lines)
         return
-    assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], lines[atoms[0]] if atoms else "no atomic"
+    assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], (
+        lines[atoms[0]] if atoms else "no atomic"
+    )
     last_store = max(i for i in range(atoms[0]) if "st.global" in lines[i])
-    assert any(line.startswith("bar.sync") for line in lines[last_store : atoms[0]]), "no barrier between the partial stores and the atomic"
+    assert any(line.startswith("bar.sync") for line in lines[last_store : atoms[0]]), (
+        "no barrier between the partial stores and the atomic"
+    )
     assert any("ld.global.cg" in line for line in lines[atoms[0] :]), "partials must be read through L2"
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("out", ["bf16", "fp32"])
 @pytest.mark.parametrize("ns,k,x_block_n", [c for c in SM90_CASES if len(c[0]) == 1], ids=str)
-def test_tma_variant_compiles_for_sm90_without_spills(ns: tuple[int, ...], k: int, x_block_n: int, out: str,
-                                                     sm90_ptx: Path) -> None:
+def test_tma_variant_compiles_for_sm90_without_spills(
+    ns: tuple[int, ...], k: int, x_block_n: int, out: str, sm90_ptx: Path
+) -> None:
     """The tensor-descriptor variant: no spills, at most 128 registers, its weight tiles come as
     bulk tensor copies, and none is issued before the PDL wait."""
     ptx = (sm90_ptx / f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").read_text()

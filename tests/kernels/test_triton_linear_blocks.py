@@ -29,7 +29,9 @@ CASES = [
 P8_WO_A = (8, 1024, 4096)  # groups, rank, (H / G) * head_dim
 
 
-def _operands(seed: int, m: int, g: int, r: int, k: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _operands(
+    seed: int, m: int, g: int, r: int, k: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, g * k, generator=gen)
     w = torch.randn(g * r, k, generator=gen) * k**-0.5
@@ -43,7 +45,9 @@ def _dense(w: torch.Tensor, g: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,g,r,k,tiles", CASES)
-def test_matches_block_diagonal_product(m: int, g: int, r: int, k: int, tiles: Tiles | None, dtype: torch.dtype, device: str) -> None:
+def test_matches_block_diagonal_product(
+    m: int, g: int, r: int, k: int, tiles: Tiles | None, dtype: torch.dtype, device: str
+) -> None:
     seed = fresh_seed()
     x, w = _operands(seed, m, g, r, k, dtype, device)
     why = f"seed={seed} M={m} G={g} R={r} K={k} tiles={tiles} {dtype}"
@@ -54,12 +58,14 @@ def test_matches_block_diagonal_product(m: int, g: int, r: int, k: int, tiles: T
 
 
 @pytest.mark.parametrize("m,g,r,k,tiles", CASES)
-def test_each_block_is_a_plain_call_on_its_slice(m: int, g: int, r: int, k: int, tiles: Tiles | None, device: str) -> None:
+def test_each_block_is_a_plain_call_on_its_slice(
+    m: int, g: int, r: int, k: int, tiles: Tiles | None, device: str
+) -> None:
     """Block b of the result == ``skinny_linear(x[:, bK:(b+1)K], w[bR:(b+1)R])`` with the same
     tiles, bitwise: the offset moves the reads and nothing else."""
     seed = fresh_seed()
     x, w = _operands(seed, m, g, r, k, torch.float32, device)
-    t = (tiles or choose_tiles(g * r, k))
+    t = tiles or choose_tiles(g * r, k)
     t = t._replace(bn=min(t.bn, r & -r))
     got = skinny_linear_blocks_triton(x, w, g, t)
     for b in range(g):

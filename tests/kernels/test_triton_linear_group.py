@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from linear_helpers import DTYPES, GROUP_WEIGHTS, assert_close, cuda_only, fresh_seed, live_counters, operands, reference
+from linear_helpers import (
+    DTYPES,
+    GROUP_WEIGHTS,
+    assert_close,
+    cuda_only,
+    fresh_seed,
+    live_counters,
+    operands,
+    reference,
+)
 
 from deepinfer_fx.kernels.ops_linear import MAX_GROUP
 from deepinfer_fx.kernels.triton.linear import Tiles, choose_tiles, skinny_linear_group_triton, skinny_linear_triton
@@ -26,8 +35,9 @@ GROUP_CASES = [
 @pytest.mark.parametrize("out_fp32", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,ns,k,tiles", GROUP_CASES)
-def test_group_is_each_weight_alone(m: int, ns: tuple[int, ...], k: int, tiles: Tiles | None, dtype: torch.dtype,
-                                    out_fp32: bool, device: str) -> None:
+def test_group_is_each_weight_alone(
+    m: int, ns: tuple[int, ...], k: int, tiles: Tiles | None, dtype: torch.dtype, out_fp32: bool, device: str
+) -> None:
     """One launch over a group == one call per weight with the group's tiles, bitwise (each
     column runs the same dots and split sums wherever its weight sits in the group), and within
     accumulation error of the exact products; the counters end at zero. A group's weights load

@@ -57,8 +57,12 @@ def _head_inputs(seed: int, lead: tuple[int, ...], n: int, d: int, dtype: torch.
 def _poisoned(X: torch.Tensor) -> tuple[torch.Tensor, ...]:
     *lead, n, d = X.shape
     f32 = {"dtype": torch.float32, "device": X.device}
-    return (torch.full((*lead, n), float("nan"), **f32), torch.full((*lead, n), float("nan"), **f32),
-            torch.full((*lead, n, n), float("nan"), **f32), torch.full((*lead, d), float("nan"), dtype=X.dtype, device=X.device))
+    return (
+        torch.full((*lead, n), float("nan"), **f32),
+        torch.full((*lead, n), float("nan"), **f32),
+        torch.full((*lead, n, n), float("nan"), **f32),
+        torch.full((*lead, d), float("nan"), dtype=X.dtype, device=X.device),
+    )
 
 
 def _assert_matches(got: tuple, want: tuple, X: torch.Tensor, why: str, own_pre: bool = True) -> None:
@@ -68,7 +72,9 @@ def _assert_matches(got: tuple, want: tuple, X: torch.Tensor, why: str, own_pre:
     _assert_collapse_matches(got[3], want[3], X, why, dpre)
 
 
-def _assert_collapse_matches(u: torch.Tensor, ref: torch.Tensor, X: torch.Tensor, why: str, dpre: torch.Tensor | float) -> None:
+def _assert_collapse_matches(
+    u: torch.Tensor, ref: torch.Tensor, X: torch.Tensor, why: str, dpre: torch.Tensor | float
+) -> None:
     """The collapse ``u`` against the reference's, ``dpre`` the difference of the ``pre`` it used."""
     assert u.dtype == ref.dtype == X.dtype, why
     if ref.dtype == torch.bfloat16:
@@ -93,7 +99,15 @@ def _layout(X: torch.Tensor, layout: str) -> torch.Tensor:
     return X
 
 
-def _run(lead: tuple[int, ...], n: int, d: int, with_pre: bool, device: str, dtype: torch.dtype = torch.float32, layout: str = "contiguous") -> None:
+def _run(
+    lead: tuple[int, ...],
+    n: int,
+    d: int,
+    with_pre: bool,
+    device: str,
+    dtype: torch.dtype = torch.float32,
+    layout: str = "contiguous",
+) -> None:
     seed = _seed()
     args = _inputs(seed, lead, n, d, dtype, device, with_pre)
     X = _layout(args[0], layout)
@@ -112,7 +126,9 @@ def _run(lead: tuple[int, ...], n: int, d: int, with_pre: bool, device: str, dty
 _HEAD_DPRE = 1.1e-5
 
 
-def _run_head(lead: tuple[int, ...], n: int, d: int, device: str, dtype: torch.dtype = torch.float32, layout: str = "contiguous") -> None:
+def _run_head(
+    lead: tuple[int, ...], n: int, d: int, device: str, dtype: torch.dtype = torch.float32, layout: str = "contiguous"
+) -> None:
     seed = _seed()
     X, *rest = _head_inputs(seed, lead, n, d, dtype, device)
     args = (_layout(X, layout), *rest)
@@ -215,8 +231,9 @@ def test_head_two_channel_blocks(dtype: torch.dtype, device: str) -> None:
     _run_head((5,), 4, 1100, device, dtype)
 
 
-@pytest.mark.parametrize("lead,n", [((2, 3), 4), ((6,), 2), ((4,), 3), ((3,), 32)],
-                         ids=["chunks", "n2", "n3-reference", "n32-reference"])
+@pytest.mark.parametrize(
+    "lead,n", [((2, 3), 4), ((6,), 2), ((4,), 3), ((3,), 32)], ids=["chunks", "n2", "n3-reference", "n32-reference"]
+)
 def test_head_other_shapes(lead: tuple[int, ...], n: int, device: str) -> None:
     """Leading dims of chunks, two streams, and stream counts the kernel leaves to the
     reference (not a power of two; more than 16), which are then its result bit for bit."""
@@ -270,8 +287,16 @@ def test_token_does_not_depend_on_the_batch(with_pre: bool, device: str, monkeyp
     X, fn, base, scale, rms_eps, hc_eps, iters, pre_in = _inputs(seed, (150,), 4, 100, torch.float32, device, with_pre)
     batch = mhc_site_triton(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in)
     for t in (0, 70, 149):
-        alone = mhc_site_triton(X[t : t + 1].clone(), fn, base, scale, rms_eps, hc_eps, iters,
-                                None if pre_in is None else pre_in[t : t + 1].clone())
+        alone = mhc_site_triton(
+            X[t : t + 1].clone(),
+            fn,
+            base,
+            scale,
+            rms_eps,
+            hc_eps,
+            iters,
+            None if pre_in is None else pre_in[t : t + 1].clone(),
+        )
         for name, a, b in zip(("pre", "post", "comb", "u"), alone, batch):
             assert torch.equal(a[0], b[t]), f"seed={seed} token {t}: {name}"
 
@@ -349,7 +374,9 @@ def test_head_op_dispatches_to_two_launches() -> None:
     args = _head_inputs(seed, (1,), 4, 4096, torch.bfloat16, "cuda")
     got = _two_launches("mhc_head", args, seed)
     _assert_collapse_matches(got, hc_head.reference(*args), args[0], f"seed={seed}", _HEAD_DPRE)  # type: ignore[attr-defined]
-    torch.library.opcheck(torch.ops.deepinfer.mhc_head.default, _head_inputs(seed, (5,), 4, 4096, torch.bfloat16, "cuda"))
+    torch.library.opcheck(
+        torch.ops.deepinfer.mhc_head.default, _head_inputs(seed, (5,), 4, 4096, torch.bfloat16, "cuda")
+    )
 
 
 @needs_cuda

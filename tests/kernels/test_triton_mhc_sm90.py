@@ -35,20 +35,44 @@ def _compile_for_sm90(out_dir: str) -> None:
         warps = dots.pop("num_warps")
         types["x_ptr"] = "*bf16" if bf16 else "*fp32"
         Path(out_dir, f"dots-{'bf16' if bf16 else 'fp32'}{'-unrolled' if unroll else ''}.ptx").write_text(
-            ptx(_mhc_dots_kernel, {"K": n * d, "M": 2 * n + n * n, "PDL": True, "FN_LINES": dots["CHUNK"] // 32, "LINE": 32,
-                                   **dots}, warps))
+            ptx(
+                _mhc_dots_kernel,
+                {"K": n * d, "M": 2 * n + n * n, "PDL": True, "FN_LINES": dots["CHUNK"] // 32, "LINE": 32, **dots},
+                warps,
+            )
+        )
     types["x_ptr"] = "*bf16"
     finish = dict(launch_config(n, d)["finish"])
     warps = finish.pop("num_warps")
     for has_pre in (False, True):
         for first in (True, False):
-            consts = {"N": n, "D": d, "ITERS": ITERS, "HAS_PRE_IN": has_pre, "HEAD": False, "PDL": True,
-                      "LOADS_FIRST": first, **finish}
-            Path(out_dir, f"finish-{has_pre}{'' if first else '-prefill'}.ptx").write_text(ptx(_mhc_finish_kernel, consts, warps))
+            consts = {
+                "N": n,
+                "D": d,
+                "ITERS": ITERS,
+                "HAS_PRE_IN": has_pre,
+                "HEAD": False,
+                "PDL": True,
+                "LOADS_FIRST": first,
+                **finish,
+            }
+            Path(out_dir, f"finish-{has_pre}{'' if first else '-prefill'}.ptx").write_text(
+                ptx(_mhc_finish_kernel, consts, warps)
+            )
     head = dict(launch_config(n, d, True, head=True)["finish"])
     assert head.pop("num_warps") == warps
     unread = dict.fromkeys(("pre_in_ptr", "pre_ptr", "post_ptr", "comb_ptr"))
-    consts = {"N": n, "D": d, "ITERS": 1, "HAS_PRE_IN": False, "HEAD": True, "PDL": True, "LOADS_FIRST": True, **unread, **head}
+    consts = {
+        "N": n,
+        "D": d,
+        "ITERS": 1,
+        "HAS_PRE_IN": False,
+        "HEAD": True,
+        "PDL": True,
+        "LOADS_FIRST": True,
+        **unread,
+        **head,
+    }
     Path(out_dir, "finish-head.ptx").write_text(ptx(_mhc_finish_kernel, consts, warps))
 
 
@@ -58,8 +82,19 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("kernel", ["dots-fp32", "dots-bf16", "dots-bf16-unrolled", "finish-False", "finish-True",
-                                    "finish-False-prefill", "finish-True-prefill", "finish-head"])
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        "dots-fp32",
+        "dots-bf16",
+        "dots-bf16-unrolled",
+        "finish-False",
+        "finish-True",
+        "finish-False-prefill",
+        "finish-True-prefill",
+        "finish-head",
+    ],
+)
 def test_compiles_for_sm90_without_spills(kernel: str, sm90_ptx: Path) -> None:
     """No spills, PDL's wait and trigger before any load, and never tf32: fp32 streams' dot is plain fp32 FMAs; bf16
     streams' dots are bf16 tensor-core MMAs; the collapse loads the streams in 16-byte vectors. The head's finish

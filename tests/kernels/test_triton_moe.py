@@ -15,15 +15,31 @@ import torch
 from deepinfer_fx.graphs.moe import routed_experts
 from deepinfer_fx.io.quant import dequant_fp8_block
 from deepinfer_fx.kernels.triton import moe
-from deepinfer_fx.kernels.triton.moe import (Tiles, choose_tiles, tile_smem, moe_experts_fp8_triton, moe_experts_triton, run_experts,
-                                             sort_pairs)
+from deepinfer_fx.kernels.triton.moe import (
+    Tiles,
+    choose_tiles,
+    tile_smem,
+    moe_experts_fp8_triton,
+    moe_experts_triton,
+    run_experts,
+    sort_pairs,
+)
 
 reference = routed_experts.reference
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-def _case(seed: int, t: int, e: int, d: int, i: int, k: int, device: str, dtype: torch.dtype = torch.float32,
-          experts: list[int] | None = None) -> dict:
+def _case(
+    seed: int,
+    t: int,
+    e: int,
+    d: int,
+    i: int,
+    k: int,
+    device: str,
+    dtype: torch.dtype = torch.float32,
+    experts: list[int] | None = None,
+) -> dict:
     """Random inputs; ``experts`` restricts routing to those ids (k of them drawn per token,
     with repeats when fewer than k are given)."""
     g = torch.Generator(device).manual_seed(seed)
@@ -41,7 +57,9 @@ def _case(seed: int, t: int, e: int, d: int, i: int, k: int, device: str, dtype:
     return {"x": randn(t, d).to(dtype), "w": {n: v.to(dtype) for n, v in w.items()}, "idx": idx, "rw": rw}
 
 
-def _run(c: dict, limit: float, out: torch.Tensor | None = None, tiles: tuple[Tiles, Tiles] | None = None) -> torch.Tensor:
+def _run(
+    c: dict, limit: float, out: torch.Tensor | None = None, tiles: tuple[Tiles, Tiles] | None = None
+) -> torch.Tensor:
     w = c["w"]
     return moe_experts_triton(c["x"], w["w1"], w["w3"], w["w2"], c["idx"], c["rw"], limit, out=out, tiles=tiles)
 
@@ -75,7 +93,9 @@ def test_sort_pairs(device: str, t: int, e: int) -> None:
 
 
 @pytest.mark.parametrize("t,launches", [(1, ["sort_one"]), (42, ["sort_one"]), (43, ["count", "place"])])
-def test_sort_is_one_launch_up_to_one_span(device: str, t: int, launches: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sort_is_one_launch_up_to_one_span(
+    device: str, t: int, launches: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Up to 256 pairs (42 tokens of 6) one program sorts them; more take the two-launch sort."""
     seen: list[str] = []
 
@@ -87,7 +107,11 @@ def test_sort_is_one_launch_up_to_one_span(device: str, t: int, launches: list[s
             seen.append(self.name)
             return self.kernel[grid]
 
-    for name, attr in (("sort_one", "sort_pairs_one_kernel"), ("count", "count_pairs_kernel"), ("place", "place_pairs_kernel")):
+    for name, attr in (
+        ("sort_one", "sort_pairs_one_kernel"),
+        ("count", "count_pairs_kernel"),
+        ("place", "place_pairs_kernel"),
+    ):
         monkeypatch.setattr(moe, attr, Recorded(name, getattr(moe, attr)))
     idx = torch.randint(8, (t, 6), device=device)
     pairs, ends = sort_pairs(idx, 8)
@@ -121,15 +145,26 @@ def test_half_height_last_blocks(device: str) -> None:
     c = _case(seed, 60, 6, 48, 40, 2, device)
     rows = [1, 9, 16, 17, 31, 40]  # per expert; 114 of the 120 pairs, the rest to expert 5
     c["idx"] = torch.repeat_interleave(torch.arange(6, device=device), torch.tensor(rows, device=device))
-    c["idx"] = torch.cat([c["idx"], torch.full((6,), 5, device=device)])[torch.randperm(120, generator=g, device=device)]
+    c["idx"] = torch.cat([c["idx"], torch.full((6,), 5, device=device)])[
+        torch.randperm(120, generator=g, device=device)
+    ]
     c["idx"] = c["idx"].view(60, 2)
     half = (Tiles(32, 16, 16, 1, 4, 2, True), Tiles(32, 16, 16, 1, 4, 2, True))
     want = reference(c["w"], 0.6, c["x"], c["idx"], c["rw"])
     _check(_run(c, 0.6, tiles=half), want, seed, 1e-5)
     _check(_run(c, 0.6, tiles=tuple(t._replace(half=False) for t in half)), want, seed, 1e-5)
     q, deq = _fp8(c, 16, seed)
-    got = run_experts(c["x"], (q["w1"], q["w3"], q["w2"]), (q["w1_scale"], q["w3_scale"], q["w2_scale"]), 16,
-                      c["idx"], c["rw"], 0.6, None, half)
+    got = run_experts(
+        c["x"],
+        (q["w1"], q["w3"], q["w2"]),
+        (q["w1_scale"], q["w3_scale"], q["w2_scale"]),
+        16,
+        c["idx"],
+        c["rw"],
+        0.6,
+        None,
+        half,
+    )
     _check(got, reference(deq, 0.6, c["x"], c["idx"], c["rw"]), seed, 1e-5)
     with pytest.raises(ValueError, match="half-height tiles need bm >= 32"):
         _run(c, 0.6, tiles=(Tiles(16, 16, 16, 1, 4, 2, True), half[1]))
@@ -137,7 +172,9 @@ def test_half_height_last_blocks(device: str) -> None:
 
 def test_prefill_tiles_take_half_height_last_blocks() -> None:
     """The 128-row prefill tiles split their last blocks; decode tiles stream weights and do not."""
-    assert choose_tiles(4096 * 6, 64, 2048, 4096, True, 0).half and choose_tiles(4096 * 6, 64, 4096, 2048, False, 0).half
+    assert (
+        choose_tiles(4096 * 6, 64, 2048, 4096, True, 0).half and choose_tiles(4096 * 6, 64, 4096, 2048, False, 0).half
+    )
     assert not choose_tiles(8 * 6, 64, 2048, 4096, True, 0).half
 
 
@@ -202,11 +239,13 @@ def test_fp8_matches_reference(device: str, t: int, d: int, i: int, block: int) 
     seed = random.randrange(2**31)
     c = _case(seed, t, 4, d, i, 3, device)
     q, deq = _fp8(c, block, seed)
-    got = moe_experts_fp8_triton(c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"],
-                                 c["idx"], c["rw"], 0.6, block)
+    got = moe_experts_fp8_triton(
+        c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"], c["idx"], c["rw"], 0.6, block
+    )
     _check(got, reference(deq, 0.6, c["x"], c["idx"], c["rw"]), seed, 1e-5)
-    op = torch.ops.deepinfer.moe_experts_fp8(c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"],
-                                             q["w2_scale"], c["idx"], c["rw"], 0.6, block)
+    op = torch.ops.deepinfer.moe_experts_fp8(
+        c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"], c["idx"], c["rw"], 0.6, block
+    )
     _check(op, reference(deq, 0.6, c["x"], c["idx"], c["rw"]), seed, 1e-6 if device == "cpu" else 1e-5)
 
 
@@ -264,8 +303,12 @@ def test_p8_half_height_blocks_bitwise(p8_weights: dict) -> None:
 @cuda_only
 def test_p8_cuda_graph_replay(p8_weights: dict) -> None:
     """No host sync inside: the launcher captures, and replaying with new routing matches eager."""
-    c = {**p8_weights, "x": p8_weights["x"][:64].clone(), "idx": p8_weights["idx"][:64].clone(),
-         "rw": p8_weights["rw"][:64].clone()}
+    c = {
+        **p8_weights,
+        "x": p8_weights["x"][:64].clone(),
+        "idx": p8_weights["idx"][:64].clone(),
+        "rw": p8_weights["rw"][:64].clone(),
+    }
     _run(c, 10.0)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -281,6 +324,7 @@ def test_p8_cuda_graph_replay(p8_weights: dict) -> None:
 def test_p8_fp8_matches_reference(p8_weights: dict, t: int) -> None:
     c = {**p8_weights, "x": p8_weights["x"][:t], "idx": p8_weights["idx"][:t], "rw": p8_weights["rw"][:t]}
     q, deq = _fp8(c, 128, c["seed"])
-    got = torch.ops.deepinfer.moe_experts_fp8(c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"],
-                                              q["w2_scale"], c["idx"], c["rw"], 10.0, 128)
+    got = torch.ops.deepinfer.moe_experts_fp8(
+        c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"], c["idx"], c["rw"], 10.0, 128
+    )
     _check(got, reference(deq, 10.0, c["x"], c["idx"], c["rw"]), c["seed"], 2e-2)

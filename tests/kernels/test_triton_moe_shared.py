@@ -38,10 +38,13 @@ def _case(seed: int, t: int, e: int, d: int, i: int, k: int, device: str) -> dic
     return {"x": x, "w": w, "s": s, "idx": idx, "rw": rw}
 
 
-def _run(c: dict, limit: float, out: torch.Tensor | None = None, tiles: tuple[Tiles, Tiles] | None = None) -> torch.Tensor:
+def _run(
+    c: dict, limit: float, out: torch.Tensor | None = None, tiles: tuple[Tiles, Tiles] | None = None
+) -> torch.Tensor:
     w, s = c["w"], c["s"]
-    return moe_experts_shared_triton(c["x"], w["w1"], w["w3"], w["w2"], s["w1"], s["w3"], s["w2"], c["idx"], c["rw"],
-                                     limit, out=out, tiles=tiles)
+    return moe_experts_shared_triton(
+        c["x"], w["w1"], w["w3"], w["w2"], s["w1"], s["w3"], s["w2"], c["idx"], c["rw"], limit, out=out, tiles=tiles
+    )
 
 
 def _reference(c: dict, limit: float) -> torch.Tensor:
@@ -92,7 +95,9 @@ def test_poisoned_out_and_half_height_tiles(device: str) -> None:
     _check(got, want, seed)
     half = (Tiles(32, 16, 16, 1, 4, 2, True), Tiles(32, 16, 16, 1, 4, 2, True))
     _check(_run(c, 0.6, tiles=half), want, seed)
-    assert torch.equal(_run(c, 0.6, tiles=half), _run(c, 0.6, tiles=tuple(t._replace(half=False) for t in half))), f"seed {seed}"
+    assert torch.equal(_run(c, 0.6, tiles=half), _run(c, 0.6, tiles=tuple(t._replace(half=False) for t in half))), (
+        f"seed {seed}"
+    )
 
 
 def test_sort_pairs_adds_the_shared_expert(device: str) -> None:
@@ -106,7 +111,9 @@ def test_sort_pairs_adds_the_shared_expert(device: str) -> None:
     flat = torch.cat([idx, torch.full((t, 1), e, device=device)], 1).reshape(-1)
     counts = torch.zeros(e + 1, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     assert torch.equal(ends.long(), counts.cumsum(0)), f"seed {seed}: expert ends"
-    assert torch.equal(pairs.sort().values.long(), torch.arange(flat.numel(), device=device)), f"seed {seed}: not a permutation"
+    assert torch.equal(pairs.sort().values.long(), torch.arange(flat.numel(), device=device)), (
+        f"seed {seed}: not a permutation"
+    )
     assert torch.equal(flat[pairs.long()], flat.sort().values), f"seed {seed}: not grouped by expert"
 
 
@@ -137,8 +144,9 @@ def test_op_on_this_device(device: str) -> None:
     seed = random.randrange(2**31)
     c = _case(seed, 5, 4, 64, 32, 2, device)
     w, s = c["w"], c["s"]
-    op = torch.ops.deepinfer.moe_experts_shared(c["x"], w["w1"], w["w3"], w["w2"], s["w1"], s["w3"], s["w2"], c["idx"],
-                                                 c["rw"], 0.6)
+    op = torch.ops.deepinfer.moe_experts_shared(
+        c["x"], w["w1"], w["w3"], w["w2"], s["w1"], s["w3"], s["w2"], c["idx"], c["rw"], 0.6
+    )
     assert torch.equal(op, _run(c, 0.6) if device == "cuda" else _reference(c, 0.6)), f"seed {seed}"
 
 
@@ -158,7 +166,9 @@ def test_fp8_experts_refuse_the_shared_expert(device: str) -> None:
     w8 = tuple(c["w"][n].to(torch.float8_e4m3fn) for n in ("w1", "w3", "w2"))
     scales = tuple(torch.ones(4, -(-v.shape[1] // 16), -(-v.shape[2] // 16), device=device) for v in w8)
     with pytest.raises(ValueError, match="shared expert folds into bf16/fp32 experts only"):
-        run_experts(c["x"], w8, scales, 16, c["idx"], c["rw"], 0.6, None, shared=(c["s"]["w1"], c["s"]["w3"], c["s"]["w2"]))
+        run_experts(
+            c["x"], w8, scales, 16, c["idx"], c["rw"], 0.6, None, shared=(c["s"]["w1"], c["s"]["w3"], c["s"]["w2"])
+        )
 
 
 # --- GPU: bf16 at the P8 benchmark's widths (D 4096, I 2048, E 64, k 6) ----------------------
@@ -168,8 +178,13 @@ def test_fp8_experts_refuse_the_shared_expert(device: str) -> None:
 def p8_case() -> dict:
     seed = random.randrange(2**31)
     c = _case(seed, 4096, 64, 4096, 2048, 6, "cuda")
-    return {"seed": seed, **c, "x": c["x"].bfloat16(), "w": {n: v.bfloat16() for n, v in c["w"].items()},
-            "s": {n: v.bfloat16() for n, v in c["s"].items()}}
+    return {
+        "seed": seed,
+        **c,
+        "x": c["x"].bfloat16(),
+        "w": {n: v.bfloat16() for n, v in c["w"].items()},
+        "s": {n: v.bfloat16() for n, v in c["s"].items()},
+    }
 
 
 def _rows(c: dict, a: int, b: int) -> dict:
@@ -207,10 +222,12 @@ def test_p8_cuda_graph_replay(p8_case: dict) -> None:
 
 # (bm, bn, bk, group_m, warps, stages, half) of choose_tiles' decode and prefill tiles at P8 widths
 # (narrow: the T = 1 tiles at 4 stages, and at 3 as ``_one_wave`` picks them with the fold)
-_P8_TILES = {"decode": ((16, 128, 128, 1, 4, 3, False), (16, 128, 128, 1, 4, 3, False)),
-             "narrow4": ((16, 32, 128, 1, 4, 4, False), (16, 32, 128, 1, 4, 4, False)),
-             "narrow3": ((16, 32, 128, 1, 4, 3, False), (16, 32, 128, 1, 4, 3, False)),
-             "prefill": ((128, 128, 64, 16, 8, 3, True), (128, 256, 64, 8, 8, 4, True))}
+_P8_TILES = {
+    "decode": ((16, 128, 128, 1, 4, 3, False), (16, 128, 128, 1, 4, 3, False)),
+    "narrow4": ((16, 32, 128, 1, 4, 4, False), (16, 32, 128, 1, 4, 4, False)),
+    "narrow3": ((16, 32, 128, 1, 4, 3, False), (16, 32, 128, 1, 4, 3, False)),
+    "prefill": ((128, 128, 64, 16, 8, 3, True), (128, 256, 64, 8, 8, 4, True)),
+}
 
 
 def _compile_for_sm90(out_dir: str) -> None:
@@ -219,43 +236,149 @@ def _compile_for_sm90(out_dir: str) -> None:
     process without the interpreter, see ``sm90_ptxas.compile_in_subprocess``). Pointers,
     strides and widths carry the 16-divisibility a real launch at these sizes specialises on."""
     from deepinfer_fx.kernels.triton.moe import Tiles, fp4_tiles
-    from deepinfer_fx.kernels.triton.moe_kernels import (combine_kernel, count_pairs_kernel, down_kernel, gate_up_kernel,
-                                                         place_pairs_kernel, sort_pairs_one_kernel)
+    from deepinfer_fx.kernels.triton.moe_kernels import (
+        combine_kernel,
+        count_pairs_kernel,
+        down_kernel,
+        gate_up_kernel,
+        place_pairs_kernel,
+        sort_pairs_one_kernel,
+    )
 
     def emit(kernel, name: str, types: dict, consts: dict, warps: int, stages: int) -> None:
-        compiled = compile_sm90(kernel, types, consts, lambda a: a.startswith("stride") or a in ("N", "SPAN", "D"),
-                                num_warps=warps, num_stages=stages)
+        compiled = compile_sm90(
+            kernel,
+            types,
+            consts,
+            lambda a: a.startswith("stride") or a in ("N", "SPAN", "D"),
+            num_warps=warps,
+            num_stages=stages,
+        )
         Path(out_dir, f"{name}.ptx").write_text(compiled.asm["ptx"])
         Path(out_dir, f"{name}.smem").write_text(str(compiled.metadata.shared))
 
-    bf16 = dict.fromkeys(("x_ptr", "w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "s1_ptr", "s3_ptr", "h_ptr", "w2_ptr",
-                          "sw2_ptr", "s2_ptr", "y_ptr"), "*bf16")
-    types = {**bf16, "pairs_ptr": "*i32", "rw_ptr": "*fp32", "ends_ptr": "*i32", "limit": "fp32", "idx_ptr": "*i64",
-             "hist_ptr": "*i32", "cursor_ptr": "*i32"}
+    bf16 = dict.fromkeys(
+        (
+            "x_ptr",
+            "w1_ptr",
+            "w3_ptr",
+            "sw1_ptr",
+            "sw3_ptr",
+            "s1_ptr",
+            "s3_ptr",
+            "h_ptr",
+            "w2_ptr",
+            "sw2_ptr",
+            "s2_ptr",
+            "y_ptr",
+        ),
+        "*bf16",
+    )
+    types = {
+        **bf16,
+        "pairs_ptr": "*i32",
+        "rw_ptr": "*fp32",
+        "ends_ptr": "*i32",
+        "limit": "fp32",
+        "idx_ptr": "*i64",
+        "hist_ptr": "*i32",
+        "cursor_ptr": "*i32",
+    }
     common = {"E_P": 128, "FP8": False, "FP4": False, "QBLOCK": 1, "EVEN": True, "PREC": "tf32", "PDL": True}
     for shared in (False, True):
         for kind, (g, d) in _P8_TILES.items():
-            emit(gate_up_kernel, f"gate_up-{kind}-{shared}", types,
-                 {**common, "K": 4096, "TOPK": 6, "SHARED": shared, "BM": g[0], "BN": g[1], "BK": g[2], "GROUP_M": g[3],
-                  "CLAMP": True, "HALF": g[6]}, g[4], g[5])
-            emit(down_kernel, f"down-{kind}-{shared}", types,
-                 {**common, "K": 2048, "SHARED": shared, "BM": d[0], "BN": d[1], "BK": d[2], "GROUP_M": d[3], "HALF": d[6]},
-                 d[4], d[5])
+            emit(
+                gate_up_kernel,
+                f"gate_up-{kind}-{shared}",
+                types,
+                {
+                    **common,
+                    "K": 4096,
+                    "TOPK": 6,
+                    "SHARED": shared,
+                    "BM": g[0],
+                    "BN": g[1],
+                    "BK": g[2],
+                    "GROUP_M": g[3],
+                    "CLAMP": True,
+                    "HALF": g[6],
+                },
+                g[4],
+                g[5],
+            )
+            emit(
+                down_kernel,
+                f"down-{kind}-{shared}",
+                types,
+                {
+                    **common,
+                    "K": 2048,
+                    "SHARED": shared,
+                    "BM": d[0],
+                    "BN": d[1],
+                    "BK": d[2],
+                    "GROUP_M": d[3],
+                    "HALF": d[6],
+                },
+                d[4],
+                d[5],
+            )
             if not shared:  # MXFP4 weights (uint8 codes and ue8m0 scales) at the tiles moe.py picks for them
                 fp4 = {**types, **dict.fromkeys(("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr"), "*u8")}
                 g4, d4 = fp4_tiles(Tiles(*g), Tiles(*d))
-                emit(gate_up_kernel, f"fp4-gate_up-{kind}", fp4,
-                     {**common, "FP4": True, "K": 4096, "TOPK": 6, "SHARED": False, "BM": g4[0], "BN": g4[1], "BK": g4[2],
-                      "GROUP_M": g4[3], "CLAMP": True, "HALF": g4[6]}, g4[4], g4[5])
-                emit(down_kernel, f"fp4-down-{kind}", fp4,
-                     {**common, "FP4": True, "K": 2048, "SHARED": False, "BM": d4[0], "BN": d4[1], "BK": d4[2], "GROUP_M": d4[3],
-                      "HALF": d4[6]}, d4[4], d4[5])
+                emit(
+                    gate_up_kernel,
+                    f"fp4-gate_up-{kind}",
+                    fp4,
+                    {
+                        **common,
+                        "FP4": True,
+                        "K": 4096,
+                        "TOPK": 6,
+                        "SHARED": False,
+                        "BM": g4[0],
+                        "BN": g4[1],
+                        "BK": g4[2],
+                        "GROUP_M": g4[3],
+                        "CLAMP": True,
+                        "HALF": g4[6],
+                    },
+                    g4[4],
+                    g4[5],
+                )
+                emit(
+                    down_kernel,
+                    f"fp4-down-{kind}",
+                    fp4,
+                    {
+                        **common,
+                        "FP4": True,
+                        "K": 2048,
+                        "SHARED": False,
+                        "BM": d4[0],
+                        "BN": d4[1],
+                        "BK": d4[2],
+                        "GROUP_M": d4[3],
+                        "HALF": d4[6],
+                    },
+                    d4[4],
+                    d4[5],
+                )
         sort = {"TOPK": 6, "SHARED": shared, "E_P": 128, "CHUNK": 256, "PDL": True}
         emit(count_pairs_kernel, f"count-{shared}", types, sort, 4, 3)
-        emit(place_pairs_kernel, f"place-{shared}", types, {**sort, "G_P": 64, "G_ROWS": 32}, 4, 3)  # moe.py's rule at E_P 128
+        emit(
+            place_pairs_kernel, f"place-{shared}", types, {**sort, "G_P": 64, "G_ROWS": 32}, 4, 3
+        )  # moe.py's rule at E_P 128
         emit(sort_pairs_one_kernel, f"sort_one-{shared}", types, sort, 4, 3)
         # each token's k (+ the shared) bf16 expert rows summed into fp32, as moe.py launches it at D 4096
-        emit(combine_kernel, f"combine-{shared}", {**types, "out_ptr": "*fp32"}, {"TOPK": 6 + shared, "BD": 1024, "PDL": True}, 4, 3)
+        emit(
+            combine_kernel,
+            f"combine-{shared}",
+            {**types, "out_ptr": "*fp32"},
+            {"TOPK": 6 + shared, "BD": 1024, "PDL": True},
+            4,
+            3,
+        )
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
@@ -278,8 +401,23 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
-@pytest.mark.parametrize("kernel", ["gate_up-decode", "down-decode", "gate_up-narrow4", "down-narrow4", "gate_up-narrow3",
-                                    "down-narrow3", "gate_up-prefill", "down-prefill", "count", "place", "sort_one", "combine"])
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        "gate_up-decode",
+        "down-decode",
+        "gate_up-narrow4",
+        "down-narrow4",
+        "gate_up-narrow3",
+        "down-narrow3",
+        "gate_up-prefill",
+        "down-prefill",
+        "count",
+        "place",
+        "sort_one",
+        "combine",
+    ],
+)
 def test_kernels_compile_for_sm90_without_spills(kernel: str, shared: bool, sm90_ptx: Path) -> None:
     """Both variants compile for the H200 with no spills; the GEMMs on tensor cores. The shared
     variant selects a base pointer per block and should cost no more than a few registers."""
@@ -289,7 +427,9 @@ def test_kernels_compile_for_sm90_without_spills(kernel: str, shared: bool, sm90
     if kernel.startswith(("gate_up", "down")):
         assert "mma" in ptx
         _, routed_registers, _ = ptxas_report((sm90_ptx / f"{kernel}-False.ptx").read_text())
-        assert registers <= routed_registers + 16, f"{kernel}: {registers} registers, {routed_registers} without the shared expert"
+        assert registers <= routed_registers + 16, (
+            f"{kernel}: {registers} registers, {routed_registers} without the shared expert"
+        )
     assert "griddepcontrol.wait" in ptx, "PDL (kernels/triton/pdl.py)"
     if kernel == "combine":  # reads only what the down GEMM wrote: nothing before the wait; rows in 16-byte vectors
         lines = [line.strip() for line in ptx.splitlines()]
@@ -307,4 +447,8 @@ def test_decode_tiles_shared_memory_is_what_the_one_wave_rule_assumes(kernel: st
     gated = kernel == "gate_up"
     tiles = Tiles(*_P8_TILES[kind][0 if gated else 1])
     for shared in (False, True):
-        assert int((sm90_ptx / f"{kernel}-{kind}-{shared}.smem").read_text()) == tile_smem(tiles, gated), (kernel, kind, shared)
+        assert int((sm90_ptx / f"{kernel}-{kind}-{shared}.smem").read_text()) == tile_smem(tiles, gated), (
+            kernel,
+            kind,
+            shared,
+        )

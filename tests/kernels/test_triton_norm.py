@@ -36,7 +36,12 @@ CASES = [
     ((4, 0), "contiguous"),
 ]
 # Sizes of a real model; too slow for the interpreter.
-CUDA_CASES = [((1000, 4096), "contiguous"), ((257, 7168), "slice"), ((64 * 64, 512), "contiguous"), ((33, 65536), "contiguous")]
+CUDA_CASES = [
+    ((1000, 4096), "contiguous"),
+    ((257, 7168), "slice"),
+    ((64 * 64, 512), "contiguous"),
+    ((33, 65536), "contiguous"),
+]
 
 
 def _inputs(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
@@ -80,7 +85,9 @@ def _assert_matches(out: torch.Tensor, ref: torch.Tensor, why: str, rotated: tor
     if ref.dtype == torch.bfloat16:
         tol = _bf16_ulp(ref) + (0 if rotated is None else 1.5 * _bf16_ulp(rotated) * (rotated > 0))
         bad = ~((out.float() - ref.float()).abs() <= tol)
-        assert not bad.any(), f"{why}: {int(bad.sum())} elements off by more than one bf16 ulp (of the rotated pairs too)"
+        assert not bad.any(), (
+            f"{why}: {int(bad.sum())} elements off by more than one bf16 ulp (of the rotated pairs too)"
+        )
     else:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{why}\n{m}")
 
@@ -104,7 +111,9 @@ def _run(shape: tuple[int, ...], layout: str, dtype: torch.dtype, weight: str, d
 @pytest.mark.parametrize("weight", ["none", "fp32", "bf16"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,layout", CASES)
-def test_rms_norm_matches_reference(shape: tuple[int, ...], layout: str, dtype: torch.dtype, weight: str, device: str) -> None:
+def test_rms_norm_matches_reference(
+    shape: tuple[int, ...], layout: str, dtype: torch.dtype, weight: str, device: str
+) -> None:
     _run(shape, layout, dtype, weight, device)
 
 
@@ -112,7 +121,9 @@ def test_rms_norm_matches_reference(shape: tuple[int, ...], layout: str, dtype: 
 @pytest.mark.parametrize("weight", ["none", "bf16"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,layout", CUDA_CASES)
-def test_rms_norm_model_sizes(shape: tuple[int, ...], layout: str, dtype: torch.dtype, weight: str, device: str) -> None:
+def test_rms_norm_model_sizes(
+    shape: tuple[int, ...], layout: str, dtype: torch.dtype, weight: str, device: str
+) -> None:
     _run(shape, layout, dtype, weight, device)
 
 
@@ -168,11 +179,15 @@ def _run_rope(shape: tuple[int, ...], half: int, layout: str, dtype: torch.dtype
     assert got is out, why
     ref = norm_rope(x, w, 1e-6, cos, sin)
     # each rotated pair's magnitude (a rotation keeps it), on both of its elements
-    pairs = ref[..., -2 * half:].float().unflatten(-1, (half, 2))
+    pairs = ref[..., -2 * half :].float().unflatten(-1, (half, 2))
     rotated = torch.zeros_like(ref, dtype=torch.float32)
-    rotated[..., -2 * half:] = pairs.norm(dim=-1, keepdim=True).expand_as(pairs).flatten(-2)
+    rotated[..., -2 * half :] = pairs.norm(dim=-1, keepdim=True).expand_as(pairs).flatten(-2)
     _assert_matches(out, ref, why, rotated)
-    fresh = torch.ops.deepinfer.rms_norm_rope(x, w, 1e-6, cos, sin) if device == "cuda" else rms_norm_triton(x, w, 1e-6, None, cos, sin)
+    fresh = (
+        torch.ops.deepinfer.rms_norm_rope(x, w, 1e-6, cos, sin)
+        if device == "cuda"
+        else rms_norm_triton(x, w, 1e-6, None, cos, sin)
+    )
     assert fresh.stride() == torch.empty_like(x).stride(), why
     assert torch.equal(fresh, out), why
 
@@ -180,8 +195,9 @@ def _run_rope(shape: tuple[int, ...], half: int, layout: str, dtype: torch.dtype
 @pytest.mark.parametrize("weight", ["none", "bf16"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,half,layout", ROPE_CASES)
-def test_rms_norm_rope_matches_reference(shape: tuple[int, ...], half: int, layout: str, dtype: torch.dtype, weight: str,
-                                         device: str) -> None:
+def test_rms_norm_rope_matches_reference(
+    shape: tuple[int, ...], half: int, layout: str, dtype: torch.dtype, weight: str, device: str
+) -> None:
     _run_rope(shape, half, layout, dtype, weight, device)
 
 
@@ -217,8 +233,13 @@ def test_rms_norm_rope_bad_tables_and_odd_rows(device: str) -> None:
     odd = torch.randn(3, 2, 63, generator=g).to(device)
     angles = torch.rand(3, 8, generator=g)
     cos, sin = angles.cos().to(device), angles.sin().to(device)
-    torch.testing.assert_close(rms_norm_triton(odd, None, 1e-6, None, cos, sin), norm_rope(odd, None, 1e-6, cos, sin),
-                               rtol=0, atol=0, msg=lambda m: f"seed={seed}\n{m}")
+    torch.testing.assert_close(
+        rms_norm_triton(odd, None, 1e-6, None, cos, sin),
+        norm_rope(odd, None, 1e-6, cos, sin),
+        rtol=0,
+        atol=0,
+        msg=lambda m: f"seed={seed}\n{m}",
+    )
 
 
 @pytest.mark.skipif(not CUDA, reason="the CUDA registration only dispatches for CUDA tensors")
@@ -251,7 +272,15 @@ def _compile_for_sm90(out_dir: str) -> None:
     alignment a launch specialises on (bf16 rows and weight, fp32 tables)."""
     for d, weighted, half in SM90_CASES:
         rows, block, fused, num_warps = _launch_config(d)
-        constants = {"D": d, "HAS_WEIGHT": weighted, "ROWS": rows, "BLOCK": block, "FUSED": fused, "HALF": half, "PDL": True}
+        constants = {
+            "D": d,
+            "HAS_WEIGHT": weighted,
+            "ROWS": rows,
+            "BLOCK": block,
+            "FUSED": fused,
+            "HALF": half,
+            "PDL": True,
+        }
         types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
         kernel = compile_sm90(_rms_norm_kernel, types, constants, ["stride_x", "stride_out"], num_warps=num_warps)
         Path(out_dir, f"{_sm90_name(d, weighted, half)}.ptx").write_text(kernel.asm["ptx"])

@@ -45,8 +45,18 @@ def _case(seed: int, c: int, h: int, d: int, w: int, e: int, k: int | None, dtyp
     sink = torch.randn(h, generator=g)
     angles = torch.rand(c, 1, d // 16, generator=g) * 2 * math.pi
     to = lambda x, dt=None: None if x is None else x.to(device, dt) if dt else x.to(device)  # noqa: E731
-    return (to(q, dtype), to(ring, dtype), to(slots), to(pos), to(entries, dtype), to(rows), to(bias), to(sink),
-            to(angles.cos()), to(angles.sin()))
+    return (
+        to(q, dtype),
+        to(ring, dtype),
+        to(slots),
+        to(pos),
+        to(entries, dtype),
+        to(rows),
+        to(bias),
+        to(sink),
+        to(angles.cos()),
+        to(angles.sin()),
+    )
 
 
 CASES = [(3, 4, 32, 24, 0, None), (3, 4, 32, 24, 40, None), (4, 8, 64, 32, 50, 20), (2, 4, 48, 16, 30, 37)]
@@ -65,8 +75,11 @@ def test_matches_reference(device: str, path: str, c: int, h: int, d: int, w: in
 
 # (ring rows, tiling): tiles wholly in the ring or among the entries (two loops), one split
 # holding both kinds; and tiles that straddle the ring's end (each row picks its source)
-BITWISE = {"whole": (32, dict(block_n=16, split=32)), "whole-split-across": (32, dict(block_n=16, split=48)),
-           "straddling": (24, dict(block_n=16, split=32))}
+BITWISE = {
+    "whole": (32, dict(block_n=16, split=32)),
+    "whole-split-across": (32, dict(block_n=16, split=48)),
+    "straddling": (24, dict(block_n=16, split=32)),
+}
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
@@ -91,13 +104,27 @@ def test_batch_invariance(device: str) -> None:
     batched = ring_mqa_triton(q, ring, slots, pos, entries, rows, bias, sink, cos, sin, block_n=16, split=32)
     for ci in (0, 69, 35):
         one = slice(ci, ci + 1)
-        alone = ring_mqa_triton(q[one], ring, slots[one], pos[one], entries, rows[one], bias[one], sink, cos[one], sin[one],
-                                block_n=16, split=32)
+        alone = ring_mqa_triton(
+            q[one],
+            ring,
+            slots[one],
+            pos[one],
+            entries,
+            rows[one],
+            bias[one],
+            sink,
+            cos[one],
+            sin[one],
+            block_n=16,
+            split=32,
+        )
         assert torch.equal(alone[0], batched[ci]), f"seed {seed}: chunk {ci} differs alone"
 
 
 def test_bad_inputs_are_named(device: str) -> None:
-    q, ring, slots, pos, entries, rows, bias, sink, cos, sin = _case(_fresh_seed(), 2, 4, 32, 16, 20, 8, torch.float32, device)
+    q, ring, slots, pos, entries, rows, bias, sink, cos, sin = _case(
+        _fresh_seed(), 2, 4, 32, 16, 20, 8, torch.float32, device
+    )
     with pytest.raises(ValueError, match="ring_mqa: mismatched inputs.*entry_bias"):
         ring_mqa_triton(q, ring, slots, pos, entries, rows, bias[..., :-1], sink, cos, sin)
     with pytest.raises(ValueError, match="one query a chunk"):
@@ -111,7 +138,9 @@ def test_bf16_model_sizes(c: int, e: int, k: int | None) -> None:
     """P8 decode shapes: 64 heads x 512, a 128-row ring; bf16 against the reference and bit for
     bit against ``sparse_mqa`` over the gathered keys."""
     seed = _fresh_seed()
-    q, ring, slots, pos, entries, rows, bias, sink, cos, sin = _case(seed, c, 64, 512, 128, e, k, torch.bfloat16, "cuda")
+    q, ring, slots, pos, entries, rows, bias, sink, cos, sin = _case(
+        seed, c, 64, 512, 128, e, k, torch.bfloat16, "cuda"
+    )
     out = ring_mqa_triton(q, ring, slots, pos, entries, rows, bias, sink, cos, sin)
     want = mqa_ring(q, ring, slots, pos, entries, rows, bias, sink, cos, sin)
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed {seed}: {m}")
@@ -126,10 +155,15 @@ def test_bf16_model_sizes(c: int, e: int, k: int | None) -> None:
 
 # P8 decode: (kernel, key source, entries a slot, keys a query): plain keys gathered beforehand;
 # the ring alone (SWA), with all entries (HCA) and through the indexer's row list (CSA)
-SM90 = {"sequential-plain": ("sequential", None, 0, 640), "sequential-swa": ("sequential", "swa", 0, 128),
-        "sequential-hca": ("sequential", "hca", 32, 160), "sequential-csa": ("sequential", "csa", 1040, 640),
-        "split-plain": ("split", None, 0, 640), "split-hca": ("split", "hca", 32, 160),
-        "split-csa": ("split", "csa", 1040, 640)}
+SM90 = {
+    "sequential-plain": ("sequential", None, 0, 640),
+    "sequential-swa": ("sequential", "swa", 0, 128),
+    "sequential-hca": ("sequential", "hca", 32, 160),
+    "sequential-csa": ("sequential", "csa", 1040, 640),
+    "split-plain": ("split", None, 0, 640),
+    "split-hca": ("split", "hca", 32, 160),
+    "split-csa": ("split", "csa", 1040, 640),
+}
 
 
 def _compile_for_sm90(out_dir: str) -> None:
@@ -150,19 +184,62 @@ def _compile_for_sm90(out_dir: str) -> None:
         fn = mqa_sequential if kind == "sequential" else mqa_split
         ring, k = layer is not None, n - w
         split = attention.default_split(n)
-        ints = {"T": 1, "H": h, "N": n, "W": w if ring else 0, "window": w if ring else 0, "split": split, "n_tiles": 0,
-                "n_splits": triton.cdiv(n, split), "stride_qr": h * d, "stride_qh": d,
-                "stride_kb": (w if ring else n) * d, "stride_kn": d, "stride_br": k if ring else n, "stride_bn": 1,
-                "stride_es": e * d if ring else 0, "stride_en": d if ring else 0, "stride_rr": k if layer == "csa" else 0,
-                "stride_rn": 1 if layer == "csa" else 0, "stride_or": h * d, "stride_oh": d}
-        types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "e_ptr": "*bf16", "out_ptr": "*bf16", "qk_scale": "fp32",
-                 "r_ptr": "*i64" if layer == "csa" else "*bf16", "slots_ptr": "*i64", "pos_ptr": "*i64"}
-        consts = {"BH": attention._BH, "HB": h // attention._BH, "BLOCK_N": attention._BLOCK_N, "BLOCK_D": d, "D": d,
-                  "HALF": 32, "BLOCK_HALF": 32, "DOT_FP32": False, "SKIP": False, "RING": ring, "ROWS": layer == "csa",
-                  "WHOLE": w % attention._BLOCK_N == 0, "PDL": True} | {a: 1 for a, v in ints.items() if v == 1}
+        ints = {
+            "T": 1,
+            "H": h,
+            "N": n,
+            "W": w if ring else 0,
+            "window": w if ring else 0,
+            "split": split,
+            "n_tiles": 0,
+            "n_splits": triton.cdiv(n, split),
+            "stride_qr": h * d,
+            "stride_qh": d,
+            "stride_kb": (w if ring else n) * d,
+            "stride_kn": d,
+            "stride_br": k if ring else n,
+            "stride_bn": 1,
+            "stride_es": e * d if ring else 0,
+            "stride_en": d if ring else 0,
+            "stride_rr": k if layer == "csa" else 0,
+            "stride_rn": 1 if layer == "csa" else 0,
+            "stride_or": h * d,
+            "stride_oh": d,
+        }
+        types = {
+            "q_ptr": "*bf16",
+            "k_ptr": "*bf16",
+            "e_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "qk_scale": "fp32",
+            "r_ptr": "*i64" if layer == "csa" else "*bf16",
+            "slots_ptr": "*i64",
+            "pos_ptr": "*i64",
+        }
+        consts = {
+            "BH": attention._BH,
+            "HB": h // attention._BH,
+            "BLOCK_N": attention._BLOCK_N,
+            "BLOCK_D": d,
+            "D": d,
+            "HALF": 32,
+            "BLOCK_HALF": 32,
+            "DOT_FP32": False,
+            "SKIP": False,
+            "RING": ring,
+            "ROWS": layer == "csa",
+            "WHOLE": w % attention._BLOCK_N == 0,
+            "PDL": True,
+        } | {a: 1 for a, v in ints.items() if v == 1}
         consts = {a: v for a, v in consts.items() if a in fn.arg_names}
-        kernel = compile_sm90(fn, types, consts, lambda a: ints.get(a, 1) % 16 == 0,
-                              num_warps=attention._NUM_WARPS, num_stages=attention._NUM_STAGES)
+        kernel = compile_sm90(
+            fn,
+            types,
+            consts,
+            lambda a: ints.get(a, 1) % 16 == 0,
+            num_warps=attention._NUM_WARPS,
+            num_stages=attention._NUM_STAGES,
+        )
         Path(out_dir, f"{name}.ptx").write_text(kernel.asm["ptx"])
 
 

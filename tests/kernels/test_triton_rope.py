@@ -39,7 +39,9 @@ def _seed() -> int:
     return torch.seed() % 2**31
 
 
-def _inputs(shape: tuple[int, ...], lead: int, rd: int, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, ...]:
+def _inputs(
+    shape: tuple[int, ...], lead: int, rd: int, dtype: torch.dtype, device: str, seed: int
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(*shape, generator=g) * 3).to(device=device, dtype=dtype)
     positions = torch.randint(0, 200_000, shape[:lead], generator=g)
@@ -64,7 +66,15 @@ def _assert_matches(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, why: 
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{why}\n{m}")
 
 
-def _run(shape: tuple[int, ...], lead: int, rd: int, dtype: torch.dtype, inverse: bool, device: str, layout: str = "contiguous") -> None:
+def _run(
+    shape: tuple[int, ...],
+    lead: int,
+    rd: int,
+    dtype: torch.dtype,
+    inverse: bool,
+    device: str,
+    layout: str = "contiguous",
+) -> None:
     seed = _seed()
     x, cos, sin = _inputs(shape, lead, rd, dtype, device, seed)
     base = x

@@ -64,7 +64,9 @@ def _run(shape: tuple[int, ...], high: int, dtype: torch.dtype, freq_name: str, 
 
 @pytest.mark.parametrize("freq_name", list(FREQS))
 @pytest.mark.parametrize("shape,high,dtype", CASES)
-def test_rope_table_matches_reference(shape: tuple[int, ...], high: int, dtype: torch.dtype, freq_name: str, device: str) -> None:
+def test_rope_table_matches_reference(
+    shape: tuple[int, ...], high: int, dtype: torch.dtype, freq_name: str, device: str
+) -> None:
     _run(shape, high, dtype, freq_name, device)
 
 
@@ -136,8 +138,14 @@ def _compile_for_sm90(out_dir: str) -> None:
         cfg = launch_config(4096, f)
         num_warps = cfg.pop("num_warps")
         # PDL on, as an H200 launch has it (pdl_args)
-        kernel = compile_sm90(_rope_table_kernel, {"pos_ptr": f"*{dtype}"}, {"F": f, "PDL": True, **cfg}, ["n"],
-                              num_warps=num_warps, enable_fp_fusion=False)
+        kernel = compile_sm90(
+            _rope_table_kernel,
+            {"pos_ptr": f"*{dtype}"},
+            {"F": f, "PDL": True, **cfg},
+            ["n"],
+            num_warps=num_warps,
+            enable_fp_fusion=False,
+        )
         Path(out_dir, f"{f}-{dtype}.ptx").write_text(kernel.asm["ptx"])
 
 

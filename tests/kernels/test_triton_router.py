@@ -69,7 +69,9 @@ def test_rows_alone_equal_rows_batched() -> None:
         b = None if hashed else bias
         idx, w = route_topk_triton(logits, b, ids, 6, "sqrtsoftplus", 1.0, True, 2.5)
         for row in (0, 13, 28):
-            one = route_topk_triton(logits[row:row + 1], b, None if ids is None else ids[row:row + 1], 6, "sqrtsoftplus", 1.0, True, 2.5)
+            one = route_topk_triton(
+                logits[row : row + 1], b, None if ids is None else ids[row : row + 1], 6, "sqrtsoftplus", 1.0, True, 2.5
+            )
             assert torch.equal(one[0][0], idx[row]) and torch.equal(one[1][0], w[row]), f"seed={seed} row={row}"
 
 
@@ -90,7 +92,9 @@ def test_empty_and_unsupported_shapes() -> None:
     big, big_bias, _ = _inputs(2, 3, 2048, 4, False)  # more experts than a program holds: the reference
     got = route_topk_triton(big, big_bias, None, 4, "sigmoid", 1.0, False, 1.0)
     want = reference(big, big_bias, None, 4, "sigmoid", 1.0, False, 1.0)
-    assert torch.equal(got[0].sort(-1).values, want[0].sort(-1).values) and torch.equal(got[1].sort(-1).values, want[1].sort(-1).values)
+    assert torch.equal(got[0].sort(-1).values, want[0].sort(-1).values) and torch.equal(
+        got[1].sort(-1).values, want[1].sort(-1).values
+    )
 
 
 # --- offline compile for the H200 --------------------------------------------------------------
@@ -102,7 +106,17 @@ def _compile_for_sm90(out_dir: str) -> None:
     """PTX of each score kind, learned and hashed, at P8's 64 experts and top-6."""
     types = {"ids_ptr": "*i64", "idx_ptr": "*i64", "temp": "fp32", "scale": "fp32"}
     for kind, hashed in SM90_CASES:
-        constants = {"E": 64, "EP": 64, "K": 6, "KP": 8, "KIND": kind, "HASHED": hashed, "NORM": True, "BT": 1, "PDL": True}
+        constants = {
+            "E": 64,
+            "EP": 64,
+            "K": 6,
+            "KP": 8,
+            "KIND": kind,
+            "HASHED": hashed,
+            "NORM": True,
+            "BT": 1,
+            "PDL": True,
+        }
         kernel = compile_sm90(_route_kernel, types, constants, align_pointers=False, num_warps=1)
         Path(out_dir, f"{kind}-{hashed}.ptx").write_text(kernel.asm["ptx"])
 

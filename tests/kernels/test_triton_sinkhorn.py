@@ -36,7 +36,9 @@ CASES = [
 CUDA_CASES = [((1,), 4, "contiguous"), ((64,), 4, "contiguous"), ((8192,), 4, "slice"), ((1000,), 16, "transpose")]
 
 
-def _logits(lead: tuple[int, ...], n: int, layout: str, dtype: torch.dtype, device: str, seed: int, scale: float) -> torch.Tensor:
+def _logits(
+    lead: tuple[int, ...], n: int, layout: str, dtype: torch.dtype, device: str, seed: int, scale: float
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(*lead, n, n, generator=g) * scale).to(device=device, dtype=dtype)
     if layout == "transpose":
@@ -61,7 +63,9 @@ def _run(lead: tuple[int, ...], n: int, layout: str, dtype: torch.dtype, iters: 
 @pytest.mark.parametrize("iters", [1, 20])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lead,n,layout", CASES)
-def test_sinkhorn_matches_reference(lead: tuple[int, ...], n: int, layout: str, dtype: torch.dtype, iters: int, device: str) -> None:
+def test_sinkhorn_matches_reference(
+    lead: tuple[int, ...], n: int, layout: str, dtype: torch.dtype, iters: int, device: str
+) -> None:
     _run(lead, n, layout, dtype, iters, 2.0, device)
 
 

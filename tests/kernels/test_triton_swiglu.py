@@ -30,7 +30,9 @@ CASES = [
 CUDA_CASES = [((64 * 6, 2048), "contiguous"), ((8192, 3072), "fused"), ((1, 18432), "contiguous")]
 
 
-def _inputs(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(
+    shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     # Scaled up so that the clamps bite and silu sees its saturated tails.
     pair = (torch.randn(2, *shape, generator=g) * 4).to(device=device, dtype=dtype)
@@ -61,7 +63,9 @@ def _run(shape: tuple[int, ...], layout: str, dtype: torch.dtype, limit: float, 
 @pytest.mark.parametrize("limit", [0.0, 2.5, 7.0])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,layout", CASES)
-def test_swiglu_clamp_matches_reference(shape: tuple[int, ...], layout: str, dtype: torch.dtype, limit: float, device: str) -> None:
+def test_swiglu_clamp_matches_reference(
+    shape: tuple[int, ...], layout: str, dtype: torch.dtype, limit: float, device: str
+) -> None:
     _run(shape, layout, dtype, limit, device)
 
 
@@ -69,7 +73,9 @@ def test_swiglu_clamp_matches_reference(shape: tuple[int, ...], layout: str, dty
 @pytest.mark.parametrize("limit", [0.0, 10.0])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,layout", CUDA_CASES)
-def test_swiglu_clamp_model_sizes(shape: tuple[int, ...], layout: str, dtype: torch.dtype, limit: float, device: str) -> None:
+def test_swiglu_clamp_model_sizes(
+    shape: tuple[int, ...], layout: str, dtype: torch.dtype, limit: float, device: str
+) -> None:
     _run(shape, layout, dtype, limit, device)
 
 
@@ -81,7 +87,9 @@ def test_swiglu_clamp_nan_and_inf_pass_through(device: str) -> None:
     gate, up = special.repeat(6)[None], special.repeat_interleave(6)[None]
     for limit in (0.0, 2.5):
         out = swiglu_clamp_triton(gate, up, limit)
-        torch.testing.assert_close(out, swiglu_act(gate, up, limit), rtol=1e-5, atol=1e-6, equal_nan=True, msg=lambda m: f"limit={limit}\n{m}")
+        torch.testing.assert_close(
+            out, swiglu_act(gate, up, limit), rtol=1e-5, atol=1e-6, equal_nan=True, msg=lambda m: f"limit={limit}\n{m}"
+        )
 
 
 def test_swiglu_clamp_broadcast_goes_to_reference(device: str) -> None:
@@ -100,6 +108,8 @@ def test_swiglu_clamp_op_dispatches_to_triton(dtype: torch.dtype) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
         got = torch.ops.deepinfer.swiglu_clamp(gate, up, 10.0)
         torch.cuda.synchronize()
-    assert any("_swiglu_clamp_kernel" in e.name for e in prof.events()), f"seed={seed}: the op did not launch the kernel"
+    assert any("_swiglu_clamp_kernel" in e.name for e in prof.events()), (
+        f"seed={seed}: the op did not launch the kernel"
+    )
     assert torch.equal(got, swiglu_clamp_triton(gate, up, 10.0)), f"seed={seed}"
     torch.library.opcheck(torch.ops.deepinfer.swiglu_clamp.default, (gate, up, 10.0))

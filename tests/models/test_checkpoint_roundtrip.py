@@ -23,7 +23,9 @@ QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0"}
 
 
 def _quantised(block: int) -> dict:
-    return tiny_v4(quantization_config={**QUANT, "weight_block_size": [block, block]}, expert_dtype="fp4", torch_dtype="bfloat16")
+    return tiny_v4(
+        quantization_config={**QUANT, "weight_block_size": [block, block]}, expert_dtype="fp4", torch_dtype="bfloat16"
+    )
 
 
 @pytest.mark.parametrize("block", [128, 32])

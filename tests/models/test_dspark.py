@@ -36,8 +36,13 @@ DSPARK = dict(dspark_block_size=BLOCK, dspark_noise_token_id=299, dspark_markov_
 def v41_dspark(**kw) -> dict:
     """Three stages after the 8-layer tiny V4.1, reading layers 5..7, with 4 experts / top-2."""
     return tiny_v41(
-        num_nextn_predict_layers=3, compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1] + [0, 0, 0],
-        dspark_target_layer_ids=[5, 6, 7], dspark_n_routed_experts=4, dspark_num_experts_per_tok=2, **DSPARK, **kw,
+        num_nextn_predict_layers=3,
+        compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1] + [0, 0, 0],
+        dspark_target_layer_ids=[5, 6, 7],
+        dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2,
+        **DSPARK,
+        **kw,
     )
 
 
@@ -60,7 +65,9 @@ def _model(family: str, seed: int, fake_quant: bool = True):
     return model
 
 
-def _prefill(model, state, seqs: list[torch.Tensor], slots: list[int], chunks: list[list[int]] | None = None) -> torch.Tensor:
+def _prefill(
+    model, state, seqs: list[torch.Tensor], slots: list[int], chunks: list[list[int]] | None = None
+) -> torch.Tensor:
     """Feed each sequence (in the given chunk sizes, sequences side by side in each step),
     writing the drafter context for every row; -> each sequence's greedy next token."""
     c, params = model
@@ -103,8 +110,12 @@ def test_draft_shape_range_and_determinism(family: str) -> None:
     again = dspark_draft(params, state, c, nxt, pos, [0, 1])
     assert torch.equal(again[0], tokens) and torch.equal(again[1], conf), f"seed={seed}: drafting is not deterministic"
     # a seeded sampler is deterministic too, and draws from the same vocabulary
-    s1 = dspark_draft(params, state, c, nxt, pos, [0, 1], temperature=1.0, generator=torch.Generator().manual_seed(seed))[0]
-    s2 = dspark_draft(params, state, c, nxt, pos, [0, 1], temperature=1.0, generator=torch.Generator().manual_seed(seed))[0]
+    s1 = dspark_draft(
+        params, state, c, nxt, pos, [0, 1], temperature=1.0, generator=torch.Generator().manual_seed(seed)
+    )[0]
+    s2 = dspark_draft(
+        params, state, c, nxt, pos, [0, 1], temperature=1.0, generator=torch.Generator().manual_seed(seed)
+    )[0]
     assert torch.equal(s1, s2) and ((s1 >= 0) & (s1 < c.vocab_size)).all(), f"seed={seed}"
 
 
@@ -130,7 +141,9 @@ def test_windows_hold_verified_context_only(family: str) -> None:
     # The same rows handed over alone: the rings must match exactly, so nothing past the
     # verified rows was written ...
     only = init_state(c, 32, slots=1)
-    dspark_context(params, only, c, {k: v[:verified] for k, v in captured.items()}, make_batch([ids[:verified]], [0], [0]))
+    dspark_context(
+        params, only, c, {k: v[:verified] for k, v in captured.items()}, make_batch([ids[:verified]], [0], [0])
+    )
     for s in range(c.dspark_stages):
         assert torch.equal(state["dspark"][s]["window"], only["dspark"][s]["window"]), f"seed={seed} stage {s}"
     # ... which would have shown: the unverified rows land on slots the verified ones hold.
@@ -147,12 +160,16 @@ def test_windows_hold_verified_context_only(family: str) -> None:
         a = params["mtp"][s]["attn"]
         cos, sin = cos_sin(torch.tensor([p]), inv_freq(c, compressed=False))
         kv = fq.window_kv(c, apply_rope(rms_norm(main_x @ a["wkv"].T, a["kv_norm"], c.rms_norm_eps)[None], cos, sin))[0]
-        torch.testing.assert_close(state["dspark"][s]["window"][0, p % w], kv, rtol=1e-5, atol=1e-5, msg=f"seed={seed} stage {s}")
+        torch.testing.assert_close(
+            state["dspark"][s]["window"][0, p % w], kv, rtol=1e-5, atol=1e-5, msg=f"seed={seed} stage {s}"
+        )
 
     # Drafting reads the windows and writes nothing.
     before = _windows(state)
     dspark_draft(params, state, c, logits[p].argmax()[None], torch.tensor([p + 1]), [0])
-    assert all(torch.equal(a, b["window"]) for a, b in zip(before, state["dspark"])), f"seed={seed}: drafting wrote a window"
+    assert all(torch.equal(a, b["window"]) for a, b in zip(before, state["dspark"])), (
+        f"seed={seed}: drafting wrote a window"
+    )
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -224,9 +241,15 @@ def test_batched_equals_alone(family: str) -> None:
         if gap is not None:
             assert abs(gap) < 1e-5, f"seed={seed} request {i}: a routing choice differs with a score gap of {gap}"
             continue
-        assert torch.equal(alone.tokens[0], batched.tokens[i]), f"seed={seed} request {i}: {alone.tokens} vs {batched.tokens[i]}"
-        torch.testing.assert_close(alone.confidences[0], batched.confidences[i], rtol=1e-4, atol=1e-5, msg=f"seed={seed} request {i}")
-        torch.testing.assert_close(alone.logits[0], batched.logits[i], rtol=1e-5, atol=1e-4, msg=f"seed={seed} request {i}")
+        assert torch.equal(alone.tokens[0], batched.tokens[i]), (
+            f"seed={seed} request {i}: {alone.tokens} vs {batched.tokens[i]}"
+        )
+        torch.testing.assert_close(
+            alone.confidences[0], batched.confidences[i], rtol=1e-4, atol=1e-5, msg=f"seed={seed} request {i}"
+        )
+        torch.testing.assert_close(
+            alone.logits[0], batched.logits[i], rtol=1e-5, atol=1e-4, msg=f"seed={seed} request {i}"
+        )
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -311,9 +334,18 @@ def test_checkpoint_with_drafter_loads_and_drafts(family: str, tmp_path: Path) -
     seed = _seed()
     deepinfer_fx.write_random_checkpoint(tmp_path, _quantised(family), seed=seed)
     stored = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
-    for key in ("mtp.0.main_proj.weight", "mtp.0.main_proj.scale", "mtp.0.main_norm.weight", "mtp.2.norm.weight",
-                "mtp.2.markov_head.embed.weight", "mtp.2.markov_head.head.weight", "mtp.2.confidence_head.proj.weight",
-                "mtp.1.ffn.experts.3.w2.scale", "mtp.1.ffn.gate.bias", "mtp.2.attn.wkv.scale"):
+    for key in (
+        "mtp.0.main_proj.weight",
+        "mtp.0.main_proj.scale",
+        "mtp.0.main_norm.weight",
+        "mtp.2.norm.weight",
+        "mtp.2.markov_head.embed.weight",
+        "mtp.2.markov_head.head.weight",
+        "mtp.2.confidence_head.proj.weight",
+        "mtp.1.ffn.experts.3.w2.scale",
+        "mtp.1.ffn.gate.bias",
+        "mtp.2.attn.wkv.scale",
+    ):
         assert key in stored, key
     assert ("mtp.2.hc_head_fn" in stored) == (family == "v4-0731")
     assert "mtp.0.e_proj.weight" not in stored and "mtp.1.main_proj.weight" not in stored

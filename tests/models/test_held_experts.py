@@ -65,12 +65,23 @@ def test_held_experts_give_the_dequantised_logits(ckpt: tuple[str, Path], dtype:
     experts = got.params["layers"][1]["ffn"]["experts"]
     e, i, d = got.config.n_routed_experts, got.config.moe_intermediate_size, got.config.hidden_size
     if fmt == "fp8":
-        held = {"w1": (torch.float8_e4m3fn, (e, i, d)), "w3": (torch.float8_e4m3fn, (e, i, d)), "w2": (torch.float8_e4m3fn, (e, d, i)),
-                "w1_scale": (torch.float32, (e, 1, 2)), "w3_scale": (torch.float32, (e, 1, 2)), "w2_scale": (torch.float32, (e, 2, 1))}
+        held = {
+            "w1": (torch.float8_e4m3fn, (e, i, d)),
+            "w3": (torch.float8_e4m3fn, (e, i, d)),
+            "w2": (torch.float8_e4m3fn, (e, d, i)),
+            "w1_scale": (torch.float32, (e, 1, 2)),
+            "w3_scale": (torch.float32, (e, 1, 2)),
+            "w2_scale": (torch.float32, (e, 2, 1)),
+        }
     else:  # two e2m1 codes a byte, a ue8m0 byte a 32 values of a row
-        held = {"w1": (torch.uint8, (e, i, d // 2)), "w3": (torch.uint8, (e, i, d // 2)), "w2": (torch.uint8, (e, d, i // 2)),
-                "w1_scale": (torch.uint8, (e, i, d // 32)), "w3_scale": (torch.uint8, (e, i, d // 32)),
-                "w2_scale": (torch.uint8, (e, d, i // 32))}
+        held = {
+            "w1": (torch.uint8, (e, i, d // 2)),
+            "w3": (torch.uint8, (e, i, d // 2)),
+            "w2": (torch.uint8, (e, d, i // 2)),
+            "w1_scale": (torch.uint8, (e, i, d // 32)),
+            "w3_scale": (torch.uint8, (e, i, d // 32)),
+            "w2_scale": (torch.uint8, (e, d, i // 32)),
+        }
     assert {n: (t.dtype, tuple(t.shape)) for n, t in experts.items()} == held
     assert torch.equal(dequant_experts(experts, dtype)["w2"], want.params["layers"][1]["ffn"]["experts"]["w2"])
     # the scales are declared specs, yet no parameters: the count is the dequantised model's
@@ -121,10 +132,17 @@ def test_expert_format_choice(ckpt: tuple[str, Path], monkeypatch: pytest.Monkey
     c = deepinfer_fx.load_model(path, dtype=torch.float32).config
     assert c.held_experts is None  # auto on the CPU: every eager call would dequantise again
     # auto keeps block FP8 on CUDA; MXFP4 stays dequantised until its kernel is measured
-    assert held_experts(c, "auto", "cuda") == held_experts(c, None, torch.device("cuda", 1)) == ("fp8" if fmt == "fp8" else None)
+    assert (
+        held_experts(c, "auto", "cuda")
+        == held_experts(c, None, torch.device("cuda", 1))
+        == ("fp8" if fmt == "fp8" else None)
+    )
     assert held_experts(c, "dequant", "cuda") is None and held_experts(c, fmt, "cpu") == fmt
     other = "fp4" if fmt == "fp8" else "fp8"
-    for config, stored in ((c, {"fp8": "block-FP8", "fp4": "MXFP4"}[fmt]), (config_from_dict(tiny_v4()), "unquantised")):
+    for config, stored in (
+        (c, {"fp8": "block-FP8", "fp4": "MXFP4"}[fmt]),
+        (config_from_dict(tiny_v4()), "unquantised"),
+    ):
         with pytest.raises(CheckpointError) as e:
             held_experts(config, other, "cuda")
         assert f"are {stored}" in _one_line(e.value) and f"expert_format={other!r}" in str(e.value)

@@ -70,8 +70,14 @@ def _set(index, value):
     return change
 
 
-@pytest.mark.parametrize("key, value", [("norm.weight", float("nan")), ("layers.2.attn.wq_a.weight", float("inf")),
-                                        ("layers.1.ffn.experts.5.w2.weight", float("-inf"))])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("norm.weight", float("nan")),
+        ("layers.2.attn.wq_a.weight", float("inf")),
+        ("layers.1.ffn.experts.5.w2.weight", float("-inf")),
+    ],
+)
 def test_non_finite_weight(sound, tmp_path, key, value) -> None:
     ckpt = _copy(sound, tmp_path / "ckpt")
     shard = _edit(ckpt, key, _set((0,) if key == "norm.weight" else (1, 2), value))
@@ -84,9 +90,14 @@ def test_non_finite_after_dequantisation(sound_fp8, tmp_path) -> None:
     """A NaN block scale (ue8m0 0xFF) turns a whole fp8 block into NaN once dequantised."""
     ckpt = _copy(sound_fp8, tmp_path / "ckpt")
     key = "layers.1.attn.wq_a"
-    shard = _edit(ckpt, f"{key}.scale", lambda s: s.view(torch.uint8).index_fill_(0, torch.tensor([0]), 0xFF).view(s.dtype))
-    with pytest.raises(CheckpointError, match=rf"^{shard}:{key}.weight: tensor '{key}.weight' holds \d+ non-finite value\(s\) "
-                                              rf"\(NaN or inf\) after dequantisation; {FIX}$"):
+    shard = _edit(
+        ckpt, f"{key}.scale", lambda s: s.view(torch.uint8).index_fill_(0, torch.tensor([0]), 0xFF).view(s.dtype)
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{shard}:{key}.weight: tensor '{key}.weight' holds \d+ non-finite value\(s\) "
+        rf"\(NaN or inf\) after dequantisation; {FIX}$",
+    ):
         _load(ckpt)
 
 
@@ -104,9 +115,15 @@ def test_non_finite_in_fp8_experts(sound_fp8, tmp_path, what) -> None:
     _edit(ckpt, f"{key}.{what}", lambda t: t.view(torch.uint8).index_fill_(1, torch.tensor([1]), nan).view(t.dtype))
     where = f"{_shard_of(ckpt, f'{key}.weight')}:{key}.weight"
     named, count = ("tensor", r"\d+") if what == "weight" else ("the block scales of tensor", "1")
-    with pytest.raises(CheckpointError, match=rf"^{where}: {named} '{key}.weight' holds {count} non-finite value\(s\) \(NaN or inf\); {FIX}$"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{where}: {named} '{key}.weight' holds {count} non-finite value\(s\) \(NaN or inf\); {FIX}$",
+    ):
         _load(ckpt, expert_format="fp8")
-    with pytest.raises(CheckpointError, match=rf"^{where}: tensor '{key}.weight' holds \d+ non-finite value\(s\) \(NaN or inf\) after dequantisation"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{where}: tensor '{key}.weight' holds \d+ non-finite value\(s\) \(NaN or inf\) after dequantisation",
+    ):
         _load(ckpt, expert_format="dequant")
 
 
@@ -118,7 +135,10 @@ def test_hash_routing_table_out_of_range(sound, tmp_path, value) -> None:
     lo, hi = min(value, 0), max(value, 7)
     with pytest.raises(CheckpointError) as err:
         _load(ckpt)
-    assert _one_line(err) == f"{shard}:{key}: tensor '{key}' holds 1 index value(s) outside [0, 8) (range [{lo}, {hi}]); {FIX}"
+    assert (
+        _one_line(err)
+        == f"{shard}:{key}: tensor '{key}' holds 1 index value(s) outside [0, 8) (range [{lo}, {hi}]); {FIX}"
+    )
 
 
 def test_random_bytes_over_the_shard_data(sound, tmp_path) -> None:
@@ -134,11 +154,19 @@ def test_random_bytes_over_the_shard_data(sound, tmp_path) -> None:
     with pytest.raises(CheckpointError) as err:
         LLM(ckpt, dtype="float32", device="cpu", fake_quant=False, max_model_len=64)
     msg = _one_line(err)
-    assert re.fullmatch(rf"model-0000[12]-of-00002\.safetensors:(\S+): tensor '\1' holds \d+ (non-finite|index) value\(s\).*; {FIX}", msg), msg
+    assert re.fullmatch(
+        rf"model-0000[12]-of-00002\.safetensors:(\S+): tensor '\1' holds \d+ (non-finite|index) value\(s\).*; {FIX}",
+        msg,
+    ), msg
 
 
-@pytest.mark.parametrize("content, why", [(b"\xff\xfe{\"version\"", "stream did not contain valid UTF-8"),
-                                          (b'{"version": "1.0", "truncation": null', "EOF while parsing")])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b'\xff\xfe{"version"', "stream did not contain valid UTF-8"),
+        (b'{"version": "1.0", "truncation": null', "EOF while parsing"),
+    ],
+)
 def test_unreadable_tokenizer(sound, tmp_path, content, why) -> None:
     ckpt = _copy(sound, tmp_path / "ckpt")
     (ckpt / "tokenizer.json").write_bytes(content)

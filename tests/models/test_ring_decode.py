@@ -43,7 +43,19 @@ def test_in_place_decode_equals_gathered(which: str, monkeypatch) -> None:
                 logits[name] = decode_logits(params, st, c, tokens, *step)
             assert torch.equal(logits["in place"], logits["gathered"]), f"seed={seed}"
             pos = [p + 1 for p in pos]
-    flat = lambda tree: [x for v in tree.values() for x in (flat(v) if isinstance(v, dict) else  # noqa: E731
-                         [y for e in v for y in flat(e)] if isinstance(v, list) else [v] if torch.is_tensor(v) else [])]
+    flat = lambda tree: [
+        x
+        for v in tree.values()
+        for x in (
+            flat(v)
+            if isinstance(v, dict)
+            # noqa: E731
+            else [y for e in v for y in flat(e)]
+            if isinstance(v, list)
+            else [v]
+            if torch.is_tensor(v)
+            else []
+        )
+    ]
     for a, b in zip(flat(states["in place"]), flat(states["gathered"])):
         assert torch.equal(a, b), f"seed={seed}"

@@ -136,7 +136,11 @@ def test_batched_equals_alone(family: str) -> None:
         if not live:
             continue
         lens = [min(rng.choice([1, 1, 3, 8]), seqs[i].numel() - done[i]) for i in live]
-        batch = make_batch([seqs[i][done[i] : done[i] + n] for i, n in zip(live, lens)], [slots[i] for i in live], [done[i] for i in live])
+        batch = make_batch(
+            [seqs[i][done[i] : done[i] + n] for i, n in zip(live, lens)],
+            [slots[i] for i in live],
+            [done[i] for i in live],
+        )
         with torch.no_grad():
             logits, _ = forward_batch(params, state, c, batch)
         for i, ch in zip(live, batch.chunks):

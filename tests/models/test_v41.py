@@ -178,8 +178,10 @@ def test_hf_saved_engram_tables_with_empty_scales(tmp_path: Path) -> None:
         shutil.copytree(ckpts["fp8"], ckpts[name])
         _rewrite_engram_tables(ckpts[name], cols)
     ids = list(range(3, 60))
-    got = {name: deepinfer_fx.logits(deepinfer_fx.load_model(ckpts[name], dtype=torch.float32), ids)
-           for name in ("fp8", "empty", "none")}
+    got = {
+        name: deepinfer_fx.logits(deepinfer_fx.load_model(ckpts[name], dtype=torch.float32), ids)
+        for name in ("fp8", "empty", "none")
+    }
     assert torch.equal(got["empty"], got["none"]), f"seed={seed}"
     assert torch.equal(got["empty"], got["fp8"]), f"seed={seed}"
     with pytest.raises(CheckpointError, match=r"layers\.\d\.engram\.embed\.scale' \(F32 \[\d+, 1\]\)"):

@@ -41,7 +41,9 @@ def _run(model, c, ids: torch.Tensor, keep: int | None, chunks: list[int]):
         out.append(logits[-1:])
         start += n
     for t in range(DECODE):
-        out.append(forward_batch(model.params, st, c, make_batch([ids[P - DECODE + t : P - DECODE + t + 1]], [0], [P + t]))[0])
+        out.append(
+            forward_batch(model.params, st, c, make_batch([ids[P - DECODE + t : P - DECODE + t + 1]], [0], [P + t]))[0]
+        )
     return torch.cat(out[-DECODE - 1 :]).log_softmax(-1), st
 
 
@@ -65,7 +67,10 @@ def test_compact_is_exact_at_the_exact_bound(model) -> None:
         got, st = _run(model, c, ids, EXACT_KEEP, chunks)
         assert (got - ref).abs().max().item() < 1e-4, chunks
         for i in c.decoder_layers:  # the kept window of every decoder ring, too
-            assert torch.allclose(st["layers"][i]["window"][0], st_ref["layers"][i]["window"][0], atol=1e-5), (chunks, i)
+            assert torch.allclose(st["layers"][i]["window"][0], st_ref["layers"][i]["window"][0], atol=1e-5), (
+                chunks,
+                i,
+            )
 
 
 def test_compact_with_engram_in_the_decoder() -> None:

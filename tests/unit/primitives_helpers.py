@@ -15,8 +15,18 @@ from deepinfer_fx.config import config_from_dict
 YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 # The models' tiny V4 (every layer kind) at smaller widths, a rope tail of 8 and a 1M-position YaRN.
 TINY = tiny_v4(
-    vocab_size=64, hidden_size=32, head_dim=32, qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=8, index_n_heads=2,
-    index_head_dim=16, index_topk=4, rope_scaling=YARN, max_position_embeddings=1048576, moe_intermediate_size=16,
+    vocab_size=64,
+    hidden_size=32,
+    head_dim=32,
+    qk_rope_head_dim=8,
+    q_lora_rank=16,
+    o_lora_rank=8,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+    rope_scaling=YARN,
+    max_position_embeddings=1048576,
+    moe_intermediate_size=16,
 )
 
 

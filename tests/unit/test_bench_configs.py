@@ -24,7 +24,18 @@ def test_v41_widths_and_roles() -> None:
     assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (32, 128, 512)
     assert (c.candidate_topk_blocks, c.candidate_block_size, c.candidate_source_layer_id) == (2048, 8, 5)
     assert c.kv_source_layer_ids == (2, 5) and c.engram_layer_ids == (1, 6)
-    assert [c.layer_role(i) for i in range(10)] == ["swa", "swa", "full", "reuse", "reuse", "full", "reuse", "reindex", "reuse", "reindex"]
+    assert [c.layer_role(i) for i in range(10)] == [
+        "swa",
+        "swa",
+        "full",
+        "reuse",
+        "reuse",
+        "full",
+        "reuse",
+        "reindex",
+        "reuse",
+        "reindex",
+    ]
     assert (c.n_routed_experts, c.num_experts_per_tok, c.dspark_stages) == (64, 6, 3)
     # small tables: each fits the device as compiled steps hold them (fp32, at most 2 GiB)
     assert all(rows * c.engram_head_dim * 4 <= 2 << 30 for rows in c.engram_num_embeddings)
@@ -32,7 +43,13 @@ def test_v41_widths_and_roles() -> None:
 
 def test_pro_widths() -> None:
     c = bench_config("pro")
-    assert (c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.o_groups, c.moe_intermediate_size) == (7168, 128, 1536, 16, 3072)
+    assert (c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.o_groups, c.moe_intermediate_size) == (
+        7168,
+        128,
+        1536,
+        16,
+        3072,
+    )
     assert c.hca_ratios == {128} and c.compress_ratios[:2] == (128, 128) and c.index_topk == 1024
 
 

@@ -4,10 +4,15 @@ from deepinfer_fx.bench.plots import decode_curves, prefill_curves
 
 
 def test_decode_points_follow_steps_times_batch_times_accepted_over_cp() -> None:
-    res = {"model": "P8", "nextn": 1, "cp": 2, "decode": [
-        {"batch": 8, "context": 512, "ours_ms": 4.0, "hf_ms": None, "roofline_ms": 2.0},
-        {"batch": 1, "context": 512, "ours_ms": 2.0, "hf_ms": 50.0, "roofline_ms": 1.0},
-    ]}
+    res = {
+        "model": "P8",
+        "nextn": 1,
+        "cp": 2,
+        "decode": [
+            {"batch": 8, "context": 512, "ours_ms": 4.0, "hf_ms": None, "roofline_ms": 2.0},
+            {"batch": 1, "context": 512, "ours_ms": 2.0, "hf_ms": 50.0, "roofline_ms": 1.0},
+        ],
+    }
     curves = decode_curves([res])
     # 250 steps/s x 2 tokens per step = 500 tok/s per user; x 8 requests / cp 2 = 2000 per GPU
     assert curves[("ours", 512, "P8")] == [(1000.0, 500.0, 1), (500.0, 2000.0, 8)]
@@ -16,8 +21,13 @@ def test_decode_points_follow_steps_times_batch_times_accepted_over_cp() -> None
 
 
 def test_prefill_points_are_tokens_per_second_and_latency() -> None:
-    res = {"cp": 1, "prefill": [{"tokens": 4096, "ours_ms": 50.0, "hf_ms": 400.0, "roofline_ms": 32.0},
-                                {"tokens": 1024, "ours_ms": 20.0}]}
+    res = {
+        "cp": 1,
+        "prefill": [
+            {"tokens": 4096, "ours_ms": 50.0, "hf_ms": 400.0, "roofline_ms": 32.0},
+            {"tokens": 1024, "ours_ms": 20.0},
+        ],
+    }
     curves = prefill_curves([res])
     assert curves["ours"] == [(1024, 51200.0, 20.0), (4096, 81920.0, 50.0)]
     assert curves["hf"] == [(4096, 10240.0, 400.0)] and curves["roofline"] == [(4096, 128000.0, 32.0)]
@@ -48,13 +58,23 @@ def test_sweep_runs_one_command_per_segment() -> None:
     requests; random weights have no peer to time."""
     from deepinfer_fx.bench.sweep import commands
 
-    runs = commands("o", ["512", "32768"], hf=True, random_weights=True, batches="1,16,128", chunks="1024,4096", steps=5,
-                    config="v41")
+    runs = commands(
+        "o",
+        ["512", "32768"],
+        hf=True,
+        random_weights=True,
+        batches="1,16,128",
+        chunks="1024,4096",
+        steps=5,
+        config="v41",
+    )
     args = [r[3:] for r in runs]  # after: python -m deepinfer_fx.bench.p8_vs_hf
     assert all(a[:7] == ["--out", "o", "--config", "v41", "--random-weights", "--steps", "5"] for a in args)
-    assert [a[7:] for a in args] == [["--segments", "prefill", "--prefill-tokens", "1024,4096"],
-                                     ["--segments", "decode", "--context", "512", "--batches", "1,16,128"],
-                                     ["--segments", "decode", "--context", "32768", "--batches", "1,16"]]
+    assert [a[7:] for a in args] == [
+        ["--segments", "prefill", "--prefill-tokens", "1024,4096"],
+        ["--segments", "decode", "--context", "512", "--batches", "1,16,128"],
+        ["--segments", "decode", "--context", "32768", "--batches", "1,16"],
+    ]
     peerless = commands("o", ["512"], hf=False, chunks="")
     assert len(peerless) == 1 and "--no-hf" in peerless[0] and "--random-weights" not in peerless[0]
     assert "--no-hf" not in commands("o", ["512"], hf=True)[0]

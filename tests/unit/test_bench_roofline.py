@@ -16,21 +16,43 @@ def _dense_by_hand(t: dict) -> tuple[int, int, int]:
     """(dense weight elements read, one routed expert's elements, head elements) of tiny_v41's
     shapes: embedding rows and Engram tables are gathered, not read whole."""
     d, q, h, hd, n = t["hidden_size"], t["q_lora_rank"], t["num_attention_heads"], t["head_dim"], t["hc_mult"]
-    g, r, hi, di, i, e = t["o_groups"], t["o_lora_rank"], t["index_n_heads"], t["index_head_dim"], t["moe_intermediate_size"], t["n_routed_experts"]
-    every = (2 * d  # attn_norm, ffn_norm
-             + 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)  # two mHC sites: fn, base, scale
-             + q * d + q + h * hd * q + hd * d + hd + g * r * (h * hd // g) + d * g * r + h  # wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sink
-             + e * d + 2 * e  # gate, its bias and the image-span bias
-             + 3 * i * d)  # the shared expert
+    g, r, hi, di, i, e = (
+        t["o_groups"],
+        t["o_lora_rank"],
+        t["index_n_heads"],
+        t["index_head_dim"],
+        t["moe_intermediate_size"],
+        t["n_routed_experts"],
+    )
+    every = (
+        2 * d  # attn_norm, ffn_norm
+        + 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)  # two mHC sites: fn, base, scale
+        + q * d
+        + q
+        + h * hd * q
+        + hd * d
+        + hd
+        + g * r * (h * hd // g)
+        + d * g * r
+        + h  # wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sink
+        + e * d
+        + 2 * e  # gate, its bias and the image-span bias
+        + 3 * i * d
+    )  # the shared expert
     source = hd * d + hd + di * hd + di  # a KV source's compressor wkv and norm, the index keys' wk and k_norm
     gated = hd * d  # ... and its wgate where it pools (ratio > 1)
     index = hi * di * q + hi * d  # an index source's wq_b and weights_proj
     cols = (t["engram_max_ngram_size"] - 1) * t["engram_n_heads"] * t["engram_head_dim"]
     engram = (n + 1) * d * cols + 2 * n * d  # wkv, q_weight, k_weight
     ratios = t["compress_ratios"]
-    dense = (t["num_hidden_layers"] * every + len(t["kv_source_layer_ids"]) * source
-             + sum(gated for s in t["kv_source_layer_ids"] if ratios[s] > 1)
-             + len(t["index_source_layer_ids"]) * index + len(t["engram_layer_ids"]) * engram + d)  # + the final norm
+    dense = (
+        t["num_hidden_layers"] * every
+        + len(t["kv_source_layer_ids"]) * source
+        + sum(gated for s in t["kv_source_layer_ids"] if ratios[s] > 1)
+        + len(t["index_source_layer_ids"]) * index
+        + len(t["engram_layer_ids"]) * engram
+        + d
+    )  # + the final norm
     return dense, 3 * i * d, t["vocab_size"] * d
 
 

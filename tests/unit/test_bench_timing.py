@@ -37,9 +37,16 @@ def test_advances_and_gaps_add_up_to_the_span(n: int) -> None:
 
 def test_step_spans_cut_at_each_copy() -> None:
     # three steps: a copy, then kernels that overlap (PDL); the second step starts late
-    spans = [("Memcpy HtoD (Pinned -> Device)", 0.0, 1.0), ("k1", 2.0, 10.0), ("k2", 9.0, 12.0),
-             ("Memcpy HtoD (Pinned -> Device)", 13.0, 14.0), ("k1", 17.0, 25.0), ("k2", 20.0, 23.0),
-             ("Memcpy HtoD (Pinned -> Device)", 26.0, 27.0), ("k1", 28.0, 30.0)]
+    spans = [
+        ("Memcpy HtoD (Pinned -> Device)", 0.0, 1.0),
+        ("k1", 2.0, 10.0),
+        ("k2", 9.0, 12.0),
+        ("Memcpy HtoD (Pinned -> Device)", 13.0, 14.0),
+        ("k1", 17.0, 25.0),
+        ("k2", 20.0, 23.0),
+        ("Memcpy HtoD (Pinned -> Device)", 26.0, 27.0),
+        ("k1", 28.0, 30.0),
+    ]
     random.Random(int.from_bytes(os.urandom(4), "little")).shuffle(spans)  # charged in start order
     out = step_spans(spans)
     assert out["steps"] == 3

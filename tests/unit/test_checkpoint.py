@@ -84,7 +84,7 @@ def hf_value(sd: dict[str, torch.Tensor], ref: str) -> torch.Tensor:
         return sd[ref]
     _, name, e, part = ref.split(":")
     t = sd[name][int(e)]
-    return t if part == "-" else t[int(part) * I:(int(part) + 1) * I]
+    return t if part == "-" else t[int(part) * I : (int(part) + 1) * I]
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +93,26 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.T
 
     torch.manual_seed(1234)
     cfg = DeepseekV4Config(
-        vocab_size=V, hidden_size=D, moe_intermediate_size=I, num_hidden_layers=len(COMPRESS),
-        num_attention_heads=4, head_dim=64, q_lora_rank=32, qk_rope_head_dim=16, o_groups=2, o_lora_rank=16,
-        n_routed_experts=E, num_experts_per_tok=2, index_n_heads=16, index_head_dim=32, index_topk=4,
-        sliding_window=16, compress_ratios=COMPRESS,
+        vocab_size=V,
+        hidden_size=D,
+        moe_intermediate_size=I,
+        num_hidden_layers=len(COMPRESS),
+        num_attention_heads=4,
+        head_dim=64,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        o_groups=2,
+        o_lora_rank=16,
+        n_routed_experts=E,
+        num_experts_per_tok=2,
+        index_n_heads=16,
+        index_head_dim=32,
+        index_topk=4,
+        sliding_window=16,
+        compress_ratios=COMPRESS,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-        num_hash_layers=HASH_LAYERS)
+        num_hash_layers=HASH_LAYERS,
+    )
     m = DeepseekV4ForCausalLM(cfg).float()
     with torch.no_grad():  # distinct random values everywhere so a wrong mapping cannot match by accident
         for p in m.parameters():
@@ -131,10 +145,13 @@ def test_hf_formats_map_to_deepseek_names(hf_dirs: tuple) -> None:
                 assert got.dtype == torch.float32
                 assert torch.equal(got, want), (key, r.location(key))
     # The brief's example, spelled out against the live module layout.
-    assert torch.equal(r_new.get("layers.1.ffn.experts.3.w3.weight"),
-                       sd["model.layers.1.mlp.experts.gate_up_proj"][3, I:])
-    assert r_new.location("layers.1.ffn.experts.3.w3.weight") == \
-        f"model.safetensors:model.layers.1.mlp.experts.gate_up_proj[3, {I}:{2 * I}]"
+    assert torch.equal(
+        r_new.get("layers.1.ffn.experts.3.w3.weight"), sd["model.layers.1.mlp.experts.gate_up_proj"][3, I:]
+    )
+    assert (
+        r_new.location("layers.1.ffn.experts.3.w3.weight")
+        == f"model.safetensors:model.layers.1.mlp.experts.gate_up_proj[3, {I}:{2 * I}]"
+    )
     assert r_orig.location("layers.0.attn.kv_norm.weight") == "model.safetensors:model.layers.0.attn.norm.weight"
     assert r_new.get("layers.2.attn.wq_a.weight", torch.bfloat16).dtype == torch.bfloat16
 
@@ -142,8 +159,14 @@ def test_hf_formats_map_to_deepseek_names(hf_dirs: tuple) -> None:
 def test_canonical_names_are_fixed_points() -> None:
     for key in expected_map():
         assert canonical_name(key) == key
-    for key in ("mtp.0.e_proj.weight", "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.attn.kv_norm.weight",
-                "layers.3.attn.wq_a.scale", "layers.3.ffn.experts.7.w2.scale"):
+    for key in (
+        "mtp.0.e_proj.weight",
+        "mtp.0.norm.weight",
+        "mtp.0.hc_head_fn",
+        "mtp.0.attn.kv_norm.weight",
+        "layers.3.attn.wq_a.scale",
+        "layers.3.ffn.experts.7.w2.scale",
+    ):
         assert canonical_name(key) == key
 
 
@@ -179,20 +202,33 @@ def ds_dir(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict[str, torch.Tensor
     w1, w1_s, w1_want = make_mxfp4(g, 8, 64)
     tid2eid = torch.randint(0, 8, (16, 2), generator=g, dtype=torch.int32)
     norm = torch.randn(64, generator=g).to(torch.bfloat16)
-    shard1 = {"embed.weight": torch.randn(16, 64, generator=g), "layers.0.attn.wq_a.weight": wq_a,
-              "layers.0.attn.wq_a.scale": wq_a_s, "layers.0.ffn.experts.0.w1.weight": w1,
-              "layers.0.attn.wkv.weight": wkv, "layers.0.attn.wkv.weight_scale_inv": wkv_s}
-    shard2 = {"layers.0.ffn.experts.0.w1.scale": w1_s,  # scale in a different shard from its weight
-              "layers.0.ffn.gate.tid2eid": tid2eid, "norm.weight": norm}
+    shard1 = {
+        "embed.weight": torch.randn(16, 64, generator=g),
+        "layers.0.attn.wq_a.weight": wq_a,
+        "layers.0.attn.wq_a.scale": wq_a_s,
+        "layers.0.ffn.experts.0.w1.weight": w1,
+        "layers.0.attn.wkv.weight": wkv,
+        "layers.0.attn.wkv.weight_scale_inv": wkv_s,
+    }
+    shard2 = {
+        "layers.0.ffn.experts.0.w1.scale": w1_s,  # scale in a different shard from its weight
+        "layers.0.ffn.gate.tid2eid": tid2eid,
+        "norm.weight": norm,
+    }
     names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     weight_map = {}
     for name, tensors in zip(names, (shard1, shard2)):
         save_file(tensors, str(tmp_path / name))
         weight_map |= {k: name for k in tensors}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    want = {"embed.weight": shard1["embed.weight"], "layers.0.attn.wq_a.weight": wq_a_want,
-            "layers.0.attn.wkv.weight": wkv_want, "layers.0.ffn.experts.0.w1.weight": w1_want,
-            "layers.0.ffn.gate.tid2eid": tid2eid.long(), "norm.weight": norm.float()}
+    want = {
+        "embed.weight": shard1["embed.weight"],
+        "layers.0.attn.wq_a.weight": wq_a_want,
+        "layers.0.attn.wkv.weight": wkv_want,
+        "layers.0.ffn.experts.0.w1.weight": w1_want,
+        "layers.0.ffn.gate.tid2eid": tid2eid.long(),
+        "norm.weight": norm.float(),
+    }
     return tmp_path, want
 
 
@@ -208,7 +244,9 @@ def test_deepseek_sharded_fp8_and_mxfp4(ds_dir: tuple) -> None:
         assert got.dtype == (torch.int64 if key.endswith("tid2eid") else torch.float32)
         assert torch.equal(got, w), key
     assert r.location("layers.0.ffn.gate.tid2eid") == "model-00002-of-00002.safetensors:layers.0.ffn.gate.tid2eid"
-    assert torch.equal(CheckpointReader(d, fp8_block=32).get("layers.0.attn.wq_a.weight"), want["layers.0.attn.wq_a.weight"])
+    assert torch.equal(
+        CheckpointReader(d, fp8_block=32).get("layers.0.attn.wq_a.weight"), want["layers.0.attn.wq_a.weight"]
+    )
     with pytest.raises(CheckpointError, match=r"wq_a.*fp8_block=64 is wrong"):
         CheckpointReader(d, fp8_block=64).get("layers.0.attn.wq_a.weight")
 
@@ -246,8 +284,9 @@ def test_bad_shard(ds_dir: tuple, damage: str) -> None:
     d, _ = ds_dir
     shard = d / "model-00001-of-00002.safetensors"
     data = shard.read_bytes()
-    shard.write_bytes({"garbage": b"\x93NUMPY garbage bytes" * 50, "truncated": data[: len(data) - 100],
-                       "empty": b""}[damage])
+    shard.write_bytes(
+        {"garbage": b"\x93NUMPY garbage bytes" * 50, "truncated": data[: len(data) - 100], "empty": b""}[damage]
+    )
     with pytest.raises(CheckpointError) as exc:
         CheckpointReader(d)
     msg = one_line(exc)
@@ -279,6 +318,7 @@ def test_missing_key_and_empty_dir(ds_dir: tuple, tmp_path_factory: pytest.TempP
 
 
 # ---- resolve_model_dir ----------------------------------------------------------------
+
 
 def test_resolve_local_and_env(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_model_dir(tmp_path) == tmp_path.resolve()

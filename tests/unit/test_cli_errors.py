@@ -68,16 +68,31 @@ def _runtime_error(argv: list[str], capsys) -> str:
         (["--stop", ""], "argument --stop: must not be empty"),
         (["--mesh", "tp8"], "argument --mesh: bad mesh 'tp8'"),
         (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
-        (["--rank", "3"], "argument --rank: only a --dry-run traces one chosen rank; under torchrun each process's rank "
-                          "comes from torchrun; drop --rank or add --dry-run"),
-        (["--eager", "--dump-graphs", "d"], "argument --dump-graphs: acts on compiled steps, which --eager turns off; drop one of them"),
-        (["--eager", "--disable-passes", "rope_kernel"], "argument --disable-passes: acts on compiled steps, which --eager turns off"),
+        (
+            ["--rank", "3"],
+            "argument --rank: only a --dry-run traces one chosen rank; under torchrun each process's rank "
+            "comes from torchrun; drop --rank or add --dry-run",
+        ),
+        (
+            ["--eager", "--dump-graphs", "d"],
+            "argument --dump-graphs: acts on compiled steps, which --eager turns off; drop one of them",
+        ),
+        (
+            ["--eager", "--disable-passes", "rope_kernel"],
+            "argument --disable-passes: acts on compiled steps, which --eager turns off",
+        ),
         (["--eager", "--no-inductor"], "argument --no-inductor: acts on compiled steps, which --eager turns off"),
         (["--eager", "--compile"], "argument --compile: not allowed with argument --eager"),
-        (["--dry-run", "--prompt", "hi"], "argument --prompt: has no effect with --dry-run (it traces one rank's steps on "
-                                          "abstract weights; nothing is generated); drop it"),
+        (
+            ["--dry-run", "--prompt", "hi"],
+            "argument --prompt: has no effect with --dry-run (it traces one rank's steps on "
+            "abstract weights; nothing is generated); drop it",
+        ),
         (["--dry-run", "--threads", "2"], "argument --threads: has no effect with --dry-run"),
-        (["--device", "garbage"], "argument --device: device 'garbage' is not a device; use 'cpu', 'cuda', 'cuda:N' or 'npu'"),
+        (
+            ["--device", "garbage"],
+            "argument --device: device 'garbage' is not a device; use 'cpu', 'cuda', 'cuda:N' or 'npu'",
+        ),
     ],
     ids=lambda v: " ".join(v)[:40] if isinstance(v, list) else "",
 )
@@ -91,26 +106,33 @@ def test_unreadable_prompts_file(tmp_path, capsys) -> None:
     f = tmp_path / "prompts.txt"
     f.write_bytes(b"caf\xe9\n")
     assert _usage_error(["--prompts-file", str(f)], capsys) == (
-        f"argument --prompts-file: {f} is not UTF-8 text (byte 3); save it as UTF-8")
+        f"argument --prompts-file: {f} is not UTF-8 text (byte 3); save it as UTF-8"
+    )
     assert _usage_error(["--prompts-file", str(tmp_path / "none.txt")], capsys).startswith(
-        "argument --prompts-file: [Errno 2] No such file or directory")
+        "argument --prompts-file: [Errno 2] No such file or directory"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_on_a_machine_without_cuda(ckpt, capsys) -> None:
     assert _usage_error(["--model", str(ckpt), "--device", "cuda"], capsys) == (
-        "argument --device: device 'cuda': this machine has no usable CUDA device (torch.cuda.is_available() is False); use 'cpu'")
+        "argument --device: device 'cuda': this machine has no usable CUDA device (torch.cuda.is_available() is False); use 'cpu'"
+    )
 
 
 def test_runtime_errors_are_one_line(ckpt, tmp_path, capsys) -> None:
     assert _runtime_error(["--model", str(ckpt), "--mesh", "ep3"], capsys) == (
         "mesh ep3 has 3 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 3 "
-        "(e.g. torchrun --nproc-per-node 3 -m deepinfer_fx.generate --mesh ep3 ...)")
+        "(e.g. torchrun --nproc-per-node 3 -m deepinfer_fx.generate --mesh ep3 ...)"
+    )
     assert _runtime_error(["--model", str(ckpt), "--disable-passes", "no_such_pass"], capsys).startswith(
-        "unknown graph pass name(s) ['no_such_pass']")
+        "unknown graph pass name(s) ['no_such_pass']"
+    )
     tok = shutil.copytree(ckpt, tmp_path / "tok")
     (tok / "tokenizer.json").write_bytes(b"\xff\xfe")
-    assert _runtime_error(["--model", str(tok)], capsys).startswith(f"{tok / 'tokenizer.json'}: not a readable tokenizer (")
+    assert _runtime_error(["--model", str(tok)], capsys).startswith(
+        f"{tok / 'tokenizer.json'}: not a readable tokenizer ("
+    )
     bad = shutil.copytree(ckpt, tmp_path / "nan")
     shard = bad / json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]["norm.weight"]
     tensors = load_file(shard)
@@ -118,32 +140,54 @@ def test_runtime_errors_are_one_line(ckpt, tmp_path, capsys) -> None:
     save_file(tensors, str(shard), metadata={"format": "pt"})
     assert _runtime_error(["--model", str(bad)], capsys) == (
         f"{shard.name}:norm.weight: tensor 'norm.weight' holds 1 non-finite value(s) (NaN or inf); "
-        "the shard is damaged or the weights are broken: re-download it")
+        "the shard is damaged or the weights are broken: re-download it"
+    )
 
 
 def test_dump_graphs_on_the_cpu_compiles(ckpt, tmp_path, capsys) -> None:
     """Before: "drop eager=True (or --eager)" to a user who passed neither."""
     torch._dynamo.reset()
     dump = tmp_path / "graphs"
-    assert generate.main(["--model", str(ckpt), "--dump-graphs", str(dump), "--max-tokens", "2", "--max-num-seqs", "2",
-                          "--no-inductor", "--threads", "1"]) == 0
+    assert (
+        generate.main(
+            [
+                "--model",
+                str(ckpt),
+                "--dump-graphs",
+                str(dump),
+                "--max-tokens",
+                "2",
+                "--max-num-seqs",
+                "2",
+                "--no-inductor",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "graph decode" in out or "graph prefill" in out, out
     assert any(dump.rglob("*.py"))
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
 
 
 def test_help_imports_no_torch(tmp_path) -> None:
     """--help parses and prints before torch (or any module that loads it) is imported."""
-    code = ("import sys, runpy; sys.argv = ['generate', '--help']\n"
-            "try:\n    runpy.run_module('deepinfer_fx.generate', run_name='__main__')\n"
-            "except SystemExit:\n    pass\n"
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'safetensors', 'tokenizers'))\n"
-            "print('HEAVY', heavy)")
+    code = (
+        "import sys, runpy; sys.argv = ['generate', '--help']\n"
+        "try:\n    runpy.run_module('deepinfer_fx.generate', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'safetensors', 'tokenizers'))\n"
+        "print('HEAVY', heavy)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
     assert "HEAVY []" in r.stdout, r.stdout[-400:]
@@ -154,7 +198,16 @@ def test_help_imports_no_torch(tmp_path) -> None:
 
 
 def test_no_traceback_in_a_subprocess(ckpt, tmp_path) -> None:
-    r = subprocess.run([sys.executable, "-m", "deepinfer_fx.generate", "--model", str(ckpt), "--mesh", "ep2"],
-                       capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "deepinfer_fx.generate", "--model", str(ckpt), "--mesh", "ep2"],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=300,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("error: mesh ep2 has 2 ranks but this process was not started by torchrun")
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: mesh ep2 has 2 ranks but this process was not started by torchrun")
+    )

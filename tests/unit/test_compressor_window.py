@@ -69,18 +69,27 @@ def test_compress_chunked_equals_one_shot_and_reference(seed, ratio, overlap):
 
     st = layer_state(c, ratio, max_len, torch.float32, slots=2)["comp"]
     one = compress(p, st, x[None], Group.one(0, T), ratio, overlap, freq, eps, finish=None)[0, : T // ratio]
-    close(one, _compress_ref(p, x, ratio, overlap, freq, eps, dim), f"seed={seed} T={T}: entries vs explicit formula",
-          atol=1e-4, rtol=1e-4)
+    close(
+        one,
+        _compress_ref(p, x, ratio, overlap, freq, eps, dim),
+        f"seed={seed} T={T}: entries vs explicit formula",
+        atol=1e-4,
+        rtol=1e-4,
+    )
 
     st2 = layer_state(c, ratio, max_len, torch.float32, slots=2)["comp"]
     start, sizes = 0, []
     while start < T:
         n = min(rng.randrange(1, 2 * ratio + 3), T - start)
-        got = compress(p, st2, x[None, start : start + n], Group.one(start, n), ratio, overlap, freq, eps, finish=None)[0]
+        got = compress(p, st2, x[None, start : start + n], Group.one(start, n), ratio, overlap, freq, eps, finish=None)[
+            0
+        ]
         start += n
         sizes.append(n)
         assert got.shape == (max_len // ratio, dim), f"seed={seed} chunks={sizes}"
-        close(got[: start // ratio], one[: start // ratio], f"seed={seed} chunks={sizes}: chunked vs one shot", atol=1e-5)
+        close(
+            got[: start // ratio], one[: start // ratio], f"seed={seed} chunks={sizes}: chunked vs one shot", atol=1e-5
+        )
 
 
 def test_compress_finish_applies_to_new_entries_only(seed):

@@ -143,7 +143,9 @@ def test_released_config_parses_or_is_rejected(path: Path):
         assert load_config(path) == config_from_dict(raw, where=str(path))
     else:
         # The official reference's flat ModelArgs files are not HF configs and must be refused.
-        assert mt is None and "dim" in json.loads(path.read_text()), f"{path.name}: unexpected file; add it to this test"
+        assert mt is None and "dim" in json.loads(path.read_text()), (
+            f"{path.name}: unexpected file; add it to this test"
+        )
         with pytest.raises(ConfigError, match="model_type"):
             load_config(path)
 
@@ -177,8 +179,13 @@ def test_dspark_config_is_flash_trunk_with_three_stages():
     assert (dspark.dspark_n_routed_experts, dspark.dspark_num_experts_per_tok) == (256, 6)
     # Everything else is the V4-Flash trunk.
     no_drafter = dspark.replace(
-        dspark_stages=0, dspark_block_size=0, dspark_noise_token_id=None, dspark_target_layer_ids=(),
-        dspark_markov_rank=0, dspark_n_routed_experts=0, dspark_num_experts_per_tok=0,
+        dspark_stages=0,
+        dspark_block_size=0,
+        dspark_noise_token_id=None,
+        dspark_target_layer_ids=(),
+        dspark_markov_rank=0,
+        dspark_n_routed_experts=0,
+        dspark_num_experts_per_tok=0,
     )
     assert no_drafter == flash
 
@@ -252,10 +259,26 @@ def test_negative_compress_ratio():
 
 
 REQUIRED = [
-    "hidden_size", "q_lora_rank", "index_topk", "vocab_size", "num_hidden_layers", "num_attention_heads",
-    "head_dim", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
-    "rms_norm_eps", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
-    "routed_scaling_factor", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+    "hidden_size",
+    "q_lora_rank",
+    "index_topk",
+    "vocab_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "o_groups",
+    "o_lora_rank",
+    "sliding_window",
+    "index_n_heads",
+    "index_head_dim",
+    "rms_norm_eps",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "routed_scaling_factor",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+    "hc_eps",
 ]
 
 
@@ -348,7 +371,9 @@ def test_quantization_config_errors():
     q = {"quant_method": "fp8", "weight_block_size": [128, 64]}
     raises_naming(tiny(quantization_config=q), "weight_block_size")
     raises_naming(tiny(quantization_config={"quant_method": "awq"}), "quant_method")
-    c = config_from_dict(tiny(quantization_config={"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"}))
+    c = config_from_dict(
+        tiny(quantization_config={"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"})
+    )
     assert c.fp8_block == 32 and c.expert_dtype == "fp4"
 
 
@@ -515,7 +540,11 @@ def test_v41_flash_layer_roles_match_spec_table():
 # decoder from layer 6 with a reindex source at 8, Engram at 1 and 4, two DSpark stages.
 TINY41 = {
     "model_type": "deepseek_v41_text",
-    **{k: v for k, v in TINY.items() if k not in ("model_type", "compress_ratios", "num_hash_layers", "num_hidden_layers")},
+    **{
+        k: v
+        for k, v in TINY.items()
+        if k not in ("model_type", "compress_ratios", "num_hash_layers", "num_hidden_layers")
+    },
     "num_hidden_layers": 10,
     "rms_norm_eps": 1e-20,
     "compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0],
@@ -559,7 +588,18 @@ def composite41(text: dict, **top) -> dict:
 def test_tiny41_roles():
     c = config_from_dict(tiny41())
     assert c.is_v41 and c.model_type == "deepseek_v41" and c.compress_ratios == (0, 0, 2, 2, 2, 2, 1, 1, 1, 1)
-    assert [c.layer_role(i) for i in range(10)] == ["swa", "swa", "full", "reuse", "full", "reuse", "full", "reuse", "reindex", "reuse"]
+    assert [c.layer_role(i) for i in range(10)] == [
+        "swa",
+        "swa",
+        "full",
+        "reuse",
+        "full",
+        "reuse",
+        "full",
+        "reuse",
+        "reindex",
+        "reuse",
+    ]
     assert [c.kv_source(i) for i in range(10)] == [None, None, 2, 2, 4, 4, 6, 6, 6, 6]
     assert [c.index_source(i) for i in range(10)] == [None, None, 2, 2, 4, 4, 6, 6, 8, 8]
     assert c.encoder_layers == tuple(range(6)) and c.decoder_layers == (6, 7, 8, 9)
@@ -588,7 +628,9 @@ def test_v41_hf_spellings_and_defaults():
     del d["candidate_source_layer_id"]
     assert config_from_dict(d).candidate_source_layer_id == 6
     off = config_from_dict(tiny41(candidate_source_layer_id=-1))
-    assert off.candidate_source_layer_id is None and not any(off.is_candidate_source(i) or off.uses_candidates(i) for i in range(10))
+    assert off.candidate_source_layer_id is None and not any(
+        off.is_candidate_source(i) or off.uses_candidates(i) for i in range(10)
+    )
     assert config_from_dict(tiny41(gate_temp=0.5)).gate_temp == 0.5
     # HF-written tiny configs keep the released token ids beside a small vocabulary: still loadable
     released_ids = config_from_dict(composite41(tiny41(), image_token_id=129264))
@@ -597,7 +639,10 @@ def test_v41_hf_spellings_and_defaults():
     # ratios may list the backbone only or also the draft stages
     assert config_from_dict(tiny41(compress_ratios=TINY41["compress_ratios"][:10])) == config_from_dict(tiny41())
     # HF's nested rope_parameters spelling
-    rp = {"main": {"rope_type": "default", "rope_theta": 10000.0}, "compress": {**YARN, "rope_type": "yarn", "rope_theta": 160000.0}}
+    rp = {
+        "main": {"rope_type": "default", "rope_theta": 10000.0},
+        "compress": {**YARN, "rope_type": "yarn", "rope_theta": 160000.0},
+    }
     assert config_from_dict(tiny41(rope_parameters=rp)) == config_from_dict(tiny41())
 
 
@@ -622,7 +667,10 @@ def test_v4_configs_keep_v41_defaults_and_refuse_roles():
         ({"index_source_layer_ids": [-1, 2, 4, 6, 8]}, "index_source_layer_ids"),
         # the first KV source after the first compressed layer (2), or none at all
         ({"kv_source_layer_ids": [3, 4, 6], "index_source_layer_ids": [3, 4, 6, 8]}, "kv_source_layer_ids"),
-        ({"kv_source_layer_ids": [], "index_source_layer_ids": [], "candidate_source_layer_id": -1}, "kv_source_layer_ids"),
+        (
+            {"kv_source_layer_ids": [], "index_source_layer_ids": [], "candidate_source_layer_id": -1},
+            "kv_source_layer_ids",
+        ),
         # a source on a window-only layer
         ({"kv_source_layer_ids": [1, 2, 4, 6], "index_source_layer_ids": [1, 2, 4, 6, 8]}, "kv_source_layer_ids"),
         ({"index_source_layer_ids": [1, 2, 4, 6, 8]}, "index_source_layer_ids"),
@@ -668,7 +716,10 @@ def test_v41_composite_errors():
     del d["text_config"]
     raises_naming(d, "text_config")
     raises_naming(composite41(tiny41(model_type="deepseek_v4")), "text_config.model_type")
-    raises_naming(composite41(tiny41(), quantization_config={"quant_method": "fp8", "weight_block_size": [32, 64]}), "weight_block_size")
+    raises_naming(
+        composite41(tiny41(), quantization_config={"quant_method": "fp8", "weight_block_size": [32, 64]}),
+        "weight_block_size",
+    )
 
 
 def test_v41_roles_match_definitions_on_random_layouts():
@@ -685,11 +736,19 @@ def test_v41_roles_match_definitions_on_random_layouts():
         kv = enc_sources + dec_sources
         extra = [i for i in range(n_swa, n) if i not in kv and rng.random() < 0.3]
         index = sorted(kv + extra)
-        c = config_from_dict(tiny41(
-            num_hidden_layers=n, compress_ratios=ratios, kv_source_layer_ids=kv, index_source_layer_ids=index,
-            candidate_source_layer_id=kv[-1], engram_layer_ids=[], engram_num_embeddings=[],
-            num_nextn_predict_layers=0, dspark_target_layer_ids=[],
-        ))
+        c = config_from_dict(
+            tiny41(
+                num_hidden_layers=n,
+                compress_ratios=ratios,
+                kv_source_layer_ids=kv,
+                index_source_layer_ids=index,
+                candidate_source_layer_id=kv[-1],
+                engram_layer_ids=[],
+                engram_num_embeddings=[],
+                num_nextn_predict_layers=0,
+                dspark_target_layer_ids=[],
+            )
+        )
         for layer in range(n):
             at_or_before = lambda ids: max((s for s in ids if s <= layer), default=None) if ratios[layer] else None
             assert c.kv_source(layer) == at_or_before(kv), f"seed={seed} layer={layer}"

@@ -146,8 +146,9 @@ def test_out_of_range_ids(tmp_path: pathlib.Path, bad: int) -> None:
         assert "engram" in str(err.value), str(err.value)
 
 
-def loop_reference(p: dict, X: torch.Tensor, hash_ids: torch.Tensor, eps: float,
-                   token_mask: torch.Tensor | None = None) -> torch.Tensor:
+def loop_reference(
+    p: dict, X: torch.Tensor, hash_ids: torch.Tensor, eps: float, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Spec §7.7 written one token and one stream at a time."""
     n, hc, d = X.shape
     out = X.clone()
@@ -155,9 +156,9 @@ def loop_reference(p: dict, X: torch.Tensor, hash_ids: torch.Tensor, eps: float,
     for t in range(n):
         row = p["embed"].lookup(hash_ids[t]).reshape(-1).to(X.dtype)
         kv = (wkv @ row).float()
-        value = kv[hc * d:]
+        value = kv[hc * d :]
         for k in range(hc):
-            key = kv[k * d:(k + 1) * d]
+            key = kv[k * d : (k + 1) * d]
             x = X[t, k].float()
             w = p["q_weight"][k].float() * p["k_weight"][k].float()
             r = 1 / math.sqrt(float((x * x).mean()) + eps) / math.sqrt(float((key * key).mean()) + eps)

@@ -73,7 +73,9 @@ def _ref_hash(seq: list[int], pad: int, layer_pos: int, cfg: ModelConfig, vocab:
     """Row ids for every position of ``seq`` (a whole sequence from its start), plain ints."""
     n, heads = cfg.engram_max_ngram_size, cfg.engram_n_heads
     per_layer = (n - 1) * heads
-    primes = _ref_primes(cfg.engram_vocab_size, per_layer * len(cfg.engram_layer_ids))[layer_pos * per_layer : (layer_pos + 1) * per_layer]
+    primes = _ref_primes(cfg.engram_vocab_size, per_layer * len(cfg.engram_layer_ids))[
+        layer_pos * per_layer : (layer_pos + 1) * per_layer
+    ]
     mult = _ref_multipliers(cfg.engram_layer_ids[layer_pos], n, vocab)
     out = []
     for t in range(len(seq)):
@@ -95,15 +97,38 @@ def _tiny_cfg(rng: random.Random, vocab: int) -> ModelConfig:
     n, heads = rng.randrange(2, 6), rng.randrange(1, 5)
     return config_from_dict(
         {
-            "model_type": "deepseek_v41_text", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 8,
-            "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2,
-            "o_lora_rank": 16, "sliding_window": 16, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1],
-            "kv_source_layer_ids": [2, 5], "index_source_layer_ids": [2, 5, 7], "index_n_heads": 16,
-            "index_head_dim": 32, "index_topk": 4, "rms_norm_eps": 1e-20, "moe_intermediate_size": 32,
-            "n_routed_experts": 8, "num_experts_per_tok": 2, "routed_scaling_factor": 1.5, "hc_mult": 4,
-            "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "engram_layer_ids": layers,
-            "engram_num_embeddings": [1] * len(layers), "engram_max_ngram_size": n, "engram_n_heads": heads,
-            "engram_head_dim": 32, "engram_vocab_size": rng.randrange(2, 5000), "engram_pad_token_id": 2,
+            "model_type": "deepseek_v41_text",
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 4,
+            "head_dim": 64,
+            "qk_rope_head_dim": 16,
+            "q_lora_rank": 32,
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "sliding_window": 16,
+            "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1],
+            "kv_source_layer_ids": [2, 5],
+            "index_source_layer_ids": [2, 5, 7],
+            "index_n_heads": 16,
+            "index_head_dim": 32,
+            "index_topk": 4,
+            "rms_norm_eps": 1e-20,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "routed_scaling_factor": 1.5,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6,
+            "engram_layer_ids": layers,
+            "engram_num_embeddings": [1] * len(layers),
+            "engram_max_ngram_size": n,
+            "engram_n_heads": heads,
+            "engram_head_dim": 32,
+            "engram_vocab_size": rng.randrange(2, 5000),
+            "engram_pad_token_id": 2,
             "engram_compressed_vocab_size": vocab,
         }
     )
@@ -239,7 +264,23 @@ def test_sequence_start_uses_pad_class():
 
 
 def test_compressed_vocab_merges_case_accents_and_spaces():
-    tokens = ["<pad>", "Café", "cafe", " cafe", "CAFE\n", "cafe\u0301", "\ufb01", "fi", " ", "  ", "\t\n", "x", "X", "\u0301", "\u3000b"]
+    tokens = [
+        "<pad>",
+        "Café",
+        "cafe",
+        " cafe",
+        "CAFE\n",
+        "cafe\u0301",
+        "\ufb01",
+        "fi",
+        " ",
+        "  ",
+        "\t\n",
+        "x",
+        "X",
+        "\u0301",
+        "\u3000b",
+    ]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<pad>"))
     classes, n = compressed_vocab(tok)
     assert classes.dtype == np.int64 and classes.shape == (len(tokens),)
@@ -266,7 +307,9 @@ def test_compressed_vocab_demo_tokenizer():
     by_text = {t: i for i, t in enumerate(texts)}
     # " t" / "t" / "T" (and every other word the demo vocabulary has with and without a leading
     # space or capital) share a class
-    pairs = [(t, t.strip().lower()) for t in texts if t.strip() and t != t.strip().lower() and t.strip().lower() in by_text]
+    pairs = [
+        (t, t.strip().lower()) for t in texts if t.strip() and t != t.strip().lower() and t.strip().lower() in by_text
+    ]
     assert len(pairs) > 20, pairs
     for text, plain in pairs:
         assert classes[by_text[text]] == classes[by_text[plain]], (text, plain)

@@ -11,8 +11,21 @@ from deepinfer_fx import generate
 def test_demo_cli_in_a_subprocess(tmp_path) -> None:
     env = {"DEEPINFER_DEMO_DIR": str(tmp_path / "demo"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     r = subprocess.run(
-        [sys.executable, "-m", "deepinfer_fx.generate", "--prompt", "Hello there", "--prompt", "Good morning", "--max-tokens", "5"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "deepinfer_fx.generate",
+            "--prompt",
+            "Hello there",
+            "--prompt",
+            "Good morning",
+            "--max-tokens",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr
     assert "[demo]" in r.stdout and "random weights" in r.stdout
@@ -24,8 +37,11 @@ def test_bad_arguments(capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("DEEPINFER_DEMO_DIR", str(tmp_path / "demo"))
     assert generate.main(["--model", "/nonexistent/dir", "--max-tokens", "2"]) == 2
     assert "no such directory" in capsys.readouterr().err
-    for argv, needle in ((["--top-p", "0"], "argument --top-p: must be a float in (0, 1], got 0"), (["--mesh", "xx9"], "bad mesh"),
-                         (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got 0")):
+    for argv, needle in (
+        (["--top-p", "0"], "argument --top-p: must be a float in (0, 1], got 0"),
+        (["--mesh", "xx9"], "bad mesh"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got 0"),
+    ):
         try:
             generate.main(argv)
         except SystemExit as e:

@@ -23,7 +23,11 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     deps: set[str] = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module
+            base = (
+                ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level
+                else node.module
+            )
             for alias in node.names:  # `from pkg import mod` depends on the submodule when there is one
                 deps.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
         elif isinstance(node, ast.Import):
@@ -41,7 +45,7 @@ def test_no_import_cycle() -> None:
         state[node] = 1
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                cycles.append(path[path.index(dep):] + [dep])
+                cycles.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep, path + [dep])
         state[node] = 2

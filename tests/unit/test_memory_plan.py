@@ -32,7 +32,9 @@ def test_tiny_config_by_hand() -> None:
     assert _category(plan, "routed experts") == 4 * 8 * expert * 2  # 4 layers x 8 experts, bf16 (MXFP4 dequantised)
     routed_released = next(c.note for c in plan.device if c.name == "routed experts")
     numel = 4 * 8 * expert
-    assert f"{(numel // 2 + numel // 32) / GiB:.2f} GiB as released (MXFP4)" in routed_released  # half a byte + a scale a 32
+    assert (
+        f"{(numel // 2 + numel // 32) / GiB:.2f} GiB as released (MXFP4)" in routed_released
+    )  # half a byte + a scale a 32
     # the MTP layer's experts are the draft model's, beside its dense weights
     assert _category(plan, "draft model (mtp.*)") > 8 * expert * 2
     # per cached token: CSA layers 1 and 3 keep (128 + 64) / 4 entry channels, HCA layer 2 128 / 128; bf16
@@ -50,7 +52,10 @@ def test_tiny_config_by_hand() -> None:
     fp8 = memory_plan(c.replace(expert_dtype="fp8"), expert_format="fp8")
     blocks = 2 * (64 // 32) * (128 // 32) + (128 // 32) * (64 // 32)
     assert _category(fp8, "routed experts") == 4 * 8 * (expert + blocks * 4)
-    assert _category(memory_plan(c.replace(expert_dtype="fp8"), expert_format="dequant"), "routed experts") == 4 * 8 * expert * 2
+    assert (
+        _category(memory_plan(c.replace(expert_dtype="fp8"), expert_format="dequant"), "routed experts")
+        == 4 * 8 * expert * 2
+    )
 
     # a GPU too small for the weights: the plan says so, and how many sequences the pool would hold (none)
     small = memory_plan(c, gpu_memory_gib=_category(plan, "dense weights") / GiB)
@@ -84,15 +89,23 @@ def test_released_v4_flash_and_pro() -> None:
     pro = released_config("v4-pro")
     assert not memory_plan(pro, MeshSpec(ep=32)).fits and memory_plan(pro, MeshSpec(ep=64)).fits
     # 256 + 32 redundant experts over ep8: 36 slots a GPU
-    assert "36 of 256 experts a layer" in next(x.note for x in memory_plan(flash, MeshSpec(ep=8)).device if x.name == "routed experts")
+    assert "36 of 256 experts a layer" in next(
+        x.note for x in memory_plan(flash, MeshSpec(ep=8)).device if x.name == "routed experts"
+    )
 
 
 def test_cli_reads_only_the_config(tmp_path, capsys) -> None:
     (tmp_path / "config.json").write_text(released_path("v4-flash").read_text())
     assert generate.main(["--plan", "--model", str(tmp_path), "--mesh", "ep8"]) == 0
     out = capsys.readouterr().out
-    assert "memory plan per GPU: mesh ep8 (8 GPUs)" in out and "routed experts" in out and out.rstrip().splitlines()[-1].startswith("fits")
-    assert generate.main(["--plan", "--model", str(released_path("v4-flash"))]) == 1  # the released file itself, one GPU
+    assert (
+        "memory plan per GPU: mesh ep8 (8 GPUs)" in out
+        and "routed experts" in out
+        and out.rstrip().splitlines()[-1].startswith("fits")
+    )
+    assert (
+        generate.main(["--plan", "--model", str(released_path("v4-flash"))]) == 1
+    )  # the released file itself, one GPU
     assert "does NOT fit" in capsys.readouterr().out
     tiny = tmp_path / "tiny"
     tiny.mkdir()

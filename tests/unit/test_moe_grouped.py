@@ -17,8 +17,11 @@ def test_eager_gpu_fp32_loop_equals_gathered_form() -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     e, d, i, t, k = 6, 64, 32, 13, 3
-    p = {"w1": torch.randn(e, i, d, generator=g) / 8, "w3": torch.randn(e, i, d, generator=g) / 8,
-         "w2": torch.randn(e, d, i, generator=g) / 6}
+    p = {
+        "w1": torch.randn(e, i, d, generator=g) / 8,
+        "w3": torch.randn(e, i, d, generator=g) / 8,
+        "w2": torch.randn(e, d, i, generator=g) / 6,
+    }
     x = torch.randn(t, d, generator=g)
     idx = torch.randint(0, e - 2, (t, k), generator=g)  # the last two experts get no rows
     w = torch.rand(t, k, generator=g)

@@ -32,8 +32,12 @@ def test_apply_rope_matches_complex_reference(seed, compressed, shape):
     assert torch.equal(y[..., :-rd], x[..., :-rd]), f"seed={seed}: non-rope channels changed"
     close(y, rope_ref(x, pos, freq), f"seed={seed}: rope vs complex reference", atol=1e-3, rtol=1e-4)
     # rotation keeps the norm of every pair
-    close(y[..., -rd:].unflatten(-1, (-1, 2)).norm(dim=-1), x[..., -rd:].unflatten(-1, (-1, 2)).norm(dim=-1),
-          f"seed={seed}: pair norms", atol=1e-5)
+    close(
+        y[..., -rd:].unflatten(-1, (-1, 2)).norm(dim=-1),
+        x[..., -rd:].unflatten(-1, (-1, 2)).norm(dim=-1),
+        f"seed={seed}: pair norms",
+        atol=1e-5,
+    )
     # inverse: the conjugate rotation, and it undoes the forward one
     yi = rope.apply_rope(x, cos, sin, inverse=True)
     close(yi, rope_ref(x, pos, freq, sign=-1.0), f"seed={seed}: inverse rope vs reference", atol=1e-3, rtol=1e-4)
@@ -50,10 +54,12 @@ def test_apply_rope_position_zero_is_identity_and_relative(seed):
     # <rope(q, a), rope(k, b)> depends only on a - b (on the rope channels)
     q, k = torch.randn(2, 32, generator=g).double().unbind(0)
     a, b, s = (int(v) for v in torch.randint(0, 500, (3,), generator=g))
+
     def dot(pa, pb):
         qa = rope_ref(q[None], torch.tensor([pa]), freq)[0]
         kb = rope_ref(k[None], torch.tensor([pb]), freq)[0]
         return (qa * kb).sum()
+
     assert abs(dot(a, b) - dot(a + s, b + s)) < 1e-9, f"seed={seed}"
 
 
@@ -71,8 +77,13 @@ def test_yarn_table_flash_values():
     want = base / 16 * ramp.clamp(0, 1) + base * (1 - ramp.clamp(0, 1))
     close(f, want, "yarn blend low=15 high=25", atol=0, rtol=1e-6)
     # the unscaled table
-    close(rope._inv_freq(64, 10000.0, None), 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64),
-          "base table theta=10000", atol=0, rtol=1e-6)
+    close(
+        rope._inv_freq(64, 10000.0, None),
+        10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64),
+        "base table theta=10000",
+        atol=0,
+        rtol=1e-6,
+    )
 
 
 def test_inv_freq_per_layer_kind():
@@ -94,7 +105,9 @@ def _hf_rope_config(**kw):
 def test_inv_freq_matches_transformers(head_dim, rope_dim):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf = _hf_rope_config(head_dim=head_dim, qk_rope_head_dim=rope_dim, num_attention_heads=4, o_groups=2, hidden_size=64)
+    hf = _hf_rope_config(
+        head_dim=head_dim, qk_rope_head_dim=rope_dim, num_attention_heads=4, o_groups=2, hidden_size=64
+    )
     f_hf, attn_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu", layer_type="compress")
     assert attn_factor == 1.0  # no mscale
     c = config_from_dict(hf.to_dict())

@@ -113,12 +113,21 @@ def test_mqa_with_sink(seed):
     bias2[:, j] = float("-inf")
     keys2 = keys.clone()
     keys2[j] = torch.randn(d, generator=g) * 100
-    close(mqa_with_sink(q, keys2, bias2, sink, *still), mqa_with_sink(q, keys, bias2, sink, *still), f"seed={seed}: masked key", atol=1e-6)
+    close(
+        mqa_with_sink(q, keys2, bias2, sink, *still),
+        mqa_with_sink(q, keys, bias2, sink, *still),
+        f"seed={seed}: masked key",
+        atol=1e-6,
+    )
 
     # the sink only takes mass: a -inf sink is a plain softmax, a bigger sink shrinks the output
     plain = torch.softmax(torch.einsum("thd,nd->thn", q, keys) / math.sqrt(d) + bias[:, None], dim=-1)
-    close(mqa_with_sink(q, keys, bias, torch.full((H,), float("-inf")), *still), torch.einsum("thn,nd->thd", plain, keys),
-          f"seed={seed}: -inf sink", atol=1e-5)
+    close(
+        mqa_with_sink(q, keys, bias, torch.full((H,), float("-inf")), *still),
+        torch.einsum("thn,nd->thd", plain, keys),
+        f"seed={seed}: -inf sink",
+        atol=1e-5,
+    )
     out_big = mqa_with_sink(q, keys, bias, sink + 3.0, *still)
     assert (out_big.norm(dim=-1) < out.norm(dim=-1)).all(), f"seed={seed}: a larger sink must shrink the output"
 

@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from deepinfer_fx.engine.sampler import (
-    SamplingTensors, derive_seed, exponentials, hash_bits, hash_py, logprobs, row_key, sample,
+    SamplingTensors,
+    derive_seed,
+    exponentials,
+    hash_bits,
+    hash_py,
+    logprobs,
+    row_key,
+    sample,
 )
 from deepinfer_fx.engine.sampling import SamplingParams
 
@@ -29,10 +36,18 @@ def fresh() -> tuple[int, torch.Generator]:
 
 def tensors(B: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0) -> SamplingTensors:
     """Per-row tensors from scalars or [B] tensors (broadcast)."""
+
     def col(v, dtype):
         return torch.as_tensor(v, dtype=dtype).expand(B).clone()
-    return SamplingTensors(col(temperature, torch.float32), col(top_k, torch.int64), col(top_p, torch.float32),
-                           col(min_p, torch.float32), col(seed, torch.int64), col(position, torch.int64))
+
+    return SamplingTensors(
+        col(temperature, torch.float32),
+        col(top_k, torch.int64),
+        col(top_p, torch.float32),
+        col(min_p, torch.float32),
+        col(seed, torch.int64),
+        col(position, torch.int64),
+    )
 
 
 def to_signed(x: int) -> int:
@@ -67,8 +82,15 @@ def test_greedy_rows_equal_argmax() -> None:
     temp = torch.rand(B, generator=g) + 0.2
     greedy = torch.rand(B, generator=g) < 0.5
     temp[greedy] = 0
-    t = tensors(B, temperature=temp, top_k=torch.randint(0, 50, (B,), generator=g), top_p=0.9, min_p=0.05,
-                seed=torch.randint(0, 2**62, (B,), generator=g), position=torch.arange(B))
+    t = tensors(
+        B,
+        temperature=temp,
+        top_k=torch.randint(0, 50, (B,), generator=g),
+        top_p=0.9,
+        min_p=0.05,
+        seed=torch.randint(0, 2**62, (B,), generator=g),
+        position=torch.arange(B),
+    )
     out = sample(logits, t)
     assert out.dtype == torch.int64 and out.shape == (B,)
     assert torch.equal(out[greedy], logits.argmax(-1)[greedy]), f"seed={s}"
@@ -78,20 +100,32 @@ def test_sample_independent_of_batch_row_and_size() -> None:
     s, g = fresh()
     V, N = 300, 24
     logits = torch.randn(N, V, generator=g) * 2
-    t = tensors(N, temperature=torch.rand(N, generator=g) * 1.5 + 0.1,
-                top_k=torch.randint(0, 40, (N,), generator=g), top_p=torch.rand(N, generator=g) * 0.9 + 0.1,
-                min_p=torch.rand(N, generator=g) * 0.2, seed=torch.randint(0, 2**62, (N,), generator=g),
-                position=torch.randint(0, 10_000, (N,), generator=g))
+    t = tensors(
+        N,
+        temperature=torch.rand(N, generator=g) * 1.5 + 0.1,
+        top_k=torch.randint(0, 40, (N,), generator=g),
+        top_p=torch.rand(N, generator=g) * 0.9 + 0.1,
+        min_p=torch.rand(N, generator=g) * 0.2,
+        seed=torch.randint(0, 2**62, (N,), generator=g),
+        position=torch.randint(0, 10_000, (N,), generator=g),
+    )
     fields = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
-    alone = torch.stack([sample(logits[i:i + 1], SamplingTensors(*(getattr(t, f)[i:i + 1] for f in fields)))[0]
-                         for i in range(N)])
+    alone = torch.stack(
+        [sample(logits[i : i + 1], SamplingTensors(*(getattr(t, f)[i : i + 1] for f in fields)))[0] for i in range(N)]
+    )
     for B in (N, N + 7, 3 * N):
         # Put the N requests at random rows of a bigger batch of random neighbours.
         rows = torch.randperm(B, generator=g)[:N]
         big_logits = torch.randn(B, V, generator=g) * 2
         big_logits[rows] = logits
-        big = tensors(B, temperature=0.8, top_k=5, top_p=0.5, seed=torch.randint(0, 2**62, (B,), generator=g),
-                      position=torch.randint(0, 10_000, (B,), generator=g))
+        big = tensors(
+            B,
+            temperature=0.8,
+            top_k=5,
+            top_p=0.5,
+            seed=torch.randint(0, 2**62, (B,), generator=g),
+            position=torch.randint(0, 10_000, (B,), generator=g),
+        )
         for f in fields:
             getattr(big, f)[rows] = getattr(t, f)
         assert torch.equal(sample(big_logits, big)[rows], alone), f"seed={s} B={B}"
@@ -115,13 +149,19 @@ def test_degenerate_filters_equal_argmax(kw: dict) -> None:
     s, g = fresh()
     B, V = 256, 2000
     logits = torch.randn(B, V, generator=g) * 0.5  # flat: a top token with < 1% mass
-    t = tensors(B, temperature=torch.rand(B, generator=g) * 3 + 0.5, seed=torch.randint(0, 2**62, (B,), generator=g),
-                position=torch.arange(B), **kw)
+    t = tensors(
+        B,
+        temperature=torch.rand(B, generator=g) * 3 + 0.5,
+        seed=torch.randint(0, 2**62, (B,), generator=g),
+        position=torch.arange(B),
+        **kw,
+    )
     assert torch.equal(sample(logits, t), logits.argmax(-1)), f"seed={s} {kw}"
 
 
-def reference_probs(logits: torch.Tensor, T: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                    margin: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_probs(
+    logits: torch.Tensor, T: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, margin: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 truncated distribution of one row, and the tokens that are out beyond ``margin``
     (a token nearly on a float32 boundary may go either way on the device)."""
     p = torch.softmax(logits.double() / T, -1)
@@ -186,9 +226,15 @@ def test_sample_traces_without_host_sync() -> None:
     s, g = fresh()
     B, V = 8, 64
     logits = torch.randn(B, V, generator=g)
-    t = tensors(B, temperature=torch.tensor([0.0, 1, 0.5, 2, 0, 1, 1, 0.7]), top_k=torch.tensor([0, 1, 5, 0, 3, 0, 60, 2]),
-                top_p=torch.rand(B, generator=g) * 0.9 + 0.1, min_p=0.02,
-                seed=torch.randint(0, 2**62, (B,), generator=g), position=torch.arange(B))
+    t = tensors(
+        B,
+        temperature=torch.tensor([0.0, 1, 0.5, 2, 0, 1, 1, 0.7]),
+        top_k=torch.tensor([0, 1, 5, 0, 3, 0, 60, 2]),
+        top_p=torch.rand(B, generator=g) * 0.9 + 0.1,
+        min_p=0.02,
+        seed=torch.randint(0, 2**62, (B,), generator=g),
+        position=torch.arange(B),
+    )
     args = (logits, t.temperature, t.top_k, t.top_p, t.min_p, t.seed, t.position)
     # Fake tensors have no values: any .item(), nonzero, data-dependent shape or Python branch on a
     # tensor raises here instead of being silently baked into the graph.

@@ -54,8 +54,17 @@ def test_defaults_and_valid_extremes() -> None:
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1.0, 1.0, -1, 0.0, 16)
     assert p.stop == () and p.stop_token_ids == () and p.so_args is None and not p.greedy
     seed = RNG.randrange(SEED_LIMIT)
-    q = SamplingParams(temperature=0, top_p=1e-9, top_k=0, min_p=1, max_tokens=1, logprobs=0,
-                       prompt_logprobs=MAX_LOGPROBS, seq_seed=seed, ignore_eos=True)
+    q = SamplingParams(
+        temperature=0,
+        top_p=1e-9,
+        top_k=0,
+        min_p=1,
+        max_tokens=1,
+        logprobs=0,
+        prompt_logprobs=MAX_LOGPROBS,
+        seq_seed=seed,
+        ignore_eos=True,
+    )
     assert q.greedy and q.seq_seed == seed, seed
     assert isinstance(q.temperature, float) and isinstance(q.min_p, float)
     assert SamplingParams(seq_seed=0).seq_seed == 0
@@ -116,14 +125,25 @@ def test_so_args_valid() -> None:
 def test_so_args_forms_normalise_alike() -> None:
     """DeepInfer's form and vLLM's keys give one spec (the compiled-grammar cache's key)."""
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
-    json_forms = [{"json_schema": schema}, {"json_schema": json.dumps(schema)}, {"schema_type": "json", "schema": schema},
-                  {"schema_type": "json_schema", "schema": json.dumps(schema)}]
+    json_forms = [
+        {"json_schema": schema},
+        {"json_schema": json.dumps(schema)},
+        {"schema_type": "json", "schema": schema},
+        {"schema_type": "json_schema", "schema": json.dumps(schema)},
+    ]
     specs = {SamplingParams(so_args=so).so_spec for so in json_forms}
     assert len(specs) == 1 and next(iter(specs)).kind == "json"
-    assert json.loads(next(iter(specs)).text) == schema and list(json.loads(next(iter(specs)).text)["properties"]) == ["b", "a"]
-    assert SamplingParams(so_args={"regex": "x"}).so_spec == SamplingParams(so_args={"schema_type": "regex", "schema": "x"}).so_spec
+    assert json.loads(next(iter(specs)).text) == schema and list(json.loads(next(iter(specs)).text)["properties"]) == [
+        "b",
+        "a",
+    ]
+    assert (
+        SamplingParams(so_args={"regex": "x"}).so_spec
+        == SamplingParams(so_args={"schema_type": "regex", "schema": "x"}).so_spec
+    )
     assert SamplingParams(so_args={"choice": ["a", 'q"t']}).so_spec == ("ebnf", 'root ::= "a" | "q\\"t"')
     assert SamplingParams().so_spec is None
+
 
 def test_so_args_copy_is_private() -> None:
     so = {"regex": "a+"}

@@ -14,7 +14,11 @@ def test_defaults_and_overrides() -> None:
     assert cfg.extra_experts == 32 and cfg.nextn_decode == 5 and cfg.yoco_keep_tokens == 140
     assert cfg.batch_invariant is False and cfg.accelerator is None and cfg.expert_format == "auto"
     assert cfg.dist_timeout == 300.0 and EngineConfig.from_env({"DEEPINFER_DIST_TIMEOUT": "2.5"}).dist_timeout == 2.5
-    env = {"DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "8", "DEEPINFER_BATCH_INVARIANT": "1", "DEEPINFER_ACCELERATOR": "CPU"}
+    env = {
+        "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "8",
+        "DEEPINFER_BATCH_INVARIANT": "1",
+        "DEEPINFER_ACCELERATOR": "CPU",
+    }
     cfg = EngineConfig.from_env(env, extra_experts=4)
     assert cfg.extra_experts == 4 and cfg.batch_invariant is True and cfg.accelerator == "cpu"
 
@@ -45,7 +49,9 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
 
 def test_unknown_names_warn_and_unknown_overrides_fail() -> None:
     with pytest.warns(UserWarning, match="DEEPINFER_BATCH_INVARIENT"):
-        EngineConfig.from_env({"DEEPINFER_BATCH_INVARIENT": "1", "DEEPINFER_BATCH_INVARIENT".replace("ANT", "ENT"): "1"})
+        EngineConfig.from_env(
+            {"DEEPINFER_BATCH_INVARIENT": "1", "DEEPINFER_BATCH_INVARIENT".replace("ANT", "ENT"): "1"}
+        )
     with pytest.raises(ValueError, match="unknown engine setting"):
         EngineConfig.from_env({}, not_a_setting=1)
     with warnings.catch_warnings():  # the benches' variable is known, not the engine's

@@ -38,7 +38,8 @@ def test_no_absolute_or_out_of_repo_paths() -> None:
     me = Path(__file__).resolve()
     hits = [
         f"{p.relative_to(REPO)}:{n}: {line.strip()}"
-        for p in _files() if p != me
+        for p in _files()
+        if p != me
         for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
         if OUTSIDE.search(line)
     ]
@@ -47,7 +48,12 @@ def test_no_absolute_or_out_of_repo_paths() -> None:
 
 
 def test_released_configs_are_package_data() -> None:
-    assert set(RELEASED) >= {"deepseek_v4_flash", "deepseek_v4_pro", "deepseek_v4_flash_0731_dspark", "deepseek_v41_flash"}
+    assert set(RELEASED) >= {
+        "deepseek_v4_flash",
+        "deepseek_v4_pro",
+        "deepseek_v4_flash_0731_dspark",
+        "deepseek_v41_flash",
+    }
     for name in RELEASED:
         assert released_config(name).parent == RELEASED_DIR and json.loads(released_config(name).read_text())
     assert load_config(released_config("deepseek_v41_flash")).model_type.startswith("deepseek_v41")

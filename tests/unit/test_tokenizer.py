@@ -143,9 +143,7 @@ def test_hf_auto_tokenizer_loads(tok: Tokenizer, tmp_path: Path) -> None:
         # With specials, HF should add exactly the BOS we add (nothing else).
         assert hf.encode(text) == encode(tok, text)
         assert hf.decode(theirs) == text
-    prompt = hf.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
+    prompt = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert prompt.startswith(BOS_TOKEN) and "hi" in prompt
 
 

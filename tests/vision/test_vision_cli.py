@@ -21,8 +21,22 @@ def checkpoint(tmp_path_factory):
 def test_image_flag_generates(checkpoint, tmp_path, capsys) -> None:
     png = tmp_path / "a.png"
     random_image(80, 50, fresh_seed()).save(png)
-    argv = ["--model", str(checkpoint), "--prompt", "look", "--image", str(png), "--image", str(png),
-            "--max-tokens", "2", "--ignore-eos", "--eager", "--dtype", "float32"]  # random weights may pick EOS first
+    argv = [
+        "--model",
+        str(checkpoint),
+        "--prompt",
+        "look",
+        "--image",
+        str(png),
+        "--image",
+        str(png),
+        "--max-tokens",
+        "2",
+        "--ignore-eos",
+        "--eager",
+        "--dtype",
+        "float32",
+    ]  # random weights may pick EOS first
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "--- request 0 (length)" in out and "prefill:" in out
@@ -37,7 +51,10 @@ def test_placeholders_go_after_the_bos(checkpoint) -> None:
     got = _with_images(llm, "look", ["a.png", "b.png"])
     text = encode(llm.tokenizer, "look", add_bos=False)
     bos = encode(llm.tokenizer, "")
-    assert got["prompt"] == bos + [IMAGE_TOKEN, IMAGE_TOKEN] + text and got["multi_modal_data"]["image"] == ["a.png", "b.png"]
+    assert got["prompt"] == bos + [IMAGE_TOKEN, IMAGE_TOKEN] + text and got["multi_modal_data"]["image"] == [
+        "a.png",
+        "b.png",
+    ]
 
 
 def test_image_flag_errors(checkpoint, tmp_path, capsys) -> None:

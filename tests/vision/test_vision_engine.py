@@ -51,7 +51,9 @@ def laid_out(model: Model, ids: list[int], images: list) -> list[int]:
 
 def run(model: Model, prompts: list, budget: int, prompt_logprobs: int | None = None) -> list:
     llm = LLM(model=model, max_num_batched_tokens=budget, max_num_seqs=4, memory_budget=64 << 20)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True, prompt_logprobs=prompt_logprobs
+    )
     return llm.generate(prompts, params)
 
 
@@ -70,7 +72,7 @@ def test_generate_with_images_matches_input_embeddings(model) -> None:
         ims = ims if isinstance(ims, list) else [ims]
         full = laid_out(model, ids, ims) if ims else ids
         ref = reference(model, full, ims, out.token_ids)
-        gen = ref[len(full) - 1:]
+        gen = ref[len(full) - 1 :]
         assert out.token_ids == gen.argmax(-1).tolist()
         got = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
         want = gen.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
@@ -100,19 +102,27 @@ def test_bad_image_inputs_are_one_line_errors(model) -> None:
     llm = LLM(model=model, max_num_batched_tokens=64, max_num_seqs=2, memory_budget=32 << 20)
     image = random_image(60, 60, fresh_seed())
     cases = [
-        ([[3, 4], {"prompt": [3, IMAGE_TOKEN, IMAGE_TOKEN], "multi_modal_data": {"image": image}}],
-         r"prompts\[1\]: 2 image placeholder\(s\) \(token id 299\) but 1 image\(s\)"),
+        (
+            [[3, 4], {"prompt": [3, IMAGE_TOKEN, IMAGE_TOKEN], "multi_modal_data": {"image": image}}],
+            r"prompts\[1\]: 2 image placeholder\(s\) \(token id 299\) but 1 image\(s\)",
+        ),
         ([{"prompt": [3, 4], "multi_modal_data": {"image": image}}], r"prompts: 0 image placeholder\(s\)"),
-        ([[1, 2], {"prompt": [IMAGE_TOKEN], "multi_modal_data": {"image": io.BytesIO(b"x").getvalue()}}],
-         r"prompts\[1\]: multi_modal_data\['image'\]\[0\]: not a readable image"),
+        (
+            [[1, 2], {"prompt": [IMAGE_TOKEN], "multi_modal_data": {"image": io.BytesIO(b"x").getvalue()}}],
+            r"prompts\[1\]: multi_modal_data\['image'\]\[0\]: not a readable image",
+        ),
         ([{"prompt": [IMAGE_TOKEN], "multi_modal_data": {"video": image}}], r"prompts: multi_modal_data takes one key"),
     ]
     for prompts, match in cases:
         with pytest.raises(ValueError, match=match) as e:
             llm.generate(prompts if len(prompts) > 1 else prompts[0], SamplingParams(max_tokens=1))
         assert "\n" not in str(e.value)
-    text_only = LLM(model=random_model({"model_type": "deepseek_v41", "text_config": tiny_v41()}, seed=fresh_seed()),
-                    max_num_batched_tokens=64, max_num_seqs=2, memory_budget=32 << 20)
+    text_only = LLM(
+        model=random_model({"model_type": "deepseek_v41", "text_config": tiny_v41()}, seed=fresh_seed()),
+        max_num_batched_tokens=64,
+        max_num_seqs=2,
+        memory_budget=32 << 20,
+    )
     with pytest.raises(ValueError, match=r"prompts\[0\]: 1 image\(s\) given, but the model has no vision tower") as e:
         text_only.generate([{"prompt": [3], "multi_modal_data": {"image": [image]}}], SamplingParams(max_tokens=1))
     assert "\n" not in str(e.value)
@@ -126,8 +136,9 @@ def test_compiled_decode_after_an_image_prefill(model) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
     outs = []
     for eager in (True, False):
-        llm = LLM(model=model, eager=eager, warmup=False, max_num_batched_tokens=64, max_num_seqs=1,
-                  memory_budget=32 << 20)
+        llm = LLM(
+            model=model, eager=eager, warmup=False, max_num_batched_tokens=64, max_num_seqs=1, memory_budget=32 << 20
+        )
         outs.append(llm.generate([prompt], params)[0].outputs[0])
         assert llm.options.steps.compiled == (not eager)
         if not eager:

@@ -25,12 +25,30 @@ def test_hle_image_questions_run(tmp_path, capsys) -> None:
     random_image(70, 40, fresh_seed()).save(png, format="PNG")
     uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     data = tmp_path / "hle.jsonl"
-    lines = [{"id": "t", "question": "2+2?", "answer": "4", "answer_type": "exactMatch", "image": ""},
-             {"id": "i", "question": "What is drawn?", "answer": "noise", "answer_type": "exactMatch", "image": uri}]
+    lines = [
+        {"id": "t", "question": "2+2?", "answer": "4", "answer_type": "exactMatch", "image": ""},
+        {"id": "i", "question": "What is drawn?", "answer": "noise", "answer_type": "exactMatch", "image": uri},
+    ]
     data.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
     out = tmp_path / "gen.jsonl"
-    argv = ["generate", "--task", "hle", "--data", str(data), "--model", str(ckpt), "--out", str(out), "--max-tokens", "2",
-            "--num-threads", "1", "--no-progress", "--temperature", "0"]
+    argv = [
+        "generate",
+        "--task",
+        "hle",
+        "--data",
+        str(data),
+        "--model",
+        str(ckpt),
+        "--out",
+        str(out),
+        "--max-tokens",
+        "2",
+        "--num-threads",
+        "1",
+        "--no-progress",
+        "--temperature",
+        "0",
+    ]
     assert main(argv) == 0
     assert "skipped" not in capsys.readouterr().err
     recs = {r["id"]: r for r in map(json.loads, out.read_text(encoding="utf-8").splitlines())}
@@ -42,10 +60,31 @@ def test_hle_image_questions_run(tmp_path, capsys) -> None:
 
 def test_hle_image_questions_skipped_without_vision(tmp_path, capsys) -> None:
     data = tmp_path / "hle.jsonl"
-    rows = [{"id": "t", "question": "q", "answer": "a", "answer_type": "exactMatch"},
-            {"id": "i", "question": "q", "answer": "a", "answer_type": "exactMatch", "image": "data:image/png;base64,AAAA"}]
+    rows = [
+        {"id": "t", "question": "q", "answer": "a", "answer_type": "exactMatch"},
+        {"id": "i", "question": "q", "answer": "a", "answer_type": "exactMatch", "image": "data:image/png;base64,AAAA"},
+    ]
     data.write_text("".join(json.dumps(x) + "\n" for x in rows), encoding="utf-8")
     out = tmp_path / "gen.jsonl"
-    assert main(["generate", "--task", "hle", "--data", str(data), "--model", "demo", "--out", str(out), "--max-tokens", "1",
-                 "--num-threads", "1", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--task",
+                "hle",
+                "--data",
+                str(data),
+                "--model",
+                "demo",
+                "--out",
+                str(out),
+                "--max-tokens",
+                "1",
+                "--num-threads",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "skipped 1 image question(s) (the model has no vision tower)" in capsys.readouterr().err

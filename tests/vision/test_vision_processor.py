@@ -82,8 +82,9 @@ def test_preprocess_against_a_plain_pipeline(released) -> None:
     for im, grid in zip(images, grids):
         plan = resize_plan(im.width, im.height, released)
         assert grid == plan.grid
-        boxed = ImageOps.pad(im.convert("RGB"), (plan.width, plan.height), method=Image.Resampling.BICUBIC,
-                             color=(127, 127, 127))
+        boxed = ImageOps.pad(
+            im.convert("RGB"), (plan.width, plan.height), method=Image.Resampling.BICUBIC, color=(127, 127, 127)
+        )
         x = (np.asarray(boxed, dtype=np.float32) / 255.0 - 0.5) / 0.5
         rows, cols = grid
         i, j = rows // 2, cols - 1

@@ -16,8 +16,13 @@ def test_span_rows_route_with_bias_vl() -> None:
     ffn = params["layers"][0]["ffn"]
     e = c.n_routed_experts
     # bias_vl pushes experts 0 and 1 to the top for span rows; bias pushes e-2 and e-1 for text
-    p = {"gate": {**ffn["gate"], "bias": torch.zeros(e).index_fill(0, torch.tensor([e - 2, e - 1]), 50.0),
-                  "bias_vl": torch.zeros(e).index_fill(0, torch.tensor([0, 1]), 50.0)}}
+    p = {
+        "gate": {
+            **ffn["gate"],
+            "bias": torch.zeros(e).index_fill(0, torch.tensor([e - 2, e - 1]), 50.0),
+            "bias_vl": torch.zeros(e).index_fill(0, torch.tensor([0, 1]), 50.0),
+        }
+    }
     x = torch.randn(6, c.hidden_size, generator=torch.Generator().manual_seed(seed))
     image_rows = torch.tensor([False, True, True, False, True, False])
     idx, w = route(p, c, x, torch.zeros(6, dtype=torch.long), image_rows)
@@ -36,7 +41,15 @@ def test_dead_positions_cut_every_ngram() -> None:
     hist = torch.tensor([20, 21])
     got = engram_hash(comp, hist, layout, 0, pad)
     # by hand: the window of each position, newest first, with DEAD and all older ids read as pad
-    windows = [[10, 21, 20], [11, 10, 21], [pad, pad, pad], [pad, pad, pad], [12, pad, pad], [13, 12, pad], [14, 13, 12]]
+    windows = [
+        [10, 21, 20],
+        [11, 10, 21],
+        [pad, pad, pad],
+        [pad, pad, pad],
+        [12, pad, pad],
+        [13, 12, pad],
+        [14, 13, 12],
+    ]
     for t, window in enumerate(windows):
         newest_first = torch.tensor(window)
         # the same hash of an explicit window: a chunk of one token whose history is the window's older ids

@@ -25,6 +25,7 @@ pytest.importorskip("PIL")
 
 def plain_vit(p: dict, v, patches: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """One image, every formula spelled out: no packing, no chunked RoPE helpers."""
+
     def norm(x, w):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + v.rms_norm_eps) * w
 
@@ -49,13 +50,13 @@ def plain_vit(p: dict, v, patches: torch.Tensor, rows: int, cols: int) -> torch.
     for b in p["blocks"]:
         h = norm(x, b["norm1"])
         qkv = h @ b["attn"]["wqkv"].T + b["attn"]["wqkv_bias"]
-        q, k, val = (qkv[:, j * v.hidden_size:(j + 1) * v.hidden_size].reshape(-1, heads, hd) for j in range(3))
+        q, k, val = (qkv[:, j * v.hidden_size : (j + 1) * v.hidden_size].reshape(-1, heads, hd) for j in range(3))
         q, k = rope(q), rope(k)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
         o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), val).reshape(-1, v.hidden_size)
         x = x + o @ b["attn"]["wo"].T + b["attn"]["wo_bias"]
         h = norm(x, b["norm2"]) @ b["mlp"]["w1"].T
-        g, u = h[:, : v.intermediate_size], h[:, v.intermediate_size:]
+        g, u = h[:, : v.intermediate_size], h[:, v.intermediate_size :]
         x = x + (g * torch.sigmoid(g) * u) @ b["mlp"]["w2"].T
     return norm(x, p["norm"])
 
@@ -94,7 +95,7 @@ def test_vit_and_aligner_match_plain_torch(model) -> None:
     feats = encode(model, pixel_values, grids)
     at = 0
     for f, (rows, cols) in zip(feats, grids):
-        patches = pixel_values[at: at + rows * cols]
+        patches = pixel_values[at : at + rows * cols]
         at += rows * cols
         tokens = plain_vit(params["vision"], c.vision, patches, rows, cols)
         want = plain_aligner(params["aligner"], c.vision, tokens, rows, cols)
@@ -151,7 +152,11 @@ def test_checkpoint_round_trip(tmp_path) -> None:
     deepinfer_fx.write_random_checkpoint(tmp_path, cfg, seed=seed)
     m = deepinfer_fx.load_model(tmp_path, dtype=torch.float32)
     flat = random_flat(m.config, seed, torch.float32)
-    vision = {k: v for k, v in flat.items() if k.split(".")[0] in ("vision", "aligner", "image_start", "image_end", "image_newline")}
+    vision = {
+        k: v
+        for k, v in flat.items()
+        if k.split(".")[0] in ("vision", "aligner", "image_start", "image_end", "image_newline")
+    }
     assert "vision.blocks.1.attn.wqkv_bias" in vision and "aligner.w2_bias" in vision
     for path, want in vision.items():
         node = m.params

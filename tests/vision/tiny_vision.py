@@ -8,9 +8,18 @@ import numpy as np
 from tiny import tiny_v41
 
 IMAGE_TOKEN = 299
-VISION = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
-          "intermediate_size": 24, "patch_size": 14, "rope_theta": 10000, "downsample_ratio": 3,
-          "max_image_tokens": 40, "min_pixels": 42 * 42 * 4}
+VISION = {
+    "model_type": "deepseek_v41_vision",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "intermediate_size": 24,
+    "patch_size": 14,
+    "rope_theta": 10000,
+    "downsample_ratio": 3,
+    "max_image_tokens": 40,
+    "min_pixels": 42 * 42 * 4,
+}
 
 
 def tiny_vision_config(for_writer: bool = False, **text) -> dict:
@@ -19,8 +28,13 @@ def tiny_vision_config(for_writer: bool = False, **text) -> dict:
     cfg = tiny_v41(**text)
     if for_writer:
         del cfg["engram_compressed_vocab_size"], cfg["engram_num_embeddings"]
-    return {"model_type": "deepseek_v41", "text_config": cfg, "eos_token_id": [1, 2],
-            "image_token_id": IMAGE_TOKEN, "vision_config": dict(VISION)}
+    return {
+        "model_type": "deepseek_v41",
+        "text_config": cfg,
+        "eos_token_id": [1, 2],
+        "image_token_id": IMAGE_TOKEN,
+        "vision_config": dict(VISION),
+    }
 
 
 def fresh_seed() -> int:

@@ -12,8 +12,22 @@ from __future__ import annotations
 import importlib
 
 # One module per op family; importing a module registers its kernels.
-_MODULES: tuple[str, ...] = ("norm", "swiglu", "sinkhorn", "moe", "attention", "ring_attention", "compressor", "indexer", "linear", "rope", "rope_table", "mhc",
-                             "router", "batch_invariant")
+_MODULES: tuple[str, ...] = (
+    "norm",
+    "swiglu",
+    "sinkhorn",
+    "moe",
+    "attention",
+    "ring_attention",
+    "compressor",
+    "indexer",
+    "linear",
+    "rope",
+    "rope_table",
+    "mhc",
+    "router",
+    "batch_invariant",
+)
 
 _registered = False
 

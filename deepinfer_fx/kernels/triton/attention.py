@@ -100,17 +100,35 @@ def sparse_mqa_triton(
     *lead, t, h, d = q.shape
     n = keys.shape[-2]
     half = cos.shape[-1]
-    if (list(keys.shape) != [*lead, n, d] or list(bias.shape) != [*lead, t, n] or list(sink.shape) != [h]
-            or list(cos.shape) != [*lead, t, half] or sin.shape != cos.shape or not 0 < 2 * half <= d):
-        shapes = (f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, bias {tuple(bias.shape)}, sink {tuple(sink.shape)}, "
-                  f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    if (
+        list(keys.shape) != [*lead, n, d]
+        or list(bias.shape) != [*lead, t, n]
+        or list(sink.shape) != [h]
+        or list(cos.shape) != [*lead, t, half]
+        or sin.shape != cos.shape
+        or not 0 < 2 * half <= d
+    ):
+        shapes = (
+            f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, bias {tuple(bias.shape)}, sink {tuple(sink.shape)}, "
+            f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+        )
         raise ValueError(f"sparse_mqa: mismatched shapes {shapes}")
     out = out_buffer(out, q.shape, q.dtype, q.device, "sparse_mqa")
     rows = q.numel() // (h * d)
     if rows:
         src = _plain(_last_dim_contiguous(keys.reshape(-1, n, d)))
-        launch_mqa(q.reshape(rows, h, d), t, n, src, bias.reshape(rows, n), sink, cos.reshape(rows, half),
-                sin.reshape(rows, half), out.view(rows, h, d), **tiling)
+        launch_mqa(
+            q.reshape(rows, h, d),
+            t,
+            n,
+            src,
+            bias.reshape(rows, n),
+            sink,
+            cos.reshape(rows, half),
+            sin.reshape(rows, half),
+            out.view(rows, h, d),
+            **tiling,
+        )
     return out
 
 
@@ -172,23 +190,68 @@ def launch_mqa(
     if not parallel:
         tiles, count, n_tiles = _live_tiles(b2, block_n) if skip else (b2, b2, 0)  # unread without SKIP
         mqa_sequential[(rows * head_blocks,)](
-            q2, src.k, b2, *src.after_k(), sink, cos2, sin2, o2, tiles, count, t, h, n, src.w, src.window, split,
-            n_tiles, qk_scale, *strides, o2.stride(0), o2.stride(1),
-            BLOCK_N=block_n, DOT_FP32=dot_fp32, SKIP=skip, num_stages=num_stages, **meta, **rope, **keys
+            q2,
+            src.k,
+            b2,
+            *src.after_k(),
+            sink,
+            cos2,
+            sin2,
+            o2,
+            tiles,
+            count,
+            t,
+            h,
+            n,
+            src.w,
+            src.window,
+            split,
+            n_tiles,
+            qk_scale,
+            *strides,
+            o2.stride(0),
+            o2.stride(1),
+            BLOCK_N=block_n,
+            DOT_FP32=dot_fp32,
+            SKIP=skip,
+            num_stages=num_stages,
+            **meta,
+            **rope,
+            **keys,
         )
         return
     m = torch.empty((rows, n_splits, h), dtype=torch.float32, device=q2.device)
     l = torch.empty_like(m)
     acc = torch.empty((rows, n_splits, h, block_d), dtype=torch.float32, device=q2.device)
     mqa_split[(rows * n_splits * head_blocks,)](
-        q2, src.k, b2, *src.after_k(), m, l, acc, t, h, n, src.w, src.window, split, n_splits, qk_scale, *strides,
-        BLOCK_N=block_n, DOT_FP32=dot_fp32, num_stages=num_stages, **meta, **keys,
+        q2,
+        src.k,
+        b2,
+        *src.after_k(),
+        m,
+        l,
+        acc,
+        t,
+        h,
+        n,
+        src.w,
+        src.window,
+        split,
+        n_splits,
+        qk_scale,
+        *strides,
+        BLOCK_N=block_n,
+        DOT_FP32=dot_fp32,
+        num_stages=num_stages,
+        **meta,
+        **keys,
     )
     combine_heads = _COMBINE_BH if combine_heads is None else combine_heads
     combine_blocks = triton.cdiv(h, combine_heads)
     meta.update(BH=combine_heads, HB=combine_blocks)
-    mqa_combine[(rows * combine_blocks,)](m, l, acc, sink, cos2, sin2, o2, h, n_splits, o2.stride(0), o2.stride(1),
-                                           **meta, **rope)
+    mqa_combine[(rows * combine_blocks,)](
+        m, l, acc, sink, cos2, sin2, o2, h, n_splits, o2.stride(0), o2.stride(1), **meta, **rope
+    )
 
 
 def _live_tiles(bias: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -202,8 +265,19 @@ def _live_tiles(bias: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.T
     tiles = torch.empty((rows, n_tiles), dtype=torch.int32, device=bias.device)
     count = torch.empty((rows,), dtype=torch.int32, device=bias.device)
     chunk = max(1, min(triton.next_power_of_2(n_tiles), _LIVE_ELEMENTS // block_n))
-    live_tiles_kernel[(rows,)](bias, tiles, count, n, n_tiles, bias.stride(0), bias.stride(1),
-                                BLOCK_N=block_n, CHUNK=chunk, num_warps=4, **pdl_args(bias.device))
+    live_tiles_kernel[(rows,)](
+        bias,
+        tiles,
+        count,
+        n,
+        n_tiles,
+        bias.stride(0),
+        bias.stride(1),
+        BLOCK_N=block_n,
+        CHUNK=chunk,
+        num_warps=4,
+        **pdl_args(bias.device),
+    )
     return tiles, count, n_tiles
 
 

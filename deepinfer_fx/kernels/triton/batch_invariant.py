@@ -31,8 +31,22 @@ def tiles(n: int) -> int:
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every M
 def _bi_matmul_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, sxm, sxk, swn, swk, sym, syn,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    sxm,
+    sxk,
+    swn,
+    swk,
+    sym,
+    syn,
+    K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -41,8 +55,12 @@ def _bi_matmul_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        a = tl.load(
+            x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
+        )
+        b = tl.load(
+            w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0
+        )
         b = b.to(x_ptr.dtype.element_ty)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -61,8 +79,21 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
         return y
     bn = tiles(n)
     _bi_matmul_kernel[(triton.cdiv(m, BM), triton.cdiv(n, bn))](
-        x, w, y, m, n, *x.stride(), *w.stride(), *y.stride(),
-        K=k, BM=BM, BN=bn, BK=BK, IEEE=x.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES,
+        x,
+        w,
+        y,
+        m,
+        n,
+        *x.stride(),
+        *w.stride(),
+        *y.stride(),
+        K=k,
+        BM=BM,
+        BN=bn,
+        BK=BK,
+        IEEE=x.dtype == torch.float32,
+        num_warps=WARPS,
+        num_stages=STAGES,
     )
     return y
 

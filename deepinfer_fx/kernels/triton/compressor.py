@@ -44,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops_compressor import compressor_unserved  # (importing it declares deepinfer::compressor_pool before we register for it)
+from ..ops_compressor import (
+    compressor_unserved,
+)  # (importing it declares deepinfer::compressor_pool before we register for it)
 from .pdl import pdl_args, wait_previous
 
 # Most elements of one [ROWS, BLOCK_D] tile of a pooling program (HCA: a whole 128-row window
@@ -75,10 +77,37 @@ def norm_config(dim: int) -> dict[str, int]:
 # n_windows stays a runtime value even when it is 1 (decode at ratio > 1), so `j < n_windows`
 # is a tensor everywhere.
 @triton.jit(do_not_specialize=["n_windows"])
-def _compressor_pool_kernel(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, slots_ptr, starts_ptr, lens_ptr, pooled_ptr, n_windows,
-                            s_kc, s_kl, s_kd, s_gc, s_gl, s_gd, s_rs, s_rr, s_rd, s_qs, s_qr, s_qd,
-                            DIM: tl.constexpr, BLOCK_D: tl.constexpr, RATIO: tl.constexpr, HALVES: tl.constexpr,
-                            RING: tl.constexpr, HAS_GATE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+def _compressor_pool_kernel(
+    kv_ptr,
+    gate_ptr,
+    rkv_ptr,
+    rgate_ptr,
+    slots_ptr,
+    starts_ptr,
+    lens_ptr,
+    pooled_ptr,
+    n_windows,
+    s_kc,
+    s_kl,
+    s_kd,
+    s_gc,
+    s_gl,
+    s_gd,
+    s_rs,
+    s_rr,
+    s_rd,
+    s_qs,
+    s_qr,
+    s_qd,
+    DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    RATIO: tl.constexpr,
+    HALVES: tl.constexpr,
+    RING: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    ROWS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Channels ``d`` of a chunk's window(s) -> their pooled values in ``pooled_ptr``; program 0 of
     the chunk and channel block also writes those channels of the chunk's last rows into the ring."""
     wait_previous(PDL)
@@ -116,11 +145,17 @@ def _compressor_pool_kernel(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, slots_ptr, sta
             chunk_row = (r - start)[:, None]
             # each pooled row comes from exactly one of the two loads
             k = tl.load(kv_ptr + c * s_kc + chunk_row * s_kl + col * s_kd, mask=from_chunk, other=0.0).to(tl.float32)
-            k += tl.load(rkv_ptr + slot * s_rs + ring_row[:, None] * s_rr + col * s_rd, mask=from_ring, other=0.0).to(tl.float32)
+            k += tl.load(rkv_ptr + slot * s_rs + ring_row[:, None] * s_rr + col * s_rd, mask=from_ring, other=0.0).to(
+                tl.float32
+            )
             use = from_chunk | from_ring
             if HAS_GATE:
-                g = tl.load(gate_ptr + c * s_gc + chunk_row * s_gl + col * s_gd, mask=from_chunk, other=0.0).to(tl.float32)
-                g += tl.load(rgate_ptr + slot * s_qs + ring_row[:, None] * s_qr + col * s_qd, mask=from_ring, other=0.0).to(tl.float32)
+                g = tl.load(gate_ptr + c * s_gc + chunk_row * s_gl + col * s_gd, mask=from_chunk, other=0.0).to(
+                    tl.float32
+                )
+                g += tl.load(
+                    rgate_ptr + slot * s_qs + ring_row[:, None] * s_qr + col * s_qd, mask=from_ring, other=0.0
+                ).to(tl.float32)
                 g = tl.where(use, g, float("-inf"))
             else:  # flat gates: a plain mean over the window
                 g = tl.where(use, 0.0, float("-inf"))
@@ -145,17 +180,33 @@ def _compressor_pool_kernel(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, slots_ptr, sta
             for h in tl.static_range(HALVES):
                 col = (h * DIM + d)[None, :]
                 k = tl.load(kv_ptr + c * s_kc + jj[:, None] * s_kl + col * s_kd, mask=mask, other=0.0)
-                tl.store(rkv_ptr + slot * s_rs + ring_row * s_rr + col * s_rd, k.to(rkv_ptr.dtype.element_ty), mask=mask)
+                tl.store(
+                    rkv_ptr + slot * s_rs + ring_row * s_rr + col * s_rd, k.to(rkv_ptr.dtype.element_ty), mask=mask
+                )
                 if HAS_GATE:
                     g = tl.load(gate_ptr + c * s_gc + jj[:, None] * s_gl + col * s_gd, mask=mask, other=0.0)
                 else:
                     g = tl.zeros([ROWS, BLOCK_D], tl.float32)
-                tl.store(rgate_ptr + slot * s_qs + ring_row * s_qr + col * s_qd, g.to(rgate_ptr.dtype.element_ty), mask=mask)
+                tl.store(
+                    rgate_ptr + slot * s_qs + ring_row * s_qr + col * s_qd, g.to(rgate_ptr.dtype.element_ty), mask=mask
+                )
 
 
 @triton.jit(do_not_specialize=["n_windows"])  # one compiled variant for decode (n = 1) and prefill
-def _compressor_norm_kernel(starts_ptr, lens_ptr, norm_ptr, w_ptr, done_ptr, latents_ptr, n_windows, eps,
-                            DIM: tl.constexpr, BLOCK: tl.constexpr, RATIO: tl.constexpr, PDL: tl.constexpr):
+def _compressor_norm_kernel(
+    starts_ptr,
+    lens_ptr,
+    norm_ptr,
+    w_ptr,
+    done_ptr,
+    latents_ptr,
+    n_windows,
+    eps,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RATIO: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Window ``j`` of chunk ``c``: its id, completion flag, and its pooled row RMS-normed in place."""
     wait_previous(PDL)
     j = tl.program_id(0)
@@ -219,13 +270,40 @@ def compressor_pool_triton(
     # program 0 of a chunk and channel block pools the chunk's first `halves` windows
     grid = (max(1, n - halves + 1), c, triton.cdiv(dim, cfg["BLOCK_D"]))
     _compressor_pool_kernel[grid](
-        kv, g, rows_kv, rows_gate, slots, starts, lens, latents, n,
-        *kv.stride(), *g.stride(), *rows_kv.stride(), *rows_gate.stride(),
-        DIM=dim, RATIO=int(ratio), HALVES=halves, RING=ring, HAS_GATE=gate is not None, **cfg, **pdl_args(kv.device),
+        kv,
+        g,
+        rows_kv,
+        rows_gate,
+        slots,
+        starts,
+        lens,
+        latents,
+        n,
+        *kv.stride(),
+        *g.stride(),
+        *rows_kv.stride(),
+        *rows_gate.stride(),
+        DIM=dim,
+        RATIO=int(ratio),
+        HALVES=halves,
+        RING=ring,
+        HAS_GATE=gate is not None,
+        **cfg,
+        **pdl_args(kv.device),
     )
     _compressor_norm_kernel[(n, c)](
-        starts, lens, norm.contiguous(), w, complete.view(torch.uint8), latents, n, float(eps),
-        DIM=dim, RATIO=int(ratio), **norm_config(dim), **pdl_args(kv.device),
+        starts,
+        lens,
+        norm.contiguous(),
+        w,
+        complete.view(torch.uint8),
+        latents,
+        n,
+        float(eps),
+        DIM=dim,
+        RATIO=int(ratio),
+        **norm_config(dim),
+        **pdl_args(kv.device),
     )
     return out
 

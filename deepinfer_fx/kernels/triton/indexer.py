@@ -48,10 +48,37 @@ _KEY_NEG_INF = -2139095041
 
 
 @triton.jit
-def _scores_kernel(q_ptr, k_ptr, slot_ptr, w_ptr, v_ptr, out_ptr, T, H, N, n_tiles, q_blocks, dot_scale,
-                   stride_qr, stride_qh, stride_kc, stride_kn, stride_wr, stride_wh, stride_vr, stride_vn, stride_or,
-                   BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   D: tl.constexpr, DOT_FP32: tl.constexpr, HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
+def _scores_kernel(
+    q_ptr,
+    k_ptr,
+    slot_ptr,
+    w_ptr,
+    v_ptr,
+    out_ptr,
+    T,
+    H,
+    N,
+    n_tiles,
+    q_blocks,
+    dot_scale,
+    stride_qr,
+    stride_qh,
+    stride_kc,
+    stride_kn,
+    stride_wr,
+    stride_wh,
+    stride_vr,
+    stride_vn,
+    stride_or,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_previous(PDL)
     # The entry tiles of one query block are neighbours in launch order: the block's queries stay
     # in cache while its keys (one slot's, small enough for L2) stream past.
@@ -75,11 +102,17 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, w_ptr, v_ptr, out_ptr, T, H, N, n_til
         offs_d = tl.arange(0, BLOCK_D)
         in_d = offs_d < D
         # Padded heads and queries load zeros (weight 0 too), so they add exactly 0 to the sum.
-        q = tl.load(q_ptr + m_row[:, None] * stride_qr + m_h[:, None] * stride_qh + offs_d[None, :],
-                    mask=m_ok[:, None] & in_d[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + m_row[:, None] * stride_qr + m_h[:, None] * stride_qh + offs_d[None, :],
+            mask=m_ok[:, None] & in_d[None, :],
+            other=0.0,
+        )
         kc = tl.load(slot_ptr + c).to(tl.int64) if HAS_SLOTS else c  # the chunk's keys: its pool slot
-        keys = tl.load(k_ptr + kc * stride_kc + offs_n[:, None] * stride_kn + offs_d[None, :],
-                       mask=(offs_n < N)[:, None] & in_d[None, :], other=0.0)
+        keys = tl.load(
+            k_ptr + kc * stride_kc + offs_n[:, None] * stride_kn + offs_d[None, :],
+            mask=(offs_n < N)[:, None] & in_d[None, :],
+            other=0.0,
+        )
         if DOT_FP32:
             dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
         else:
@@ -111,7 +144,9 @@ def _count_at_least(row_ptr, n, threshold, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _topk_mask_kernel(s_ptr, out_ptr, n, k, stride_sr, stride_or, KEY_NEG_INF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _topk_mask_kernel(
+    s_ptr, out_ptr, n, k, stride_sr, stride_or, KEY_NEG_INF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * stride_sr
@@ -162,8 +197,12 @@ def indexer_scores_triton(
     n = keys.shape[-2]
     key_lead = lead if slots is None else [keys.shape[0]]
     bad_slots = slots is not None and (len(lead) != 1 or list(slots.shape) != lead or slots.dtype.is_floating_point)
-    if (list(keys.shape) != [*key_lead, n, d] or list(head_w.shape) != [*lead, t, h] or list(visible.shape) != [*lead, t, n]
-            or bad_slots):
+    if (
+        list(keys.shape) != [*key_lead, n, d]
+        or list(head_w.shape) != [*lead, t, h]
+        or list(visible.shape) != [*lead, t, n]
+        or bad_slots
+    ):
         shapes = f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, head_w {tuple(head_w.shape)}, visible {tuple(visible.shape)}"
         if slots is not None:
             shapes += f", slots {tuple(slots.shape)} {slots.dtype}"
@@ -186,11 +225,36 @@ def indexer_scores_triton(
     # fp32 operands take the exact (non-tf32) dot; the interpreter has no bf16 dot at all
     dot_fp32 = _INTERPRET or q.dtype != keys.dtype or q.dtype == torch.float32
     _scores_kernel[(chunks * q_blocks * n_tiles,)](
-        q2, k2, slots, w2, v2, o2, t, h, n, n_tiles, q_blocks, float(dot_scale),
-        q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), w2.stride(0), w2.stride(1),
-        v2.stride(0), v2.stride(1), o2.stride(0),
-        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)), D=d,
-        DOT_FP32=dot_fp32, HAS_SLOTS=slots is not None, num_warps=_NUM_WARPS, **pdl_args(q.device),
+        q2,
+        k2,
+        slots,
+        w2,
+        v2,
+        o2,
+        t,
+        h,
+        n,
+        n_tiles,
+        q_blocks,
+        float(dot_scale),
+        q2.stride(0),
+        q2.stride(1),
+        k2.stride(0),
+        k2.stride(1),
+        w2.stride(0),
+        w2.stride(1),
+        v2.stride(0),
+        v2.stride(1),
+        o2.stride(0),
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        D=d,
+        DOT_FP32=dot_fp32,
+        HAS_SLOTS=slots is not None,
+        num_warps=_NUM_WARPS,
+        **pdl_args(q.device),
     )
     return out
 
@@ -215,14 +279,26 @@ def topk_mask_triton(
     o2 = out.view(rows, n).view(torch.uint8)
     block = min(triton.next_power_of_2(n), _SELECT_BLOCK) if block is None else block
     _topk_mask_kernel[(rows,)](
-        s2, o2, n, min(k, n), s2.stride(0), o2.stride(0),
-        KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, num_warps=8 if block >= 2048 else 4, **pdl_args(scores.device),
+        s2,
+        o2,
+        n,
+        min(k, n),
+        s2.stride(0),
+        o2.stride(0),
+        KEY_NEG_INF=_KEY_NEG_INF,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+        **pdl_args(scores.device),
     )
     return out
 
 
 def indexer_topk_triton(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
     slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``graphs/indexer.py::score_topk``: the scoring kernel, then the top-k kernel on its scores."""

@@ -81,12 +81,33 @@ def choose_tiles(n: int, k: int) -> Tiles:
 
 @triton.jit(do_not_specialize=["M"])  # M-dependent: one binary for every M
 def _skinny_kernel(
-    x_ptr, w_ptrs, out_ptrs, ws_ptr, count_ptr, M,
-    stride_xm, stride_xk, stride_wn, stride_wk,
-    K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
-    NS: tl.constexpr, TILE0: tl.constexpr, COL0: tl.constexpr, N_ALL: tl.constexpr, X_BLOCK_N: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
+    x_ptr,
+    w_ptrs,
+    out_ptrs,
+    ws_ptr,
+    count_ptr,
+    M,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
+    NS: tl.constexpr,
+    TILE0: tl.constexpr,
+    COL0: tl.constexpr,
+    N_ALL: tl.constexpr,
+    X_BLOCK_N: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    LINE: tl.constexpr,
+    PDL: tl.constexpr,
+    w_desc=None,
 ):
     """out_g[rows, cols] = x[rows, :] @ w_g[cols, :].T with fp32 accumulation, stored in out's
     dtype, for a group of weights ``w_ptrs`` (one or more) that share x. Column tiles of BN run
@@ -202,7 +223,8 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"skinny_linear: {tiles} split-K counters needed during CUDA graph capture, "
-            f"{held[-1].numel() if held else 0} allocated; run the same shapes once eagerly before capturing")
+            f"{held[-1].numel() if held else 0} allocated; run the same shapes once eagerly before capturing"
+        )
     held.append(torch.zeros(max(_MIN_COUNTERS, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device))
     return held[-1]
 
@@ -214,8 +236,9 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool, tiles
     return skinny_linear_group_triton(x, [w], out_fp32, tiles)[0]
 
 
-def skinny_linear_group_triton(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool,
-                               tiles: Tiles | None = None) -> list[torch.Tensor]:
+def skinny_linear_group_triton(
+    x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, tiles: Tiles | None = None
+) -> list[torch.Tensor]:
     """``deepinfer::skinny_linear_group``: ``[x @ w.T for w in ws]`` in one launch, the weights
     (``[N_g, K]``, x's dtype, one layout: equal strides) taken one after another by the column
     tiles of one tiling, ``choose_tiles(sum N_g, K)``. At decode the small projections of one
@@ -229,29 +252,39 @@ def skinny_linear_group_triton(x: torch.Tensor, ws: Sequence[torch.Tensor], out_
     return _launch(x, ws, out_fp32, tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1]))
 
 
-def skinny_linear_blocks_triton(x: torch.Tensor, w: torch.Tensor, blocks: int, tiles: Tiles | None = None) -> torch.Tensor:
+def skinny_linear_blocks_triton(
+    x: torch.Tensor, w: torch.Tensor, blocks: int, tiles: Tiles | None = None
+) -> torch.Tensor:
     """``deepinfer::skinny_linear_blocks``: x ``[M, G*K]`` times the block-diagonal weight whose
     G blocks are the row blocks of w ``[G*R, K]`` -> ``[M, G*R]`` in x's dtype
     (``graphs/norm.py::project_blocks``), in one launch: the whole of w streams as one weight,
     each column tile reading its block's slice of x. The column tile is narrowed to divide R."""
     if x.dim() != 2 or w.dim() != 2 or blocks < 1 or w.shape[0] % blocks or x.shape[1] != blocks * w.shape[1]:
-        raise ValueError(f"skinny_linear_blocks: x [M, G*K] and w [G*R, K] with G = {blocks} expected, "
-                         f"got {tuple(x.shape)} and {tuple(w.shape)}")
+        raise ValueError(
+            f"skinny_linear_blocks: x [M, G*K] and w [G*R, K] with G = {blocks} expected, "
+            f"got {tuple(x.shape)} and {tuple(w.shape)}"
+        )
     r, k = w.shape[0] // blocks, w.shape[1]
     t = tiles or choose_tiles(w.shape[0], k)
     bn = min(t.bn, r & -r)  # the largest power of two dividing R: no tile straddles two blocks
     if bn < 16:
-        raise ValueError(f"skinny_linear_blocks: {r} rows a block; a multiple of 16 is needed (the smallest column tile)")
+        raise ValueError(
+            f"skinny_linear_blocks: {r} rows a block; a multiple of 16 is needed (the smallest column tile)"
+        )
     return _launch(x, [w], False, t._replace(bn=bn), x_block_n=r)[0]
 
 
-def _launch(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tiles, x_block_n: int = 0) -> list[torch.Tensor]:
+def _launch(
+    x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tiles, x_block_n: int = 0
+) -> list[torch.Tensor]:
     """One ``_skinny_kernel`` launch over the weights ``ws`` (shapes checked by the caller), each
     reading x's first K columns, or with ``x_block_n`` its block's (``skinny_linear_blocks``)."""
     if any(w.dtype != x.dtype for w in ws):
         raise ValueError(f"skinny_linear: x and w must share a dtype, got {x.dtype} and {[w.dtype for w in ws]}")
     if any(w.stride() != ws[0].stride() for w in ws):
-        raise ValueError(f"skinny_linear_group: the weights must share a layout, got strides {[w.stride() for w in ws]}")
+        raise ValueError(
+            f"skinny_linear_group: the weights must share a layout, got strides {[w.stride() for w in ws]}"
+        )
     m, k = x.shape[0], ws[0].shape[1]
     ns = tuple(w.shape[0] for w in ws)
     outs = [torch.empty(m, n, dtype=torch.float32 if out_fp32 else x.dtype, device=x.device) for n in ns]
@@ -270,17 +303,45 @@ def _launch(x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tile
     # Lines along k: only where a weight row is contiguous in k; at most the program's k range.
     lines = triton.next_power_of_2(triton.cdiv(min(t.prefetch * t.bk, k_split), line)) if t.prefetch else 0
     # The descriptor's rows must start 16-byte aligned; a group's weights keep pointer loads.
-    tma = (t.tma and len(ws) == 1 and ws[0].stride(1) == 1 and (ws[0].stride(0) * ws[0].element_size()) % 16 == 0
-           and ws[0].data_ptr() % 16 == 0 and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] >= 9))
+    tma = (
+        t.tma
+        and len(ws) == 1
+        and ws[0].stride(1) == 1
+        and (ws[0].stride(0) * ws[0].element_size()) % 16 == 0
+        and ws[0].data_ptr() % 16 == 0
+        and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] >= 9)
+    )
     w_desc = TensorDescriptor.from_tensor(ws[0], [t.bn, t.bk]) if tma else None
     _skinny_kernel[grid](
-        x, tuple(ws), tuple(outs), ws_buf, counts, m,
-        x.stride(0), x.stride(1), ws[0].stride(0), ws[0].stride(1),
-        K=k, K_SPLIT=k_split, SPLITS=splits, BM=BM, BN=t.bn, BK=t.bk,
-        EVEN=all(n % t.bn == 0 for n in ns) and k % k_split == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        NS=ns, TILE0=tile0[:-1], COL0=tuple(itertools.accumulate(ns[:-1], initial=0)), N_ALL=sum(ns), X_BLOCK_N=x_block_n,
-        PREFETCH_LINES=lines if ws[0].stride(1) == 1 else 0, LINE=line,
-        num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device), w_desc=w_desc,
+        x,
+        tuple(ws),
+        tuple(outs),
+        ws_buf,
+        counts,
+        m,
+        x.stride(0),
+        x.stride(1),
+        ws[0].stride(0),
+        ws[0].stride(1),
+        K=k,
+        K_SPLIT=k_split,
+        SPLITS=splits,
+        BM=BM,
+        BN=t.bn,
+        BK=t.bk,
+        EVEN=all(n % t.bn == 0 for n in ns) and k % k_split == 0,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        NS=ns,
+        TILE0=tile0[:-1],
+        COL0=tuple(itertools.accumulate(ns[:-1], initial=0)),
+        N_ALL=sum(ns),
+        X_BLOCK_N=x_block_n,
+        PREFETCH_LINES=lines if ws[0].stride(1) == 1 else 0,
+        LINE=line,
+        num_warps=t.warps,
+        num_stages=t.stages,
+        **pdl_args(x.device),
+        w_desc=w_desc,
     )
     return outs
 

@@ -62,7 +62,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops_mhc import streams_unserved  # (importing it declares deepinfer::mhc_site and mhc_head before we register for them)
+from ..ops_mhc import (
+    streams_unserved,
+)  # (importing it declares deepinfer::mhc_site and mhc_head before we register for them)
 from ...graphs.mhc import hc_head, mhc_site
 from .buffers import out_buffer
 from .sinkhorn import sinkhorn_tile
@@ -100,13 +102,26 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _dots_tile(x, fn_ptr, k, acc_hi, acc_mid, acc_lo, K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-               SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr):
+def _dots_tile(
+    x,
+    fn_ptr,
+    k,
+    acc_hi,
+    acc_mid,
+    acc_lo,
+    K: tl.constexpr,
+    M: tl.constexpr,
+    MP: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """The tokens' elements ``x`` at columns ``k`` against ``fn[:, k]``: bf16 streams add their
     products with ``fn``'s hi, mid and lo parts to one accumulator each, fp32 streams theirs to
     ``acc_hi``."""
     m = tl.arange(0, MP)
-    w = tl.load(fn_ptr + k[:, None] + m[None, :] * K, mask=(k < K)[:, None] & (m < M)[None, :], other=0.0).to(tl.float32)
+    w = tl.load(fn_ptr + k[:, None] + m[None, :] * K, mask=(k < K)[:, None] & (m < M)[None, :], other=0.0).to(
+        tl.float32
+    )
     if SPLIT_BF16:  # x is bf16: w = hi + mid + lo exactly, each product exact
         hi = w.to(tl.bfloat16)
         rest = w - hi.to(tl.float32)
@@ -133,10 +148,25 @@ def _load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K: tl.constexpr):
 
 
 @triton.jit
-def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
-                     K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, CHUNK: tl.constexpr,
-                     BT: tl.constexpr, BK: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
-                     UNROLL: tl.constexpr, FN_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+def _mhc_dots_kernel(
+    x_ptr,
+    fn_ptr,
+    part_ptr,
+    n_tokens,
+    stride_xt,
+    K: tl.constexpr,
+    M: tl.constexpr,
+    MP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    UNROLL: tl.constexpr,
+    FN_LINES: tl.constexpr,
+    LINE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Tokens ``[BT]`` x one K-chunk -> partial dots ``[BT, M]`` and sums of squares ``[BT]``.
     With PDL, the program first asks L2 for its chunk of ``fn`` (``FN_LINES`` cache lines of
     ``LINE`` elements a row; a weight, which no earlier kernel writes), then waits.
@@ -168,16 +198,38 @@ def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
     k0 = split * CHUNK
     if UNROLL and SPLIT_BF16 and not DOT_FP32:
         k = k0 + tl.arange(0, CHUNK)
-        acc_hi, acc_mid, acc_lo = _dots_tile(_load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K), fn_ptr, k,
-                                             acc_hi, acc_mid, acc_lo, K, M, MP, SPLIT_BF16, DOT_FP32)
+        acc_hi, acc_mid, acc_lo = _dots_tile(
+            _load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K),
+            fn_ptr,
+            k,
+            acc_hi,
+            acc_mid,
+            acc_lo,
+            K,
+            M,
+            MP,
+            SPLIT_BF16,
+            DOT_FP32,
+        )
         for i in tl.static_range(0, CHUNK, BK):
             xf = _load_tokens(x_ptr, tok, tok_ok, stride_xt, k0 + i + tl.arange(0, BK), K).to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
     else:
         for i in range(0, CHUNK, BK):
             k = k0 + i + tl.arange(0, BK)
-            acc_hi, acc_mid, acc_lo = _dots_tile(_load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K), fn_ptr, k,
-                                                 acc_hi, acc_mid, acc_lo, K, M, MP, SPLIT_BF16, DOT_FP32)
+            acc_hi, acc_mid, acc_lo = _dots_tile(
+                _load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K),
+                fn_ptr,
+                k,
+                acc_hi,
+                acc_mid,
+                acc_lo,
+                K,
+                M,
+                MP,
+                SPLIT_BF16,
+                DOT_FP32,
+            )
             # Squared from a load of its own, as the unrolled schedule does: a reduction's order
             # follows its operand's register layout, and a tile feeding the dot may get another.
             xf = _load_tokens(x_ptr, tok, tok_ok, stride_xt, k, K).to(tl.float32)
@@ -190,11 +242,30 @@ def _mhc_dots_kernel(x_ptr, fn_ptr, part_ptr, n_tokens, stride_xt,
 
 
 @triton.jit
-def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr, post_ptr, comb_ptr, u_ptr,
-                       stride_xt, rms_eps, hc_eps,
-                       N: tl.constexpr, D: tl.constexpr, KSPLIT: tl.constexpr, KS_BLOCK: tl.constexpr,
-                       ITERS: tl.constexpr, HAS_PRE_IN: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                       LOADS_FIRST: tl.constexpr, PDL: tl.constexpr):
+def _mhc_finish_kernel(
+    part_ptr,
+    base_ptr,
+    scale_ptr,
+    x_ptr,
+    pre_in_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    u_ptr,
+    stride_xt,
+    rms_eps,
+    hc_eps,
+    N: tl.constexpr,
+    D: tl.constexpr,
+    KSPLIT: tl.constexpr,
+    KS_BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+    HAS_PRE_IN: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LOADS_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Token ``t``: coefficients from the partials, and channels ``d`` of its collapse. With
     ``HEAD`` (``hc_head``) the partials hold ``N`` mixes, ``pre`` alone is formed and collapses
     the streams, and nothing else is read or stored (pre_in, pre, post and comb unused).
@@ -251,8 +322,14 @@ def _mhc_finish_kernel(part_ptr, base_ptr, scale_ptr, x_ptr, pre_in_ptr, pre_ptr
     tl.store(u_ptr + t * D + d, u.to(u_ptr.dtype.element_ty), mask=d_ok)
 
 
-def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, int]] = None,
-                  finish: Optional[dict[str, int]] = None, head: bool = False) -> dict[str, dict[str, int]]:
+def launch_config(
+    n: int,
+    d: int,
+    bf16: bool = False,
+    dots: Optional[dict[str, int]] = None,
+    finish: Optional[dict[str, int]] = None,
+    head: bool = False,
+) -> dict[str, dict[str, int]]:
     """Both launches' block constants and warps for N streams of D channels and the streams'
     dtype (never T); ``head``: the head's ``N`` rows of ``fn`` instead of a site's ``2N + N^2``
     (launch 1's ``MP``). ``dots`` overrides launch 1's ``BT``, ``BK``, ``SPLITS``, ``num_warps`` or
@@ -268,9 +345,22 @@ def launch_config(n: int, d: int, bf16: bool = False, dots: Optional[dict[str, i
     block_d = min((finish or {}).get("BLOCK_D", _BLOCK_D), triton.next_power_of_2(d))
     warps = (finish or {}).get("num_warps", _FINISH_WARPS)
     return {
-        "dots": {"CHUNK": chunk, "BT": o["BT"], "BK": o["BK"], "MP": max(16, triton.next_power_of_2(n if head else 2 * n + n * n)),
-                 "SPLIT_BF16": bool(bf16), "DOT_FP32": _INTERPRET, "UNROLL": o.get("UNROLL"), "num_warps": o["num_warps"]},
-        "finish": {"KSPLIT": ksplit, "KS_BLOCK": triton.next_power_of_2(ksplit), "BLOCK_D": block_d, "num_warps": warps},
+        "dots": {
+            "CHUNK": chunk,
+            "BT": o["BT"],
+            "BK": o["BK"],
+            "MP": max(16, triton.next_power_of_2(n if head else 2 * n + n * n)),
+            "SPLIT_BF16": bool(bf16),
+            "DOT_FP32": _INTERPRET,
+            "UNROLL": o.get("UNROLL"),
+            "num_warps": o["num_warps"],
+        },
+        "finish": {
+            "KSPLIT": ksplit,
+            "KS_BLOCK": triton.next_power_of_2(ksplit),
+            "BLOCK_D": block_d,
+            "num_warps": warps,
+        },
     }
 
 
@@ -293,9 +383,17 @@ def _launch_dots(x: torch.Tensor, fn: torch.Tensor, m: int, cfg: dict[str, dict[
     part = torch.empty((t, ksplit, m + 1), dtype=torch.float32, device=x.device)
     line = _LINE_BYTES // fn.element_size()
     _mhc_dots_kernel[(triton.cdiv(t, launch1["BT"]), ksplit)](
-        x, fn.contiguous(), part, t, x.stride(0), K=n * d, M=m,
+        x,
+        fn.contiguous(),
+        part,
+        t,
+        x.stride(0),
+        K=n * d,
+        M=m,
         **{**launch1, "UNROLL": t <= _UNROLL_TOKENS if launch1["UNROLL"] is None else launch1["UNROLL"]},
-        FN_LINES=triton.next_power_of_2(triton.cdiv(launch1["CHUNK"], line)), LINE=line, **pdl_args(x.device),
+        FN_LINES=triton.next_power_of_2(triton.cdiv(launch1["CHUNK"], line)),
+        LINE=line,
+        **pdl_args(x.device),
     )
     return part
 
@@ -323,15 +421,19 @@ def mhc_site_triton(
         return ref if out is None else tuple(o.copy_(r) for o, r in zip(out, ref))  # type: ignore[return-value]
     m = 2 * n + n * n
     if tuple(fn.shape) != (m, n * d) or base.numel() != m or scale.numel() != 3:
-        raise ValueError(f"mhc_site: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit X {tuple(X.shape)}")
+        raise ValueError(
+            f"mhc_site: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit X {tuple(X.shape)}"
+        )
     x = _token_rows(X)
     t = x.shape[0]
     dev = X.device
     shapes = ((*lead, n), (*lead, n), (*lead, n, n), (*lead, d))
     dtypes = (torch.float32, torch.float32, torch.float32, X.dtype)
     names = ("pre", "post", "comb", "u")
-    pre, post, comb, u = (out_buffer(o, s, dt, dev, f"mhc_site {name}")
-                          for o, s, dt, name in zip(out or (None,) * 4, shapes, dtypes, names))
+    pre, post, comb, u = (
+        out_buffer(o, s, dt, dev, f"mhc_site {name}")
+        for o, s, dt, name in zip(out or (None,) * 4, shapes, dtypes, names)
+    )
     if t == 0:
         return pre, post, comb, u
     cfg = launch_config(n, d, X.dtype == torch.bfloat16, dots, finish)
@@ -339,10 +441,26 @@ def mhc_site_triton(
     part = _launch_dots(x, fn, m, cfg)
     pre_in_rows = pre if pre_in is None else pre_in.reshape(t, n).float().contiguous()  # unread without pre_in
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
-        part, base.float().contiguous(), scale.float().contiguous(), x, pre_in_rows, pre, post, comb, u,
-        x.stride(0), float(rms_eps), float(hc_eps),
-        N=n, D=d, ITERS=int(iters), HAS_PRE_IN=pre_in is not None, HEAD=False, LOADS_FIRST=t <= _LOADS_FIRST_TOKENS,
-        **launch2, **pdl_args(dev),
+        part,
+        base.float().contiguous(),
+        scale.float().contiguous(),
+        x,
+        pre_in_rows,
+        pre,
+        post,
+        comb,
+        u,
+        x.stride(0),
+        float(rms_eps),
+        float(hc_eps),
+        N=n,
+        D=d,
+        ITERS=int(iters),
+        HAS_PRE_IN=pre_in is not None,
+        HEAD=False,
+        LOADS_FIRST=t <= _LOADS_FIRST_TOKENS,
+        **launch2,
+        **pdl_args(dev),
     )
     return pre, post, comb, u
 
@@ -363,8 +481,10 @@ def mhc_head_triton(
     dtype) when given, else a new contiguous tensor. ``dots`` and ``finish`` as for the site."""
     *lead, n, d = X.shape
     if tuple(fn.shape) != (n, n * d) or tuple(base.shape) != (n,) or scale.numel() != 1:
-        raise ValueError(f"mhc_head: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit "
-                         f"X {tuple(X.shape)} (need fn {(n, n * d)}, base {(n,)}, scale (1,))")
+        raise ValueError(
+            f"mhc_head: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit "
+            f"X {tuple(X.shape)} (need fn {(n, n * d)}, base {(n,)}, scale (1,))"
+        )
     if streams_unserved(n):  # not tiled here: the reference (the swap declines such calls)
         ref = _head_reference(X, fn, base, scale, rms_eps, hc_eps).contiguous()
         return ref if out is None else out.copy_(ref)
@@ -378,9 +498,25 @@ def mhc_head_triton(
     launch2 = cfg["finish"]
     part = _launch_dots(x, fn, n, cfg)
     _mhc_finish_kernel[(t, triton.cdiv(d, launch2["BLOCK_D"]))](
-        part, base.float().contiguous(), scale.float().contiguous(), x, None, None, None, None, u,
-        x.stride(0), float(rms_eps), float(hc_eps),
-        N=n, D=d, ITERS=1, HAS_PRE_IN=False, HEAD=True, LOADS_FIRST=t <= _LOADS_FIRST_TOKENS, **launch2,
+        part,
+        base.float().contiguous(),
+        scale.float().contiguous(),
+        x,
+        None,
+        None,
+        None,
+        None,
+        u,
+        x.stride(0),
+        float(rms_eps),
+        float(hc_eps),
+        N=n,
+        D=d,
+        ITERS=1,
+        HAS_PRE_IN=False,
+        HEAD=True,
+        LOADS_FIRST=t <= _LOADS_FIRST_TOKENS,
+        **launch2,
         **pdl_args(dev),
     )
     return u

@@ -41,7 +41,14 @@ import triton
 from .. import ops, ops_fp8  # noqa: F401  (declare the ops before we register for them)
 from ...io.quant import MXFP4_BLOCK
 from .buffers import out_buffer
-from .moe_kernels import combine_kernel, count_pairs_kernel, down_kernel, gate_up_kernel, place_pairs_kernel, sort_pairs_one_kernel
+from .moe_kernels import (
+    combine_kernel,
+    count_pairs_kernel,
+    down_kernel,
+    gate_up_kernel,
+    place_pairs_kernel,
+    sort_pairs_one_kernel,
+)
 from .pdl import pdl_args
 
 
@@ -94,6 +101,7 @@ def _one_wave(t: Tiles, programs: int, gated: bool, act_bytes: int, w_bytes: int
     At 3 stages 5 and 9 programs fit a SM, one wave: 102.8 -> 92.6 us (gate/up) and 102.3 ->
     92.6 us (down), as fast as any tile of the sweep (``bench/moe_kernel.py --sweep 1 --shared``,
     ``bench/results/moe_tile_sweep_t1_shared_s11.json``)."""
+
     def fits(c: Tiles) -> bool:
         return programs <= _SMS * (_SMEM_PER_SM // (tile_smem(c, gated, act_bytes, w_bytes) + _SMEM_RESERVED))
 
@@ -101,8 +109,9 @@ def _one_wave(t: Tiles, programs: int, gated: bool, act_bytes: int, w_bytes: int
     return shallower if not fits(t) and fits(shallower) else t
 
 
-def choose_tiles(pairs: int, experts: int, n: int, k: int, gated: bool, qblock: int,
-                 act_bytes: int = 2, w_bytes: int = 2) -> Tiles:
+def choose_tiles(
+    pairs: int, experts: int, n: int, k: int, gated: bool, qblock: int, act_bytes: int = 2, w_bytes: int = 2
+) -> Tiles:
     """Tiles for the expert GEMM ``[rows, k] x [k, n]`` over ``pairs`` rows (``gated``: the
     two-weight gate/up one); ``qblock`` > 0 caps the k tile at the fp8 scale block. The element
     sizes of the rows and the weights only size the narrow tiles' pipeline (``_one_wave``); the
@@ -136,7 +145,9 @@ def choose_tiles(pairs: int, experts: int, n: int, k: int, gated: bool, qblock: 
 def fp4_tiles(gate_up: Tiles, down: Tiles) -> tuple[Tiles, Tiles]:
     """The tiles for MXFP4 weights from the bf16 ones: a decoded weight tile lives in registers,
     and at bf16's widest tiles (gate/up k 128 at n 128, down n 256) the kernels spilled on sm_90."""
-    return (gate_up._replace(bk=min(gate_up.bk, 64)) if gate_up.bn >= 128 else gate_up), down._replace(bn=min(down.bn, 128))
+    return (gate_up._replace(bk=min(gate_up.bk, 64)) if gate_up.bn >= 128 else gate_up), down._replace(
+        bn=min(down.bn, 128)
+    )
 
 
 def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,13 +168,30 @@ def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple
     ends = torch.empty(n_experts + shared, dtype=torch.int32, device=idx.device)
     pdl = pdl_args(idx.device)
     if g == 1:
-        sort_pairs_one_kernel[(1,)](flat, pairs, ends, cursor, p, n_experts, TOPK=top, SHARED=shared, E_P=e_p,
-                                    CHUNK=_SORT_CHUNK, **pdl)
+        sort_pairs_one_kernel[(1,)](
+            flat, pairs, ends, cursor, p, n_experts, TOPK=top, SHARED=shared, E_P=e_p, CHUNK=_SORT_CHUNK, **pdl
+        )
         return pairs, ends
     count_pairs_kernel[(g,)](flat, hist, p, n_experts, span, TOPK=top, SHARED=shared, E_P=e_p, CHUNK=_SORT_CHUNK, **pdl)
     g_p = max(2, triton.next_power_of_2(g))
-    place_pairs_kernel[(g,)](flat, hist, pairs, ends, cursor, p, n_experts, g, span, TOPK=top, SHARED=shared,
-                             E_P=e_p, G_P=g_p, G_ROWS=min(g_p, max(1, _HIST_TILE // e_p)), CHUNK=_SORT_CHUNK, **pdl)
+    place_pairs_kernel[(g,)](
+        flat,
+        hist,
+        pairs,
+        ends,
+        cursor,
+        p,
+        n_experts,
+        g,
+        span,
+        TOPK=top,
+        SHARED=shared,
+        E_P=e_p,
+        G_P=g_p,
+        G_ROWS=min(g_p, max(1, _HIST_TILE // e_p)),
+        CHUNK=_SORT_CHUNK,
+        **pdl,
+    )
     return pairs, ends
 
 
@@ -240,23 +268,79 @@ def run_experts(
         raise ValueError(f"moe_experts_fp4: the k tiles ({g.bk}, {d.bk}) must be multiples of {MXFP4_BLOCK}")
     n_blocks = max_blocks(p, experts, g.bm)
     gate_up_kernel[(n_blocks * triton.cdiv(inter, g.bn),)](
-        x, w1, w3, sw1, sw3, s1, s3, h, pairs, rw, ends,
-        n_blocks, n_exp, inter, float(limit),
-        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0) if held else 0, s1.stride(1) if held else 0,
-        K=dim, TOPK=top, SHARED=fold, E_P=e_p, BM=g.bm, BN=g.bn, BK=g.bk, GROUP_M=g.group_m, FP8=fp8, FP4=fp4, QBLOCK=qb,
-        CLAMP=bool(limit), EVEN=inter % g.bn == 0 and dim % g.bk == 0, PREC=prec, HALF=g.half,
-        num_warps=g.warps, num_stages=g.stages, **pdl,
+        x,
+        w1,
+        w3,
+        sw1,
+        sw3,
+        s1,
+        s3,
+        h,
+        pairs,
+        rw,
+        ends,
+        n_blocks,
+        n_exp,
+        inter,
+        float(limit),
+        x.stride(0),
+        w1.stride(0),
+        w1.stride(1),
+        s1.stride(0) if held else 0,
+        s1.stride(1) if held else 0,
+        K=dim,
+        TOPK=top,
+        SHARED=fold,
+        E_P=e_p,
+        BM=g.bm,
+        BN=g.bn,
+        BK=g.bk,
+        GROUP_M=g.group_m,
+        FP8=fp8,
+        FP4=fp4,
+        QBLOCK=qb,
+        CLAMP=bool(limit),
+        EVEN=inter % g.bn == 0 and dim % g.bk == 0,
+        PREC=prec,
+        HALF=g.half,
+        num_warps=g.warps,
+        num_stages=g.stages,
+        **pdl,
     )
 
     y = torch.empty(p, dim, dtype=x.dtype, device=x.device)
     n_blocks = max_blocks(p, experts, d.bm)
     down_kernel[(n_blocks * triton.cdiv(dim, d.bn),)](
-        h, w2, sw2, s2, y, pairs, ends,
-        n_blocks, n_exp, dim,
-        w2.stride(0), w2.stride(1), s2.stride(0) if held else 0, s2.stride(1) if held else 0,
-        K=inter, SHARED=fold, E_P=e_p, BM=d.bm, BN=d.bn, BK=d.bk, GROUP_M=d.group_m, FP8=fp8, FP4=fp4, QBLOCK=qb,
-        EVEN=dim % d.bn == 0 and inter % d.bk == 0, PREC=prec, HALF=d.half,
-        num_warps=d.warps, num_stages=d.stages, **pdl,
+        h,
+        w2,
+        sw2,
+        s2,
+        y,
+        pairs,
+        ends,
+        n_blocks,
+        n_exp,
+        dim,
+        w2.stride(0),
+        w2.stride(1),
+        s2.stride(0) if held else 0,
+        s2.stride(1) if held else 0,
+        K=inter,
+        SHARED=fold,
+        E_P=e_p,
+        BM=d.bm,
+        BN=d.bn,
+        BK=d.bk,
+        GROUP_M=d.group_m,
+        FP8=fp8,
+        FP4=fp4,
+        QBLOCK=qb,
+        EVEN=dim % d.bn == 0 and inter % d.bk == 0,
+        PREC=prec,
+        HALF=d.half,
+        num_warps=d.warps,
+        num_stages=d.stages,
+        **pdl,
     )
 
     bd = min(1024, triton.next_power_of_2(dim))
@@ -326,8 +410,10 @@ def moe_experts_fp4_triton(
     for w, s in zip((w1, w3, w2), (w1_scale, w3_scale, w2_scale)):
         want = (w.shape[0], w.shape[1], 2 * w.shape[2] // MXFP4_BLOCK)
         if w.dtype != torch.uint8 or tuple(s.shape) != want or s.dtype != torch.uint8 or not s.is_contiguous():
-            raise ValueError(f"moe_experts_fp4: weights must be uint8 with contiguous uint8 scales {want}, "
-                             f"got {w.dtype} {tuple(w.shape)} and {s.dtype} {tuple(s.shape)}")
+            raise ValueError(
+                f"moe_experts_fp4: weights must be uint8 with contiguous uint8 scales {want}, "
+                f"got {w.dtype} {tuple(w.shape)} and {s.dtype} {tuple(s.shape)}"
+            )
     return run_experts(x, (w1, w3, w2), (w1_scale, w3_scale, w2_scale), 1, idx, weight, limit, out)
 
 

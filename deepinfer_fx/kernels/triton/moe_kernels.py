@@ -70,8 +70,18 @@ def _place_span(idx_ptr, pairs_ptr, cursor, c0, stop, E, TOPK: tl.constexpr, SHA
 
 
 @triton.jit
-def count_pairs_kernel(idx_ptr, hist_ptr, P, E, SPAN, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr,
-                       CHUNK: tl.constexpr, PDL: tl.constexpr):
+def count_pairs_kernel(
+    idx_ptr,
+    hist_ptr,
+    P,
+    E,
+    SPAN,
+    TOPK: tl.constexpr,
+    SHARED: tl.constexpr,
+    E_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program g counts the experts of pairs ``[g * SPAN, (g + 1) * SPAN)`` into ``hist[g]``
     (``E`` routed experts, plus the shared one with ``SHARED``)."""
     wait_previous(PDL)
@@ -81,8 +91,19 @@ def count_pairs_kernel(idx_ptr, hist_ptr, P, E, SPAN, TOPK: tl.constexpr, SHARED
 
 
 @triton.jit
-def sort_pairs_one_kernel(idx_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                          E_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def sort_pairs_one_kernel(
+    idx_ptr,
+    pairs_ptr,
+    ends_ptr,
+    cursor_ptr,
+    P,
+    E,
+    TOPK: tl.constexpr,
+    SHARED: tl.constexpr,
+    E_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Few pairs (decode): one program counts, writes the expert ends and places every pair,
     one launch where ``count_pairs_kernel`` + ``place_pairs_kernel`` are two."""
     wait_previous(PDL)
@@ -98,9 +119,24 @@ def sort_pairs_one_kernel(idx_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E, TOPK: 
 
 
 @triton.jit
-def place_pairs_kernel(idx_ptr, hist_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E, G, SPAN,
-                       TOPK: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr, G_P: tl.constexpr,
-                       G_ROWS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def place_pairs_kernel(
+    idx_ptr,
+    hist_ptr,
+    pairs_ptr,
+    ends_ptr,
+    cursor_ptr,
+    P,
+    E,
+    G,
+    SPAN,
+    TOPK: tl.constexpr,
+    SHARED: tl.constexpr,
+    E_P: tl.constexpr,
+    G_P: tl.constexpr,
+    G_ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program g writes the ids of its pairs grouped by expert into ``pairs``, each expert's
     group starting where the groups of lower experts and of earlier programs end; program 0
     also writes each expert's end row (``E`` routed experts, then the shared one with
@@ -122,7 +158,9 @@ def place_pairs_kernel(idx_ptr, hist_ptr, pairs_ptr, ends_ptr, cursor_ptr, P, E,
     tl.store(cursor_ptr + g * E_P + offs_e, ends - totals + before)
     # The cursors must be in memory for every thread before the atomics below read them.
     tl.debug_barrier()
-    _place_span(idx_ptr, pairs_ptr, cursor_ptr + g * E_P, g * SPAN, tl.minimum(P, g * SPAN + SPAN), E, TOPK, SHARED, CHUNK)
+    _place_span(
+        idx_ptr, pairs_ptr, cursor_ptr + g * E_P, g * SPAN, tl.minimum(P, g * SPAN + SPAN), E, TOPK, SHARED, CHUNK
+    )
 
 
 @triton.jit
@@ -193,7 +231,9 @@ def _fp4_tile(w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, B
     values of ``io.quant.dequant_mxfp4`` (products of powers of two: exact in fp32)."""
     kb = k0 // 2 + tl.arange(0, BK // 2)
     rows = offs_n[None, :].to(tl.int64)
-    b = tl.load(w_ptr + rows * stride_wn + kb[:, None], mask=(kb < K // 2)[:, None] & nmask[None, :], other=0).to(tl.int32)
+    b = tl.load(w_ptr + rows * stride_wn + kb[:, None], mask=(kb < K // 2)[:, None] & nmask[None, :], other=0).to(
+        tl.int32
+    )
     # [BK / 2, BN] low and high nibbles -> [BK / 2, 2, BN] -> row 2i + j holds k = 2i + j
     v = tl.reshape(tl.permute(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (0, 2, 1)), (BK, BN))
     ks = k0 // 32 + tl.arange(0, BK // 32)
@@ -212,12 +252,35 @@ def _row_tile(a_ptrs, rmask, kmask, EVEN: tl.constexpr):
 
 @triton.jit
 def _gate_up_rows(
-    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr,
-    row0, row_end, tile_n, N, limit,
-    stride_x, stride_wn, stride_sn,
-    K: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    FP8: tl.constexpr, FP4: tl.constexpr, QBLOCK: tl.constexpr, CLAMP: tl.constexpr, EVEN: tl.constexpr,
-    PREC: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    s1_ptr,
+    s3_ptr,
+    h_ptr,
+    pairs_ptr,
+    rw_ptr,
+    row0,
+    row_end,
+    tile_n,
+    N,
+    limit,
+    stride_x,
+    stride_wn,
+    stride_sn,
+    K: tl.constexpr,
+    TOPK: tl.constexpr,
+    SHARED: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    FP8: tl.constexpr,
+    FP4: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    CLAMP: tl.constexpr,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``gate_up_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``);
     the weight and scale pointers are the block's expert's."""
@@ -261,12 +324,41 @@ def _gate_up_rows(
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, s1_ptr, s3_ptr, h_ptr, pairs_ptr, rw_ptr, ends_ptr,
-    n_blocks, E, N, limit,
-    stride_x, stride_we, stride_wn, stride_se, stride_sn,
-    K: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr,
-    QBLOCK: tl.constexpr, CLAMP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, HALF: tl.constexpr,
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    sw1_ptr,
+    sw3_ptr,
+    s1_ptr,
+    s3_ptr,
+    h_ptr,
+    pairs_ptr,
+    rw_ptr,
+    ends_ptr,
+    n_blocks,
+    E,
+    N,
+    limit,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    K: tl.constexpr,
+    TOPK: tl.constexpr,
+    SHARED: tl.constexpr,
+    E_P: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+    FP4: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    CLAMP: tl.constexpr,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
+    HALF: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight, for the
@@ -283,19 +375,93 @@ def gate_up_kernel(
     w3 = _expert_weight(w3_ptr, sw3_ptr, e, E, stride_we, SHARED)
     s1, s3 = s1_ptr + e.to(tl.int64) * stride_se, s3_ptr + e.to(tl.int64) * stride_se  # fp8 / fp4 only, never shared
     if HALF and row_end - row0 <= BM // 2:
-        _gate_up_rows(x_ptr, w1, w3, s1, s3, h_ptr, pairs_ptr, rw_ptr, row0, row_end, tile_n, N, limit,
-                      stride_x, stride_wn, stride_sn, K, TOPK, SHARED, BM // 2, BN, BK, FP8, FP4, QBLOCK, CLAMP, EVEN, PREC, PDL)
+        _gate_up_rows(
+            x_ptr,
+            w1,
+            w3,
+            s1,
+            s3,
+            h_ptr,
+            pairs_ptr,
+            rw_ptr,
+            row0,
+            row_end,
+            tile_n,
+            N,
+            limit,
+            stride_x,
+            stride_wn,
+            stride_sn,
+            K,
+            TOPK,
+            SHARED,
+            BM // 2,
+            BN,
+            BK,
+            FP8,
+            FP4,
+            QBLOCK,
+            CLAMP,
+            EVEN,
+            PREC,
+            PDL,
+        )
     else:
-        _gate_up_rows(x_ptr, w1, w3, s1, s3, h_ptr, pairs_ptr, rw_ptr, row0, row_end, tile_n, N, limit,
-                      stride_x, stride_wn, stride_sn, K, TOPK, SHARED, BM, BN, BK, FP8, FP4, QBLOCK, CLAMP, EVEN, PREC, PDL)
+        _gate_up_rows(
+            x_ptr,
+            w1,
+            w3,
+            s1,
+            s3,
+            h_ptr,
+            pairs_ptr,
+            rw_ptr,
+            row0,
+            row_end,
+            tile_n,
+            N,
+            limit,
+            stride_x,
+            stride_wn,
+            stride_sn,
+            K,
+            TOPK,
+            SHARED,
+            BM,
+            BN,
+            BK,
+            FP8,
+            FP4,
+            QBLOCK,
+            CLAMP,
+            EVEN,
+            PREC,
+            PDL,
+        )
 
 
 @triton.jit
 def _down_rows(
-    h_ptr, w2_ptr, s2_ptr, y_ptr, pairs_ptr, row0, row_end, tile_n, N,
-    stride_wn, stride_sn,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    FP8: tl.constexpr, FP4: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+    h_ptr,
+    w2_ptr,
+    s2_ptr,
+    y_ptr,
+    pairs_ptr,
+    row0,
+    row_end,
+    tile_n,
+    N,
+    stride_wn,
+    stride_sn,
+    K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    FP8: tl.constexpr,
+    FP4: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``down_kernel``'s work for the ``BM`` rows from ``row0`` (those before ``row_end``); the
@@ -328,12 +494,34 @@ def _down_rows(
 
 @triton.jit
 def down_kernel(
-    h_ptr, w2_ptr, sw2_ptr, s2_ptr, y_ptr, pairs_ptr, ends_ptr,
-    n_blocks, E, N,
-    stride_we, stride_wn, stride_se, stride_sn,
-    K: tl.constexpr, SHARED: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr,
-    PREC: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+    h_ptr,
+    w2_ptr,
+    sw2_ptr,
+    s2_ptr,
+    y_ptr,
+    pairs_ptr,
+    ends_ptr,
+    n_blocks,
+    E,
+    N,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    K: tl.constexpr,
+    SHARED: tl.constexpr,
+    E_P: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+    FP4: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
+    HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[pair] = h[row] w2^T for one row block and BN columns of D, rounded to the activation
     dtype (the reference's grouped GEMM returns it so) and written at the pair's own (unsorted)
@@ -347,11 +535,53 @@ def down_kernel(
     w2 = _expert_weight(w2_ptr, sw2_ptr, e, E, stride_we, SHARED)
     s2 = s2_ptr + e.to(tl.int64) * stride_se  # fp8 / fp4 only, never shared
     if HALF and row_end - row0 <= BM // 2:
-        _down_rows(h_ptr, w2, s2, y_ptr, pairs_ptr, row0, row_end, tile_n, N,
-                   stride_wn, stride_sn, K, BM // 2, BN, BK, FP8, FP4, QBLOCK, EVEN, PREC, PDL)
+        _down_rows(
+            h_ptr,
+            w2,
+            s2,
+            y_ptr,
+            pairs_ptr,
+            row0,
+            row_end,
+            tile_n,
+            N,
+            stride_wn,
+            stride_sn,
+            K,
+            BM // 2,
+            BN,
+            BK,
+            FP8,
+            FP4,
+            QBLOCK,
+            EVEN,
+            PREC,
+            PDL,
+        )
     else:
-        _down_rows(h_ptr, w2, s2, y_ptr, pairs_ptr, row0, row_end, tile_n, N,
-                   stride_wn, stride_sn, K, BM, BN, BK, FP8, FP4, QBLOCK, EVEN, PREC, PDL)
+        _down_rows(
+            h_ptr,
+            w2,
+            s2,
+            y_ptr,
+            pairs_ptr,
+            row0,
+            row_end,
+            tile_n,
+            N,
+            stride_wn,
+            stride_sn,
+            K,
+            BM,
+            BN,
+            BK,
+            FP8,
+            FP4,
+            QBLOCK,
+            EVEN,
+            PREC,
+            PDL,
+        )
 
 
 @triton.jit

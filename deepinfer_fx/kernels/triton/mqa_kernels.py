@@ -70,8 +70,24 @@ def _entry_rows(e_base, r_base, b_base, stride_en, stride_rn, stride_bn, offs_n,
 
 
 @triton.jit
-def _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, start, n_hi, W, window,
-              BLOCK_N: tl.constexpr, SOURCE: tl.constexpr, ROWS: tl.constexpr):
+def _key_rows(
+    k_base,
+    b_base,
+    e_base,
+    r_base,
+    pos,
+    stride_kn,
+    stride_bn,
+    stride_en,
+    stride_rn,
+    start,
+    n_hi,
+    W,
+    window,
+    BLOCK_N: tl.constexpr,
+    SOURCE: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """The key row pointers of the tile at ``start``, which rows exist, and their bias in base 2:
     row n of ``k_base`` with its bias at ``b_base`` (_PLAIN); or (decode) rows below ``W`` from
     the window ring at ``k_base`` and the rest entries at ``e_base``, their bias at ``b_base``:
@@ -95,22 +111,83 @@ def _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_
 
 
 @triton.jit
-def _tiles(q, m, l, acc, k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, W, window, lo, hi,
-           qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr,
-           SOURCE: tl.constexpr, ROWS: tl.constexpr):
+def _tiles(
+    q,
+    m,
+    l,
+    acc,
+    k_base,
+    b_base,
+    e_base,
+    r_base,
+    pos,
+    stride_kn,
+    stride_bn,
+    stride_en,
+    stride_rn,
+    W,
+    window,
+    lo,
+    hi,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SOURCE: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """The key tiles of rows ``[lo, hi)`` into the online-softmax state (m, l, acc)."""
     offs_d = tl.arange(0, BLOCK_D)
     for start in range(lo, hi, BLOCK_N):
-        rows, in_n, b = _key_rows(k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
-                                  start, hi, W, window, BLOCK_N, SOURCE, ROWS)
+        rows, in_n, b = _key_rows(
+            k_base,
+            b_base,
+            e_base,
+            r_base,
+            pos,
+            stride_kn,
+            stride_bn,
+            stride_en,
+            stride_rn,
+            start,
+            hi,
+            W,
+            window,
+            BLOCK_N,
+            SOURCE,
+            ROWS,
+        )
         m, l, acc = _tile(q, rows, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
     return m, l, acc
 
 
 @triton.jit
-def _split_state(q, k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, W, window, n_lo, n_hi,
-                 qk_scale, BH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                 DOT_FP32: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr, WHOLE: tl.constexpr):
+def _split_state(
+    q,
+    k_base,
+    b_base,
+    e_base,
+    r_base,
+    pos,
+    stride_kn,
+    stride_bn,
+    stride_en,
+    stride_rn,
+    W,
+    window,
+    n_lo,
+    n_hi,
+    qk_scale,
+    BH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    RING: tl.constexpr,
+    ROWS: tl.constexpr,
+    WHOLE: tl.constexpr,
+):
     """Online softmax of ``q`` ``[BH, BLOCK_D]`` over key rows ``[n_lo, n_hi)`` -> (max, sum, acc),
     base 2. RING with WHOLE (``W`` a multiple of ``BLOCK_N``): the ring's tiles, then the
     entries' tiles, in two loops whose pointers each step evenly; the same tiles in the same
@@ -120,19 +197,36 @@ def _split_state(q, k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, s
     acc = tl.zeros([BH, BLOCK_D], tl.float32)
     args = (k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn, W, window)
     if RING and WHOLE:
-        m, l, acc = _tiles(q, m, l, acc, *args, n_lo, tl.minimum(n_hi, W), qk_scale, BLOCK_N, BLOCK_D, D, DOT_FP32,
-                           _WINDOW, ROWS)
-        m, l, acc = _tiles(q, m, l, acc, *args, tl.maximum(n_lo, W), n_hi, qk_scale, BLOCK_N, BLOCK_D, D, DOT_FP32,
-                           _ENTRIES, ROWS)
+        m, l, acc = _tiles(
+            q, m, l, acc, *args, n_lo, tl.minimum(n_hi, W), qk_scale, BLOCK_N, BLOCK_D, D, DOT_FP32, _WINDOW, ROWS
+        )
+        m, l, acc = _tiles(
+            q, m, l, acc, *args, tl.maximum(n_lo, W), n_hi, qk_scale, BLOCK_N, BLOCK_D, D, DOT_FP32, _ENTRIES, ROWS
+        )
     else:
-        m, l, acc = _tiles(q, m, l, acc, *args, n_lo, n_hi, qk_scale, BLOCK_N, BLOCK_D, D, DOT_FP32,
-                           _MIXED if RING else _PLAIN, ROWS)
+        m, l, acc = _tiles(
+            q, m, l, acc, *args, n_lo, n_hi, qk_scale, BLOCK_N, BLOCK_D, D, DOT_FP32, _MIXED if RING else _PLAIN, ROWS
+        )
     return m, l, acc
 
 
 @triton.jit
-def _live_state(q, k_base, b_base, tiles, count, stride_kn, stride_bn, N, qk_scale,
-                BH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr):
+def _live_state(
+    q,
+    k_base,
+    b_base,
+    tiles,
+    count,
+    stride_kn,
+    stride_bn,
+    N,
+    qk_scale,
+    BH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """Online softmax of ``q`` over the ``count`` tiles listed at ``tiles`` (ascending)."""
     offs_d = tl.arange(0, BLOCK_D)
     m = tl.full([BH], float("-inf"), tl.float32)
@@ -181,8 +275,23 @@ def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
 
 
 @triton.jit
-def _finish(m, l, acc, sink_ptr, out_base, cos_base, sin_base, stride_oh, offs_h, H, BH: tl.constexpr,
-            BLOCK_D: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _finish(
+    m,
+    l,
+    acc,
+    sink_ptr,
+    out_base,
+    cos_base,
+    sin_base,
+    stride_oh,
+    offs_h,
+    H,
+    BH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """Normalise with the sink in the denominator and store; a row with no visible key gives 0.
     Then the values' rotary tails are turned back by the query's angle (``_unrotate_tail``)."""
     sink = tl.load(sink_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -197,8 +306,18 @@ def _finish(m, l, acc, sink_ptr, out_base, cos_base, sin_base, stride_oh, offs_h
 
 
 @triton.jit
-def _unrotate_tail(out_base, cos_base, sin_base, stride_oh, offs_h, H, BH: tl.constexpr,
-                   D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _unrotate_tail(
+    out_base,
+    cos_base,
+    sin_base,
+    stride_oh,
+    offs_h,
+    H,
+    BH: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """Rotate the last ``2 * HALF`` channels of each stored head by minus the query's angle
     (``apply_rope(o, cos, sin, inverse=True)``, pairs (2i, 2i+1)). The tail is read back from
     what this program just stored, after a barrier that makes every thread's stores visible:
@@ -218,7 +337,9 @@ def _unrotate_tail(out_base, cos_base, sin_base, stride_oh, offs_h, H, BH: tl.co
 
 
 @triton.jit
-def _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr):
+def _load_q(
+    q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr
+):
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
     q = tl.load(q_ptr + row * stride_qr + offs_h[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
@@ -232,51 +353,184 @@ def _bases(k_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, row, T, stride_kb, stride_es
     chunk = row // T
     if RING:
         slot = tl.load(slots_ptr + chunk).to(tl.int64)
-        bases = (k_ptr + slot * stride_kb, e_ptr + slot * stride_es, r_ptr + chunk * stride_rr,
-                 tl.load(pos_ptr + row).to(tl.int64))
+        bases = (
+            k_ptr + slot * stride_kb,
+            e_ptr + slot * stride_es,
+            r_ptr + chunk * stride_rr,
+            tl.load(pos_ptr + row).to(tl.int64),
+        )
     else:
         bases = (k_ptr + chunk * stride_kb, e_ptr, r_ptr, row)
     return bases
 
 
 @triton.jit
-def mqa_sequential(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, tiles_ptr,
-                    count_ptr, T, H, N, W, window, split, n_tiles, qk_scale,
-                    stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_es, stride_en, stride_rr,
-                    stride_rn, stride_or, stride_oh,
-                    BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, DOT_FP32: tl.constexpr, SKIP: tl.constexpr,
-                    RING: tl.constexpr, ROWS: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
+def mqa_sequential(
+    q_ptr,
+    k_ptr,
+    b_ptr,
+    e_ptr,
+    r_ptr,
+    slots_ptr,
+    pos_ptr,
+    sink_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    tiles_ptr,
+    count_ptr,
+    T,
+    H,
+    N,
+    W,
+    window,
+    split,
+    n_tiles,
+    qk_scale,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_br,
+    stride_bn,
+    stride_es,
+    stride_en,
+    stride_rr,
+    stride_rn,
+    stride_or,
+    stride_oh,
+    BH: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SKIP: tl.constexpr,
+    RING: tl.constexpr,
+    ROWS: tl.constexpr,
+    WHOLE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_previous(PDL)
     # Head blocks of one query are neighbours in launch order, so the keys they share stay in L2.
     pid = tl.program_id(0)
     row = (pid // HB).to(tl.int64)  # flattened (leading index, query t); int64: long offsets
     offs_h = (pid % HB) * BH + tl.arange(0, BH)
     q = _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D, D, DOT_FP32)
-    k_base, e_base, r_base, pos = _bases(k_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, row, T, stride_kb, stride_es, stride_rr, RING)
+    k_base, e_base, r_base, pos = _bases(
+        k_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, row, T, stride_kb, stride_es, stride_rr, RING
+    )
     b_base = b_ptr + row * stride_br
     if SKIP:  # one split; only the row's live tiles
-        m, l, acc = _live_state(q, k_base, b_base, tiles_ptr + row * n_tiles, tl.load(count_ptr + row), stride_kn, stride_bn,
-                                N, qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32)
+        m, l, acc = _live_state(
+            q,
+            k_base,
+            b_base,
+            tiles_ptr + row * n_tiles,
+            tl.load(count_ptr + row),
+            stride_kn,
+            stride_bn,
+            N,
+            qk_scale,
+            BH,
+            BLOCK_N,
+            BLOCK_D,
+            D,
+            DOT_FP32,
+        )
     else:
         m = tl.full([BH], float("-inf"), tl.float32)
         l = tl.zeros([BH], tl.float32)
         acc = tl.zeros([BH, BLOCK_D], tl.float32)
         for n_lo in range(0, N, split):
-            m_s, l_s, acc_s = _split_state(q, k_base, b_base, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
-                                           W, window, n_lo, tl.minimum(n_lo + split, N), qk_scale, BH, BLOCK_N, BLOCK_D, D,
-                                           DOT_FP32, RING, ROWS, WHOLE)
+            m_s, l_s, acc_s = _split_state(
+                q,
+                k_base,
+                b_base,
+                e_base,
+                r_base,
+                pos,
+                stride_kn,
+                stride_bn,
+                stride_en,
+                stride_rn,
+                W,
+                window,
+                n_lo,
+                tl.minimum(n_lo + split, N),
+                qk_scale,
+                BH,
+                BLOCK_N,
+                BLOCK_D,
+                D,
+                DOT_FP32,
+                RING,
+                ROWS,
+                WHOLE,
+            )
             m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
-    _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, cos_ptr + row * HALF, sin_ptr + row * HALF, stride_oh,
-            offs_h, H, BH, BLOCK_D, D, HALF, BLOCK_HALF)
+    _finish(
+        m,
+        l,
+        acc,
+        sink_ptr,
+        out_ptr + row * stride_or,
+        cos_ptr + row * HALF,
+        sin_ptr + row * HALF,
+        stride_oh,
+        offs_h,
+        H,
+        BH,
+        BLOCK_D,
+        D,
+        HALF,
+        BLOCK_HALF,
+    )
 
 
 @triton.jit
-def mqa_split(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, H, N, W, window, split,
-               n_splits, qk_scale, stride_qr, stride_qh, stride_kb, stride_kn, stride_br, stride_bn, stride_es, stride_en,
-               stride_rr, stride_rn,
-               BH: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-               DOT_FP32: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
+def mqa_split(
+    q_ptr,
+    k_ptr,
+    b_ptr,
+    e_ptr,
+    r_ptr,
+    slots_ptr,
+    pos_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    T,
+    H,
+    N,
+    W,
+    window,
+    split,
+    n_splits,
+    qk_scale,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_br,
+    stride_bn,
+    stride_es,
+    stride_en,
+    stride_rr,
+    stride_rn,
+    BH: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    RING: tl.constexpr,
+    ROWS: tl.constexpr,
+    WHOLE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One split's state into the fp32 partials ``m``/``l`` ``[R, S, H]`` and ``acc`` ``[R, S, H, BLOCK_D]``."""
     wait_previous(PDL)
     pid = tl.program_id(0)
@@ -285,10 +539,34 @@ def mqa_split(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, m_ptr, l_pt
     offs_h = (pid % HB) * BH + tl.arange(0, BH)
     q = _load_q(q_ptr, row, stride_qr, stride_qh, offs_h, H, BLOCK_D, D, DOT_FP32)
     n_lo = s_idx * split
-    k_base, e_base, r_base, pos = _bases(k_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, row, T, stride_kb, stride_es, stride_rr, RING)
-    m, l, acc = _split_state(q, k_base, b_ptr + row * stride_br, e_base, r_base, pos, stride_kn, stride_bn, stride_en, stride_rn,
-                             W, window, n_lo, tl.minimum(n_lo + split, N), qk_scale, BH, BLOCK_N, BLOCK_D, D, DOT_FP32,
-                             RING, ROWS, WHOLE)
+    k_base, e_base, r_base, pos = _bases(
+        k_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, row, T, stride_kb, stride_es, stride_rr, RING
+    )
+    m, l, acc = _split_state(
+        q,
+        k_base,
+        b_ptr + row * stride_br,
+        e_base,
+        r_base,
+        pos,
+        stride_kn,
+        stride_bn,
+        stride_en,
+        stride_rn,
+        W,
+        window,
+        n_lo,
+        tl.minimum(n_lo + split, N),
+        qk_scale,
+        BH,
+        BLOCK_N,
+        BLOCK_D,
+        D,
+        DOT_FP32,
+        RING,
+        ROWS,
+        WHOLE,
+    )
     base = (row * n_splits + s_idx) * H + offs_h
     tl.store(m_ptr + base, m, mask=offs_h < H)
     tl.store(l_ptr + base, l, mask=offs_h < H)
@@ -296,9 +574,26 @@ def mqa_split(q_ptr, k_ptr, b_ptr, e_ptr, r_ptr, slots_ptr, pos_ptr, m_ptr, l_pt
 
 
 @triton.jit
-def mqa_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, H, n_splits, stride_or, stride_oh,
-                 BH: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+def mqa_combine(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    sink_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    H,
+    n_splits,
+    stride_or,
+    stride_oh,
+    BH: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_previous(PDL)
     pid = tl.program_id(0)
     row = (pid // HB).to(tl.int64)
@@ -313,13 +608,38 @@ def mqa_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, H, n
         l_s = tl.load(l_ptr + base, mask=offs_h < H, other=0.0)
         acc_s = tl.load(acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], mask=(offs_h < H)[:, None], other=0.0)
         m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
-    _finish(m, l, acc, sink_ptr, out_ptr + row * stride_or, cos_ptr + row * HALF, sin_ptr + row * HALF, stride_oh,
-            offs_h, H, BH, BLOCK_D, D, HALF, BLOCK_HALF)
+    _finish(
+        m,
+        l,
+        acc,
+        sink_ptr,
+        out_ptr + row * stride_or,
+        cos_ptr + row * HALF,
+        sin_ptr + row * HALF,
+        stride_oh,
+        offs_h,
+        H,
+        BH,
+        BLOCK_D,
+        D,
+        HALF,
+        BLOCK_HALF,
+    )
 
 
 @triton.jit
-def live_tiles_kernel(b_ptr, tiles_ptr, count_ptr, N, n_tiles, stride_br, stride_bn,
-                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def live_tiles_kernel(
+    b_ptr,
+    tiles_ptr,
+    count_ptr,
+    N,
+    n_tiles,
+    stride_br,
+    stride_bn,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One row of the bias: the ids of its tiles holding a visible key, ascending, and their count."""
     wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)

@@ -120,8 +120,12 @@ def _as_rows(t: torch.Tensor, d: int) -> torch.Tensor:
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None,
-    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``weight * x * rsqrt(mean(x^2) + eps)`` over the last dim, fp32 inside, x's dtype out;
     with ``cos`` / ``sin`` (``[*P, rd/2]``, exactly x's leading dims) the result's tails then
@@ -132,10 +136,13 @@ def rms_norm_triton(
     """
     d = x.shape[-1]
     half = 0 if cos is None else cos.shape[-1]
-    if cos is not None and (sin is None or sin.shape != cos.shape or x.shape[: cos.dim() - 1] != cos.shape[:-1]
-                            or not 0 < 2 * half <= d):
-        raise ValueError(f"rms_norm_rope: x {tuple(x.shape)} with cos {tuple(cos.shape)}, "
-                         f"sin {None if sin is None else tuple(sin.shape)}: the tables need x's leading dims and rd/2 <= d/2")
+    if cos is not None and (
+        sin is None or sin.shape != cos.shape or x.shape[: cos.dim() - 1] != cos.shape[:-1] or not 0 < 2 * half <= d
+    ):
+        raise ValueError(
+            f"rms_norm_rope: x {tuple(x.shape)} with cos {tuple(cos.shape)}, "
+            f"sin {None if sin is None else tuple(sin.shape)}: the tables need x's leading dims and rd/2 <= d/2"
+        )
     if cos is None:
         unserved = weight is not None and tuple(weight.shape) != (d,)
     else:  # the norm_rope_kernel swap declines these calls
@@ -159,8 +166,23 @@ def rms_norm_triton(
     # Without tables the table pointers are never read: x stands in for them.
     tables = (x2, x2, 1) if cos is None else (cos.contiguous(), sin.contiguous(), n_rows // cos[..., 0].numel())
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        x2, w, dst, tables[0], tables[1], n_rows, tables[2], x2.stride(0), dst.stride(0), eps,
-        D=d, HAS_WEIGHT=weight is not None, ROWS=rows, BLOCK=block, FUSED=fused, HALF=half, num_warps=num_warps,
+        x2,
+        w,
+        dst,
+        tables[0],
+        tables[1],
+        n_rows,
+        tables[2],
+        x2.stride(0),
+        dst.stride(0),
+        eps,
+        D=d,
+        HAS_WEIGHT=weight is not None,
+        ROWS=rows,
+        BLOCK=block,
+        FUSED=fused,
+        HALF=half,
+        num_warps=num_warps,
         **pdl_args(x.device),
     )
     if not direct:
@@ -168,7 +190,9 @@ def rms_norm_triton(
     return out
 
 
-def _rms_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rms_norm_rope_cuda(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     return rms_norm_triton(x, weight, eps, None, cos, sin)
 
 

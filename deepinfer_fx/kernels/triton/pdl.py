@@ -72,8 +72,9 @@ def release_next(PDL: tl.constexpr):
 @triton.jit
 def prefetch_l2(ptrs):
     """Ask for the cache lines at ``ptrs`` (valid addresses) to be brought into L2; no result."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 def pdl_enabled(device: torch.device) -> bool:

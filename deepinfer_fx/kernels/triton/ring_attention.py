@@ -41,16 +41,41 @@ def ring_mqa_triton(
     _, w, _ = ring.shape
     k = 0 if entries is None else (entry_rows.shape[1] if entry_rows is not None else entries.shape[1])
     half = cos.shape[-1]
-    bad = (t != 1 or ring.shape[2] != d or list(slots.shape) != [c] or list(pos.shape) != [c] or list(sink.shape) != [h]
-           or list(cos.shape) != [c, 1, half] or sin.shape != cos.shape or not 0 < 2 * half <= d)
+    bad = (
+        t != 1
+        or ring.shape[2] != d
+        or list(slots.shape) != [c]
+        or list(pos.shape) != [c]
+        or list(sink.shape) != [h]
+        or list(cos.shape) != [c, 1, half]
+        or sin.shape != cos.shape
+        or not 0 < 2 * half <= d
+    )
     if entries is not None:
-        bad = bad or (entries.shape[0] != ring.shape[0] or entries.shape[2] != d or entries.dtype != ring.dtype
-                      or entry_bias is None or list(entry_bias.shape) != [c, 1, k]
-                      or (entry_rows is not None and entry_rows.shape[0] != c))
+        bad = bad or (
+            entries.shape[0] != ring.shape[0]
+            or entries.shape[2] != d
+            or entries.dtype != ring.dtype
+            or entry_bias is None
+            or list(entry_bias.shape) != [c, 1, k]
+            or (entry_rows is not None and entry_rows.shape[0] != c)
+        )
     if bad:
-        shapes = ", ".join(f"{n} {None if x is None else (tuple(x.shape), x.dtype)}" for n, x in
-                           (("q", q), ("ring", ring), ("slots", slots), ("pos", pos), ("entries", entries),
-                            ("entry_rows", entry_rows), ("entry_bias", entry_bias), ("sink", sink), ("cos", cos), ("sin", sin)))
+        shapes = ", ".join(
+            f"{n} {None if x is None else (tuple(x.shape), x.dtype)}"
+            for n, x in (
+                ("q", q),
+                ("ring", ring),
+                ("slots", slots),
+                ("pos", pos),
+                ("entries", entries),
+                ("entry_rows", entry_rows),
+                ("entry_bias", entry_bias),
+                ("sink", sink),
+                ("cos", cos),
+                ("sin", sin),
+            )
+        )
         raise ValueError(f"ring_mqa: mismatched inputs ({shapes}); one query a chunk, pools of one dtype and depth")
     out = out_buffer(out, q.shape, q.dtype, q.device, "ring_mqa")
     if c == 0:
@@ -59,11 +84,30 @@ def ring_mqa_triton(
     pool = ring if entries is None else (entries if entries.stride(-1) == 1 else entries.contiguous())
     rows = pool if entry_rows is None else entry_rows
     bias = torch.empty(c, 0, device=q.device) if entry_bias is None else entry_bias.reshape(c, k)
-    src = KeySource(ring, pool, rows, slots, pos, (ring.stride(0), ring.stride(1), pool.stride(0), pool.stride(1),
-                                                   rows.stride(0), rows.stride(-1)),
-                    w=w, window=w, ring=True, rows=entry_rows is not None)
-    launch_mqa(q.reshape(c, h, d), 1, w + k, src, bias, sink, cos.reshape(c, half), sin.reshape(c, half), out.view(c, h, d),
-               **tiling)
+    src = KeySource(
+        ring,
+        pool,
+        rows,
+        slots,
+        pos,
+        (ring.stride(0), ring.stride(1), pool.stride(0), pool.stride(1), rows.stride(0), rows.stride(-1)),
+        w=w,
+        window=w,
+        ring=True,
+        rows=entry_rows is not None,
+    )
+    launch_mqa(
+        q.reshape(c, h, d),
+        1,
+        w + k,
+        src,
+        bias,
+        sink,
+        cos.reshape(c, half),
+        sin.reshape(c, half),
+        out.view(c, h, d),
+        **tiling,
+    )
     return out
 
 

@@ -90,8 +90,17 @@ def rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse:
     n_rows = rows.shape[0]
     cfg = launch_config(n_rows, half)
     _rope_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
-        rows, cos.reshape(-1, half).contiguous(), sin.reshape(-1, half).contiguous(),
-        n_rows, n_rows // math.prod(lead), rows.stride(0), D=d, HALF=half, INVERSE=inverse, **cfg, **pdl_args(x.device),
+        rows,
+        cos.reshape(-1, half).contiguous(),
+        sin.reshape(-1, half).contiguous(),
+        n_rows,
+        n_rows // math.prod(lead),
+        rows.stride(0),
+        D=d,
+        HALF=half,
+        INVERSE=inverse,
+        **cfg,
+        **pdl_args(x.device),
     )
 
 

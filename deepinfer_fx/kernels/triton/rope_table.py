@@ -62,8 +62,10 @@ def launch_config(n: int, f: int) -> dict[str, int]:
 def rope_table_triton(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos`` and ``sin`` ``[*positions.shape, len(freq)]`` of ``positions.float() * freq``."""
     if freq.dim() != 1 or not freq.is_floating_point() or freq.device != positions.device:
-        raise ValueError(f"rope_table: freq must be a 1-D float tensor on {positions.device}, "
-                         f"got {freq.dtype} {tuple(freq.shape)} on {freq.device}")
+        raise ValueError(
+            f"rope_table: freq must be a 1-D float tensor on {positions.device}, "
+            f"got {freq.dtype} {tuple(freq.shape)} on {freq.device}"
+        )
     f = freq.shape[0]
     shape = (*positions.shape, f)
     cos = torch.empty(shape, dtype=torch.float32, device=positions.device)
@@ -74,7 +76,15 @@ def rope_table_triton(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torc
     cfg = launch_config(n, f)
     # enable_fp_fusion=False: the angle must be rounded once as a product, like ATen's mul.
     _rope_table_kernel[(triton.cdiv(n, cfg["ROWS"]),)](
-        positions.reshape(-1), freq.contiguous(), cos, sin, n, F=f, enable_fp_fusion=False, **cfg, **pdl_args(cos.device),
+        positions.reshape(-1),
+        freq.contiguous(),
+        cos,
+        sin,
+        n,
+        F=f,
+        enable_fp_fusion=False,
+        **cfg,
+        **pdl_args(cos.device),
     )
     return cos, sin
 

@@ -48,9 +48,27 @@ def _log1p(y):
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, ids_ptr, idx_ptr, w_ptr, n_tokens, stride_l, stride_ids, temp, scale,
-                  E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, KIND: tl.constexpr,
-                  HASHED: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    idx_ptr,
+    w_ptr,
+    n_tokens,
+    stride_l,
+    stride_ids,
+    temp,
+    scale,
+    E: tl.constexpr,
+    EP: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    KIND: tl.constexpr,
+    HASHED: tl.constexpr,
+    NORM: tl.constexpr,
+    BT: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     row_ok = rows < n_tokens
@@ -94,8 +112,16 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, idx_ptr, w_ptr, n_tokens, strid
     tl.store(w_ptr + out, ws * scale, mask=ok)
 
 
-def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None, k: int, kind: str,
-                      temp: float, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk_triton(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor | None,
+    k: int,
+    kind: str,
+    temp: float,
+    norm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``route_weights`` in one launch: ids ``[T, k]`` int64 and weights ``[T, k]`` fp32. Shapes
     it does not tile (``ops.route_unserved``: too many experts, an unknown kind) go to the reference."""
     t, n_exp = logits.shape
@@ -112,9 +138,26 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, ids: torc
     ids_rows = ids.contiguous() if hashed else idx  # unread without ids
     ep = triton.next_power_of_2(n_exp)
     _route_kernel[(t,)](
-        logits, logits if bias is None else bias.contiguous(), ids_rows, idx, w, t, logits.stride(0), ids_rows.stride(0),
-        float(temp), float(scale), E=n_exp, EP=ep, K=k, KP=triton.next_power_of_2(k), KIND=_KINDS[kind],
-        HASHED=hashed, NORM=bool(norm), BT=1, num_warps=max(1, min(4, ep // _ELEMS_PER_WARP)), **pdl_args(logits.device),
+        logits,
+        logits if bias is None else bias.contiguous(),
+        ids_rows,
+        idx,
+        w,
+        t,
+        logits.stride(0),
+        ids_rows.stride(0),
+        float(temp),
+        float(scale),
+        E=n_exp,
+        EP=ep,
+        K=k,
+        KP=triton.next_power_of_2(k),
+        KIND=_KINDS[kind],
+        HASHED=hashed,
+        NORM=bool(norm),
+        BT=1,
+        num_warps=max(1, min(4, ep // _ELEMS_PER_WARP)),
+        **pdl_args(logits.device),
     )
     return idx, w
 

@@ -74,9 +74,7 @@ def _sinkhorn_kernel(
     tl.store(dst, comb, mask=mask)
 
 
-def mhc_sinkhorn_triton(
-    logits: torch.Tensor, eps: float, iters: int, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def mhc_sinkhorn_triton(logits: torch.Tensor, eps: float, iters: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits ``[..., n, n]`` -> fp32 doubly-stochastic ``comb`` (see ``graphs/mhc.py::sinkhorn``).
 
     ``out`` (contiguous fp32 of the logits' shape) receives the result when given. An ``n``
@@ -97,8 +95,18 @@ def mhc_sinkhorn_triton(
     block_t = max(1, min(_TILE // (n * n), triton.next_power_of_2(n_tokens)))
     num_warps = max(1, min(4, block_t * n * n // (_PER_THREAD * 32)))
     _sinkhorn_kernel[(triton.cdiv(n_tokens, block_t),)](
-        x, out, n_tokens, x.stride(0), x.stride(1), x.stride(2), float(eps),
-        ITERS=int(iters), N=n, BLOCK_T=block_t, num_warps=num_warps, **pdl_args(out.device),
+        x,
+        out,
+        n_tokens,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        float(eps),
+        ITERS=int(iters),
+        N=n,
+        BLOCK_T=block_t,
+        num_warps=num_warps,
+        **pdl_args(out.device),
     )
     return out
 

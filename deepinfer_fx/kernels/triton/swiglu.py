@@ -87,8 +87,19 @@ def swiglu_clamp_triton(
     num_warps = max(1, min(8, block_m * block_n // 256))
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n, block_n))
     _swiglu_clamp_kernel[grid](
-        g2, u2, out, n_rows, n, g2.stride(0), u2.stride(0), float(limit),
-        CLAMP=bool(limit), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl_args(out.device),
+        g2,
+        u2,
+        out,
+        n_rows,
+        n,
+        g2.stride(0),
+        u2.stride(0),
+        float(limit),
+        CLAMP=bool(limit),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        **pdl_args(out.device),
     )
     return out
 
