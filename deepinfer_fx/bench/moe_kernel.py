@@ -34,6 +34,7 @@ from ..io.quant import dequant_mxfp4, quant_mxfp4
 from ..kernels.triton.moe import (
     Tiles,
     choose_tiles,
+    fp4_tiles,
     max_blocks,
     moe_experts_fp4_triton,
     moe_experts_fp8_triton,
@@ -111,9 +112,22 @@ def _shared_weights(w: dict) -> dict:
     return {n: torch.randn_like(v[0]) / v.shape[-1] ** 0.5 for n, v in w.items()}
 
 
-def _op(w: dict, sh: dict | None) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """The bf16 op under test, ``(x, idx, rw, limit, out=, tiles=) -> [T, D]``, and its math
-    (``graphs/moe.py``): the routed experts, plus the shared expert ``sh`` when given."""
+def _op(
+    w: dict, sh: dict | None, q4: dict | None = None
+) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """The op under test, ``(x, idx, rw, limit, out=, tiles=) -> [T, D]``, and its math
+    (``graphs/moe.py``): the bf16 routed experts, plus the shared expert ``sh`` when given, or
+    with ``q4`` (``{name: (codes, scales)}``) the MXFP4 ones against their dequantised weights."""
+    if q4 is not None:
+        w4 = (q4["w1"][0], q4["w1"][1], q4["w3"][0], q4["w3"][1], q4["w2"][0], q4["w2"][1])
+
+        def op4(x, idx, rw, limit, out=None, tiles=None):
+            return moe_experts_fp4_triton(x, *w4, idx, rw, limit, out=out, tiles=tiles)
+
+        def reference4(x, idx, rw, limit):
+            return routed_experts.reference({n: dequant_mxfp4(*q4[n], x.dtype) for n in q4}, limit, x, idx, rw)
+
+        return op4, reference4
 
     def op(
         x: torch.Tensor,
@@ -136,8 +150,11 @@ def _op(w: dict, sh: dict | None) -> tuple[Callable[..., torch.Tensor], Callable
     return op, reference
 
 
-def sweep(t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None = None) -> list[dict]:
-    """Time the bf16 op (with the shared expert ``sh`` folded in when given) at ``t`` tokens over
+def sweep(
+    t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None = None, q4: dict | None = None
+) -> list[dict]:
+    """Time the bf16 op (with the shared expert ``sh`` folded in when given; the MXFP4 one with
+    ``q4``, its base tiles ``fp4_tiles`` of bf16's) at ``t`` tokens over
     the gate/up candidates (down tiles as chosen), then the down candidates (gate/up as chosen).
     Each row: the kernel's programs, whole-op ms and TFLOP/s, max rel diff."""
     e, inter, d = w["w1"].shape
@@ -145,11 +162,13 @@ def sweep(t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None =
     idx = torch.rand(t, e, device="cuda").topk(top, dim=-1).indices
     rw = torch.rand(t, top, device="cuda")
     out = torch.empty(t, d, device="cuda")
-    op, reference = _op(w, sh)
+    op, reference = _op(w, sh, q4)
     ref = reference(x, idx, rw, limit)
     pairs, experts = t * (top + (sh is not None)), e + (sh is not None)
     flops = 6 * pairs * d * inter
     base = (choose_tiles(pairs, experts, inter, d, True, 0), choose_tiles(pairs, experts, d, inter, False, 0))
+    if q4 is not None:
+        base = fp4_tiles(*base)
     decode = t <= 64
     rows = []
     for part, n, cands in (
@@ -194,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         type=int,
         default=0,
         metavar="T",
-        help="instead: sweep the tiles of the bf16 kernels at T tokens (prefill tiles above 64)",
+        help="instead: sweep the tiles of the bf16 kernels (the MXFP4 ones with --fp4) at T tokens (prefill tiles above 64)",
     )
     ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
@@ -209,9 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     sh = _shared_weights(w) if args.shared else None
     if args.sweep:
-        rows = sweep(args.sweep, w, limit, top, args.iters, sh)
-        result = {**run_info(argv), "tokens": args.sweep, "shared": args.shared, "rows": rows}
-        write_result(f"moe_tile_sweep_{tag}", result, args.out)
+        q4 = {n: tuple(t.view(torch.uint8) for t in quant_mxfp4(v)) for n, v in w.items()} if args.fp4 else None
+        rows = sweep(args.sweep, w, limit, top, args.iters, sh, q4)
+        result = {**run_info(argv), "tokens": args.sweep, "shared": args.shared, "fp4": args.fp4, "rows": rows}
+        write_result(f"moe_tile_sweep_{tag}{'_fp4' if args.fp4 else ''}_t{args.sweep}", result, args.out)
         return result
     q = {n: _fp8(v) for n, v in w.items()} if args.fp8 else {}
     q4 = {n: tuple(t.view(torch.uint8) for t in quant_mxfp4(v)) for n, v in w.items()} if args.fp4 else {}

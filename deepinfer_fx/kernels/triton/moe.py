@@ -403,6 +403,7 @@ def moe_experts_fp4_triton(
     weight: torch.Tensor,
     limit: float,
     out: torch.Tensor | None = None,
+    tiles: tuple[Tiles, Tiles] | None = None,
 ) -> torch.Tensor:
     """``deepinfer::moe_experts_fp4``: MXFP4 weights, uint8 ``[E, out, in / 2]`` with ue8m0 byte
     scales ``[E, out, in / 32]``, each tile decoded as it is loaded, so decode streams about a
@@ -414,7 +415,7 @@ def moe_experts_fp4_triton(
                 f"moe_experts_fp4: weights must be uint8 with contiguous uint8 scales {want}, "
                 f"got {w.dtype} {tuple(w.shape)} and {s.dtype} {tuple(s.shape)}"
             )
-    return run_experts(x, (w1, w3, w2), (w1_scale, w3_scale, w2_scale), 1, idx, weight, limit, out)
+    return run_experts(x, (w1, w3, w2), (w1_scale, w3_scale, w2_scale), 1, idx, weight, limit, out, tiles)
 
 
 def moe_experts_shared_triton(

@@ -215,32 +215,33 @@ def _weight_tile(w_ptrs, s_ptrs, nmask, kmask, dtype, FP8: tl.constexpr, EVEN: t
 
 
 @triton.jit
-def _e2m1(code):
-    """e2m1 code (int32, 0..15; bit 3 the sign) -> its float32 value: 0, 0.5 (subnormal), then
-    (1 + m / 2) * 2^(e - 1) for exponent e in 1..3."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-    return tl.where(code >= 8, -v, v)
+def _fp4_weight_halves(
+    w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK: tl.constexpr, BN: tl.constexpr
+):
+    """The even-k and odd-k ``[BK / 2, BN]`` halves of the tile from k0 of an MXFP4 weight (bytes
+    ``[N, K / 2]``: the low nibble k = 2i, the high one 2i + 1; ue8m0 scales ``[N, K / 32]``),
+    each the values of ``io.quant.dequant_mxfp4`` (products of powers of two: exact in fp32).
+    Kept apart, the halves need no interleave: the caller dots them with the activations' even
+    and odd columns. An e2m1 code's bits, placed as fp16's (exponent bits 11-10, mantissa bit 9,
+    sign bit 15), read as 2^-14 times its value, subnormal 0.5 included."""
+    i = tl.arange(0, BK // 2)
+    kb = k0 // 2 + i
+    mask = (kb < K // 2)[:, None] & nmask[None, :]
+    rows = offs_n[None, :].to(tl.int64)
+    b = tl.load(w_ptr + rows * stride_wn + kb[:, None], mask=mask, other=0).to(tl.int32)
+    e = tl.load(s_ptr + rows * stride_sn + (kb // 16)[:, None], mask=mask, other=127)
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2^(e - 127), times 2^14
+    lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = ((((b >> 4) & 7) << 9) | ((b & 128) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+    return (lo.to(tl.float32) * scale).to(dtype), (hi.to(tl.float32) * scale).to(dtype)
 
 
 @triton.jit
-def _fp4_tile(w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK: tl.constexpr, BN: tl.constexpr):
-    """A ``[BK, BN]`` tile from k0 of an MXFP4 weight (bytes ``[N, K / 2]``, ue8m0 scales
-    ``[N, K / 32]``): codes decoded, times their block's power of two, rounded to ``dtype``, the
-    values of ``io.quant.dequant_mxfp4`` (products of powers of two: exact in fp32)."""
-    kb = k0 // 2 + tl.arange(0, BK // 2)
-    rows = offs_n[None, :].to(tl.int64)
-    b = tl.load(w_ptr + rows * stride_wn + kb[:, None], mask=(kb < K // 2)[:, None] & nmask[None, :], other=0).to(
-        tl.int32
-    )
-    # [BK / 2, BN] low and high nibbles -> [BK / 2, 2, BN] -> row 2i + j holds k = 2i + j
-    v = tl.reshape(tl.permute(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (0, 2, 1)), (BK, BN))
-    ks = k0 // 32 + tl.arange(0, BK // 32)
-    e = tl.load(s_ptr + rows * stride_sn + ks[:, None], mask=(ks < K // 32)[:, None] & nmask[None, :], other=127)
-    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127) from its exponent bits
-    scale = tl.reshape(tl.broadcast_to(tl.reshape(scale, (BK // 32, 1, BN)), (BK // 32, 32, BN)), (BK, BN))
-    return (v * scale).to(dtype)
+def _row_halves(a_rows, rmask, k0, K, BK: tl.constexpr):
+    """The even-k and odd-k columns ``[BM, BK / 2]`` from k0 of the rows at ``a_rows`` ``[BM, 1]``."""
+    k = k0 + 2 * tl.arange(0, BK // 2)
+    mask = rmask[:, None] & (k < K)[None, :]
+    return tl.load(a_rows + k[None, :], mask=mask, other=0.0), tl.load(a_rows + k[None, :] + 1, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -291,22 +292,26 @@ def _gate_up_rows(
     offs_k = tl.arange(0, BK)
     nmask = offs_n < N
     dtype = h_ptr.dtype.element_ty
-    a_ptrs = x_ptr + (pair // (TOPK + SHARED)).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    a_rows = x_ptr + (pair // (TOPK + SHARED)).to(tl.int64)[:, None] * stride_x
+    a_ptrs = a_rows + offs_k[None, :]
     w_off = offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     s_off = (offs_n // QBLOCK) * stride_sn
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        kmask = offs_k < K - k0
-        a = _row_tile(a_ptrs, rmask, kmask, EVEN)
         if FP4:
-            b1 = _fp4_tile(w1_ptr, s1_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
-            b3 = _fp4_tile(w3_ptr, s3_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
+            a_lo, a_hi = _row_halves(a_rows, rmask, k0, K, BK)
+            lo, hi = _fp4_weight_halves(w1_ptr, s1_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
+            acc1 = tl.dot(a_hi, hi, tl.dot(a_lo, lo, acc1, input_precision=PREC), input_precision=PREC)
+            lo, hi = _fp4_weight_halves(w3_ptr, s3_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
+            acc3 = tl.dot(a_hi, hi, tl.dot(a_lo, lo, acc3, input_precision=PREC), input_precision=PREC)
         else:
+            kmask = offs_k < K - k0
+            a = _row_tile(a_ptrs, rmask, kmask, EVEN)
             b1 = _weight_tile(w1_ptr + w_off, s1_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
             b3 = _weight_tile(w3_ptr + w_off, s3_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
-        acc1 = tl.dot(a, b1, acc1, input_precision=PREC)
-        acc3 = tl.dot(a, b3, acc3, input_precision=PREC)
+            acc1 = tl.dot(a, b1, acc1, input_precision=PREC)
+            acc3 = tl.dot(a, b3, acc3, input_precision=PREC)
         a_ptrs += BK
         w_off += BK
     release_next(PDL)
@@ -472,18 +477,21 @@ def _down_rows(
     offs_k = tl.arange(0, BK)
     nmask = offs_n < N
     dtype = h_ptr.dtype.element_ty
-    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
+    a_rows = h_ptr + rows.to(tl.int64)[:, None] * K
+    a_ptrs = a_rows + offs_k[None, :]
     w_off = offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     s_off = (offs_n // QBLOCK) * stride_sn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        kmask = offs_k < K - k0
-        a = _row_tile(a_ptrs, rmask, kmask, EVEN)
         if FP4:
-            b = _fp4_tile(w2_ptr, s2_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
+            a_lo, a_hi = _row_halves(a_rows, rmask, k0, K, BK)
+            lo, hi = _fp4_weight_halves(w2_ptr, s2_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
+            acc = tl.dot(a_hi, hi, tl.dot(a_lo, lo, acc, input_precision=PREC), input_precision=PREC)
         else:
+            kmask = offs_k < K - k0
+            a = _row_tile(a_ptrs, rmask, kmask, EVEN)
             b = _weight_tile(w2_ptr + w_off, s2_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BK
         w_off += BK
     release_next(PDL)
