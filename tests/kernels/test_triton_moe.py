@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepinfer_fx.graphs.moe import routed_experts
-from deepinfer_fx.io.quant import dequant_fp8_block
+from deepinfer_fx.io.quant import dequant_fp8_block, dequant_mxfp4, quant_mxfp4
 from deepinfer_fx.kernels.triton import moe
 from deepinfer_fx.kernels.triton.moe import (
     Tiles,
@@ -328,3 +328,38 @@ def test_p8_fp8_matches_reference(p8_weights: dict, t: int) -> None:
         c["x"], q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"], c["idx"], c["rw"], 10.0, 128
     )
     _check(got, reference(deq, 10.0, c["x"], c["idx"], c["rw"]), c["seed"], 2e-2)
+
+
+@pytest.fixture(scope="module")
+def p8_fp4(p8_weights: dict) -> tuple[dict, dict]:
+    """P8's expert weights as MXFP4 (codes and ue8m0 scales, uint8) and dequantised to bf16."""
+    q = {n: tuple(t.view(torch.uint8) for t in quant_mxfp4(v)) for n, v in p8_weights["w"].items()}
+    return q, {n: dequant_mxfp4(*q[n], torch.bfloat16) for n in q}
+
+
+def _run_fp4(q: dict, c: dict, limit: float) -> torch.Tensor:
+    w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
+    return torch.ops.deepinfer.moe_experts_fp4(c["x"], *w4, c["idx"], c["rw"], limit)
+
+
+@cuda_only
+@pytest.mark.parametrize("t", [1, 7, 64, 256, 4096])
+def test_p8_fp4_bf16_matches_reference(p8_weights: dict, p8_fp4: tuple[dict, dict], t: int) -> None:
+    """bf16 rows take Triton's microscaled dot (fp32 ones decode in the kernel, tested in the
+    interpreter): decode and prefill tiles against the bf16 math over the dequantised weights."""
+    q, deq = p8_fp4
+    c = {**p8_weights, "x": p8_weights["x"][:t], "idx": p8_weights["idx"][:t], "rw": p8_weights["rw"][:t]}
+    _check(_run_fp4(q, c, 10.0), reference(deq, 10.0, c["x"], c["idx"], c["rw"]), c["seed"], 2e-2)
+
+
+@cuda_only
+def test_p8_fp4_batch_invariant(p8_weights: dict, p8_fp4: tuple[dict, dict]) -> None:
+    q, _ = p8_fp4
+    for t in (256, 4096):
+        c = {**p8_weights, "x": p8_weights["x"][:t], "idx": p8_weights["idx"][:t], "rw": p8_weights["rw"][:t]}
+        batch = _run_fp4(q, c, 10.0)
+        for r in (0, 5, 200):
+            alone = _run_fp4(
+                q, {**c, "x": c["x"][r : r + 1], "idx": c["idx"][r : r + 1], "rw": c["rw"][r : r + 1]}, 10.0
+            )
+            assert torch.equal(alone[0], batch[r]), f"seed {c['seed']}: token {r} alone differs from the batch of {t}"

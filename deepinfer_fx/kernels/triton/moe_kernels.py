@@ -215,33 +215,32 @@ def _weight_tile(w_ptrs, s_ptrs, nmask, kmask, dtype, FP8: tl.constexpr, EVEN: t
 
 
 @triton.jit
-def _fp4_weight_halves(
-    w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK: tl.constexpr, BN: tl.constexpr
+def _fp4_dot(
+    acc, a, w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK: tl.constexpr, BN: tl.constexpr
 ):
-    """The even-k and odd-k ``[BK / 2, BN]`` halves of the tile from k0 of an MXFP4 weight (bytes
-    ``[N, K / 2]``: the low nibble k = 2i, the high one 2i + 1; ue8m0 scales ``[N, K / 32]``),
-    each the values of ``io.quant.dequant_mxfp4`` (products of powers of two: exact in fp32).
-    Kept apart, the halves need no interleave: the caller dots them with the activations' even
-    and odd columns. An e2m1 code's bits, placed as fp16's (exponent bits 11-10, mantissa bit 9,
-    sign bit 15), read as 2^-14 times its value, subnormal 0.5 included."""
-    i = tl.arange(0, BK // 2)
-    kb = k0 // 2 + i
-    mask = (kb < K // 2)[:, None] & nmask[None, :]
+    """``acc + a @ W[k0 : k0 + BK, offs_n]`` for an MXFP4 weight (bytes ``[N, K / 2]``, the even
+    k in the low nibble; ue8m0 scales ``[N, K / 32]``), the weight the values of
+    ``io.quant.dequant_mxfp4`` in ``a``'s dtype. bf16 rows take Triton's microscaled dot (on
+    sm_90 it decodes to bf16 itself); other dtypes (fp32 keeps fp32 products) decode here."""
+    kb = k0 // 2 + tl.arange(0, BK // 2)
     rows = offs_n[None, :].to(tl.int64)
-    b = tl.load(w_ptr + rows * stride_wn + kb[:, None], mask=mask, other=0).to(tl.int32)
+    mask = (kb < K // 2)[:, None] & nmask[None, :]
+    b = tl.load(w_ptr + rows * stride_wn + kb[:, None], mask=mask, other=0)
+    if a.dtype == tl.bfloat16:
+        ks = k0 // 32 + tl.arange(0, BK // 32)
+        e = tl.load(s_ptr + rows.T * stride_sn + ks[None, :], mask=nmask[:, None] & (ks < K // 32)[None, :], other=127)
+        return tl.dot_scaled(a, None, "bf16", b, e, "e2m1", acc=acc)
+    # Even and odd k apart (low and high nibbles): two half-K dots, no weight interleave. An
+    # e2m1 code's bits placed as fp16's (exponent bits 11-10, mantissa bit 9, sign bit 15) read
+    # as 2^-14 times its value, the subnormal 0.5 included.
+    b = b.to(tl.int32)
     e = tl.load(s_ptr + rows * stride_sn + (kb // 16)[:, None], mask=mask, other=127)
     scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2^(e - 127), times 2^14
     lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
     hi = ((((b >> 4) & 7) << 9) | ((b & 128) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-    return (lo.to(tl.float32) * scale).to(dtype), (hi.to(tl.float32) * scale).to(dtype)
-
-
-@triton.jit
-def _row_halves(a_rows, rmask, k0, K, BK: tl.constexpr):
-    """The even-k and odd-k columns ``[BM, BK / 2]`` from k0 of the rows at ``a_rows`` ``[BM, 1]``."""
-    k = k0 + 2 * tl.arange(0, BK // 2)
-    mask = rmask[:, None] & (k < K)[None, :]
-    return tl.load(a_rows + k[None, :], mask=mask, other=0.0), tl.load(a_rows + k[None, :] + 1, mask=mask, other=0.0)
+    a_lo, a_hi = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+    acc = tl.dot(a_lo, (lo.to(tl.float32) * scale).to(a.dtype), acc, input_precision=PREC)
+    return tl.dot(a_hi, (hi.to(tl.float32) * scale).to(a.dtype), acc, input_precision=PREC)
 
 
 @triton.jit
@@ -292,22 +291,18 @@ def _gate_up_rows(
     offs_k = tl.arange(0, BK)
     nmask = offs_n < N
     dtype = h_ptr.dtype.element_ty
-    a_rows = x_ptr + (pair // (TOPK + SHARED)).to(tl.int64)[:, None] * stride_x
-    a_ptrs = a_rows + offs_k[None, :]
+    a_ptrs = x_ptr + (pair // (TOPK + SHARED)).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
     w_off = offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     s_off = (offs_n // QBLOCK) * stride_sn
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
+        kmask = offs_k < K - k0
+        a = _row_tile(a_ptrs, rmask, kmask, EVEN)
         if FP4:
-            a_lo, a_hi = _row_halves(a_rows, rmask, k0, K, BK)
-            lo, hi = _fp4_weight_halves(w1_ptr, s1_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
-            acc1 = tl.dot(a_hi, hi, tl.dot(a_lo, lo, acc1, input_precision=PREC), input_precision=PREC)
-            lo, hi = _fp4_weight_halves(w3_ptr, s3_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
-            acc3 = tl.dot(a_hi, hi, tl.dot(a_lo, lo, acc3, input_precision=PREC), input_precision=PREC)
+            acc1 = _fp4_dot(acc1, a, w1_ptr, s1_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK, BN)
+            acc3 = _fp4_dot(acc3, a, w3_ptr, s3_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK, BN)
         else:
-            kmask = offs_k < K - k0
-            a = _row_tile(a_ptrs, rmask, kmask, EVEN)
             b1 = _weight_tile(w1_ptr + w_off, s1_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
             b3 = _weight_tile(w3_ptr + w_off, s3_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
             acc1 = tl.dot(a, b1, acc1, input_precision=PREC)
@@ -477,19 +472,16 @@ def _down_rows(
     offs_k = tl.arange(0, BK)
     nmask = offs_n < N
     dtype = h_ptr.dtype.element_ty
-    a_rows = h_ptr + rows.to(tl.int64)[:, None] * K
-    a_ptrs = a_rows + offs_k[None, :]
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
     w_off = offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     s_off = (offs_n // QBLOCK) * stride_sn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
+        kmask = offs_k < K - k0
+        a = _row_tile(a_ptrs, rmask, kmask, EVEN)
         if FP4:
-            a_lo, a_hi = _row_halves(a_rows, rmask, k0, K, BK)
-            lo, hi = _fp4_weight_halves(w2_ptr, s2_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, dtype, BK, BN)
-            acc = tl.dot(a_hi, hi, tl.dot(a_lo, lo, acc, input_precision=PREC), input_precision=PREC)
+            acc = _fp4_dot(acc, a, w2_ptr, s2_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK, BN)
         else:
-            kmask = offs_k < K - k0
-            a = _row_tile(a_ptrs, rmask, kmask, EVEN)
             b = _weight_tile(w2_ptr + w_off, s2_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
             acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BK
