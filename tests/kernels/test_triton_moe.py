@@ -363,3 +363,15 @@ def test_p8_fp4_batch_invariant(p8_weights: dict, p8_fp4: tuple[dict, dict]) -> 
                 q, {**c, "x": c["x"][r : r + 1], "idx": c["idx"][r : r + 1], "rw": c["rw"][r : r + 1]}, 10.0
             )
             assert torch.equal(alone[0], batch[r]), f"seed {c['seed']}: token {r} alone differs from the batch of {t}"
+
+
+def test_fp4_k_tile_does_not_follow_the_row_count() -> None:
+    """A row's sum has one order at every batch size only if the k tile is the same for all."""
+    from deepinfer_fx.kernels.triton.moe import fp4_tiles
+
+    for d, i in ((4096, 2048), (7168, 3072)):
+        ks = set()
+        for t in (1, 8, 64, 256, 4096):
+            g, dn = fp4_tiles(choose_tiles(t * 6, 64, i, d, True, 0), choose_tiles(t * 6, 64, d, i, False, 0))
+            ks.add((g.bk, dn.bk))
+        assert len(ks) == 1, ks

@@ -143,18 +143,16 @@ def choose_tiles(
 
 
 def fp4_tiles(gate_up: Tiles, down: Tiles) -> tuple[Tiles, Tiles]:
-    """The tiles for MXFP4 weights from the bf16 ones. A decoded weight tile lives in registers:
-    at bf16's widest decode tiles (gate/up k 128 at n 128, down n 256) the kernels spill on
-    sm_90. At prefill the fastest of ``bench.moe_kernel --fp4 --sweep 4096``
+    """The tiles for MXFP4 weights from the bf16 ones. The k tile is 64 at every row count (a
+    row's sum then has one order whatever the batch; bf16's decode k of 128 spilled with a
+    decoded tile in registers); at prefill the fastest of ``bench.moe_kernel --fp4 --sweep 4096``
     (``bench/results/latest/moe_tile_sweep_p8_fp4_t4096.json``)."""
     if gate_up.bm >= 128:
-        return (
-            gate_up._replace(bn=min(gate_up.bn, 64), bk=min(gate_up.bk, 64), warps=4, stages=4),
-            down._replace(bm=256, bn=min(down.bn, 128), bk=min(down.bk, 64), warps=8, stages=3),
-        )
-    return (gate_up._replace(bk=min(gate_up.bk, 64)) if gate_up.bn >= 128 else gate_up), down._replace(
-        bn=min(down.bn, 128)
-    )
+        gate_up = gate_up._replace(bn=min(gate_up.bn, 64), warps=4, stages=4)
+        down = down._replace(bm=256, bn=min(down.bn, 128), warps=8, stages=3)
+    else:
+        down = down._replace(bn=min(down.bn, 128))
+    return gate_up._replace(bk=min(gate_up.bk, 64)), down._replace(bk=min(down.bk, 64))
 
 
 def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
