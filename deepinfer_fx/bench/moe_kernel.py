@@ -168,7 +168,7 @@ def sweep(
     flops = 6 * pairs * d * inter
     base = (choose_tiles(pairs, experts, inter, d, True, 0), choose_tiles(pairs, experts, d, inter, False, 0))
     if q4 is not None:
-        base = fp4_tiles(*base)
+        base = fp4_tiles(*base, inter, d)
     decode = t <= 64
     rows = []
     for part, n, cands in (

@@ -325,7 +325,7 @@ def _compile_for_sm90(out_dir: str) -> None:
             )
             if not shared:  # MXFP4 weights (uint8 codes and ue8m0 scales) at the tiles moe.py picks for them
                 fp4 = {**types, **dict.fromkeys(("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr"), "*u8")}
-                g4, d4 = fp4_tiles(Tiles(*g), Tiles(*d))
+                g4, d4 = fp4_tiles(Tiles(*g), Tiles(*d), 2048, 4096)
                 emit(
                     gate_up_kernel,
                     f"fp4-gate_up-{kind}",

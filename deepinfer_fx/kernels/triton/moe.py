@@ -142,16 +142,24 @@ def choose_tiles(
     return t
 
 
-def fp4_tiles(gate_up: Tiles, down: Tiles) -> tuple[Tiles, Tiles]:
-    """The tiles for MXFP4 weights from the bf16 ones. The k tile is 64 at every row count (a
-    row's sum then has one order whatever the batch; bf16's decode k of 128 spilled with a
-    decoded tile in registers); at prefill the fastest of ``bench.moe_kernel --fp4 --sweep 4096``
-    (``bench/results/latest/moe_tile_sweep_p8_fp4_t4096.json``)."""
+def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles, Tiles]:
+    """The tiles for MXFP4 weights from the bf16 ones. The k tile is 64 at every row count and the
+    column tile at least 64: Triton's microscaled dot rounds differently at 32 columns on sm_90 (27
+    of 40 tokens alone differed from their batch, ``docs/decisions.md``), so with these a row's bits
+    do not follow the batch. Decode (below 128-row blocks) takes 64 columns, 4 warps, 3 stages for
+    both kernels and prefill the fastest of ``bench.moe_kernel --fp4 --sweep 4096``
+    (``bench/results/latest/moe_tile_sweep_p8_fp4_t4096.json``). ``inter`` and ``dim``: the
+    gate/up and down GEMMs' column counts (no tile wider than the next power of two of them)."""
+
+    def cols(n: int, bn: int) -> int:
+        return min(bn, max(16, triton.next_power_of_2(n)))
+
     if gate_up.bm >= 128:
-        gate_up = gate_up._replace(bn=min(gate_up.bn, 64), warps=4, stages=4)
-        down = down._replace(bm=256, bn=min(down.bn, 128), warps=8, stages=3)
+        gate_up = gate_up._replace(bn=cols(inter, 64), warps=4, stages=4)
+        down = down._replace(bm=256, bn=cols(dim, 128), warps=8, stages=3)
     else:
-        down = down._replace(bn=min(down.bn, 128))
+        gate_up = gate_up._replace(bn=cols(inter, 64), warps=4, stages=3)
+        down = down._replace(bn=cols(dim, 64), warps=4, stages=3)
     return gate_up._replace(bk=min(gate_up.bk, 64)), down._replace(bk=min(down.bk, 64))
 
 
@@ -268,7 +276,7 @@ def run_experts(
     g = tiles[0] if tiles else choose_tiles(p, experts, inter, dim, True, qblock if fp8 else 0, *sizes)
     d = tiles[1] if tiles else choose_tiles(p, experts, dim, inter, False, qblock if fp8 else 0, *sizes)
     if fp4 and not tiles:
-        g, d = fp4_tiles(g, d)
+        g, d = fp4_tiles(g, d, inter, dim)
     if fp4 and (g.bk % MXFP4_BLOCK or d.bk % MXFP4_BLOCK):
         raise ValueError(f"moe_experts_fp4: the k tiles ({g.bk}, {d.bk}) must be multiples of {MXFP4_BLOCK}")
     n_blocks = max_blocks(p, experts, g.bm)
