@@ -49,7 +49,7 @@ def load_model(
     stacked expert spec to the expert ids to load (an EP rank's share); default all.
     ``expert_format`` ("auto", "fp8", "fp4", "dequant"; None reads ``DEEPINFER_EXPERT_FORMAT``,
     default auto): whether routed experts stay as stored, block FP8 or MXFP4, or are dequantised
-    (``io.loader.held_experts``; auto: block FP8 kept on CUDA)."""
+    (``io.loader.held_experts``; auto: both kept on CUDA)."""
     c, params, model_dir = load_checkpoint(path, dtype, device, fake_quant, experts, expert_format)
     return Model(c, params, model_dir)
 

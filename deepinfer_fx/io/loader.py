@@ -185,9 +185,9 @@ def held_experts(c: ModelConfig, expert_format: str | None, device=None) -> str 
     + fp32 block scales) or "fp4" (MXFP4 bytes + ue8m0 scales) as stored, or None (dequantised to
     the model dtype). ``expert_format`` (None: ``DEEPINFER_EXPERT_FORMAT``): "fp8" / "fp4" keep
     experts stored in that format (another format is an error), "dequant" converts them, "auto"
-    keeps block FP8 on CUDA, where the compiled steps run the fp8 kernel at half the bytes, and
-    converts everything else (every eager call would dequantise again; MXFP4 stays dequantised
-    until its kernel is measured on a GPU: docs/decisions.md)."""
+    keeps both as stored on CUDA, where the compiled steps run the fp8 and fp4 kernels at a half and
+    a quarter of bf16's bytes, and converts them elsewhere (every eager call would dequantise
+    again; docs/decisions.md)."""
     fmt = argument(EXPERT_FORMAT, expert_format)
     stored = None if c.fp8_block is None or c.expert_dtype == "bf16" else ("fp8" if c.expert_dtype == "fp8" else "fp4")
     if fmt in ("fp8", "fp4") and fmt != stored:
@@ -197,7 +197,7 @@ def held_experts(c: ModelConfig, expert_format: str | None, device=None) -> str 
             f"{names[stored]}; use 'auto' or 'dequant'"
         )
     if fmt == "auto":
-        return stored if stored == "fp8" and torch.device(device or "cpu").type == "cuda" else None
+        return stored if torch.device(device or "cpu").type == "cuda" else None
     return None if fmt == "dequant" else stored
 
 

@@ -131,12 +131,8 @@ def test_expert_format_choice(ckpt: tuple[str, Path], monkeypatch: pytest.Monkey
     fmt, path = ckpt
     c = deepinfer_fx.load_model(path, dtype=torch.float32).config
     assert c.held_experts is None  # auto on the CPU: every eager call would dequantise again
-    # auto keeps block FP8 on CUDA; MXFP4 stays dequantised until its kernel is measured
-    assert (
-        held_experts(c, "auto", "cuda")
-        == held_experts(c, None, torch.device("cuda", 1))
-        == ("fp8" if fmt == "fp8" else None)
-    )
+    # auto keeps block FP8 and MXFP4 as stored on CUDA
+    assert held_experts(c, "auto", "cuda") == held_experts(c, None, torch.device("cuda", 1)) == fmt
     assert held_experts(c, "dequant", "cuda") is None and held_experts(c, fmt, "cpu") == fmt
     other = "fp4" if fmt == "fp8" else "fp8"
     for config, stored in (

@@ -27,9 +27,11 @@ def _category(plan, name: str) -> int:
 
 def test_tiny_config_by_hand() -> None:
     c = config_from_dict(TINY)
-    plan = memory_plan(c, max_model_len=4096, max_num_seqs=4)
+    plan = memory_plan(c, max_model_len=4096, max_num_seqs=4, expert_format="dequant")
     expert = 3 * 64 * 128  # w1, w3 [64, 128] and w2 [128, 64]
     assert _category(plan, "routed experts") == 4 * 8 * expert * 2  # 4 layers x 8 experts, bf16 (MXFP4 dequantised)
+    native = memory_plan(c, max_model_len=4096, max_num_seqs=4)  # auto: MXFP4 held as stored on CUDA
+    assert _category(native, "routed experts") == 4 * 8 * (expert // 2 + expert // 32)
     routed_released = next(c.note for c in plan.device if c.name == "routed experts")
     numel = 4 * 8 * expert
     assert (
@@ -44,7 +46,7 @@ def test_tiny_config_by_hand() -> None:
 
     # ep2 without redundant experts: 4 experts a GPU; with 2 extra: (8 + 2) / 2 = 5
     for extra, slots in ((0, 4), (2, 5)):
-        ep2 = memory_plan(c, MeshSpec(ep=2), extra_experts=extra)
+        ep2 = memory_plan(c, MeshSpec(ep=2), extra_experts=extra, expert_format="dequant")
         assert _category(ep2, "routed experts") == 4 * slots * expert * 2
         assert _category(ep2, "dense weights") == _category(plan, "dense weights")  # replicated
 
@@ -58,12 +60,12 @@ def test_tiny_config_by_hand() -> None:
     )
 
     # a GPU too small for the weights: the plan says so, and how many sequences the pool would hold (none)
-    small = memory_plan(c, gpu_memory_gib=_category(plan, "dense weights") / GiB)
+    small = memory_plan(c, gpu_memory_gib=_category(plan, "dense weights") / GiB, expert_format="dequant")
     assert not small.fits and small.sequences == 0 and "does NOT fit" in small.format()
 
 
 def test_released_v41_flash() -> None:
-    """Routed experts as released (MXFP4) against the spec's 288.8 GB and held as bf16 (3.76x);
+    """Routed experts as released (MXFP4) against the spec's 288.8 GB, held so (auto) and as bf16 (3.76x);
     Engram as stored against the spec's 203.1 GB, and refused by compiled steps; state per token
     by hand: three ratio-2 KV sources and one ratio-1 source, 512 + 128 channels each, bf16."""
     c = released_config("v41-flash")
@@ -71,23 +73,34 @@ def test_released_v41_flash() -> None:
     note = next(x.note for x in plan.device if x.name == "routed experts")
     released = float(note.split("; ")[1].split(" GiB")[0]) * GiB
     assert abs(released / 288.8e9 - 1) < 0.005, note
-    assert abs(_category(plan, "routed experts") / released - 2 / (0.5 + 1 / 32)) < 0.01
+    assert abs(_category(plan, "routed experts") / released - 1) < 0.01
+    bf16 = memory_plan(c, expert_format="dequant")
+    assert abs(_category(bf16, "routed experts") / released - 2 / (0.5 + 1 / 32)) < 0.01
     assert abs(_category(plan, "Engram tables") / (4 * 196.9e9) - 1) < 0.01  # fp32 on the device
     assert not plan.fits and len(plan.problems) == 2 and all("refuse tables above 2 GiB" in p for p in plan.problems)
     eager = memory_plan(c, MeshSpec(ep=16), compiled=False)
     assert abs(eager.host[0].bytes / 203.1e9 - 1) < 0.01 and "Engram" not in [x.name for x in eager.device]
-    assert eager.fits and not memory_plan(c, MeshSpec(ep=8), compiled=False).fits
+    assert eager.fits and not memory_plan(c, MeshSpec(ep=8), compiled=False, expert_format="dequant").fits
+    assert (
+        memory_plan(c, MeshSpec(ep=4), compiled=False).fits and not memory_plan(c, MeshSpec(ep=2), compiled=False).fits
+    )
     assert plan.state_per_token == 3 * (512 + 128) / 2 * 2 + (512 + 128) * 2
 
 
 def test_released_v4_flash_and_pro() -> None:
     """V4-Flash: state per token by hand (21 CSA layers keep (512 + 128) / 4 channels, 20 HCA
-    layers 512 / 128, bf16); it does not fit one H200 and fits each GPU of ep8. V4-Pro needs ep64."""
+    layers 512 / 128, bf16); with MXFP4 experts as stored it does not fit one H200 and fits each GPU
+    of ep2 (ep8 dequantised); V4-Pro needs ep16 (ep64 dequantised)."""
     flash = released_config("v4-flash")
     assert memory_plan(flash).state_per_token == 21 * (512 + 128) / 4 * 2 + 20 * 512 / 128 * 2
-    assert not memory_plan(flash).fits and memory_plan(flash, MeshSpec(ep=8)).fits
+    assert not memory_plan(flash).fits and memory_plan(flash, MeshSpec(ep=2)).fits
+    assert not memory_plan(flash, MeshSpec(ep=4), expert_format="dequant").fits
+    assert memory_plan(flash, MeshSpec(ep=8), expert_format="dequant").fits
     pro = released_config("v4-pro")
-    assert not memory_plan(pro, MeshSpec(ep=32)).fits and memory_plan(pro, MeshSpec(ep=64)).fits
+    assert not memory_plan(pro, MeshSpec(ep=8)).fits and memory_plan(pro, MeshSpec(ep=16)).fits
+    bf16 = "dequant"
+    assert not memory_plan(pro, MeshSpec(ep=32), expert_format=bf16).fits
+    assert memory_plan(pro, MeshSpec(ep=64), expert_format=bf16).fits
     # 256 + 32 redundant experts over ep8: 36 slots a GPU
     assert "36 of 256 experts a layer" in next(
         x.note for x in memory_plan(flash, MeshSpec(ep=8)).device if x.name == "routed experts"
