@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="our own random init, no HF model at all (fast set-up; implies --no-hf)",
     )
     ap.add_argument(
+        "--expert-format",
+        choices=["bf16", "fp4"],
+        default="bf16",
+        help="fp4: routed experts held as MXFP4 (the released format; with --random-weights), read by the fp4 kernels",
+    )
+    ap.add_argument(
         "--check-fp32", action="store_true", help="also compare both engines with HF run in fp32 (the bf16 noise floor)"
     )
     ap.add_argument("--out", default="bench/results/latest")
@@ -147,10 +153,14 @@ def main(argv: list[str] | None = None) -> dict:
     contexts = [int(n) for n in args.context.split(",")]
     if args.config == "v41" and not args.random_weights:
         ap.error("--config v41 has no HF peer (transformers has no DeepSeek-V4.1): add --random-weights")
+    if args.expert_format == "fp4" and not args.random_weights:
+        ap.error("--expert-format fp4 needs --random-weights (the HF peer's experts are bf16)")
     try:
         config = bench_config(args.config, args.layers)
     except ValueError as e:
         ap.error(str(e))
+    if args.expert_format == "fp4":  # the values drawn in bf16, then quantised as the checkpoints store them
+        config = config.replace(fp8_block=config.fp8_block or 128, expert_dtype="fp4", held_experts="fp4")
 
     t0 = time.perf_counter()
     hf, check = None, None
@@ -197,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     result = {
         **run_info(argv),
-        "model": f"{args.config} ({c.num_hidden_layers} layers), bf16, "
+        "model": f"{args.config} ({c.num_hidden_layers} layers), bf16"
+        + (", MXFP4 experts, " if c.held_experts == "fp4" else ", ")
         + ("our random init" if args.random_weights else "HF random init"),
         "inductor": not args.no_inductor,
         "check_vs_hf": check,
@@ -208,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         "decode": [],
     }
     name = f"{args.config}_vs_hf_" + "_".join(sorted(segments)) + ("_aot_eager" if args.no_inductor else "")
+    name += "_fp4" if c.held_experts == "fp4" else ""
 
     if "prefill" in segments:
         for n in chunk_sizes:

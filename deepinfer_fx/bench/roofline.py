@@ -49,6 +49,8 @@ def _weights(c: ModelConfig) -> tuple[float, float, float]:
     for s in param_specs(c, mtp=False):
         if s.path.endswith(_GATHERED) or is_vision_path(s.path):  # the vision tower runs once per image, not per step
             continue
+        if s.held == "scale":  # held experts' scales: counted in expert_bytes
+            continue
         if s.stacked:
             expert += s.numel / s.shape[0] / c.num_hidden_layers
         elif s.path == "head":
@@ -56,6 +58,16 @@ def _weights(c: ModelConfig) -> tuple[float, float, float]:
         else:
             dense += s.numel
     return dense, expert, head
+
+
+def expert_bytes(c: ModelConfig, weight_bytes: int) -> float:
+    """Bytes a routed expert's element takes as held: MXFP4 half a byte plus a ue8m0 byte per 32,
+    block FP8 a byte plus an fp32 scale per block, else ``weight_bytes``."""
+    if c.held_experts == "fp4":
+        return 0.5 + 1 / 32
+    if c.held_experts == "fp8":
+        return 1 + 4 / c.fp8_block**2
+    return weight_bytes
 
 
 def expected_experts(n_experts: int, k: int, tokens: int) -> float:
@@ -93,12 +105,12 @@ def decode(c: ModelConfig, batch: int, context: int, weight_bytes: int = 2, cach
     n_layers, k = c.num_hidden_layers, c.num_experts_per_tok
     active = expected_experts(c.n_routed_experts, k, batch)
     entries, keys = _attention(c, context)
-    weight_elems = dense + n_layers * active * expert + head
+    weights = (dense + head) * weight_bytes + n_layers * active * expert * expert_bytes(c, weight_bytes)
     cache = batch * (entries * c.head_dim + keys * c.index_head_dim) * cache_bytes
     engram = batch * _engram_rows(c) * c.engram_head_dim * weight_bytes
     flops = 2 * batch * (dense + n_layers * k * expert + head)
     flops += 2 * batch * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
-    nbytes = weight_elems * weight_bytes + cache + engram
+    nbytes = weights + cache + engram
     t_mem, t_flop = nbytes / COPY_BYTES_PER_S, flops / BF16_FLOPS
     return Roofline(nbytes, flops, max(t_mem, t_flop), "memory" if t_mem >= t_flop else "compute")
 
@@ -111,7 +123,7 @@ def prefill(c: ModelConfig, tokens: int, weight_bytes: int = 2) -> Roofline:
     n_layers, k = c.num_hidden_layers, c.num_experts_per_tok
     flops = 2 * tokens * (dense + n_layers * k * expert)  # the head runs for the last row only
     flops += 2 * tokens * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
-    nbytes = (dense + n_layers * c.n_routed_experts * expert + head) * weight_bytes
+    nbytes = (dense + head) * weight_bytes + n_layers * c.n_routed_experts * expert * expert_bytes(c, weight_bytes)
     nbytes += tokens * _engram_rows(c) * c.engram_head_dim * weight_bytes
     t_mem, t_flop = nbytes / COPY_BYTES_PER_S, flops / (BF16_FLOPS * PREFILL_MFU)
     return Roofline(nbytes, flops, max(t_mem, t_flop), "memory" if t_mem >= t_flop else "compute")

@@ -82,6 +82,12 @@ def test_tiny_v41_decode_and_prefill_bytes_by_hand() -> None:
     want = (dense + t["num_hidden_layers"] * e * expert + head) * 2 + tokens * rows * t["engram_head_dim"] * 2
     assert roofline.prefill(c, tokens).bytes == pytest.approx(want, rel=1e-12)
 
+    # routed experts held as stored: MXFP4 half a byte + a ue8m0 byte a 32, block FP8 a byte + fp32 scales
+    for held, per in (("fp4", 0.5 + 1 / 32), ("fp8", 1 + 4 / 32**2)):
+        q = c.replace(fp8_block=32, expert_dtype=held, held_experts=held)
+        fewer = t["num_hidden_layers"] * active * expert * (2 - per)
+        assert roofline.decode(q, batch, context).bytes == pytest.approx(weights + cache + engram - fewer, rel=1e-12)
+
 
 def test_v4_counts_every_compressed_key_of_a_csa_layer() -> None:
     """V4 keeps its rule, by hand for tiny_v4 at 64 tokens (window 8, top-3): layer 0 window only
