@@ -3,6 +3,7 @@
     python -m deepinfer_fx.bench.spec --batches 1,8,64 --drafts 1,2,3,4,5 --name spec_s31
     python -m deepinfer_fx.bench.spec --method mtp --name spec_mtp
     python -m deepinfer_fx.bench.spec --method dspark --name spec_dspark   # the V4.1-width bench model
+    python -m deepinfer_fx.bench.spec --method dspark --yoco-mode off --name spec_dspark_exact
 
 Verify cost: for each draft count k (an engine built with ``num_speculative_tokens=k``, whose
 verify chunks are padded to k + 1 rows) and batch b, the captured verify step of b chunks of k + 1
@@ -10,9 +11,10 @@ rows against the plain captured decode step of b rows and of b * (k + 1) rows (t
 target: verify <= 1.1x decode of b * (k + 1) rows), plus the rollback's parts (the slots'
 state snapshot, and the prompt-chunk re-run of 1 + accepted rows that a rejection costs).
 With ``--method ngram`` the drafter is not in these numbers (it runs on the host); with
-``--method mtp`` (P8 with an MTP-1 block) or ``dspark`` (``bench/configs.py``'s V4.1 widths,
-exact prefill) the verify step carries the model's drafter (``steps.propose_drafts``), timed
-with and without it (``verify_ms`` / ``verify_no_drafter_ms``); the decode baselines run without it.
+``--method mtp`` (P8 with an MTP-1 block) or ``dspark`` (``bench/configs.py``'s V4.1 widths, its
+default compact prefill, or ``--yoco-mode off``) the verify step carries the model's drafter
+(``steps.propose_drafts``), timed with and without it (``verify_ms`` / ``verify_no_drafter_ms``);
+the decode baselines run without it.
 
 End to end: ``generate`` with and without ``speculative_config={"method": ...}`` on a
 repetitive workload, tokens/s of each and the measured acceptance. Random weights never
@@ -89,11 +91,6 @@ def bench_model(method: str, layers: int) -> Model:
     return random_model(bench_config("v41"), seed=0, dtype=torch.bfloat16, device="cuda")
 
 
-def exact(model: Model) -> dict:
-    """``LLM`` arguments for exact prefill on V4.1 (its model drafters refuse compact prefill)."""
-    return {"yoco_mode": "off"} if model.config.is_v41 else {}
-
-
 def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> dict:
     c = llm.model.config
     prompts = _prompts(batch, prompt_len, c.vocab_size, seed=batch)
@@ -131,7 +128,9 @@ def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> di
     return row
 
 
-def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, seqs: int, method: str) -> dict:
+def e2e_rows(
+    model: Model, batch: int, k: int, prompts: list, max_tokens: int, seqs: int, method: str, yoco: dict
+) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = {"batch": batch, "nextn": k, "method": method}
     for name, spec in (("plain", None), ("spec", {"method": method, "num_speculative_tokens": k})):
@@ -142,7 +141,7 @@ def e2e_rows(model: Model, batch: int, k: int, prompts: list, max_tokens: int, s
             max_model_len=2048,
             warmup=False,
             speculative_config=spec,
-            **exact(model),
+            **yoco,
         )
         llm.generate(prompts[:batch], params)  # compiles and captures what the timed run replays
         if llm.speculator is not None:
@@ -200,6 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workload", choices=["cycling"], default="cycling")
     ap.add_argument("--model", default=None, help="a checkpoint for the end-to-end part (default: P8 random, cycling)")
     ap.add_argument("--prompt", default="1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4,", help="with --model: the repeated prompt")
+    ap.add_argument(
+        "--yoco-mode", choices=["compact", "off"], default=None, help="V4.1's prefill (default: compact, as the engine)"
+    )
     ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default="spec")
     argv = sys.argv[1:] if argv is None else argv
@@ -211,9 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
         "model": {
             "ngram": f"P8 random weights, {args.layers} layers, bf16",
             "mtp": f"P8 random weights, {args.layers} layers and an MTP-1 block, bf16",
-            "dspark": "bench_config('v41') random weights with its DSpark head, bf16, exact prefill",
+            "dspark": f"bench_config('v41') random weights with its DSpark head, bf16, {args.yoco_mode or 'compact'} prefill",
         }[args.method],
     }
+    yoco = {} if args.yoco_mode is None else {"yoco_mode": args.yoco_mode}
     batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",")]
     model = bench_model(args.method, args.layers)
     result["method"] = args.method
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_model_len=args.prompt_len + 64,
             warmup=False,
             speculative_config={"method": args.method, "num_speculative_tokens": k},
-            **exact(model),
+            **yoco,
         )
         for b in batches:
             result["verify"].append(verify_rows(llm, b, k, args.prompt_len, args.iters))
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["e2e"] = []
     for b in e2e_batches:
         result["e2e"].append(
-            e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches), args.method)
+            e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches), args.method, yoco)
         )
         write_result(args.name, result, args.out)
     print(f"wrote {write_result(args.name, result, args.out)}")

@@ -235,10 +235,6 @@ class StepGraphs:
         self.device = model.device
         self.compile = compile
         self.keep = keep  # V4.1 compact prefill's KEEP (engine/options.py checked it); None: exact prefill
-        if n_drafts and keep is not None:
-            raise ValueError(
-                "the model's drafter reads every prompt row's streams; compact prefill (yoco) replays only some"
-            )
         self.n_drafts = n_drafts
         self.over = dict(over or {})
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(self.device.type, "cpu")
@@ -656,10 +652,12 @@ class StepGraphs:
 
     def _drafter(self, layout: Layout, n_drafts: int) -> Callable:
         """The model's drafter after ``layout``'s steps (``steps.propose_drafts``), compiled once per bucket."""
-        dkey = (layout.kind, layout.requests, layout.length, n_drafts)
+        dkey = (layout.kind, layout.requests, layout.length, layout.kept, n_drafts)
         if dkey not in self._drafters:
             c = self.config
-            name = graph_name(f"draft-{layout.kind}", t=layout.tokens or layout.requests, r=layout.requests)
+            name = graph_name(f"draft-{layout.kind}", t=layout.tokens or layout.requests, r=layout.requests) + (
+                f"-kept{layout.kept}" if layout.kept else ""
+            )
             backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
 
             def drafter(params, state, buf, X, tokens, accepted):

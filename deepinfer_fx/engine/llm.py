@@ -178,7 +178,15 @@ class LLM:
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
         cp_swap, split = self.ranks.cp_split()
         max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
-        keep = compact_keep(c, self.settings, yoco_mode, yoco_keep_tokens, max_draft=max_drafts, cp=split is not None)
+        keep = compact_keep(
+            c,
+            self.settings,
+            yoco_mode,
+            yoco_keep_tokens,
+            max_draft=max_drafts,
+            cp=split is not None,
+            drafter=None if self.speculative is None else self.speculative.method,
+        )
         opts = build_options(
             self.settings,
             self.model.device,
@@ -218,11 +226,6 @@ class LLM:
             raise ValueError(
                 f"speculative_config method {method!r} with engine_type={self.engine_type.value!r}: the drafter's "
                 "state does not travel between PROMPT and COMPLETION engines yet; use method 'ngram' or engine_type='normal'"
-            )
-        if model_drafts and keep is not None:
-            raise ValueError(
-                f"speculative_config method {method!r} reads every prompt row's streams, and compact prefill "
-                "replays only the last ones: pass yoco_mode='off' (or DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off)"
             )
         self.runner = ModelRunner(
             self.model,

@@ -47,11 +47,13 @@ def compact_keep(
     keep: int | None = None,
     max_draft: int = 0,
     cp: bool = False,
+    drafter: str | None = None,
 ) -> int | None:
     """V4.1 compact prefill's KEEP, or None for exact prefill (spec §8.2). ``mode`` / ``keep``: the
     ``LLM`` arguments, else ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` / ``_KEEP_TOKENS``; the
     mode's default is compact for V4.1 (as DeepInfer) and off for V4 and on context-parallel
-    meshes, whose split steps are not built for it. ``max_draft``: the longest speculative draft."""
+    meshes, whose split steps are not built for it. ``max_draft``: the longest speculative draft,
+    ``drafter`` its ``speculative_config`` method (named in a refusal)."""
     mode_var, keep_var = f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE", f"{PREFIX}YOCO_PREFILL_KEEP_TOKENS"
     if mode not in (None, "compact", "off"):
         raise ValueError(f"yoco_mode must be 'compact' or 'off', got {mode!r}")
@@ -74,12 +76,14 @@ def compact_keep(
     keep = settings.yoco_keep_tokens if keep is None else keep
     need = min_keep_tokens(c, max_draft)
     if keep < need:
-        why = f"the sliding window ({c.sliding_window})" + (
+        readers = "the decoder's rings" + (" and DSpark's context windows" if drafter == "dspark" else "")
+        why = f"the sliding window ({c.sliding_window} rows, which {readers} read back)" + (
             f" plus the longest rollback (a {max_draft}-token draft + 1)" if max_draft else ""
         )
+        spec = f" with speculative_config method {drafter!r} ({max_draft} drafts)" if drafter else ""
         raise ValueError(
-            f"yoco_keep_tokens / {keep_var} = {keep} is below the minimum {need}: the kept rows must cover {why}, "
-            "the decoder rows the first decode steps read"
+            f"yoco_keep_tokens / {keep_var} = {keep} is below the minimum {need}{spec}: the kept rows must cover "
+            f"{why}; raise it to {need} or pass yoco_mode='off'"
         )
     return keep
 

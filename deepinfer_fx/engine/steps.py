@@ -12,7 +12,7 @@ padding rows of a chunk sit past its length (``graphs/batch.py`` says why both a
 - ``prefill_logits``: ``C`` chunks of up to ``L`` prompt tokens, packed ``[C * L]``; logits only for
   ``rows`` (each chunk's last token, or every row when prompt logprobs are asked for). With
   ``kept`` (V4.1 compact prefill, ``graphs/yoco.py``) the decoder replays only each chunk's rows
-  from ``keep_from`` on, ``kept`` of them at most.
+  from ``keep_from`` on, ``kept`` of them at most (and DSpark's context comes from those rows).
 - ``verify_step``: speculative decoding's step: ``prefill_logits`` over chunks of a request's
   last token and its drafts (exact, every row's logits), then ``spec_accept.accept_rows`` (and
   with ``k`` every row's logprobs, of which the host keeps the emitted tokens').
@@ -34,7 +34,7 @@ from ..graphs.batch import Batch, Group
 from ..graphs.dspark import context_rows, draft_blocks, dspark_capture
 from ..graphs.model import forward_batch
 from ..graphs.mtp import mtp_draft
-from ..graphs.yoco import Replay
+from ..graphs.yoco import Replay, first_kept
 from .sampler import apply_token_mask, logprobs, sample_mode
 from .spec_accept import accept_rows
 from .step_inputs import Layout, sampling_tensors
@@ -228,13 +228,18 @@ def dspark_drafts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DSpark after a step: the context of every verified row (a decode row, every prompt row,
     a verify chunk's token and accepted drafts), then a block drafted greedily after each
-    chunk's newest token (its sample, or its bonus token), of which the first ``n_drafts``."""
+    chunk's newest token (its sample, or its bonus token), of which the first ``n_drafts``.
+    Compact prefill (``layout.kept``): the captured streams are the kept rows' only, so each
+    chunk's context is its rows from ``keep_from`` on; KEEP covers the window
+    (``yoco.min_keep_tokens``), so the last chunk's draft reads only rows it has."""
     model = layout.split_model(layout.model_part(buf))
     slots, starts, lens = model if layout.kind == "decode" else model[1:4]
+    width = layout.length
+    if layout.kept:  # chunk c's kept rows are captured rows c * kept .. (yoco.kept_rows)
+        first = first_kept(starts, lens, model[5])
+        starts, lens, width = first, starts + lens - first, layout.kept
     C = slots.shape[0]
-    group = Group(
-        torch.arange(C * layout.length, device=slots.device).view(C, layout.length), slots, starts, lens, packed=True
-    )
+    group = Group(torch.arange(C * width, device=slots.device).view(C, width), slots, starts, lens, packed=True)
     verified = lens if accepted is None else torch.minimum(accepted + 1, lens)
     context_rows(params, state, c, dict(zip(c.dspark_target_layer_ids, captured)), group, verified)
     newest = tokens if accepted is None else tokens.gather(1, accepted[:, None]).squeeze(1)
@@ -331,6 +336,6 @@ def prefill_logits(
         return _forward(params, state, c, batch, streams, rows=rows)
     # packed row r = c * L + j -> kept row c * kept + j - (first kept position - start)
     chunk = torch.div(rows, length, rounding_mode="floor")
-    skipped = (torch.minimum(torch.maximum(starts, keep_from), starts + lens) - starts)[chunk]
+    skipped = (first_kept(starts, lens, keep_from) - starts)[chunk]
     kept_rows = chunk * kept + (rows - chunk * length - skipped).clamp(min=0, max=kept - 1)
     return _forward(params, state, c, batch, streams, rows=kept_rows, replay=Replay((keep_from,), (kept,)))

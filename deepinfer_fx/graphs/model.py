@@ -140,7 +140,8 @@ def run_layers(
     """Layers ``layers`` on the streams of the batch's rows. ``kept`` (V4.1 compact prefill):
     from the first decoder layer on, only those rows go on (``yoco.py``). Layers listed in
     ``captured`` (a dict of layer -> None) get their input streams (after Engram) stored
-    there: the DSpark drafter reads them."""
+    there: the DSpark drafter reads them (with ``kept``: the kept rows' only, every layer in
+    ``kept.rows``' layout, as the later layers have no others)."""
     first_decoder = c.decoder_layers[0] if kept is not None else None
     live = None if batch.image_rows is None else ~batch.image_rows  # Engram leaves span rows as they are
     for layer in layers:
@@ -148,7 +149,7 @@ def run_layers(
         if "engram" in lp:
             X = engram_apply(lp["engram"], X, hashes[c.engram_layer_ids.index(layer)], c.rms_norm_eps, live)
         if captured is not None and layer in captured:
-            captured[layer] = X
+            captured[layer] = X[kept.rows] if first_decoder is not None and layer <= first_decoder else X
         if layer == first_decoder:
             X, pre_f = block(
                 lp, state["layers"], c, X, kept.queries, layer, c.compress_ratios[layer], ctx, pre, rows=kept.rows
@@ -174,10 +175,8 @@ def hidden_streams(
     ``captured``: see ``run_layers``."""
     if replay is not None and not c.is_v41:
         raise ValueError(f"compact prefill replays V4.1's decoder; this config is {c.model_type}")
-    if replay is not None and (captured is not None or batch.split is not None):
-        raise ValueError(
-            "compact prefill with DSpark capture or context parallelism is not built; run these forwards exact"
-        )
+    if replay is not None and batch.split is not None:
+        raise ValueError("compact prefill with context parallelism is not built; run these forwards exact")
     for ch in batch.keys.chunks:
         check_room(state, ch.slot, ch.start, ch.length)
     if batch.embeds is None:
@@ -223,7 +222,8 @@ def forward_batch(
     """Logits ``[N, vocab]`` (fp32) for every packed token (or only for packed ``rows``: the
     head is a large share of a prefill step), and the final streams (MTP input).
     ``captured``: layer -> None entries to fill with those layers' input streams (DSpark).
-    ``replay``: V4.1 compact prefill; rows are then the kept rows (``yoco.kept_rows``)."""
+    ``replay``: V4.1 compact prefill; rows (and the captured streams) are then the kept rows
+    (``yoco.kept_rows``)."""
     X, pre = hidden_streams(params, state, c, batch, captured, replay)
     if rows is None:
         return head(params, c, X, pre=pre), X

@@ -41,12 +41,18 @@ class Kept:
     rows: torch.Tensor  # [N_kept] long
 
 
+def first_kept(starts: torch.Tensor, lens: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
+    """Each chunk's first position the decoder replays: ``keep_from`` within ``[start, start + len]``
+    (a chunk wholly before it keeps nothing: its end)."""
+    return torch.minimum(torch.maximum(starts, keep_from), starts + lens)
+
+
 def kept_rows(batch: Batch, replay: Replay) -> Kept:
     """Lay out each chunk's rows at or after its ``keep_from`` as ``[C, rows]`` per group, packed
     group after group; kept row j of chunk c is the chunk's row ``len - kept + j``."""
     groups, queries, rows, offset = [], [], [], 0
     for g, keep_from, width in zip(batch.groups, replay.keep_from, replay.rows):
-        first = torch.minimum(torch.maximum(g.starts, keep_from), g.ends)  # first kept position
+        first = first_kept(g.starts, g.lens, keep_from)
         n_kept = g.ends - first
         j = torch.arange(width, device=g.index.device)
         col = (first - g.starts)[:, None] + j
@@ -70,7 +76,9 @@ def kept_rows(batch: Batch, replay: Replay) -> Kept:
 def min_keep_tokens(c: ModelConfig, max_draft: int = 0) -> int:
     """The smallest KEEP that compact prefill accepts: the window (the rows the first decode
     step reads in every decoder ring) plus the longest rollback (a draft of ``max_draft``
-    tokens and its bonus token, which speculative decoding may roll back)."""
+    tokens and its bonus token, which speculative decoding may roll back). DSpark's context
+    windows are ``sliding_window`` rows too, so this bound also keeps every prompt row the
+    first draft reads (``engine/steps.dspark_drafts``)."""
     return c.sliding_window + (max_draft + 1 if max_draft > 0 else 0)
 
 

@@ -147,23 +147,22 @@ def test_missing_draft_weights_are_named() -> None:
             speculative_config={"method": "mtp", "num_speculative_tokens": 1},
         )
     dspark = deepinfer_fx.random_model(config_from_dict(v41_dspark()), seed=1)
+    three = {"method": "dspark", "num_speculative_tokens": 3}
+    # V4.1's default compact prefill serves the drafter; a KEEP below window + rollback names it
+    assert LLM(dspark, device="cpu", eager=True, max_model_len=32, speculative_config=three).options.steps.keep == 140
     with pytest.raises(
-        ValueError, match="'dspark' reads every prompt row.*yoco_mode='off'"
-    ):  # V4.1's default compact prefill
-        LLM(
-            dspark,
-            device="cpu",
-            eager=True,
-            max_model_len=32,
-            speculative_config={"method": "dspark", "num_speculative_tokens": 1},
-        )
+        ValueError,
+        match=r"= 11 is below the minimum 12 with speculative_config method 'dspark' \(3 drafts\): the kept rows "
+        r"must cover the sliding window \(8 rows, which the decoder's rings and DSpark's context windows read back\) "
+        r"plus the longest rollback \(a 3-token draft \+ 1\); raise it to 12 or pass yoco_mode='off'",
+    ):
+        LLM(dspark, device="cpu", eager=True, max_model_len=32, yoco_keep_tokens=11, speculative_config=three)
     with pytest.raises(ValueError, match="DSpark drafts blocks of 5 tokens"):
         LLM(
             dspark,
             device="cpu",
             eager=True,
             max_model_len=32,
-            yoco_mode="off",
             speculative_config={"method": "dspark", "num_speculative_tokens": 6},
         )
 

@@ -1,9 +1,10 @@
 """Speculative decoding with the model's own drafters (fp32, CPU): MTP-1 (``method: "mtp"``,
 tiny V4) and DSpark (``method: "dspark"``, tiny V4.1 with Engram and tiny V4-Flash-0731).
 Outputs with a drafter on equal outputs with it off, token for token (greedy and sampled,
-chunked prefill, aborts, overlap on and off, compiled); the MTP block's drafts after chunked
-steps are the one-shot block's; after a run with rejected drafts the drafter's windows hold
-exactly the verified positions and the target's state is a plain run's.
+chunked prefill, aborts, overlap on and off, compiled; DSpark under V4.1's compact prefill
+too, against compact prefill without it); the MTP block's drafts after chunked steps are the
+one-shot block's; after a run with rejected drafts the drafter's windows hold exactly the
+verified positions and the target's state is a plain run's.
 
 Random weights draft nothing a random target accepts, so most tests use ``drafting``: a target
 whose greedy text cycles (``test_spec_decode.cycling``) and a drafter made to predict that cycle
@@ -23,13 +24,17 @@ from tiny import tiny_v4
 import deepinfer_fx
 from deepinfer_fx import LLM, SamplingParams
 from deepinfer_fx.config import config_from_dict
+from deepinfer_fx.graphs import model as model_fns
 from deepinfer_fx.graphs.batch import Batch, Group, make_batch
 from deepinfer_fx.graphs.dspark import dspark_capture, dspark_context
 from deepinfer_fx.graphs.model import forward, forward_batch
 from deepinfer_fx.graphs.mtp import mtp_draft, mtp_forward
 from deepinfer_fx.graphs.state import init_state
+from deepinfer_fx.graphs.yoco import kept_rows
 
 MAX_LEN = 96
+KEEP = 12  # compact prefill's smallest KEEP for 3 drafts in the tiny V4.1: window 8 + 3 + 1
+COMPACT = {"yoco_mode": "compact", "yoco_keep_tokens": KEEP}
 CONFIGS = {"mtp-v4": tiny_v4, "dspark-v41": v41_dspark, "dspark-v4-0731": v4_dspark}
 
 
@@ -87,7 +92,7 @@ def make_llm(model, **kw) -> LLM:
     kw.setdefault("max_model_len", MAX_LEN)
     kw.setdefault("num_threads", 1)
     if model.config.is_v41:
-        kw.setdefault("yoco_mode", "off")  # the drafters read every prompt row (llm.py refuses compact prefill)
+        kw.setdefault("yoco_mode", "off")  # exact prefill unless a test asks for compact (COMPACT)
     return LLM(model, device="cpu", eager=kw.pop("eager", True), **kw)
 
 
@@ -244,11 +249,14 @@ def test_chunked_mtp_drafts_equal_one_shot() -> None:
 def test_compiled_drafter_steps(compiled_kind: str) -> None:
     """The steps compiled (aot_eager on the CPU) with the drafter inside them and warmed up:
     plain decoding's tokens, drafts accepted and rejected, and no step of the run (a rollback's
-    replay included) compiles after the warm-up."""
+    replay included) compiles after the warm-up. DSpark runs under V4.1's default, compact
+    prefill (KEEP 12 of a 25-token prompt in two chunks), against compact prefill without it."""
     model = drafting(compiled_kind)
-    prompt = _prompts(3, 1)[0]
+    prompt, yoco = _prompts(3, 1)[0], {}
+    if model.config.is_v41:
+        prompt, yoco = (prompt * 25)[:25], COMPACT
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref = make_llm(model, max_num_seqs=1).generate([prompt], sp)[0].outputs[0].token_ids
+    ref = make_llm(model, max_num_seqs=1, **yoco).generate([prompt], sp)[0].outputs[0].token_ids
     llm = make_llm(
         model,
         eager=False,
@@ -256,6 +264,7 @@ def test_compiled_drafter_steps(compiled_kind: str) -> None:
         max_num_seqs=1,
         max_num_batched_tokens=16,
         speculative_config=spec(compiled_kind),
+        **yoco,
     )
     warmed = [r["graph"] for r in llm.runner.steps.report()]
     assert llm.generate([prompt], sp)[0].outputs[0].token_ids == ref
@@ -264,6 +273,74 @@ def test_compiled_drafter_steps(compiled_kind: str) -> None:
     names = [r["graph"] for r in llm.runner.steps.report()]
     assert names == warmed, f"compiled after the warm-up: {names[len(warmed) :]}"
     assert any(n.startswith("verify") and n.endswith("-draft3") for n in names), names
+    if yoco:
+        assert any(n.startswith("prefill") and f"-kept{KEEP}" in n and "-streams" in n for n in names), names
+
+
+@pytest.fixture(scope="module")
+def v41_drafting():
+    return drafting("dspark-v41")
+
+
+def _count_dropped(monkeypatch) -> list[int]:
+    """Per compact forward, the prompt rows its decoder left out (``model.kept_rows`` wrapped)."""
+    dropped = []
+
+    def counted(batch, replay):
+        kept = kept_rows(batch, replay)
+        dropped.append(sum(int(g.lens.sum()) for g in batch.groups) - sum(int(g.lens.sum()) for g in kept.batch.groups))
+        return kept
+
+    monkeypatch.setattr(model_fns, "kept_rows", counted)
+    return dropped
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_compact_prefill_greedy_equal(v41_drafting, overlap: bool, monkeypatch) -> None:
+    """V4.1's compact prefill at the smallest KEEP for 3 drafts: DSpark's context comes from the
+    kept rows' streams; mixed prompts (some longer than KEEP: rows dropped) chunked under a
+    16-token budget give, with the drafter on, compact prefill's own tokens with it off."""
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    lengths = [rng.randint(2, KEEP), rng.randint(KEEP + 1, 40), rng.randint(KEEP + 1, 60), rng.randint(2, 60)]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+    params = _params(4, seed)
+    dropped = _count_dropped(monkeypatch)
+    plain = make_llm(v41_drafting, max_num_batched_tokens=16, **COMPACT)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert sum(dropped) > 0, f"seed={seed}: compact prefill dropped no row"
+    dropped.clear()
+    llm = make_llm(
+        v41_drafting, overlap=overlap, max_num_batched_tokens=16, speculative_config=spec("dspark"), **COMPACT
+    )
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == ref, f"seed={seed} lengths={lengths}"
+    assert sum(dropped) > 0, f"seed={seed}: compact prefill dropped no row"
+    st = llm.speculator.stats
+    assert 0 < st.accepted_tokens < st.draft_tokens, f"seed={seed}: {st}"
+    assert llm.pool.num_free == llm.pool.slots and llm.pool.free_pages == llm.pool.num_pages
+
+
+def test_compact_windows_at_the_exact_bound(v41_drafting) -> None:
+    """At KEEP 29 (window 8 + 3 later decoder layers x 7) compact prefill is exact, so DSpark's
+    windows, written from the kept rows only, are exact prefill's: a prompt of 45+ tokens in
+    16-token chunks, whose first chunk keeps no row and whose last window spans chunks."""
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 300) for _ in range(rng.randint(45, 70))]
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # the windows of the prompt alone
+    windows = []
+    for yoco in ({"yoco_mode": "off"}, {"yoco_mode": "compact", "yoco_keep_tokens": 29}):
+        llm = make_llm(
+            v41_drafting, max_num_seqs=1, max_num_batched_tokens=16, speculative_config=spec("dspark"), **yoco
+        )
+        llm.generate([prompt], sp)
+        windows.append([st["window"][0] for st in llm.pool.state["dspark"]])
+    c = v41_drafting.config
+    live = [p % c.sliding_window for p in range(len(prompt) - c.sliding_window, len(prompt))]
+    for want, got in zip(*windows):
+        assert want[live].abs().max() > 0, f"seed={seed}: the window was never written"
+        torch.testing.assert_close(got[live], want[live], atol=1e-4, rtol=1e-4, msg=lambda m: f"seed={seed}: {m}")
 
 
 def test_refusals(tmp_path) -> None:

@@ -53,7 +53,7 @@ def test_mode_defaults_and_settings(v41: Model, monkeypatch) -> None:
 
 def test_keep_below_the_minimum_refuses(v41: Model, monkeypatch) -> None:
     with pytest.raises(
-        ValueError, match=r"= 7 is below the minimum 8: the kept rows must cover the sliding window \(8\)"
+        ValueError, match=r"= 7 is below the minimum 8: the kept rows must cover the sliding window \(8 rows"
     ):
         LLM(v41, eager=True, max_model_len=64, yoco_keep_tokens=7)
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "3")
@@ -63,7 +63,7 @@ def test_keep_below_the_minimum_refuses(v41: Model, monkeypatch) -> None:
     from deepinfer_fx.settings import EngineConfig
 
     with pytest.raises(
-        ValueError, match=r"minimum 14: .*window \(8\) plus the longest rollback \(a 5-token draft \+ 1\)"
+        ValueError, match=r"minimum 14: .*window \(8 rows.*\) plus the longest rollback \(a 5-token draft \+ 1\)"
     ):
         compact_keep(v41.config, EngineConfig.from_env(), "compact", 12, max_draft=5)
 
