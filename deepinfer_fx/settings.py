@@ -126,6 +126,21 @@ VARIABLES: dict[str, Var] = {
         "routed experts of quantised checkpoints: fp8 (block FP8) and fp4 (MXFP4) keep them as stored, dequant "
         "converts them to the model dtype on load, auto keeps block FP8 on CUDA only and dequantises MXFP4",
     ),
+    f"{PREFIX}ENGRAM_TABLES": Var(
+        "engram_tables",
+        _choice("auto", "device", "host"),
+        "auto",
+        "auto, device or host",
+        "where compiled steps read V4.1's Engram tables: device, host (pinned host memory read by the GPU, only "
+        "the rows a step addresses), auto: on the device while they fit DEEPINFER_ENGRAM_DEVICE_GIB, else host",
+    ),
+    f"{PREFIX}ENGRAM_DEVICE_GIB": Var(
+        "engram_device_gib",
+        _factor,
+        None,
+        "a finite number >= 0",
+        "GiB of Engram tables the device may hold (compiled steps); default an eighth of its memory",
+    ),
     f"{PREFIX}DIST_TIMEOUT": Var(
         "dist_timeout",
         _seconds,
@@ -188,6 +203,8 @@ class EngineConfig:
     expert_format: str = "auto"
     pdl: bool = True
     dist_timeout: float = 300.0
+    engram_tables: str = "auto"
+    engram_device_gib: float | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "EngineConfig":

@@ -40,12 +40,13 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from ..api import Model
-from ..graphs.engram import EngramTable
 from ..graphs.model import cached_engram_layout
 from ..graphs.swap import swapped
+from ..kernels.ops_engram import engram_rows
 from ..kernels.triton import register_nvidia_kernels
 from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
+from .engram_tables import Placed, place_engram_tables
 from .step_inputs import Layout, SampledRow, fill, float_bits
 from .spec_accept import accept_rows
 from .spec_schedule import StepTimes
@@ -62,9 +63,6 @@ from .steps import (
     verify_step,
 )
 from .structured import mask_words
-
-# Engram tables are memory-mapped on the host in eager runs; a compiled step needs them resident.
-MAX_RESIDENT_ENGRAM_BYTES = 2 << 30
 
 
 def buckets(limit: int, smallest: int = 1) -> tuple[int, ...]:
@@ -222,13 +220,18 @@ class StepGraphs:
         over: dict | None = None,
         n_drafts: int = 0,
         varlen: bool = False,
+        engram_tables: str | None = None,
+        engram_budget: int | None = None,
     ) -> None:
         """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps).
         ``n_drafts``: drafts the model's drafter proposes after every step (``mtp`` / ``dspark``; 0: none).
         ``varlen``: confidence-scheduled verification: verify chunks of every length 2 .. max_drafts + 1
         (not only the longest) and every step part timed (``spec_schedule.StepTimes``).
         ``over``: ``graphs.swap`` replacements that win over the pipeline's kernel swaps in the
-        compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``)."""
+        compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``).
+        ``engram_tables`` / ``engram_budget`` (bytes): where compiled steps hold V4.1's Engram
+        tables (``engram_tables.place_engram_tables``; None: ``DEEPINFER_ENGRAM_TABLES`` /
+        ``DEEPINFER_ENGRAM_DEVICE_GIB``); eager steps read them memory-mapped."""
         self.config, self.params = model
         self.state = state
         self.next_token = next_token
@@ -290,8 +293,12 @@ class StepGraphs:
         self._pools: dict[str, object] = {}
         if compile and self.accelerator == "nvidia" and not register_nvidia_kernels():
             raise RuntimeError("compiled steps on NVIDIA GPUs need Triton (pip install triton), or run with eager=True")
+        self.engram: list[Placed] = []  # where each Engram table went (compiled steps)
         if compile:
-            _make_engram_resident(self.params, self.device)
+            self.engram = place_engram_tables(self.params, self.device, engram_tables, engram_budget)
+        if any(p.where == "host" for p in self.engram):
+            # not a disableable pass: a GPU step cannot read host rows any other way
+            self.over.setdefault("engram.gather_rows", engram_rows)
         if self.config.engram_layer_ids:
             cached_engram_layout(self.config)  # built eagerly (numpy); the traced steps read it as a constant
         # one code object serves every bucket; each bucket is a separate compile
@@ -707,18 +714,3 @@ class StepGraphs:
             }
             for e in self._entries.values()
         ]
-
-
-def _make_engram_resident(params: dict, device: torch.device) -> None:
-    """Swap memory-mapped Engram tables for device-resident ones (a compiled step cannot read a
-    host memory map), refusing tables too large to hold."""
-    for lp in params.get("layers", []):
-        table = lp.get("engram", {}).get("embed")
-        if isinstance(table, EngramTable) and not table.is_dense:
-            nbytes = table.num_rows * table.head_dim * 4
-            if nbytes > MAX_RESIDENT_ENGRAM_BYTES:
-                raise ValueError(
-                    f"compiled steps keep Engram tables on the device; {table.name} needs {nbytes / 2**30:.1f} GiB "
-                    "as float32. Run with eager=True (tables stay memory-mapped on the host)."
-                )
-            lp["engram"]["embed"] = table.resident(device)

@@ -14,9 +14,10 @@ Formats, as ``io/loader.py`` loads a checkpoint today:
   the like are fp32; all of it is replicated on every GPU;
 - the draft model (``mtp.*``: MTP-1 or DSpark) is loaded when the checkpoint carries it, as the
   released ones do; its experts shard like the trunk's;
-- Engram tables (V4.1): compiled steps hold them on the device dequantised to fp32 and refuse
-  a table above ``MAX_RESIDENT_ENGRAM_BYTES``; eager steps read them memory-mapped from the
-  checkpoint (fp8 rows + ue8m0 scales in host memory, nothing on the GPU);
+- Engram tables (V4.1), fp8 rows + ue8m0 scales as stored: compiled steps place them as
+  ``DEEPINFER_ENGRAM_TABLES=auto`` does (``engine/engram_tables.py``): on the device while they
+  fit its budget (an eighth of the GPU's memory), the rest in pinned host memory; eager steps
+  read them memory-mapped from the checkpoint (host memory, nothing on the GPU);
 - state (``engine/cache.py``): a fixed part per sequence (window and compressor rings) and a part
   per cached token (compressed entries, index keys), in the run dtype; the pool holds
   ``max_num_seqs`` sequences of ``max_model_len`` tokens plus one scratch slot, or fewer: the
@@ -41,7 +42,7 @@ from ..io.loader import held_experts
 from ..sharding.mesh import MeshSpec
 from ..sharding.parallel import start_expert_ids
 from .cache import state_bytes_per_slot
-from .graph_runner import MAX_RESIDENT_ENGRAM_BYTES
+from .engram_tables import DEVICE_SHARE
 
 GiB = 2**30
 H200_GIB = 141  # an H200's HBM3e as its maker states it (torch reports ~140.4 GiB)
@@ -195,19 +196,15 @@ def memory_plan(
     c = c.replace(held_experts=held_experts(c, expert_format, "cuda"))
     max_len = min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
     sums = {"routed": 0, "dense": 0, "draft": 0, "engram": 0, "engram_host": 0, "released": 0}
+    engram_budget = int(gpu_memory_gib * GiB) // DEVICE_SHARE if compiled else 0
     problems = []
     for s in param_specs(c, mtp=draft):
         if s.path == "head" and c.tie_word_embeddings:
             continue  # the loader points the head at the embedding
-        if s.quant == "engram":  # fp8 rows + a ue8m0 byte a 32 channels on disk; fp32 when resident
-            resident = s.numel * 4
-            sums["engram_host"] += s.numel + s.numel // 32
-            sums["engram"] += resident
-            if compiled and resident > MAX_RESIDENT_ENGRAM_BYTES:
-                problems.append(
-                    f"compiled steps hold Engram table {s.path} on the device as fp32 ({resident / GiB:.1f} GiB) "
-                    f"and refuse tables above {MAX_RESIDENT_ENGRAM_BYTES / GiB:.0f} GiB: run eagerly (--eager)"
-                )
+        if s.quant == "engram":  # fp8 rows + a ue8m0 byte a 32 channels, as stored, wherever held
+            stored = s.numel + s.numel // 32
+            on_device = sums["engram"] + stored <= engram_budget
+            sums["engram" if on_device else "engram_host"] += stored
             continue
         shape = ((_expert_slots(mesh, s, extra_experts),) + s.held_shape[1:]) if s.stacked else s.held_shape
         key = "draft" if s.path.startswith("mtp.") else ("routed" if s.stacked else "dense")
@@ -240,15 +237,11 @@ def memory_plan(
             Category("draft model (mtp.*)", sums["draft"], "MTP-1 / DSpark, loaded when the checkpoint has it")
         )
     host = []
-    if c.engram_layer_ids:
-        if compiled:
-            device.append(
-                Category("Engram tables", sums["engram"], "dequantised to fp32 on the device (compiled steps)")
-            )
-        else:
-            host.append(
-                Category("Engram tables", sums["engram_host"], "memory-mapped fp8 rows + ue8m0 scales (eager steps)")
-            )
+    if sums["engram"]:
+        device.append(Category("Engram tables", sums["engram"], "fp8 rows + ue8m0 scales within the device budget"))
+    if sums["engram_host"]:
+        note = "pinned host memory, the GPU reads a step's rows" if compiled else "memory-mapped (eager steps)"
+        host.append(Category("Engram tables", sums["engram_host"], f"fp8 rows + ue8m0 scales, {note}"))
     state = state_bytes_per_slot(c, max_len, dtype)
     return MemoryPlan(
         mesh=mesh,

@@ -6,7 +6,8 @@ The hash ids come from ``engram_hash``; this module turns them into rows and app
 The released tables are ~98 GB each (384M rows × 256 fp8 + 8 ue8m0 bytes), far beyond what a
 reference path may load, so a checkpoint-backed table memory-maps both planes straight from the
 safetensors shard and a lookup touches only the pages of the rows it gathers.  Random tiny models
-use a dense in-memory table behind the same ``lookup``.
+use a dense in-memory table behind the same ``lookup``. Compiled steps read tables held as
+tensors (``gather_rows``), on the device or in host memory (``engine/engram_tables.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from deepinfer_fx.io.checkpoint import CheckpointError, CheckpointReader, RawTen
 from deepinfer_fx.io.quant import ue8m0_to_float
 from deepinfer_fx.graphs.norm import linear
 from deepinfer_fx.graphs.pointwise import sigmoid
+from deepinfer_fx.graphs.swap import swappable
 
-__all__ = ["EngramTable", "engram_apply"]
+__all__ = ["EngramTable", "dequant_rows", "engram_apply", "gather_rows"]
 
 # One ue8m0 scale per this many consecutive channels of a quantised row (spec §9).
 SCALE_BLOCK = 32
@@ -41,11 +43,33 @@ def _memmap(raw: RawTensor, dtype: np.dtype[Any]) -> np.memmap:
     return np.memmap(raw.path, dtype=dtype, mode="r", offset=raw.offset, shape=raw.shape)
 
 
+@swappable
+def gather_rows(weight: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids [...]`` of a table held as tensors -> float32 ``[..., head_dim]`` on ``ids.device``:
+    ``weight [rows, head_dim]`` float8_e4m3fn with ue8m0 ``scale [rows, head_dim / 32]``, or an
+    unquantised table (``scale`` None). A table on another device than the ids (a host table)
+    round-trips the ids, which only an eager step may do: compiled steps on a GPU swap in
+    ``deepinfer::engram_rows`` (``engine/engram_tables.py``), which reads host rows on the device."""
+    flat = ids.reshape(-1).to(weight.device)
+    rows = dequant_rows(weight[flat], None if scale is None else scale[flat])
+    return rows.view(*ids.shape, weight.shape[1]).to(ids.device)
+
+
+def dequant_rows(w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """Gathered rows ``w [M, head_dim]`` (and their ue8m0 bytes ``s [M, head_dim / 32]``) as float32."""
+    w = w.to(torch.float32)
+    if s is None:
+        return w
+    return (w.view(w.shape[0], -1, SCALE_BLOCK) * ue8m0_to_float(s).unsqueeze(-1)).view(w.shape)
+
+
 class EngramTable:
     """An Engram embedding table; ``lookup`` returns float32 rows on the ids' device.
 
-    Build with ``from_tensor`` (dense) or ``from_checkpoint`` (memory-mapped, fp8 + ue8m0 or
-    unquantised); do not call the constructor directly.
+    Build with ``from_tensor`` (tensors, on any device; ``engine/engram_tables.py`` places a
+    checkpoint's tables as tensors on the device or in host memory for compiled steps) or
+    ``from_checkpoint`` (memory-mapped, fp8 + ue8m0 or unquantised: eager steps); do not call the
+    constructor directly.
     """
 
     def __init__(
@@ -55,6 +79,7 @@ class EngramTable:
         head_dim: int,
         *,
         dense: torch.Tensor | None = None,
+        dense_scale: torch.Tensor | None = None,
         weight: np.memmap | None = None,
         scale: np.memmap | None = None,
         view_as: torch.dtype | None = None,
@@ -63,17 +88,30 @@ class EngramTable:
         self._num_rows = num_rows
         self._head_dim = head_dim
         self._dense = dense
+        self._dense_scale = dense_scale  # ue8m0 bytes beside an fp8 ``dense`` table
         self._weight = weight  # memmap of the stored row bytes (never materialised whole)
         self._scale = scale  # memmap of ue8m0 bytes [rows, head_dim / 32], fp8 tables only
         self._view_as = view_as  # torch dtype the gathered weight bytes are reinterpreted as
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
-    def from_tensor(cls, rows: torch.Tensor, name: str = "engram table") -> "EngramTable":
-        """Dense table over ``rows [num_rows, head_dim]`` (kept as given; lookups cast to fp32)."""
+    def from_tensor(
+        cls, rows: torch.Tensor, name: str = "engram table", scale: torch.Tensor | None = None
+    ) -> "EngramTable":
+        """Table over ``rows [num_rows, head_dim]`` (kept as given; lookups cast to fp32); with
+        ``scale`` (uint8 ue8m0 ``[num_rows, head_dim / 32]``) the rows are float8_e4m3fn."""
         if rows.dim() != 2:
             raise ValueError(f"{name}: rows must be 2-D [num_rows, head_dim], got shape {tuple(rows.shape)}")
-        return cls(name, rows.shape[0], rows.shape[1], dense=rows)
+        if scale is not None and (
+            rows.dtype != torch.float8_e4m3fn
+            or scale.dtype != torch.uint8
+            or tuple(scale.shape) != (rows.shape[0], rows.shape[1] // SCALE_BLOCK)
+        ):
+            raise ValueError(
+                f"{name}: a scaled table is float8_e4m3fn rows with uint8 scales [rows, head_dim / {SCALE_BLOCK}]; "
+                f"got {rows.dtype} {tuple(rows.shape)} and {scale.dtype} {tuple(scale.shape)}"
+            )
+        return cls(name, rows.shape[0], rows.shape[1], dense=rows, dense_scale=scale)
 
     @classmethod
     def from_checkpoint(cls, reader: CheckpointReader, weight_key: str, scale_key: str | None = None) -> "EngramTable":
@@ -131,13 +169,37 @@ class EngramTable:
     def is_dense(self) -> bool:
         return self._dense is not None
 
-    def resident(self, device: torch.device | str) -> "EngramTable":
-        """The whole table dequantised to float32 on ``device`` (what a compiled step reads)."""
-        rows = self.lookup(torch.arange(self._num_rows))
-        return EngramTable.from_tensor(rows.to(device), name=self.name)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table as stored (rows and scales): what placing it costs."""
+        if self._dense is not None:
+            extra = 0 if self._dense_scale is None else self._dense_scale.numel()
+            return self._dense.numel() * self._dense.element_size() + extra
+        assert self._weight is not None
+        return self._weight.nbytes + (0 if self._scale is None else self._scale.nbytes)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the rows are: ``cpu`` for memory-mapped and host tables."""
+        return torch.device("cpu") if self._dense is None else self._dense.device
+
+    def planes(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows ``lo:hi`` as stored: the weight (float8_e4m3fn, or the unquantised dtype) and its
+        uint8 ue8m0 scales (None: unquantised), on the host for a memory-mapped table."""
+        if self._dense is not None:
+            return self._dense[lo:hi], None if self._dense_scale is None else self._dense_scale[lo:hi]
+        assert self._weight is not None and self._view_as is not None
+        w = torch.from_numpy(np.array(self._weight[lo:hi])).view(self._view_as)
+        return w, None if self._scale is None else torch.from_numpy(np.array(self._scale[lo:hi]))
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A tensor table's weight and scales (``from_tensor``)."""
+        if self._dense is None:
+            raise ValueError(f"{self.name} is memory-mapped; place it first (engine/engram_tables.py)")
+        return self._dense, self._dense_scale
 
     def __repr__(self) -> str:
-        kind = "dense" if self._dense is not None else f"memmap {self._view_as}"
+        kind = f"{self._dense.dtype} on {self._dense.device}" if self._dense is not None else f"memmap {self._view_as}"
         return f"EngramTable({self.name!r}, rows={self._num_rows}, head_dim={self._head_dim}, {kind})"
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -149,23 +211,20 @@ class EngramTable:
             return torch.zeros(out_shape, dtype=torch.float32, device=ids.device)
         if self._dense is not None and torch.compiler.is_compiling():
             # compiled steps: ids come from engram_hash (mod prime + offset), in range by construction
-            return self._dense[ids.to(self._dense.device)].to(torch.float32).to(ids.device)
+            return gather_rows(self._dense, self._dense_scale, ids)
         # Eager: a host sync for the range check is acceptable.  Negative ids would otherwise
         # wrap silently in both torch and numpy indexing.
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self._num_rows:
             raise ValueError(f"{self.name}: row ids must lie in [0, {self._num_rows}); got min {lo}, max {hi}")
         if self._dense is not None:
-            rows = self._dense[ids.to(self._dense.device)].to(torch.float32)
-            return rows.to(ids.device)
+            return gather_rows(self._dense, self._dense_scale, ids)
         assert self._weight is not None and self._view_as is not None
         flat = ids.detach().reshape(-1).cpu().numpy()
         # Fancy indexing on a memmap copies just the gathered rows into a fresh ndarray.
-        w = torch.from_numpy(self._weight[flat]).view(self._view_as).to(torch.float32)
-        if self._scale is not None:
-            s = ue8m0_to_float(torch.from_numpy(self._scale[flat]))  # [M, head_dim / 32], exact 2^(b-127)
-            w = (w.view(flat.size, -1, SCALE_BLOCK) * s.unsqueeze(-1)).view(flat.size, self._head_dim)
-        return w.view(out_shape).to(ids.device)
+        w = torch.from_numpy(self._weight[flat]).view(self._view_as)
+        s = None if self._scale is None else torch.from_numpy(self._scale[flat])  # exact 2^(b-127)
+        return dequant_rows(w, s).view(out_shape).to(ids.device)
 
 
 def engram_apply(

@@ -27,6 +27,7 @@ _MODULES: tuple[str, ...] = (
     "mhc",
     "router",
     "batch_invariant",
+    "engram",
 )
 
 _registered = False
