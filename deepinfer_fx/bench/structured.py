@@ -10,8 +10,14 @@ and captures what it replays: ``free`` (every request unconstrained) and ``mixed
 ``--constrained`` requests under ``SCHEMA``, whose array needs more items than ``--max-tokens``
 can hold, so no request leaves the batch early). Reported per configuration: output tokens/s
 over the whole ``generate`` (prompts are short), steps, the host's work per step, the turns that
-read the previous step first (``synced``) and the mask filling per step; ``ratio`` = mixed / free
+read the previous step first (``synced``), the mask filling per step (host) and how long the
+device waited for the masks between a step's forward and its sampler (``mask_wait``; the rest
+of the filling was hidden behind the forward: ``mask_hidden``); ``ratio`` = mixed / free
 tokens/s (the issue's target: >= 0.85).
+
+``--fill-only`` (no GPU, no model): xgrammar's batched mask filling alone, ``--constrained``
+matchers of ``SCHEMA`` walking random allowed tokens over the synthetic vocabulary, per step
+and per row (``fill_cost``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -93,7 +100,49 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> di
         "synced": st.synced,
         "host_us_per_step": st.host_us_per_step,
         "mask_us_per_step": 1e6 * st.host_mask / max(st.steps, 1),
+        # the device's wait between a masked step's forward and its sampler (mask work not hidden, plus the copy)
+        "mask_wait_us_per_step": 1e6 * st.mask_wait / max(st.steps, 1),
+        "mask_hidden": 1 - st.mask_wait / st.host_mask if st.host_mask else None,
         "finish": {r: reasons.count(r) for r in set(reasons)},
+    }
+
+
+def fill_cost(rows: int, steps: int, vocab: int = 129280, threads: int | None = None, seed: int = 0) -> dict:
+    """Seconds per step of ``MaskFiller.fill`` and of feeding the tokens back, for ``rows``
+    matchers of ``SCHEMA`` over the synthetic ``vocab``-token tokenizer, each taking a random
+    allowed token (not EOS) per step."""
+    from ..engine.structured import Grammars, MaskFiller, mask_words
+    from ..settings import usable_cores
+
+    threads = threads or usable_cores()
+    grammars = Grammars(synthetic_tokenizer(vocab), vocab, (1,), threads=threads)
+    spec = SamplingParams(so_args={"schema_type": "json", "schema": SCHEMA}).so_spec
+    states = [grammars.state(spec) for _ in range(rows)]
+    filler, words, rng = MaskFiller(threads), mask_words(vocab), np.random.default_rng(seed)
+    fill_s, accept_s = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        mask, _ = filler.fill(states, words, pinned=False)
+        t1 = time.perf_counter()
+        bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little").reshape(rows, -1)[:, :vocab]
+        bits[:, 1] = 0  # EOS: the walk goes on
+        tokens = [int(rng.choice(np.flatnonzero(b))) for b in bits]
+        t2 = time.perf_counter()
+        assert all(st.accept(t) for st, t in zip(states, tokens))
+        fill_s.append(t1 - t0)
+        accept_s.append(time.perf_counter() - t2)
+    med = statistics.median
+    return {
+        "rows": rows,
+        "vocab": vocab,
+        "threads": threads,
+        "fill_ms_per_step": {
+            "median": 1e3 * med(fill_s),
+            "mean": 1e3 * statistics.mean(fill_s),
+            "max": 1e3 * max(fill_s),
+        },
+        "fill_us_per_row": 1e6 * med(fill_s) / rows,
+        "accept_us_per_row": 1e6 * med(accept_s) / rows,
     }
 
 
@@ -109,8 +158,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="alternating free / mixed rounds (medians reported)")
     ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default="structured")
+    ap.add_argument("--fill-only", action="store_true", help="time the mask filling alone (CPU, no model)")
+    ap.add_argument("--threads", type=int, default=None, help="--fill-only: the batch matcher's threads")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
+    if args.fill_only:
+        result = {**run_info(argv), **fill_cost(args.constrained, args.max_tokens, threads=args.threads)}
+        print(
+            f"{result['rows']} rows, {result['threads']} threads: fill {result['fill_ms_per_step']['median']:.2f} "
+            f"ms/step ({result['fill_us_per_row']:.1f} us/row), accept {result['accept_us_per_row']:.1f} us/row"
+        )
+        print(f"wrote {write_result(args.name + '_fill', result, args.out)}")
+        return result
     if not torch.cuda.is_available():
         raise SystemExit("bench.structured times CUDA graphs: it needs a GPU")
     n = args.constrained + args.free
@@ -158,9 +217,11 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio": med["mixed"] / med["free"],
         "graphs": llm.runner.steps.report(),
     }
+    mixed = rows["mixed"]
     print(
         f"free {med['free']:.0f} tok/s, mixed {med['mixed']:.0f} tok/s, ratio {result['ratio']:.3f}; "
-        f"mask fill {statistics.median(r['mask_us_per_step'] for r in rows['mixed']):.0f} us/step"
+        f"mask fill {statistics.median(r['mask_us_per_step'] for r in mixed):.0f} us/step, device waited "
+        f"{statistics.median(r['mask_wait_us_per_step'] for r in mixed):.0f} us/step for masks"
     )
     print(f"wrote {write_result(args.name, result, args.out)}")
     return result

@@ -5,7 +5,8 @@ model part (compiled once per bucket: ``passes.compiler``, the accelerator's pas
 dumps, cache key) followed by the sampler (``steps.sample_rows``, compiled once per mode for
 every bucket); on a device with graphs both are captured as one graph, so a replay turns the
 step's input buffer into sampled tokens written to ``next_token`` with no host work between.
-Graph memory comes from a pool shared by the graphs of a kind (decode, prefill). Decode and
+Graph memory comes from a pool shared by the graphs of a kind (decode, prefill); a masked step's
+sampler graph, captured after its model part's, never takes the memory of the logits it reads. Decode and
 prefill alike are captured, except prefill keys that return every row's logits (prompt
 logprobs), whose ``[tokens, vocab]`` fp32 output a graph would hold for good (2 GiB at 4096
 tokens of a 129k vocabulary). Prefill gains from graphs as decode does: uncaptured, a 4096-token
@@ -24,8 +25,12 @@ sampler inside the same graph. A rollback's replay of
 accepted drafts runs keys without it (``draft=False``): the drafter already saw those rows.
 
 A step with structured-output rows (``masked``) runs a sampler variant that reads a token bitmask
-per sampled row from a static device buffer (``masks``, filled by one copy before the step);
-every other step runs the unmasked sampler, so unconstrained batches pay nothing for it.
+per sampled row from a static device buffer (``masks``), and runs in two pieces (two graphs):
+the model part is launched first, then the host fills the masks (its matchers may first need
+the previous step's tokens) and copies them, then the sampler runs over the model part's
+static output; so the filling hides behind the forward. Every other step runs the unmasked
+sampler inside its one graph, so unconstrained batches pay nothing for it. ``compile=False``
+runs the same pieces uncompiled.
 
 ``GraphWrapper`` is what a device's graph API must provide; ``DeviceGraph`` serves CUDA graphs
 on NVIDIA and ACL graphs on Ascend (torch_npu is imported only there).
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -50,18 +55,7 @@ from .engram_tables import Placed, place_engram_tables
 from .step_inputs import Layout, SampledRow, fill, float_bits
 from .spec_accept import accept_rows
 from .spec_schedule import StepTimes
-from .steps import (
-    StepOut,
-    VerifyOut,
-    decode_logits,
-    decode_step,
-    prefill_logits,
-    prefill_step,
-    propose_drafts,
-    sample_rows,
-    verify_out,
-    verify_step,
-)
+from .steps import StepOut, VerifyOut, decode_logits, prefill_logits, propose_drafts, sample_rows, verify_out
 from .structured import mask_words
 
 
@@ -183,18 +177,31 @@ GREEDY = (0, 0, float_bits(1.0), 0, 0)  # controls of a greedy row: temperature 
 
 
 @dataclass
+class _Piece:
+    """One captured unit of a step: the whole step, or (a masked step) its model part or its
+    sampler, which takes the model part's output (``(logits, what the drafter reads)``)."""
+
+    fn: Callable[..., Any]
+    graph: GraphWrapper | None = None
+    out: Any = None  # the captured graph's static output
+
+
+@dataclass
 class _Entry:
     key: GraphKey
     layout: Layout
     dev: torch.Tensor  # the key's region of the device arena: every input of its steps
     mask: torch.Tensor | None  # masked keys: the token bitmask rows of its sampled rows
-    fn: Callable[[], StepOut]
+    pieces: tuple[_Piece, ...]  # the whole step; masked decode / prefill keys: model part, then sampler
     backend: DeepinferBackend | None
-    graph: GraphWrapper | None = None
-    out: StepOut | None = None
     compile_s: float = 0.0
     capture_s: float = 0.0
     calls: int = field(default=0)
+    started: object = None  # StepTimes.start() of the call in flight (varlen speculation)
+
+    @property
+    def captured(self) -> bool:
+        return all(p.graph is not None for p in self.pieces)
 
 
 class StepGraphs:
@@ -261,6 +268,7 @@ class StepGraphs:
         self._forwards: dict[tuple, Callable] = {}  # one compiled model part per bucket, shared by its modes
         self._samplers: dict[tuple, Callable] = {}  # one compiled sampler per (mode, k, masked), every bucket
         self._drafters: dict[tuple, Callable] = {}  # one compiled drafter per bucket
+        self.gap: tuple | None = None  # the last masked step's timing events around its mask work (CUDA)
         # Every step's inputs live in one device arena: decode at offset 0, prefill after the
         # largest decode region, so a mixed step's inputs reach the device in one copy; verify
         # chunks (speculative decoding) after the largest prefill region.
@@ -349,8 +357,10 @@ class StepGraphs:
         without the drafter (a rollback's replay). ``masked``: whether the decode
         part and the prefill part run their masked sampler (structured output); ``masks`` then
         returns their host token bitmasks (int32 ``[rows, words]``, pinned on a GPU; the rows in
-        order), called once the step is laid out and its inputs are queued, since it may wait
-        for the previous step (``EngineLoop._feed``)."""
+        order), called once the step's model parts are launched, since it may wait for the
+        previous step (``EngineLoop._feed``); only the masked parts' samplers wait for it.
+        ``gap`` is then (on CUDA) a pair of timing events around the mask work: a sampler
+        that waited for its masks shows as their elapsed time beyond the copy's."""
         parts: list[tuple[_Entry, list[int]]] = []
         if decode or min_requests:
             layout = self.decode_layout(max(len(decode), min_requests))
@@ -360,13 +370,20 @@ class StepGraphs:
             layout = self.prefill_layout(max(len(prefill), min_chunks), length, all_rows)
             parts.append((self._entry(layout, mode, k, masked[1], draft), self._fill_prefill(layout, prefill)))
         self._copy_inputs(parts)
-        host_masks = masks() if masks is not None and any(masked) else (None, None)
-        for e, _ in parts:
-            host = host_masks[0 if e.layout.kind == "decode" else 1]
-            if host is not None:
-                e.mask[: host.shape[0]].copy_(host, non_blocking=True)
-                e.mask[host.shape[0] :].fill_(-1)  # padding rows: unconstrained
-        outs = [self._run(e) for e, _ in parts]
+        # masked parts launch their model part here, before their masks are known: the host
+        # fills the masks (and waits for the previous step's tokens) while it runs
+        firsts = [self._start(e) for e, _ in parts]
+        self.gap = None
+        if any(masked):
+            before = self._event()
+            host_masks = masks() if masks is not None else (None, None)
+            for e, _ in parts:
+                host = host_masks[0 if e.layout.kind == "decode" else 1]
+                if host is not None:
+                    e.mask[: host.shape[0]].copy_(host, non_blocking=True)
+                    e.mask[host.shape[0] :].fill_(-1)  # padding rows: unconstrained
+            self.gap = None if before is None else (before, self._event())
+        outs = [self._finish(e, first) for (e, _), first in zip(parts, firsts)]
         dec = outs.pop(0) if decode or min_requests else None
         return dec, (outs[0] if outs else None)
 
@@ -424,7 +441,7 @@ class StepGraphs:
         t0 = time.perf_counter()
         for layout, mode, *draft in keys:
             e = self._entry(layout, mode, None, False, *draft)
-            if e.graph is None or not self.graphs:
+            if not e.captured or not self.graphs:
                 fill = {"decode": self._fill_decode, "prefill": self._fill_prefill, "verify": self._fill_verify}[
                     layout.kind
                 ](layout, ())
@@ -527,30 +544,55 @@ class StepGraphs:
 
     # -- machinery --------------------------------------------------------------------------
     def _run(self, e: _Entry) -> StepOut:
+        return self._finish(e, self._start(e))
+
+    def _start(self, e: _Entry) -> Any:
+        """Run (replay) the entry's first piece: the whole step, or a masked step's model part."""
         e.calls += 1
-        timed = self.times is not None and e.calls > 1  # the first call compiles
-        started = self.times.start() if timed else None
-        out = self._call(e)
-        if timed:
-            self.times.stop((e.layout.kind, e.layout.requests, e.layout.length), started)
+        if self.times is not None and e.calls > 1:  # the first call compiles
+            e.started = self.times.start()
+        out = self._call(e, 0)
+        return out if len(e.pieces) > 1 else self._stop(e, out)
+
+    def _finish(self, e: _Entry, first: Any) -> StepOut:
+        """The step's results: a masked step's sampler runs over its model part's output here."""
+        return first if len(e.pieces) == 1 else self._stop(e, self._call(e, 1, first))
+
+    def _stop(self, e: _Entry, out: StepOut) -> StepOut:
+        if e.started is not None:
+            self.times.stop((e.layout.kind, e.layout.requests, e.layout.length), e.started)
+            e.started = None
         return out
 
-    def _call(self, e: _Entry) -> StepOut:
-        if e.graph is not None:
-            e.graph.replay()
-            return e.out
+    def _event(self) -> torch.cuda.Event | None:
+        """A recorded timing event on the current CUDA stream (None elsewhere)."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _call(self, e: _Entry, i: int, *args: Any) -> Any:
+        """Piece i of ``e`` (``args``: the previous piece's output). Its first call runs it (and
+        compiles it), then captures it: a later piece is captured over the earlier piece's
+        static output, so that a replay of both hands the logits on inside the graphs."""
+        p = e.pieces[i]
+        if p.graph is not None:
+            p.graph.replay()
+            return p.out
         t0 = time.perf_counter()
-        out = e.fn()
+        out = p.fn(*args)
         if e.calls == 1:
-            e.compile_s = time.perf_counter() - t0
-            if self.graphs and not e.key.all_rows:
+            e.compile_s += time.perf_counter() - t0
+            if self.graphs and not e.key.all_rows and (i == 0 or e.pieces[i - 1].graph is not None):
                 t0 = time.perf_counter()
                 if e.key.kind not in self._pools:
                     self._pools[e.key.kind] = graph_api(self.device.type).graph_pool_handle()
                 graph = DeviceGraph(self.device.type, self._pools[e.key.kind])
-                e.out = graph.capture(e.fn)
-                e.graph = graph
-                e.capture_s = time.perf_counter() - t0
+                static = () if i == 0 else (e.pieces[i - 1].out,)
+                p.out = graph.capture(lambda: p.fn(*static))
+                p.graph = graph
+                e.capture_s += time.perf_counter() - t0
         return out
 
     def _entry(self, layout: Layout, mode: str, k: int | None, masked: bool = False, draft: bool = True) -> _Entry:
@@ -568,7 +610,7 @@ class StepGraphs:
         )
         if key in self._entries:
             return self._entries[key]
-        c, params, state, next_token = self.config, self.params, self.state, self.next_token
+        params, state, next_token = self.params, self.state, self.next_token
         base = self._offset(layout.kind)
         dev = self.arena[base : base + layout.size]
         mask = (
@@ -577,68 +619,56 @@ class StepGraphs:
             else None
         )
         model_in, sampling_in = layout.model_part(dev), layout.sampling_part(dev)
-        if not self.compile:
-            step = {"decode": decode_step, "prefill": prefill_step, "verify": verify_step}[layout.kind]
-
-            extra = {} if mask is None else {"mask": mask}
-
-            def run_eager() -> StepOut:
-                return step(
-                    params, state, c, next_token, layout, dev, mode, k, self.vocab_ids, n_drafts=n_drafts, **extra
-                )
-
-            e = _Entry(key, layout, dev, mask, run_eager, None)
-            self._entries[key] = e
-            return e
-        backend = make_backend(self.accelerator, self.disabled, self.dump_dir, key.model_name, inductor=self.inductor)
+        # eager (compile=False): the same pieces, uncompiled, at the step's exact sizes
+        backend = self._backend(key.model_name)
         # kernel swaps are in force whenever the compiled function runs: it is traced on its
         # first call, and Dynamo's guards see the same replacements on every later call
-        swaps = {**backend.pipeline.swaps(), **self.over}
+        swaps = {**backend.pipeline.swaps(), **self.over} if backend is not None else {}
         forward = self._forward(layout, backend, streams=bool(n_drafts))
         drafter = self._drafter(layout, n_drafts) if n_drafts else None
+        verify = layout.kind == "verify"
+        sampler = self._sampler(mode, k, masked, verify=verify)
+        extra = () if mask is None else (mask,)
+        token_ids, lens = (model_in[: layout.tokens], layout.split_model(model_in)[3]) if verify else (None, None)
 
-        def drafted(out, X: torch.Tensor | None):
-            """``out`` with the drafts after it (``steps.with_drafts``, compiled)."""
-            if drafter is None:
-                return out
-            accepted = out.accepted if isinstance(out, VerifyOut) else None
-            drafts, confidence = drafter(params, state, dev, X, out.tokens, accepted)
-            return out._replace(drafts=drafts, confidence=confidence)
-
-        def run_forward() -> tuple[torch.Tensor, torch.Tensor | None]:
-            out = forward(params, state, next_token, model_in)
+        def model_part() -> tuple[torch.Tensor, Any]:
+            """(logits, what the drafter reads: None without one)."""
+            with swapped(swaps):
+                out = forward(params, state, next_token, model_in)
             return out if n_drafts else (out, None)
 
-        if layout.kind == "verify":
-            acceptor = self._sampler(mode, k, masked, verify=True)
-            token_ids, lens = model_in[: layout.tokens], layout.split_model(model_in)[3]
-            extra = () if mask is None else (mask,)
-
-            def fn() -> VerifyOut:
-                with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
-                    logits, X = run_forward()
-                    return drafted(
-                        verify_out(
-                            acceptor(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids, *extra), logits
-                        ),
-                        X,
+        def sample_part(fwd: tuple[torch.Tensor, Any]) -> StepOut | VerifyOut:
+            logits, X = fwd
+            with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
+                if verify:
+                    out = verify_out(
+                        sampler(logits, next_token, token_ids, lens, sampling_in, self.vocab_ids, *extra), logits
                     )
-        else:
-            sampler = self._sampler(mode, k, masked)
-            extra = () if mask is None else (mask,)
+                else:
+                    out = StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids, *extra), logits)
+                if drafter is None:
+                    return out
+                drafts, confidence = drafter(params, state, dev, X, out.tokens, out.accepted if verify else None)
+            return out._replace(drafts=drafts, confidence=confidence)
 
-            def fn() -> StepOut:
-                with swapped(swaps):  # the sampler's places too (batch invariance swaps its softmaxes)
-                    logits, X = run_forward()
-                    return drafted(
-                        StepOut(*sampler(logits, next_token, sampling_in, self.vocab_ids, *extra), logits), X
-                    )
-
-        e = _Entry(key, layout, dev, mask, fn, backend)
+        # a masked decode / prefill step in two pieces, so that its masks can be filled while its
+        # model part runs; verify masks are known at launch (the drafts), as are every other step's
+        split = masked and not verify
+        pieces = (_Piece(model_part), _Piece(sample_part)) if split else (_Piece(lambda: sample_part(model_part())),)
+        e = _Entry(key, layout, dev, mask, pieces, backend)
         self._entries[key] = e
         return e
 
-    def _forward(self, layout: Layout, backend: DeepinferBackend, streams: bool = False) -> Callable:
+    def _compiled(self, fn: Callable, backend: DeepinferBackend | None, dynamic: bool | None = False) -> Callable:
+        """``fn`` compiled with ``backend`` (None: eager steps, ``fn`` itself)."""
+        return fn if backend is None else compile_graph(fn, backend, dynamic=dynamic)
+
+    def _backend(self, name: str) -> DeepinferBackend | None:
+        if not self.compile:
+            return None
+        return make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
+
+    def _forward(self, layout: Layout, backend: DeepinferBackend | None, streams: bool = False) -> Callable:
         """The model part of ``layout``'s bucket (``streams``: it also returns the final streams)."""
         fkey = (layout.kind, layout.requests, layout.length, layout.all_rows, layout.kept, streams)
         if fkey not in self._forwards:
@@ -654,7 +684,7 @@ class StepGraphs:
                         params, state, c, *layout.split_model(part), kept=layout.kept, streams=streams
                     )
 
-            self._forwards[fkey] = compile_graph(forward, backend)
+            self._forwards[fkey] = self._compiled(forward, backend)
         return self._forwards[fkey]
 
     def _drafter(self, layout: Layout, n_drafts: int) -> Callable:
@@ -662,15 +692,15 @@ class StepGraphs:
         dkey = (layout.kind, layout.requests, layout.length, layout.kept, n_drafts)
         if dkey not in self._drafters:
             c = self.config
-            name = graph_name(f"draft-{layout.kind}", t=layout.tokens or layout.requests, r=layout.requests) + (
-                f"-kept{layout.kept}" if layout.kept else ""
+            backend = self._backend(
+                graph_name(f"draft-{layout.kind}", t=layout.tokens or layout.requests, r=layout.requests)
+                + (f"-kept{layout.kept}" if layout.kept else "")
             )
-            backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
 
             def drafter(params, state, buf, X, tokens, accepted):
                 return propose_drafts(params, state, c, layout, buf, X, tokens, n_drafts, accepted)
 
-            self._drafters[dkey] = compile_graph(drafter, backend)
+            self._drafters[dkey] = self._compiled(drafter, backend)
         return self._drafters[dkey]
 
     def _sampler(self, mode: str, k: int | None, masked: bool = False, verify: bool = False) -> Callable:
@@ -681,7 +711,7 @@ class StepGraphs:
         skey = (mode, k, masked, verify)
         if skey not in self._samplers:
             name = ("accept-" if verify else "sample-") + mode + (f"-k{k}" if k else "") + ("-masked" if masked else "")
-            backend = make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
+            backend = self._backend(name)
             if verify:
 
                 def sampler(logits, next_token, token_ids, lens, part, vocab_ids, mask=None):
@@ -691,7 +721,7 @@ class StepGraphs:
                 def sampler(logits, next_token, part, vocab_ids, mask=None):
                     return sample_rows(logits, next_token, part, mode, k, vocab_ids, mask)
 
-            self._samplers[skey] = compile_graph(sampler, backend, dynamic=None)
+            self._samplers[skey] = self._compiled(sampler, backend, dynamic=None)
         return self._samplers[skey]
 
     def backend(self, name: str) -> DeepinferBackend:
@@ -708,7 +738,8 @@ class StepGraphs:
                 "model_graph": e.key.model_name,
                 "compile_s": round(e.compile_s, 3),
                 "capture_s": round(e.capture_s, 3),
-                "captured": e.graph is not None,
+                "captured": e.captured,
+                "pieces": len(e.pieces),
                 "calls": e.calls,
                 "rewrites": {} if e.backend is None else e.backend.rewrites(),
             }

@@ -9,10 +9,11 @@ drafter reads them), so while one waits the loop reads the step in flight before
 the next.
 
 Structured output: a constrained request's next token mask needs its last token, so when the
-previous step sampled for a constrained request, the launch of the next step (scheduled and
-laid out already) waits for the previous one and feeds its tokens to the matchers (``_feed``)
-before it fills the masks; the rest of the previous step (text, stops, EOS) is read while the
-device runs, as in any turn."""
+previous step sampled for a constrained request, the launch of the next step (scheduled, laid
+out, its model part already running on the device) waits for the previous one and feeds its
+tokens to the matchers (``_feed``) before it fills the masks, and only then launches the
+sampler; the rest of the previous step (text, stops, EOS) is read while the device runs, as in
+any turn."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class LoopStats:
     host_read: float = 0.0  # host seconds turning results into outputs (tokens, text, stops)
     host_mask: float = 0.0  # of host_launch: filling structured output's token masks
     synced: int = 0  # launches that waited for the previous step's tokens (structured output)
+    mask_wait: float = 0.0  # device seconds samplers waited for their masks after the forward (CUDA)
 
     @property
     def host_us_per_step(self) -> float:
@@ -145,6 +147,7 @@ class EngineLoop:
         self.events.append(("read", step))
         now = time.perf_counter()
         self.stats.host_wait += now - t_wait
+        self.stats.mask_wait += handle.mask_wait()
         s = handle.sched
         prefill = sum(c.length for c in s.chunks if not c.from_device and not c.drafts)
         self.stats.prefill_tokens += prefill

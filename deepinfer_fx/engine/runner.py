@@ -11,8 +11,9 @@ replay the same graph over the same output buffers, is queued after the copies);
 may overwrite is saved first, and ``rollback`` restores it after a rejected draft.
 
 Structured output: a step with constrained rows carries one token bitmask per sampled row,
-filled here from each request's matcher (``structured.MaskFiller``) once the loop has fed
-every matcher its request's last token (``before_masks``, ``loop.py``).
+filled here from each request's matcher (``structured.MaskFiller``) once the step's model
+parts are launched and the loop has fed every matcher its request's last token
+(``before_masks``, ``loop.py``); only the samplers wait for the masks.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class StepHandle:
     saved: tuple | None = None  # the verify slots' state before the step (``spec_decode.snapshot``)
     part_drafts: list[tuple | None] = field(default_factory=list)  # per part: host copies of its drafts and confidences
     fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
+    gap: tuple | None = None  # CUDA timing events: model parts done -> masks copied (StepGraphs.step)
     _tokens: list[list[int]] | None = None
     _accepted: list[int] | None = None
     _drafts: list[tuple | None] | None = None  # per part: each row's drafts and confidences (None: no model drafter)
@@ -87,6 +89,11 @@ class StepHandle:
         self._drafts = [
             None if d is None else (d[0].tolist(), None if d[1] is None else d[1].tolist()) for d in self.part_drafts
         ]
+
+    def mask_wait(self) -> float:
+        """Device seconds from the end of this step's model parts to its masks' arrival (the mask
+        work the forward did not hide, plus the copy); 0 without masks or off CUDA. After ``wait``."""
+        return 0.0 if self.gap is None else self.gap[0].elapsed_time(self.gap[1]) / 1e3
 
     def drafts(self, i: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """The drafts the model's drafter proposed after chunk i for its request's next step, and
@@ -217,8 +224,8 @@ class ModelRunner:
         before_masks: Callable[[], None] | None = None,
     ) -> StepHandle:
         """Launch ``sched``'s step. ``before_masks``: called before the token masks of
-        constrained rows are filled, once the step is laid out (the loop feeds the previous
-        step's tokens to the matchers there, so that scheduling and layout overlap it)."""
+        constrained rows are filled, once the step's model parts are launched (the loop feeds
+        the previous step's tokens to the matchers there, so that the forward runs meanwhile)."""
         for slot in sched.to_zero:
             self.pool.zero(slot)
         for src, dst in sched.to_clone:
@@ -232,10 +239,13 @@ class ModelRunner:
             if self.split is not None or any(ch.seq.images is not None and not ch.from_device for ch in sched.chunks):
                 return self._launch_host(sched, mode, k, before_masks)
             outs, where, first_row, stride, verify = self._launch_steps(sched, mode, k, before_masks)
+            gap = self.steps.gap
         prompt_lp = self._prompt_logprobs(
             sched, outs[1].logits if outs[1] is not None else None, [r * stride for r in first_row]
         )
-        return self._copy_back(sched, where, outs, prompt_lp, verify)
+        handle = self._copy_back(sched, where, outs, prompt_lp, verify)
+        handle.gap = gap
+        return handle
 
     def _prompt_logprobs(self, sched: SchedulerOutputs, logits: torch.Tensor | None, first_row: Seq[int]) -> dict:
         """Prompt logprobs of the chunks that ask for them: chunk i's rows start at
@@ -477,7 +487,8 @@ class ModelRunner:
         """Host copies of every part's results, queued behind the step."""
 
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to("cpu", non_blocking=self.async_copy)
+            # a copy even on the CPU: a captured step's outputs are its graph's, rewritten by its next replay
+            return None if t is None else t.to("cpu", non_blocking=self.async_copy, copy=True)
 
         parts = [
             tuple(host(t) for t in out[:4]) if out is not None else (torch.empty(0, dtype=torch.long),)

@@ -1,9 +1,9 @@
-"""The engine's step functions: the units that are compiled and captured, each also the eager twin.
+"""The engine's step functions: the pieces that are compiled and captured (eager: run as they are).
 
 A step is its model part (``decode_logits`` / ``prefill_logits``) followed by ``sample_rows``,
-which samples every sampled row on the device and writes each token to ``next_token[slot]``;
-``decode_step`` / ``prefill_step`` are the two together over a step's input buffer
-(``step_inputs.Layout``). Every input is a tensor of a fixed shape per bucket, so one compiled graph (and one CUDA graph)
+which samples every sampled row on the device and writes each token to ``next_token[slot]``
+(``graph_runner.StepGraphs`` puts them together over a step's input buffer,
+``step_inputs.Layout``). Every input is a tensor of a fixed shape per bucket, so one compiled graph (and one CUDA graph)
 serves every step of that bucket; padding requests use the state's scratch slot and length 0,
 padding rows of a chunk sit past its length (``graphs/batch.py`` says why both are harmless).
 
@@ -13,9 +13,9 @@ padding rows of a chunk sit past its length (``graphs/batch.py`` says why both a
   ``rows`` (each chunk's last token, or every row when prompt logprobs are asked for). With
   ``kept`` (V4.1 compact prefill, ``graphs/yoco.py``) the decoder replays only each chunk's rows
   from ``keep_from`` on, ``kept`` of them at most (and DSpark's context comes from those rows).
-- ``verify_step``: speculative decoding's step: ``prefill_logits`` over chunks of a request's
-  last token and its drafts (exact, every row's logits), then ``spec_accept.accept_rows`` (and
-  with ``k`` every row's logprobs, of which the host keeps the emitted tokens').
+- A verify step (speculative decoding): ``prefill_logits`` over chunks of a request's last token
+  and its drafts (exact, every row's logits), then ``spec_accept.accept_rows`` (and with ``k``
+  every row's logprobs, of which the host keeps the emitted tokens'), then ``verify_out``.
 - ``n_drafts`` > 0 (speculative decoding with the model's drafter): after sampling or
   acceptance, ``propose_drafts`` runs the drafter over the step's rows and returns each chunk's
   next drafts (``StepOut.drafts``), so the drafter costs no step of its own: the MTP-1 block
@@ -36,7 +36,6 @@ from ..graphs.model import forward_batch
 from ..graphs.mtp import mtp_draft
 from ..graphs.yoco import Replay, first_kept
 from .sampler import apply_token_mask, logprobs, sample_mode
-from .spec_accept import accept_rows
 from .step_inputs import Layout, sampling_tensors
 
 
@@ -100,99 +99,10 @@ class VerifyOut(NamedTuple):
     top_logprobs: torch.Tensor | None = None  # [C * L, k]
 
 
-def verify_step(
-    params: dict,
-    state: dict,
-    c: ModelConfig,
-    next_token: torch.Tensor,
-    layout: Layout,
-    buf: torch.Tensor,
-    mode: str,
-    k: int | None = None,
-    vocab_ids: torch.Tensor | None = None,
-    n_drafts: int = 0,
-    mask: torch.Tensor | None = None,
-) -> VerifyOut:
-    """One verify step over its input buffer: every row's logits, then acceptance (``k``: and
-    every row's logprobs and top ``k``; ``mask``: every row's structured-output bitmask)."""
-    token_ids, slots, starts, lens, rows, _ = layout.split_model(layout.model_part(buf))
-    logits, X = _with_streams(
-        prefill_logits(params, state, c, token_ids, slots, starts, lens, rows, streams=bool(n_drafts)), n_drafts
-    )
-    out = verify_out(
-        accept_rows(logits, next_token, token_ids, lens, layout.sampling_part(buf), mode, vocab_ids, k, mask), logits
-    )
-    return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
-
-
 def verify_out(accepted: tuple, logits: torch.Tensor) -> VerifyOut:
     """``accept_rows``' results (tokens, accepted[, logprob, top ids, top logprobs]) as a ``VerifyOut``."""
     tokens, n, *lp = accepted
     return VerifyOut(tokens, n, logits, None, None, *lp)
-
-
-def decode_step(
-    params: dict,
-    state: dict,
-    c: ModelConfig,
-    next_token: torch.Tensor,
-    layout: Layout,
-    buf: torch.Tensor,
-    mode: str,
-    k: int | None = None,
-    vocab_ids: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    n_drafts: int = 0,
-) -> StepOut:
-    """One decode step over its input buffer: logits, then the sampled tokens."""
-    logits, X = _with_streams(
-        decode_logits(
-            params, state, c, next_token, *layout.split_model(layout.model_part(buf)), streams=bool(n_drafts)
-        ),
-        n_drafts,
-    )
-    out = StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
-    return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
-
-
-def prefill_step(
-    params: dict,
-    state: dict,
-    c: ModelConfig,
-    next_token: torch.Tensor,
-    layout: Layout,
-    buf: torch.Tensor,
-    mode: str,
-    k: int | None = None,
-    vocab_ids: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    n_drafts: int = 0,
-) -> StepOut:
-    """One prefill step over its input buffer: logits at its rows, then the sampled tokens."""
-    logits, X = _with_streams(
-        prefill_logits(
-            params, state, c, *layout.split_model(layout.model_part(buf)), kept=layout.kept, streams=bool(n_drafts)
-        ),
-        n_drafts,
-    )
-    out = StepOut(*sample_rows(logits, next_token, layout.sampling_part(buf), mode, k, vocab_ids, mask), logits)
-    return with_drafts(out, params, state, c, layout, buf, X, n_drafts)
-
-
-def _with_streams(out, n_drafts: int) -> tuple:
-    """(logits, what the drafter reads): a forward asked for streams only when a drafter runs."""
-    return out if n_drafts else (out, None)
-
-
-def with_drafts(
-    out, params: dict, state: dict, c: ModelConfig, layout: Layout, buf: torch.Tensor, X: torch.Tensor, n_drafts: int
-):
-    """``out`` with its ``drafts`` (``n_drafts`` 0: unchanged)."""
-    if not n_drafts:
-        return out
-    accepted = out.accepted if isinstance(out, VerifyOut) else None
-    drafts, confidence = propose_drafts(params, state, c, layout, buf, X, out.tokens, n_drafts, accepted)
-    return out._replace(drafts=drafts, confidence=confidence)
 
 
 def propose_drafts(

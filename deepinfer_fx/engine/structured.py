@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from .so_args import SoSpec
@@ -159,7 +160,7 @@ class Grammars:
         return GrammarState(self.compile(spec), self.stop_ids)
 
 
-def only(mask: torch.Tensor, row: int, token: int) -> None:
+def only(mask: torch.Tensor | np.ndarray, row: int, token: int) -> None:
     """``mask[row]`` allows ``token`` alone."""
     mask[row] = 0
     mask[row, token >> 5] = (1 << (token & 31)) - (1 << 32 if token & 31 == 31 else 0)  # int32 bits
@@ -194,14 +195,26 @@ class MaskFiller:
         already failed) and rows whose grammar allows no token get token 0 alone, so the step
         stays well defined; returns the mask and the latter rows (the loop ends their requests
         with an error). The mask is valid until the second next call."""
-        mask = self._buffer(len(states), words, pinned).fill_(-1)
-        live = [i for i, st in enumerate(states) if st is not None and i not in skip and not st.terminated]
+        mask = self._buffer(len(states), words, pinned)
+        host = mask.numpy()  # per-row writes through numpy: a torch op per row costs microseconds each
+        skip = set(skip)
+        live, free = [], []
+        for i, st in enumerate(states):
+            if st is None:
+                free.append(i)
+            elif i in skip:
+                only(host, i, 0)
+            elif st.terminated:
+                only(host, i, st.stop_ids[0])
+            else:
+                live.append(i)
+        if free:
+            host[free] = -1
         if live:
             self.batch.batch_fill_next_token_bitmask([states[i].matcher for i in live], mask, live)
-        for i, st in enumerate(states):
-            if st is not None and (i in skip or st.terminated):
-                only(mask, i, st.stop_ids[0] if st.terminated and i not in skip else 0)
-        dead = [live[j] for j in torch.nonzero(~mask[live].ne(0).any(1)).flatten().tolist()] if live else []
+        # every row but a dead grammar's has a bit set; numpy's test reads the mask in place (a
+        # torch index-and-test copied it: 0.6 ms at 64 rows of 129k ids, 30 us now)
+        dead = np.flatnonzero(~host.any(axis=1)).tolist()
         for i in dead:
-            only(mask, i, 0)
+            only(host, i, 0)
         return mask, dead

@@ -328,3 +328,129 @@ def test_cli_flags_give_so_args(tmp_path) -> None:
     for argv in (["--regex", "a", "--grammar", str(grammar)], ["--json-schema", str(tmp_path / "missing.json")]):
         with pytest.raises(SystemExit):
             _so_args(ap, ap.parse_args(argv))
+
+
+def test_masks_are_filled_after_the_forward_and_the_previous_token(llm, monkeypatch) -> None:
+    """The order of a constrained step's work, recorded: each matcher alternates fill, accept,
+    fill, ... (a mask is never filled before the previous token was accepted); with overlap on,
+    step N+1's model part is launched before step N's tokens are fed (and its sampler after
+    its masks), with overlap off the tokens are read first."""
+    from deepinfer_fx.engine import graph_runner, structured
+
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    log: list[tuple] = []
+    start, finish = graph_runner.StepGraphs._start, graph_runner.StepGraphs._finish
+    accept, fill = structured.GrammarState.accept, structured.MaskFiller.fill
+
+    def rec(name, fn, what):
+        def wrapped(self, *a, **kw):
+            log.append((name, what(self, *a)))
+            return fn(self, *a, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(graph_runner.StepGraphs, "_start", rec("start", start, lambda s, e: e.key.masked))
+    monkeypatch.setattr(graph_runner.StepGraphs, "_finish", rec("finish", finish, lambda s, e, f: e.key.masked))
+    monkeypatch.setattr(structured.GrammarState, "accept", rec("accept", accept, lambda s, t: id(s)))
+    monkeypatch.setattr(
+        structured.MaskFiller, "fill", rec("fill", fill, lambda s, states, *a: [id(st) for st in states if st])
+    )
+    so = {"schema_type": "json", "schema": SCHEMAS[1]}
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=24, seq_seed=rng.randrange(2**40), so_args=so) for _ in range(3)
+    ]
+    params.append(SamplingParams(temperature=0.8, max_tokens=20, seq_seed=rng.randrange(2**40), ignore_eos=True))
+    prompts = [[rng.randrange(3, TOKENIZER_VOCAB) for _ in range(rng.randint(3, 9))] for _ in params]
+    for overlap in (True, False):
+        llm._loop().overlap = overlap
+        log.clear()
+        outs = llm.generate(prompts, params)
+        _check(llm, outs, ["json1"] * 3 + [None], params, f"seed={seed} overlap={overlap}")
+        turns = {}  # per matcher: its fills (F) and accepts (A) in order
+        for name, what in log:
+            for sid in what if name == "fill" else [what] if name == "accept" else []:
+                turns.setdefault(sid, []).append("F" if name == "fill" else "A")
+        for sid, seq in turns.items():
+            assert "".join(seq).replace("FA", "") in ("", "F"), f"seed={seed} overlap={overlap}: {''.join(seq)}"
+        # between a masked step's launch and its masks: the previous step's tokens, with overlap only
+        fed_meanwhile, launched = 0, False
+        for name, what in log:
+            if name == "start" and what:
+                launched = True
+            elif name == "accept" and launched:
+                fed_meanwhile += 1
+            elif name == "fill":
+                launched = False
+            elif name == "finish" and what:
+                assert not launched, f"seed={seed}: a masked sampler ran before its masks were filled"
+        assert (fed_meanwhile > 0) == overlap, (seed, overlap, fed_meanwhile)
+
+
+class _CpuGraph:
+    """A stand-in for a CUDA graph on the CPU: capture runs the function once to get its outputs
+    and then puts back every tensor it wrote (a real capture runs nothing); replay runs it again
+    and copies the results into the captured outputs, as a replay writes the static buffers."""
+
+    def __init__(self, written: list[torch.Tensor]) -> None:
+        self.written = written
+
+    def capture(self, fn):
+        saved = [t.clone() for t in self.written]
+        self.fn, self.out = fn, fn()
+        for t, s in zip(self.written, saved):
+            t.copy_(s)
+        return self.out
+
+    def replay(self) -> None:
+        _copy_into(self.out, self.fn())
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        if dst is not src:
+            dst.copy_(src)
+    elif isinstance(dst, tuple):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return [t for x in items for t in _tensors(x)]
+
+
+def test_captured_pieces_replay_the_tokens_of_uncaptured_steps(ckpt, monkeypatch) -> None:
+    """Compiled steps (aot_eager) with graphs stood in for by ``_CpuGraph``: a masked step's
+    sampler graph reads its model part's captured logits (a sampler captured over the first
+    call's logits would replay stale ones), so replays with overlap give the tokens of the same
+    compiled steps run without graphs and without overlap, constrained and free requests alike."""
+    from types import SimpleNamespace
+
+    from deepinfer_fx.engine import graph_runner
+
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    llm = make_llm(ckpt, eager=False, warmup=False, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48)
+    params = [
+        SamplingParams(temperature=0.9, max_tokens=16, seq_seed=rng.randrange(2**40), so_args={"regex": REGEXES[1]}),
+        SamplingParams(temperature=0.8, max_tokens=12, seq_seed=rng.randrange(2**40), ignore_eos=True),
+    ]
+    prompts = [[rng.randrange(3, TOKENIZER_VOCAB) for _ in range(rng.randint(3, 9))] for _ in params]
+    llm._loop().overlap = False
+    ref = llm.generate(prompts, params)
+    steps = llm.runner.steps
+    written = _tensors(steps.state) + [steps.next_token]
+    monkeypatch.setattr(graph_runner, "DeviceGraph", lambda device_type, pool: _CpuGraph(written))
+    monkeypatch.setattr(graph_runner, "graph_api", lambda device_type: SimpleNamespace(graph_pool_handle=object))
+    steps.graphs = True
+    steps._entries.clear()  # the compiled pieces stay; their entries capture on their next first call
+    llm._loop().overlap = True
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref], f"seed={seed}"
+    _check(llm, got, ["regex1", None], params, f"seed={seed}")
+    report = steps.report()
+    assert all(r["captured"] and r["calls"] >= 2 for r in report if r["graph"].startswith("decode")), report
+    assert {r["pieces"] for r in report if r["graph"].endswith("-masked")} == {2}, report
