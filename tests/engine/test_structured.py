@@ -452,5 +452,7 @@ def test_captured_pieces_replay_the_tokens_of_uncaptured_steps(ckpt, monkeypatch
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref], f"seed={seed}"
     _check(llm, got, ["regex1", None], params, f"seed={seed}")
     report = steps.report()
-    assert all(r["captured"] and r["calls"] >= 2 for r in report if r["graph"].startswith("decode")), report
+    decode = [r for r in report if r["graph"].startswith("decode")]
+    # every decode graph captured, and replayed (a bucket the seed's batch reached once is not)
+    assert decode and all(r["captured"] for r in decode) and any(r["calls"] >= 2 for r in decode), report
     assert {r["pieces"] for r in report if r["graph"].endswith("-masked")} == {2}, report

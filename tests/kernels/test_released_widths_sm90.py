@@ -114,6 +114,7 @@ def test_every_kernel_compiles_at_the_released_width(name: str, sm90_results: Pa
 # Kernels no step of a released config launches yet, and why.
 OUTSIDE_STEPS = {
     "_bi_matmul_kernel": "batch-invariant steps are refused on CUDA until attention and the experts have such kernels",
+    "_engram_rows_kernel": "host Engram tables (DEEPINFER_ENGRAM_TABLES=host) are not traced by model_launches yet",
 }
 
 
