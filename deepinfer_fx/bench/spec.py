@@ -183,7 +183,7 @@ def e2e_rows(
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--drafts", default="1,2,3,4,5")
+    ap.add_argument("--drafts", default="1,2,3,4,5", help="bare verify rows per draft count ('': end to end only)")
     ap.add_argument(
         "--method",
         choices=["ngram", "mtp", "dspark"],
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         }[args.method],
     }
     yoco = {} if args.yoco_mode is None else {"yoco_mode": args.yoco_mode}
-    batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",")]
+    batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",") if k]
     model = bench_model(args.method, args.layers)
     result["method"] = args.method
     result["verify"], result["graphs"] = [], []
