@@ -35,7 +35,12 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as e:  # a dependency in pyproject.toml; a hand-made environment may lack it
-        raise RuntimeError("structured output (SamplingParams.so_args) needs xgrammar: pip install xgrammar") from e
+        if e.name in (None, "xgrammar"):
+            raise RuntimeError("structured output (SamplingParams.so_args) needs xgrammar: pip install xgrammar") from e
+        raise RuntimeError(  # xgrammar is there, one of its own dependencies is not
+            f"structured output (SamplingParams.so_args) needs xgrammar, which cannot import {e.name!r}: "
+            f"pip install {e.name} (or reinstall xgrammar with its dependencies)"
+        ) from e
     return xgrammar
 
 

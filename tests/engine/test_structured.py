@@ -456,3 +456,22 @@ def test_captured_pieces_replay_the_tokens_of_uncaptured_steps(ckpt, monkeypatch
     # every decode graph captured, and replayed (a bucket the seed's batch reached once is not)
     assert decode and all(r["captured"] for r in decode) and any(r["calls"] >= 2 for r in decode), report
     assert {r["pieces"] for r in report if r["graph"].endswith("-masked")} == {2}, report
+
+
+@pytest.mark.parametrize("missing", ["xgrammar", "pydantic"])
+def test_a_missing_xgrammar_or_dependency_is_named(missing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """xgrammar absent, or present without one of its dependencies: the error names what to install."""
+    import builtins
+
+    from deepinfer_fx.engine import structured
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "xgrammar":
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(RuntimeError, match=f"pip install {missing}"):
+        structured._xgrammar()
