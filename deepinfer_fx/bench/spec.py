@@ -7,8 +7,8 @@
 
 Verify cost: for each draft count k (an engine built with ``num_speculative_tokens=k``, whose
 verify chunks are padded to k + 1 rows) and batch b, the captured verify step of b chunks of k + 1
-rows against the plain captured decode step of b rows and of b * (k + 1) rows (the issue's
-target: verify <= 1.1x decode of b * (k + 1) rows), plus the rollback's parts (the slots'
+rows against the plain captured decode step of b requests and of b * (k + 1) requests, each its own
+text (the issue's target: verify <= 1.1x decode of b * (k + 1) rows), plus the rollback's parts (the slots'
 state snapshot, and the prompt-chunk re-run of 1 + accepted rows that a rejection costs).
 With ``--method ngram`` the drafter is not in these numbers (it runs on the host); with
 ``--method mtp`` (P8 with an MTP-1 block) or ``dspark`` (``bench/configs.py``'s V4.1 widths, its
@@ -93,13 +93,14 @@ def bench_model(method: str, layers: int) -> Model:
 
 def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> dict:
     c = llm.model.config
-    prompts = _prompts(batch, prompt_len, c.vocab_size, seed=batch)
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # states to read
+    # states to read: one request a row of the widest decode, so each decode row is its own text
+    prompts = _prompts(batch * (k + 1), prompt_len, c.vocab_size, seed=batch)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     probe = Sequence(-1, None, [0], SamplingParams(temperature=0.0), 7)
     steps = llm.runner.steps
 
-    def decode(n: int) -> float:  # plain decode: without the MTP drafter
-        dec = [DecodeRow(i % batch, prompt_len, probe.controls) for i in range(n)]
+    def decode(n: int) -> float:  # plain decode of n requests: without the MTP drafter
+        dec = [DecodeRow(i, prompt_len, probe.controls) for i in range(n)]
         return timed(lambda: steps.step(dec, (), "greedy", draft=False), iters) * 1e3
 
     base = decode(batch)

@@ -285,11 +285,11 @@ def draft_blocks(
     y = last_token
     tokens, embeds, logits = [], [], []
     for j in range(k):  # sequential: each step's bias depends on the token picked before it
-        e = markov["embed"][y].float()
+        e = markov["embed"][y]  # in the weights' dtype, so the head's GEMV reads it as stored
         z = base[:, j] + linear_fp32(e, markov["head"])
         y = pick(z).long()
         tokens.append(y)
-        embeds.append(e)
+        embeds.append(e.float())
         logits.append(z)
     w = last["confidence_head"]["proj"]
     conf = torch.sigmoid(linear_fp32(torch.cat([h.float(), torch.stack(embeds, 1)], dim=-1), w)).squeeze(-1)

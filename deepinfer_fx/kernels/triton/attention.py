@@ -35,6 +35,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _BH = 16
 _COMBINE_BH = 4  # a combine program reads S partial rows per head; 16 heads made it 4 long programs at b1
 _PREFILL_BH = 64
+_DECODE_QUERIES = 8  # chunks of up to this many queries (a verify chunk: a token and its drafts) tile as decode
 _PREFILL_WARPS = 8
 _BLOCK_N = 64
 _MIN_SPLIT = 128
@@ -165,7 +166,7 @@ def launch_mqa(
     key_size = src.k.element_size()
     if block_n is None:  # double-buffered fp32 tiles of 64 x 512 would overflow shared memory
         block_n = _BLOCK_N if max(q2.element_size(), key_size) <= 2 else _BLOCK_N // 2
-    prefill = t > 1
+    prefill = t > _DECODE_QUERIES  # the wide tiling gives a query one program: a few queries idle the GPU
     skip = prefill and not src.ring if skip is None else skip
     if skip:  # one split over the live tiles only; the partials of a parallel run would need the tile lists per split
         split, parallel = n, False
