@@ -104,7 +104,9 @@ def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> di
         return timed(lambda: steps.step(dec, (), "greedy", draft=False), iters) * 1e3
 
     base = decode(batch)
-    chunks = [VerifyChunk(s, prompt_len, [5] * (k + 1), probe.controls) for s in range(batch)]
+    # a token and k drafts of random ids a chunk: rows of one text, routed as such
+    ids = torch.randint(0, c.vocab_size, (batch, k + 1), generator=torch.Generator().manual_seed(k)).tolist()
+    chunks = [VerifyChunk(s, prompt_len, ids[s], probe.controls) for s in range(batch)]
     verify = timed(lambda: steps.verify(chunks, "greedy"), iters) * 1e3
     bare = timed(lambda: steps.verify(chunks, "greedy", draft=False), iters) * 1e3 if steps.n_drafts else verify
     wide = decode(batch * (k + 1))
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--e2e-batches", default="1,8")
+    ap.add_argument("--e2e-batches", default="1,8", help="end-to-end batches ('': the verify rows only)")
     ap.add_argument("--nextn", type=int, default=4, help="drafts per step end to end")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--workload", choices=["cycling"], default="cycling")
@@ -238,7 +240,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["graphs"] += llm.runner.steps.report()
         del llm
         torch.cuda.empty_cache()
-    e2e_batches = [int(b) for b in args.e2e_batches.split(",")]
+    e2e_batches = [int(b) for b in args.e2e_batches.split(",") if b]
+    if not e2e_batches:
+        print(f"wrote {write_result(args.name, result, args.out)}")
+        return result
     if args.model is None:
         e2e_model = cycling(model) if args.method == "ngram" else drafting(model)
         prompts = [([5, 6, 7, 8] * 32 + [7]) for _ in range(max(e2e_batches))]

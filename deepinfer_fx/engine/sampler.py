@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..graphs.argmax import first_argmax
 from ..graphs.pointwise import log_softmax, softmax
 from .sampling import SamplingParams
 
@@ -164,7 +165,7 @@ def sample_mode(logits: Tensor, t: SamplingTensors, mode: str, vocab_ids: Tensor
     compiled step passes it in, since Inductor turns an arange inside the graph into its int32
     loop index, and the hash's 64-bit constants times that index fail to compile (torch 2.11)."""
     if mode == "greedy":
-        return logits.float().argmax(dim=-1)
+        return first_argmax(logits.float())
     if mode == "sorted":
         return sample(logits, t)
     if mode != "plain":
@@ -178,7 +179,7 @@ def sample_mode(logits: Tensor, t: SamplingTensors, mode: str, vocab_ids: Tensor
         vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
     key = row_key(t.seed, t.position).unsqueeze(-1)
     score = torch.where(keep, probs, torch.zeros_like(probs)) / exponentials(key, vocab_ids.unsqueeze(0))
-    return torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
+    return torch.where(greedy, first_argmax(logits), first_argmax(score))
 
 
 def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
@@ -192,7 +193,7 @@ def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
     """
     logits = logits.float()
     V = logits.shape[-1]
-    greedy_tok = logits.argmax(dim=-1)
+    greedy_tok = first_argmax(logits)
     greedy = t.temperature == 0
     # Greedy rows still flow through the arithmetic (fixed shapes); a dummy temperature of 1
     # keeps them finite and torch.where discards their result.
@@ -223,7 +224,7 @@ def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
     # order: each token meets the same E wherever the sort put it.
     key = row_key(t.seed, t.position).unsqueeze(-1)
     score = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)) / exponentials(key, order)
-    sampled = order.gather(-1, score.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    sampled = order.gather(-1, first_argmax(score).unsqueeze(-1)).squeeze(-1)
     return torch.where(greedy, greedy_tok, sampled)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..graphs.argmax import first_argmax
 from .sampler import SamplingTensors, apply_token_mask, exponentials, hash_bits, logprobs, row_key, sample_mode
 from .step_inputs import sampling_tensors
 
@@ -46,7 +47,7 @@ def accept(
     residual = (p - q).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p == q: never rejected
     key = row_key(seed, position).unsqueeze(-1)
-    resampled = (residual / exponentials(key, vocab_ids.unsqueeze(0))).argmax(-1)
+    resampled = first_argmax(residual / exponentials(key, vocab_ids.unsqueeze(0)))
     return ok, torch.where(ok, draft, resampled)
 
 

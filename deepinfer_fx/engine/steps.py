@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import ModelConfig
+from ..graphs.argmax import first_argmax
 from ..graphs.batch import Batch, Group
 from ..graphs.dspark import context_rows, draft_blocks, dspark_capture
 from ..graphs.model import forward_batch
@@ -153,9 +154,7 @@ def dspark_drafts(
     verified = lens if accepted is None else torch.minimum(accepted + 1, lens)
     context_rows(params, state, c, dict(zip(c.dspark_target_layer_ids, captured)), group, verified)
     newest = tokens if accepted is None else tokens.gather(1, accepted[:, None]).squeeze(1)
-    draft = draft_blocks(
-        params, state, c, newest.clamp(min=0), starts + verified, slots, verified > 0, lambda z: z.argmax(-1)
-    )
+    draft = draft_blocks(params, state, c, newest.clamp(min=0), starts + verified, slots, verified > 0, first_argmax)
     return draft.tokens[:, :n_drafts], draft.confidences[:, :n_drafts]
 
 

@@ -58,6 +58,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import ModelConfig
+from .argmax import first_argmax
 from .attention import grouped_output, latent_kv, mqa_with_sink, query
 from .batch import Batch, Group
 from .mhc import hc_head, mhc_collapse
@@ -188,7 +189,7 @@ def _stage_attention(
 
 def _temperature_sampler(temperature: float, generator: torch.Generator | None) -> Sampler:
     if temperature == 0:
-        return lambda z: z.argmax(-1)
+        return first_argmax
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     return lambda z: torch.multinomial(torch.softmax(z / temperature, dim=-1), 1, generator=generator).squeeze(-1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .argmax import first_argmax
 from .batch import Batch, Group, make_batch
 from .model import block, head
 from .norm import linear, rms_norm
@@ -101,7 +102,7 @@ def mtp_draft(
     ms["pending"][slots] = X.view(C, L, hc, D)[torch.arange(C, device=X.device), (lens - 1).clamp(min=0)].to(
         ms["pending"].dtype
     )
-    drafts = [logits.argmax(-1)]
+    drafts = [first_argmax(logits)]
     if n_drafts == 1:
         return drafts[0][:, None]
     # the chain: one row per chunk at the positions after its last known row's next token
@@ -114,6 +115,6 @@ def mtp_draft(
     for j in range(n_drafts - 1):
         step = Group(torch.arange(C, device=X.device)[:, None], slots, at + j, live, packed=True)
         logits, Yc = mtp_forward_batch(params, state, c, Yc, Batch(drafts[-1], at + j, (step,)))
-        drafts.append(logits.argmax(-1))
+        drafts.append(first_argmax(logits))
     ring[slots[:, None], idx] = saved
     return torch.stack(drafts, dim=1)
