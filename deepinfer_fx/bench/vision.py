@@ -20,7 +20,7 @@ import torch
 
 from ..config import load_config
 from ..config import released_config
-from ..graphs.params import build_tree, init_param
+from ..graphs.param_spec import build_tree, init_param
 from ..vision.merge import encode, token_grids
 from ..vision.params import vision_specs
 from ..vision.processor import preprocess

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..graphs.params import ParamSpec, param_specs
+from ..graphs.param_spec import ParamSpec
+from ..graphs.params import param_specs
 from ..io.loader import held_experts
 from ..sharding.mesh import MeshSpec
 from ..sharding.parallel import start_expert_ids

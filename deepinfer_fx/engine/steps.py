@@ -32,7 +32,8 @@ import torch
 from ..config import ModelConfig
 from ..graphs.argmax import first_argmax
 from ..graphs.batch import Batch, Group
-from ..graphs.dspark import context_rows, draft_blocks, dspark_capture
+from ..graphs.dspark import draft_blocks
+from ..graphs.dspark_context import context_rows, dspark_capture
 from ..graphs.model import forward_batch
 from ..graphs.mtp import mtp_draft
 from ..graphs.yoco import Replay, first_kept

@@ -2,7 +2,7 @@
 
 Keys for a query are this layer's window (the last ``sliding_window`` positions) plus
 compressed entries: none (window-only layers), all complete ones (V4 HCA), the indexer's
-top-k (V4 CSA, ``indexer.py``) or a selection over the group's shared cache (V4.1 CSA2,
+top-k (V4 CSA; both ``entries.py``) or a selection over the group's shared cache (V4.1 CSA2,
 ``csa2.py``). The value's rotary tail is un-rotated on the output, so it carries relative
 position only. V4 and V4.1 differ here only in data: the per-head q norm (V4) and where the
 compressed entries come from.
@@ -18,10 +18,9 @@ import torch
 from ..config import ModelConfig
 from . import fake_quant as fq
 from .batch import Batch, Group, context_gather, gather_rows, rows_to_packed
-from .compressor import compress, visible_entries
 from .swap import swappable
 from .csa2 import csa2_entries
-from .indexer import select_entries
+from .entries import selected_entries, selected_rows, v4_entries
 from .norm import linear, project_blocks, rms_norm
 from .rope import apply_rope, cos_sin, inv_freq, norm_rope
 from .window import reads_after_write, ring_positions, window_bias, window_keys, write_window
@@ -241,7 +240,7 @@ def attention(
                     p, states, c, xg, g, xq, q_rq, q_pos, layer, freq, ctx.setdefault(gi, {})
                 )
             else:
-                entries, chosen = _v4_entries(p, st, c, xg, g, xq, q_rq, q_pos, ratio, freq)
+                entries, chosen = v4_entries(p, st, c, xg, g, xq, q_rq, q_pos, ratio, freq)
             if (c.is_v41 or ratio == c.csa_ratio) and chosen.shape[-2] == 1 and entries.shape[1] > c.index_topk:
                 entries, chosen = selected_entries(entries, chosen, c.index_topk)
             keys = torch.cat([keys, entries.to(keys.dtype)], 1)
@@ -278,7 +277,7 @@ def _decode(
         if c.is_v41:
             entries, chosen = csa2_entries(p, states, c, xg, g, xq, q_rq, q_pos, layer, freq, group_ctx, gather=False)
         else:
-            entries, chosen = _v4_entries(p, st, c, xg, g, xq, q_rq, q_pos, ratio, freq, gather=False)
+            entries, chosen = v4_entries(p, st, c, xg, g, xq, q_rq, q_pos, ratio, freq, gather=False)
         if (c.is_v41 or ratio == c.csa_ratio) and entries.shape[1] > c.index_topk:
             rows, chosen = selected_rows(chosen, c.index_topk)
         bias = torch.zeros(chosen.shape, device=q.device).masked_fill(~chosen, float("-inf"))
@@ -295,50 +294,3 @@ def _per_forward(ctx: dict, key: tuple, owner: object, build: Callable[[], Any])
     if got is None or got[0] is not owner:
         got = ctx[key] = (owner, build())
     return got[1]
-
-
-def _v4_entries(
-    p, st, c: ModelConfig, xg, g: Group, xq, q_rq, q_pos, ratio: int, freq, gather: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """V4: the layer's own compressed entries (pooled from the group's chunks ``xg``; the whole
-    pool without ``gather``); all visible ones (HCA) or the indexer's top-k for the queries
-    ``xq`` / ``q_rq`` at ``q_pos`` (CSA)."""
-    overlap = ratio == c.csa_ratio
-    entries = compress(
-        p["compressor"],
-        st["comp"],
-        xg,
-        g,
-        ratio,
-        overlap,
-        freq,
-        c.rms_norm_eps,
-        lambda e: fq.compressed_entry(c, e),
-        gather=gather,
-    )
-    if overlap:
-        return entries, select_entries(p["indexer"], st["index"], c, xg, g, xq, q_rq, q_pos, freq)
-    return entries, visible_entries(q_pos, entries.shape[1], ratio)
-
-
-def selected_entries(entries: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunks of one query (decode): entries ``[C, E, d]`` and their top-k choice ``[C, 1, E]`` (at
-    most ``k`` per row) -> the chosen entries in ascending order ``[C, k, d]`` and which of the k
-    are real ``[C, 1, k]``. Attention then reads k entries instead of the whole buffer, which at
-    a 32k-token state is 8192 per chunk (V4 CSA; V4.1's ratio-1 layers: 32768): at a 256-request
-    P8 decode the keys copied for them took ~1 ms and their attention ~2 ms per CSA layer on an
-    H200 (19.9 -> 12.0 ms a step at 4k context). Same keys, so the same softmax."""
-    idx, real = selected_rows(chosen, k)
-    return entries.gather(1, idx[..., None].expand(-1, -1, entries.shape[-1])), real
-
-
-def selected_rows(chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``selected_entries``' row numbers ``[C, k]`` (ascending; past the last chosen, row 0) and
-    which of them are real ``[C, 1, k]``."""
-    c = chosen.shape[0]
-    # how many entries are chosen up to each one: the j-th chosen entry is the first whose count
-    # reaches j (a search, not a scatter: Inductor fuses it with the gather on a GPU)
-    count = chosen[:, 0].cumsum(-1)
-    rank = torch.arange(1, k + 1, device=chosen.device).expand(c, k).contiguous()
-    real = rank <= count[:, -1:]
-    return torch.where(real, torch.searchsorted(count, rank), 0), real[:, None, :]

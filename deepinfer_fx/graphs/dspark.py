@@ -4,13 +4,8 @@ A semi-autoregressive block drafter (spec §7.9, §3.11): a parallel backbone dr
 of ``dspark_block_size`` tokens in one pass, a low-rank Markov head re-introduces the dependency
 of each token on the one before it, and a confidence head scores each drafted token. Two steps:
 
-``dspark_context`` (after every target forward, for the rows whose tokens are verified)
-    ``h_p = concat_l mean_k X^(l)_{p,k}`` over the target layers ``dspark_target_layer_ids``
-    (each layer's *input* streams, as ``forward_batch(..., captured=dspark_capture(c))``
-    records them), ``main_x_p = RMSNorm(main_proj h_p; main_norm)``, and for every stage s the
-    window entry ``latent_kv_s(main_x_p)`` (= fake-quantised RoPE(RMSNorm(Wkv_s main_x; kv_norm_s))
-    at position p, window-only theta: the backbone's own window-kv map) at slot ``p % window``
-    of ``state["dspark"][s]``.
+``dspark_context`` (``dspark_context.py``, after every target forward)
+    The verified rows' target-layer streams become every stage's window entries.
 
 ``dspark_draft`` / ``dspark_propose`` (after the target produced ``x_{p+1}``)
     Block ids ``[x_{p+1}, noise, ..., noise]`` at positions ``p+1 .. p+block``, embedded with the
@@ -61,12 +56,12 @@ from ..config import ModelConfig
 from .argmax import first_argmax
 from .attention import grouped_output, latent_kv, mqa_with_sink, query
 from .batch import Batch, Group
+from .dspark_context import check_drafter, window_freq
 from .mhc import hc_head, mhc_collapse
 from .model import block, embed
-from .norm import linear, linear_fp32, rms_norm
+from .norm import linear_fp32, rms_norm
 from .params import dspark_stage_config
-from .rope import cos_sin, inv_freq
-from .state import write_rows
+from .rope import cos_sin
 
 # Drafted-token picker: fp32 logits ``[B, vocab]`` (U_k + b_k) -> token ids ``[B]``.
 Sampler = Callable[[torch.Tensor], torch.Tensor]
@@ -79,84 +74,6 @@ class Draft:
     logits: torch.Tensor  # [B, block, vocab] fp32: U_k + b_k, the distribution tokens[:, k] was picked from
 
 
-def dspark_capture(c: ModelConfig) -> dict[int, None]:
-    """The ``captured`` argument of ``forward_batch`` that records the drafter's target layers."""
-    return {layer: None for layer in c.dspark_target_layer_ids}
-
-
-def _check_drafter(params: dict, state: dict, c: ModelConfig) -> None:
-    if not c.dspark_stages:
-        raise ValueError(f"this {c.model_type} config has no DSpark drafter (no dspark_target_layer_ids / stages)")
-    mtp = params.get("mtp")
-    if not mtp or "main_proj" not in mtp[0]:
-        raise ValueError(
-            "the parameters hold no DSpark weights (mtp.0.main_proj); load the checkpoint with its mtp.* tensors"
-        )
-    if "dspark" not in state:
-        raise ValueError("the state has no DSpark windows; allocate it with init_state(..., mtp=True)")
-
-
-def _window_freq(c: ModelConfig) -> torch.Tensor:
-    return inv_freq(c, compressed=False)  # the stages are window-only: rope_theta, no YaRN
-
-
-@torch.no_grad()
-def dspark_context(
-    params: dict,
-    state: dict,
-    c: ModelConfig,
-    captured: dict[int, torch.Tensor],
-    batch: Batch,
-    verified: Sequence[int] | None = None,
-) -> None:
-    """Write the stages' context windows for the verified rows of a target forward.
-
-    ``captured``: layer -> input streams ``[N, hc, D]`` of the rows of ``batch`` (filled by
-    ``forward_batch(..., captured=dspark_capture(c))``). ``verified[i]``: how many leading rows
-    of chunk i hold verified tokens (default: all; after a verify pass, the accepted drafts plus
-    the token they followed). Rows past it are never written, so the windows hold target-derived
-    context of verified positions only. The host's form of ``context_rows`` (one call per group)."""
-    _check_drafter(params, state, c)
-    missing = [layer for layer in c.dspark_target_layer_ids if captured.get(layer) is None]
-    if missing:
-        raise ValueError(
-            f"captured has no streams for target layers {missing}; run forward_batch with captured=dspark_capture(c)"
-        )
-    by_slot = {}
-    for i, ch in enumerate(batch.chunks):
-        n = ch.length if verified is None else int(verified[i])
-        if not 0 <= n <= ch.length:
-            raise ValueError(f"chunk {i} (slot {ch.slot}) has {ch.length} rows; verified={n} is outside 0..{ch.length}")
-        by_slot[ch.slot] = n
-    for g in batch.groups:
-        known = torch.tensor([by_slot[s] for s in g.slots.tolist()], device=g.slots.device)
-        context_rows(params, state, c, captured, g, known)
-
-
-def context_rows(
-    params: dict, state: dict, c: ModelConfig, captured: dict[int, torch.Tensor], group: Group, known: torch.Tensor
-) -> None:
-    """``dspark_context`` for one group ``[C, L]``: chunk c's first ``known[c]`` rows are
-    verified. Only the last ``sliding_window`` of them can survive in the ring, so exactly
-    that many rows a chunk are projected (the missing ones, before a chunk's start, are
-    written to the scratch slot), which keeps one shape for every step."""
-    w = c.sliding_window
-    L = group.index.shape[1]
-    j = known[:, None] - w + torch.arange(w, device=known.device)  # [C, w] chunk rows
-    real = j >= 0
-    idx = group.index.gather(1, j.clamp(0, L - 1))
-    dtype = captured[c.dspark_target_layer_ids[0]].dtype
-    h = torch.cat([captured[layer][idx].float().mean(-2) for layer in c.dspark_target_layer_ids], dim=-1).to(dtype)
-    m0 = params["mtp"][0]
-    main_x = rms_norm(linear(h, m0["main_proj"]), m0["main_norm"], c.rms_norm_eps)
-    positions = group.starts[:, None] + j
-    cos, sin = cos_sin(positions, _window_freq(c))
-    for s in range(c.dspark_stages):
-        ring = state["dspark"][s]["window"]
-        kv = latent_kv(params["mtp"][s]["attn"], c, main_x, cos, sin)
-        write_rows(ring, group.slots, torch.remainder(positions, w), kv, real)
-
-
 def _stage_attention(
     p: dict, states: list, c: ModelConfig, x: torch.Tensor, batch: Batch, layer: int, ratio: int, ctx: dict
 ) -> torch.Tensor:
@@ -167,7 +84,7 @@ def _stage_attention(
     empty). ``layer`` is the stage index; the batch is one packed group of blocks ``[C, k]``."""
     g = batch.groups[0]
     C, k = g.index.shape
-    cos, sin = cos_sin(batch.positions, _window_freq(c))
+    cos, sin = cos_sin(batch.positions, window_freq(c))
     _, q = query(p, c, x, cos, sin)
     kv = latent_kv(p, c, x, cos, sin).view(C, k, -1)
     ring = states[layer]["window"][g.slots].to(kv.dtype)  # [C, w, d]
@@ -212,7 +129,7 @@ def dspark_propose(
     ``slots``: each request's state slot. ``sampler`` (fp32 logits ``[B, vocab]`` -> ids ``[B]``)
     overrides ``temperature``. Reads the drafter windows, writes nothing. The checked host form
     of ``draft_blocks``."""
-    _check_drafter(params, state, c)
+    check_drafter(params, state, c)
     vocab = c.vocab_size
     if not 0 <= c.dspark_noise_token_id < vocab:
         raise ValueError(f"dspark_noise_token_id {c.dspark_noise_token_id} is not a token id below vocab_size {vocab}")

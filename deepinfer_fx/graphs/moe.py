@@ -13,7 +13,7 @@ import torch
 from ..config import ModelConfig
 from ..io.quant import dequant_fp8_block, dequant_mxfp4, fp8_block_of
 from .norm import linear, linear_fp32
-from .params import scale_path
+from .param_spec import scale_path
 from .pointwise import sigmoid, silu, softmax, softplus
 from .swap import swappable
 

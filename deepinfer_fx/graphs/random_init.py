@@ -7,7 +7,8 @@ import torch
 from ..config import ModelConfig
 from ..io.quant import quant_fp8_block, quant_mxfp4, ue8m0_to_float
 from .engram import EngramTable
-from .params import build_tree, init_param, param_specs, scale_path
+from .param_spec import build_tree, init_param, scale_path
+from .params import param_specs
 
 
 def random_flat(

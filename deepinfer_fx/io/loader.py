@@ -14,7 +14,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import ModelConfig, load_config
-from ..graphs.params import ParamSpec, backbone_specs, build_tree, mtp_specs, scale_path
+from ..graphs.param_spec import ParamSpec, build_tree, scale_path
+from ..graphs.params import backbone_specs, mtp_specs
 from ..vision.params import vision_specs
 from ..graphs.engram import EngramTable
 from ..graphs.engram_hash import compressed_vocab

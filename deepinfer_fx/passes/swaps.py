@@ -44,7 +44,7 @@ from ..graphs.moe import (
     routed_experts,
 )
 from ..graphs.norm import project, project_blocks
-from ..graphs.params import scale_path
+from ..graphs.param_spec import scale_path
 from ..graphs.swap import active, reference
 from ..io.quant import fp8_block_of
 from ..kernels.ops import route_unserved

@@ -40,7 +40,8 @@ from ..config import ModelConfig, load_config
 from ..config import released_config
 from ..engine.graph_runner import StepGraphs
 from ..graphs.engram import EngramTable
-from ..graphs.params import build_tree, param_specs
+from ..graphs.param_spec import build_tree
+from ..graphs.params import param_specs
 from ..graphs.state import init_state
 from ..graphs.swap import swapped
 from .ep import ep_group

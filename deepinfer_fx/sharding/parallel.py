@@ -39,7 +39,8 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
-from ..graphs.params import ParamSpec, build_tree, iter_tree, param_specs
+from ..graphs.param_spec import ParamSpec, build_tree, iter_tree
+from ..graphs.params import param_specs
 from ..graphs.state import scratch_slot
 from ..io.loader import ExpertIds
 from .ep import EPGroup, ep_routed_experts

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..graphs.params import ParamSpec
+from ..graphs.param_spec import ParamSpec
 from .eplb import ExpertPlacement
 from .mesh import MeshSpec
 from .world import MESH_AXES

@@ -5,7 +5,7 @@ beside its weight in the tree as ``<name>_bias``. All are replicated (no logical
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..graphs.params import ParamSpec
+from ..graphs.param_spec import ParamSpec
 
 VISION_ROOTS = ("vision", "aligner", "image_start", "image_end", "image_newline")
 

@@ -21,7 +21,7 @@ from deepinfer_fx.api import random_model
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.graphs.batch import make_batch
 from deepinfer_fx.graphs.model import forward_batch
-from deepinfer_fx.graphs.params import iter_tree
+from deepinfer_fx.graphs.param_spec import iter_tree
 from deepinfer_fx.graphs.state import init_state
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.sharding import eplb

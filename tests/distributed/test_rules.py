@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deepinfer_fx.config import load_config
 from deepinfer_fx.config import released_config
-from deepinfer_fx.graphs.params import ParamSpec, param_specs
+from deepinfer_fx.graphs.param_spec import ParamSpec
+from deepinfer_fx.graphs.params import param_specs
 from deepinfer_fx.sharding import eplb, rules
 from deepinfer_fx.sharding.mesh import MeshSpec, parse_mesh
 from deepinfer_fx.sharding.world import (

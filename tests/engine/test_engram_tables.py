@@ -21,7 +21,8 @@ from deepinfer_fx.config import config_from_dict, released_config
 from deepinfer_fx.engine import engram_tables
 from deepinfer_fx.engine.graph_runner import GREEDY, PrefillChunk, StepGraphs
 from deepinfer_fx.graphs.engram import EngramTable
-from deepinfer_fx.graphs.params import build_tree, param_specs
+from deepinfer_fx.graphs.param_spec import build_tree
+from deepinfer_fx.graphs.params import param_specs
 from deepinfer_fx.graphs.state import init_state
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")

@@ -26,7 +26,7 @@ from deepinfer_fx import LLM, SamplingParams
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.graphs import model as model_fns
 from deepinfer_fx.graphs.batch import Batch, Group, make_batch
-from deepinfer_fx.graphs.dspark import dspark_capture, dspark_context
+from deepinfer_fx.graphs.dspark_context import dspark_capture, dspark_context
 from deepinfer_fx.graphs.model import forward, forward_batch
 from deepinfer_fx.graphs.mtp import mtp_draft, mtp_forward
 from deepinfer_fx.graphs.state import init_state

@@ -42,7 +42,8 @@ from deepinfer_fx.graphs import moe as graphs_moe
 from deepinfer_fx.graphs import norm as graphs_norm
 from deepinfer_fx.graphs.engram import EngramTable
 from deepinfer_fx.graphs.model import cached_engram_layout
-from deepinfer_fx.graphs.params import build_tree, param_specs
+from deepinfer_fx.graphs.param_spec import build_tree
+from deepinfer_fx.graphs.params import param_specs
 from deepinfer_fx.graphs.state import init_state
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.kernels.triton import pdl, register_nvidia_kernels

@@ -59,7 +59,7 @@ def test_count_params_matches_loaded_tree(tmp_path: Path) -> None:
     cfg = tiny_v4()
     deepinfer_fx.write_random_checkpoint(tmp_path, cfg, seed=1)
     model = deepinfer_fx.load_model(tmp_path, dtype=torch.float32)
-    from deepinfer_fx.graphs.params import iter_tree
+    from deepinfer_fx.graphs.param_spec import iter_tree
 
     n = sum(t.numel() for path, t in iter_tree(model.params) if not path.startswith("mtp"))
     assert n == deepinfer_fx.count_params(cfg)

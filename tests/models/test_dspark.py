@@ -18,7 +18,8 @@ from deepinfer_fx.config import load_config
 from deepinfer_fx.config import released_config
 from deepinfer_fx.graphs import fake_quant as fq
 from deepinfer_fx.graphs.batch import make_batch
-from deepinfer_fx.graphs.dspark import dspark_capture, dspark_context, dspark_draft, dspark_propose
+from deepinfer_fx.graphs.dspark import dspark_draft, dspark_propose
+from deepinfer_fx.graphs.dspark_context import dspark_capture, dspark_context
 from deepinfer_fx.graphs.moe import _score, route_weights
 from deepinfer_fx.graphs.model import forward_batch
 from deepinfer_fx.graphs.norm import rms_norm

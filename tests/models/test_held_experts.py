@@ -18,7 +18,8 @@ from tiny import FP8_EXPERTS, tiny_v4
 import deepinfer_fx
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.graphs.moe import dequant_experts, routed_experts
-from deepinfer_fx.graphs.params import iter_tree, param_specs
+from deepinfer_fx.graphs.param_spec import iter_tree
+from deepinfer_fx.graphs.params import param_specs
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.io.checkpoint import CheckpointError
 from deepinfer_fx.io.loader import held_experts

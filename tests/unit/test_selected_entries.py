@@ -1,4 +1,4 @@
-"""``attention.selected_entries``: a decode query's chosen compressed entries, compacted. Attending
+"""``entries.selected_entries``: a decode query's chosen compressed entries, compacted. Attending
 the compacted keys equals attending the whole entry buffer under the choice mask, for choices of
 0 to k entries; the kept entries come in ascending order (the same for a row in any batch)."""
 
@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from deepinfer_fx.graphs.attention import mqa_with_sink, selected_entries
+from deepinfer_fx.graphs.attention import mqa_with_sink
+from deepinfer_fx.graphs.entries import selected_entries
 
 
 def _seed() -> int:
