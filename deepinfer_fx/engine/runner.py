@@ -36,7 +36,8 @@ from ..settings import usable_cores
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
 from .cache import CachePool
-from .graph_runner import DecodeRow, PrefillChunk, StepGraphs, VerifyChunk
+from .graph_runner import StepGraphs
+from .step_arena import DecodeRow, PrefillChunk, VerifyChunk
 from .options import StepOptions
 from .request import Sequence
 from .sampler import MODES, logprobs
