@@ -33,10 +33,10 @@ import time
 import torch
 
 from ..api import random_model
-from ..engine.graph_runner import DecodeRow, PrefillChunk
 from ..engine.llm import LLM
 from ..engine.request import Sequence
 from ..engine.sampling import SamplingParams
+from ..engine.step_arena import DecodeRow, PrefillChunk
 from .p8 import P8, p8_config, run_info, write_result
 from .timing import timed
 

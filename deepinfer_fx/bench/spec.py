@@ -36,11 +36,11 @@ import time
 import torch
 
 from ..api import Model, random_model
-from ..engine.graph_runner import DecodeRow, PrefillChunk, VerifyChunk
 from ..engine.llm import LLM
 from ..engine.request import Sequence
 from ..engine.sampling import SamplingParams
 from ..engine.spec_decode import SpecStats, snapshot
+from ..engine.step_arena import DecodeRow, PrefillChunk, VerifyChunk
 from .configs import bench_config
 from .e2e import _model, _prompts
 from .p8 import run_info, write_result

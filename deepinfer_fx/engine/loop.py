@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from ..sharding.lockstep import LockStep
 from .detok import Decode, find_stop, next_text, rest_text
 from .request import Sequence, Status
-from .runner import ModelRunner, StepHandle
+from .runner import ModelRunner
 from .scheduler import EngineType, Scheduler
 from .state_io import StateTransfer
+from .step_handle import StepHandle
 
 NON_FINITE = "the model's logits for this request were not finite (NaN or inf): check the weights and inputs"
 
@@ -90,7 +91,7 @@ class EngineLoop:
             def feed() -> None:
                 self._feed(prev_handle)
 
-        mask_before = self.runner.mask_s
+        mask_before = self.runner.grammar_masks.host_s
         sched = self.scheduler.schedule(now)
         if self.lockstep is not None and self.lockstep.any(sched is not None) and sched is None:
             self.runner.idle()  # another rank steps: its all-to-alls need this rank too
@@ -103,7 +104,7 @@ class EngineLoop:
             self._step += 1
             self.stats.host_launch += time.perf_counter() - now - self._fed_wait  # the wait is host_wait's
             self._fed_wait = 0.0
-            self.stats.host_mask += self.runner.mask_s - mask_before
+            self.stats.host_mask += self.runner.grammar_masks.host_s - mask_before
             if not self.overlap:
                 self._process(*cur)
                 cur = None
@@ -209,7 +210,7 @@ class EngineLoop:
             self._accept(seq, tok)
         elif tok < 0:
             seq.error = NON_FINITE
-        if seq.error is not None:  # also set at launch: a grammar that allows no token (runner.DEAD_GRAMMAR)
+        if seq.error is not None:  # also set at launch: a grammar that allows no token (grammar_masks.DEAD_GRAMMAR)
             self.finish(seq, "error", None, now)
             return
         p = seq.params

@@ -1,7 +1,7 @@
 """Speculative decoding's engine side: who speculates, drafts per step, and rollback.
 
 A speculating request (every request: one asking for logprobs gets every verify row's and keeps
-the emitted tokens'; one with a grammar gets a token mask per verify row, ``runner._verify_masks``)
+the emitted tokens'; one with a grammar gets a token mask per verify row, ``GrammarMasks.verify_rows``)
 runs verify steps instead of decode steps once its prompt is done:
 its last token and up to k drafts at positions ``start .. start + m`` go through one target
 forward (``StepGraphs.verify``); the device accepts a prefix of the drafts and writes the bonus

@@ -1,4 +1,5 @@
-"""A step's inputs: one int64 buffer per graph bucket, laid out once, copied to the device once.
+"""A step's inputs: one int64 buffer per graph bucket (``buckets``: powers of two), laid out once,
+copied to the device once.
 
 Every input of a compiled step (token ids, each chunk's slot, start and length, the logit rows,
 and the sampling controls of each sampled row) lives in one flat int64 buffer whose layout
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -37,6 +39,21 @@ FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p"})
 def float_bits(x: float) -> int:
     """The float32 bit pattern of ``x`` as a (signed) int32 value."""
     return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def buckets(limit: int, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to the first one >= ``limit``."""
+    out = [smallest]
+    while out[-1] < limit:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def bucket_for(n: int, choices: Sequence[int]) -> int:
+    for b in choices:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} does not fit the largest bucket {choices[-1]}")
 
 
 @dataclass(frozen=True)

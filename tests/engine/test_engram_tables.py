@@ -19,7 +19,8 @@ import deepinfer_fx
 from deepinfer_fx.api import Model
 from deepinfer_fx.config import config_from_dict, released_config
 from deepinfer_fx.engine import engram_tables
-from deepinfer_fx.engine.graph_runner import GREEDY, PrefillChunk, StepGraphs
+from deepinfer_fx.engine.graph_runner import StepGraphs
+from deepinfer_fx.engine.step_arena import GREEDY, PrefillChunk
 from deepinfer_fx.graphs.engram import EngramTable
 from deepinfer_fx.graphs.param_spec import build_tree
 from deepinfer_fx.graphs.params import param_specs

@@ -71,7 +71,7 @@ def test_captured_pieces_replay_the_tokens_of_uncaptured_steps(ckpt, monkeypatch
     compiled steps run without graphs and without overlap, constrained and free requests alike."""
     from types import SimpleNamespace
 
-    from deepinfer_fx.engine import graph_runner
+    from deepinfer_fx.engine import graph_capture
 
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
@@ -85,8 +85,8 @@ def test_captured_pieces_replay_the_tokens_of_uncaptured_steps(ckpt, monkeypatch
     ref = llm.generate(prompts, params)
     steps = llm.runner.steps
     written = _tensors(steps.state) + [steps.next_token]
-    monkeypatch.setattr(graph_runner, "DeviceGraph", lambda device_type, pool: _CpuGraph(written))
-    monkeypatch.setattr(graph_runner, "graph_api", lambda device_type: SimpleNamespace(graph_pool_handle=object))
+    monkeypatch.setattr(graph_capture, "DeviceGraph", lambda device_type, pool: _CpuGraph(written))
+    monkeypatch.setattr(graph_capture, "graph_api", lambda device_type: SimpleNamespace(graph_pool_handle=object))
     steps.graphs = True
     steps._entries.clear()  # the compiled pieces stay; their entries capture on their next first call
     llm._loop().overlap = True
