@@ -106,7 +106,7 @@ def streams_of_x_unserved(X: torch.Tensor, *args: Any) -> str | None:
 
 
 def pool_windows_unserved(kv: torch.Tensor, gate: Any, *args: Any) -> str | None:
-    rows_kv, rows_gate, slots, starts, lens, norm = args[:6]
+    norm = args[5]  # after rows_kv, rows_gate, slots, starts, lens: the latents' norm weight [dim]
     return compressor_unserved(norm.shape[0])
 
 
