@@ -56,7 +56,7 @@ def p8_projections() -> dict[str, tuple[int, int, bool, int]]:
 
 
 def _off(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
-    """What ``norm.project`` runs with the flag off (the swap's rule, ``passes/swaps.py``)."""
+    """What ``norm.project`` runs with the flag off (the swap's rule, ``passes/swap_calls.py``)."""
     if decode_sized(x, w):
         return torch.ops.deepinfer.skinny_linear(x, w, out_fp32)
     return torch.mm(x, w.T, out_dtype=torch.float32) if out_fp32 else F.linear(x, w)

@@ -119,7 +119,7 @@ def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w:
     each token's k results are summed in a fixed order (no atomics: batch-invariant). Experts
     held as stored (fp8, fp4) are dequantised to the activation dtype on every call
     (``dequant_experts``); compiled steps on a GPU run the kernel of their format instead
-    (``MoEExpertsSwap``)."""
+    (the ``moe_experts_kernel`` swap)."""
     if held_format(p):
         p = dequant_experts(p, x.dtype)
     t, k = idx.shape

@@ -81,6 +81,6 @@ def norm_rope(
 ) -> torch.Tensor:
     """``apply_rope(rms_norm(x, weight, eps), cos, sin)``: the normed query heads and K = V
     latent, rotated. One place, so a kernel can norm and rotate a row in one pass
-    (``passes/swaps_attention.py``) where the compiled step ran a norm, a rotation of the tail and a
+    (``passes/swaps.py``) where the compiled step ran a norm, a rotation of the tail and a
     concatenation of the two halves as three launches."""
     return apply_rope(rms_norm(x, weight, eps), cos, sin)

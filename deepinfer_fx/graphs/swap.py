@@ -3,9 +3,9 @@
 The model functions stay the reference math; two kinds of callers replace some of them while a
 step runs, without editing the model:
 
-- kernel swaps (``passes/swaps.py``, ``passes/swaps_attention.py``): named, disableable passes put a ``deepinfer`` op (a fused
-  Triton kernel on NVIDIA) in place of e.g. ``moe.routed_experts`` while a step is traced, so
-  the op appears in the captured graph and in its dumps;
+- kernel swaps (``passes/swaps.py``, one table row each): named, disableable passes put a
+  ``deepinfer`` op (a fused Triton kernel on NVIDIA) in place of e.g. ``moe.routed_experts``
+  while a step is traced, so the op appears in the captured graph and in its dumps;
 - sharding (``sharding/``): expert parallelism puts dispatch -> local experts -> combine in
   place of ``moe.expert_parallel`` (one process: every expert is local).
 

@@ -6,19 +6,19 @@ implementation that only computes output metadata, so torch.compile traces throu
 without running it. Accelerator kernels (Triton, torch_npu) later register per-device kernels
 on top of these and are tested against the references here.
 
-Where the model already has the math as a function in ``graphs/`` the reference calls it, so
-the op cannot drift from the model; where the math sits inline in a larger graphs function
-(mHC Sinkhorn, indexer scoring) the reference restates those lines and
-``tests/compile/test_ops.py`` pins it to the graphs function.
+Where the model already has the math as a function in ``graphs/`` the op is declared from it
+(``declare.declare_op``: its signature, its math), so the op cannot drift from the model;
+``tests/compile/test_ops.py`` pins every op to its graphs function.
 
 The ops are inference-only: no autograd formula is registered (``custom_op`` then raises on
 backward rather than silently returning wrong gradients).
-
-No ``from __future__ import annotations`` here: ``custom_op`` infers the schema from the real
-annotation objects.
 """
 
-from typing import Optional
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,238 +27,85 @@ from ..graphs.indexer import index_scores, score_topk
 from ..graphs.mhc import sinkhorn
 from ..graphs.moe import route_weights, routed_experts, shared_expert, swiglu_act
 from ..graphs.norm import rms_norm as _graphs_rms_norm
+from .declare import declare_op
 
-NAMESPACE = "deepinfer"
+# ``weight * x / rms(x)`` over the last dim, fp32 statistics, result in x's dtype.
+rms_norm = declare_op("rms_norm", _graphs_rms_norm, lambda x, **_: torch.empty_like(x))
 
+# ``silu(min(gate, limit)) * clamp(up, -limit, limit)`` in fp32 (limit 0: no clamps).
+swiglu_clamp = declare_op(
+    "swiglu_clamp",
+    swiglu_act,
+    lambda gate, up, **_: gate.new_empty(torch.broadcast_shapes(gate.shape, up.shape), dtype=torch.float32),
+)
 
-# --- RMSNorm -------------------------------------------------------------------------------
+# logits ``[..., n, n]`` -> the doubly-stochastic ``comb`` of ``graphs/mhc.py::mhc_coeffs``, in fp32.
+mhc_sinkhorn = declare_op(
+    "mhc_sinkhorn", sinkhorn, lambda logits, **_: logits.new_empty(logits.shape, dtype=torch.float32)
+)
 
+# q ``[..., T, H, d]`` over shared K = V ``[..., N, d]`` under an additive bias ``[..., T, N]``
+# with a per-head sink (``graphs/attention.py::mqa_with_sink``); ``ring_mqa``: decode attention
+# over the window ring and the entry pool where they lie (``mqa_ring``). einsum may hand back a
+# permuted view; the fake promises a contiguous tensor (``fresh``).
+sparse_mqa = declare_op("sparse_mqa", mqa_with_sink, lambda q, **_: q.new_empty(q.shape), fresh=True)
+ring_mqa = declare_op("ring_mqa", mqa_ring, lambda q, **_: q.new_empty(q.shape), fresh=True)
 
-@torch.library.custom_op(f"{NAMESPACE}::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """``weight * x / rms(x)`` over the last dim, fp32 statistics, result in x's dtype."""
-    return _graphs_rms_norm(x, weight, eps)
-
-
-@rms_norm.register_fake
-def _rms_norm_fake(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-# --- SwiGLU with clamp -----------------------------------------------------------------------
-
-
-@torch.library.custom_op(f"{NAMESPACE}::swiglu_clamp", mutates_args=())
-def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` in fp32 (limit 0: no clamps)."""
-    return swiglu_act(gate, up, limit)
-
-
-@swiglu_clamp.register_fake
-def _swiglu_clamp_fake(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    shape = torch.broadcast_shapes(gate.shape, up.shape)
-    return gate.new_empty(shape, dtype=torch.float32)
-
-
-# --- mHC Sinkhorn ----------------------------------------------------------------------------
-
-
-@torch.library.custom_op(f"{NAMESPACE}::mhc_sinkhorn", mutates_args=())
-def mhc_sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
-    """logits ``[..., n, n]`` -> the doubly-stochastic ``comb`` of ``graphs/mhc.py::mhc_coeffs``:
-    softmax over the last dim plus eps, a column normalisation, then ``iters - 1`` rounds of
-    row-then-column normalisation, all in fp32."""
-    return sinkhorn.reference(logits, eps, iters)
-
-
-@mhc_sinkhorn.register_fake
-def _mhc_sinkhorn_fake(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
-    return logits.new_empty(logits.shape, dtype=torch.float32)
-
-
-# --- sparse MQA with sink --------------------------------------------------------------------
-
-
-@torch.library.custom_op(f"{NAMESPACE}::sparse_mqa", mutates_args=())
-def sparse_mqa(
-    q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    """q ``[..., T, H, d]`` over shared K = V ``kv`` ``[..., N, d]`` with additive ``bias``
-    ``[..., T, N]`` (0 / -inf selects the window and the chosen compressed entries) and a
-    per-head sink ``[H]``; the leading dims are the model's groups of chunks ``[C]``. The
-    values' rotary tails are turned back by the queries' rope tables ``cos`` / ``sin``
-    ``[..., T, rd/2]``."""
-    # einsum may hand back a permuted view; the fake promises a contiguous tensor.
-    return mqa_with_sink.reference(q, kv, bias, sink, cos, sin).contiguous()
-
-
-@sparse_mqa.register_fake
-def _sparse_mqa_fake(
-    q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::ring_mqa", mutates_args=())
-def ring_mqa(
-    q: torch.Tensor,
-    ring: torch.Tensor,
-    slots: torch.Tensor,
-    pos: torch.Tensor,
-    entries: Optional[torch.Tensor],
-    entry_rows: Optional[torch.Tensor],
-    entry_bias: Optional[torch.Tensor],
-    sink: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    """Decode attention over the window ring and the entry pool where they lie
-    (``graphs/attention.py::mqa_ring``)."""
-    return mqa_ring.reference(q, ring, slots, pos, entries, entry_rows, entry_bias, sink, cos, sin).contiguous()
-
-
-@ring_mqa.register_fake
-def _ring_mqa_fake(
-    q: torch.Tensor,
-    ring: torch.Tensor,
-    slots: torch.Tensor,
-    pos: torch.Tensor,
-    entries: Optional[torch.Tensor],
-    entry_rows: Optional[torch.Tensor],
-    entry_bias: Optional[torch.Tensor],
-    sink: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    return q.new_empty(q.shape)
-
-
-# --- indexer scoring and top-k ---------------------------------------------------------------
-
-
-@torch.library.custom_op(f"{NAMESPACE}::indexer_topk", mutates_args=())
-def indexer_topk(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    head_w: torch.Tensor,
-    visible: torch.Tensor,
-    k: int,
-    slots: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Boolean ``[T, N]``: per query the top ``k`` visible entries by the V4 score
-    ``sum_h head_w[t, h] * relu(q[t, h] . keys[n])`` (the lines of ``graphs/indexer.py``
-    after its projections; ``head_w`` already carries the head scaling). With ``slots``, keys
-    is a pool read by slot (``index_scores``)."""
-    return score_topk.reference(q, keys, head_w, visible, k, slots)
-
-
-@indexer_topk.register_fake
-def _indexer_topk_fake(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    head_w: torch.Tensor,
-    visible: torch.Tensor,
-    k: int,
-    slots: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    return visible.new_empty(visible.shape, dtype=torch.bool)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::indexer_scores", mutates_args=())
-def indexer_scores(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    head_w: torch.Tensor,
-    visible: torch.Tensor,
-    dot_scale: float,
-    slots: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """fp32 ``[..., T, N]``: the indexer scores before the top-k, -inf where not ``visible``
-    (``graphs/indexer.py::index_scores``; V4.1 selects from them in two levels)."""
-    # einsum may hand back a permuted view; the fake promises a contiguous tensor.
-    return index_scores.reference(q, keys, head_w, visible, dot_scale, slots).contiguous()
-
-
-@indexer_scores.register_fake
-def _indexer_scores_fake(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    head_w: torch.Tensor,
-    visible: torch.Tensor,
-    dot_scale: float,
-    slots: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    return q.new_empty(visible.shape, dtype=torch.float32)
+# Boolean ``[T, N]``: per query the top ``k`` visible entries by the V4 indexer score
+# (``graphs/indexer.py::score_topk``); ``indexer_scores``: the fp32 scores before the top-k, -inf
+# where not visible (``index_scores``; V4.1 selects from them in two levels).
+indexer_topk = declare_op(
+    "indexer_topk", score_topk, lambda visible, **_: visible.new_empty(visible.shape, dtype=torch.bool)
+)
+indexer_scores = declare_op(
+    "indexer_scores",
+    index_scores,
+    lambda q, visible, **_: q.new_empty(visible.shape, dtype=torch.float32),
+    fresh=True,
+)
 
 
 # --- routed MoE experts ----------------------------------------------------------------------
 
-
-@torch.library.custom_op(f"{NAMESPACE}::moe_experts", mutates_args=())
-def moe_experts(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    idx: torch.Tensor,
-    weight: torch.Tensor,
-    limit: float,
-) -> torch.Tensor:
-    """x ``[T, D]`` through the routed experts ``idx`` ``[T, k]`` (w1/w3 ``[E, I, D]``,
-    w2 ``[E, D, I]``); the routing ``weight`` scales the hidden activation before w2 and the
-    sum over the k experts accumulates in fp32, so the result ``[T, D]`` is fp32."""
-    experts = {"w1": w1, "w3": w3, "w2": w2}
-    return routed_experts.reference(experts, limit, x, idx, weight)
+EXPERTS = ("w1", "w3", "w2")  # a routed expert's weights: gate and up [E, I, D], down [E, D, I]
 
 
-@moe_experts.register_fake
-def _moe_experts_fake(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    idx: torch.Tensor,
-    weight: torch.Tensor,
-    limit: float,
-) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=torch.float32)
+def experts_op(
+    name: str, weights: tuple[str, ...], math: Callable[..., torch.Tensor], *extra: tuple[str, type]
+) -> torch._library.custom_ops.CustomOpDef:
+    """Declare ``deepinfer::<name>(x, *weights, idx, weight, limit, *extra)`` -> fp32 ``[T, D]``:
+    x ``[T, D]`` through the routed experts ``idx`` ``[T, k]``, the routing ``weight`` scaling
+    the hidden activation before w2 and the sum over the k experts accumulating in fp32. The
+    family's arguments are spelled here once (the Triton launchers, ``kernels/triton/moe.py``,
+    take them in this order); ``math(x, weights_by_name, idx, weight, limit, *extra)``."""
+    arg = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    names = [("x", torch.Tensor), *((w, torch.Tensor) for w in weights)]
+    names += [("idx", torch.Tensor), ("weight", torch.Tensor), ("limit", float), *extra]
+    sig = inspect.Signature([inspect.Parameter(n, arg, annotation=t) for n, t in names], return_annotation=torch.Tensor)
+
+    def reference(*args: Any, **kwargs: Any) -> torch.Tensor:
+        a = sig.bind(*args, **kwargs).arguments
+        return math(a["x"], {w: a[w] for w in weights}, a["idx"], a["weight"], a["limit"], *(a[n] for n, _ in extra))
+
+    reference.__signature__ = sig  # type: ignore[attr-defined]
+    return declare_op(name, reference, lambda x, **_: x.new_empty(x.shape, dtype=torch.float32))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::moe_experts_shared", mutates_args=())
-def moe_experts_shared(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    sw1: torch.Tensor,
-    sw3: torch.Tensor,
-    sw2: torch.Tensor,
-    idx: torch.Tensor,
-    weight: torch.Tensor,
-    limit: float,
-) -> torch.Tensor:
-    """``moe_experts`` plus the shared expert (sw1/sw3 ``[I, D]``, sw2 ``[D, I]``, the routed
-    experts' dtype and I) added to each token's routed sum in fp32, the order of
-    ``graphs/moe.py::experts_with_shared``; one op so that a kernel can run the shared expert as
-    one more routed expert that every token takes with weight 1."""
-    routed = routed_experts.reference({"w1": w1, "w3": w3, "w2": w2}, limit, x, idx, weight)
-    return routed + shared_expert({"w1": sw1, "w3": sw3, "w2": sw2}, limit, x).float()
+moe_experts = experts_op(
+    "moe_experts", EXPERTS, lambda x, w, idx, weight, limit: routed_experts.reference(w, limit, x, idx, weight)
+)
 
 
-@moe_experts_shared.register_fake
-def _moe_experts_shared_fake(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    sw1: torch.Tensor,
-    sw3: torch.Tensor,
-    sw2: torch.Tensor,
-    idx: torch.Tensor,
-    weight: torch.Tensor,
-    limit: float,
-) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=torch.float32)
+def _with_shared(x: torch.Tensor, w: dict, idx: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
+    routed = routed_experts.reference({n: w[n] for n in EXPERTS}, limit, x, idx, weight)
+    return routed + shared_expert({n: w[f"s{n}"] for n in EXPERTS}, limit, x).float()
+
+
+# ``moe_experts`` plus the shared expert (sw1/sw3 ``[I, D]``, sw2 ``[D, I]``, the routed experts'
+# dtype and I) added to each token's routed sum in fp32, the order of
+# ``graphs/moe.py::experts_with_shared``; one op so that a kernel can run the shared expert as one
+# more routed expert that every token takes with weight 1.
+moe_experts_shared = experts_op("moe_experts_shared", (*EXPERTS, "sw1", "sw3", "sw2"), _with_shared)
 
 
 # --- Router ------------------------------------------------------------------------------------
@@ -268,7 +115,7 @@ ROUTE_MAX_EXPERTS = 1024
 ROUTE_KINDS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 
-def route_unserved(n_experts: int, k: int, kind: str, hashed: bool, has_bias: bool) -> Optional[str]:
+def route_unserved(n_experts: int, k: int, kind: str, hashed: bool, has_bias: bool) -> str | None:
     """Why the router kernel cannot serve a layer's routing, or None: too many experts for one
     program, a score function it does not know, or a learned choice (not hashed) without a
     selection bias or with more picks than experts."""
@@ -283,36 +130,14 @@ def route_unserved(n_experts: int, k: int, kind: str, hashed: bool, has_bias: bo
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::route_topk", mutates_args=())
-def route_topk(
-    logits: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ids: Optional[torch.Tensor],
-    k: int,
-    kind: str,
-    temp: float,
-    norm: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids ``[T, k]`` and routing weights ``[T, k]`` from router logits
-    (``graphs/moe.py::route_weights``); ``ids`` given (hash layers), they are the choice."""
-    idx, w = route_weights.reference(logits, bias, ids, k, kind, temp, norm, scale)
-    return (idx if ids is None else idx.clone()), w  # an op's outputs never alias its inputs
-
-
-@route_topk.register_fake
-def _route_topk_fake(
-    logits: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ids: Optional[torch.Tensor],
-    k: int,
-    kind: str,
-    temp: float,
-    norm: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_fake(logits: torch.Tensor, k: int, **_: object) -> tuple[torch.Tensor, torch.Tensor]:
     t = logits.shape[0]
     return logits.new_empty((t, k), dtype=torch.int64), logits.new_empty((t, k), dtype=torch.float32)
+
+
+# Expert ids ``[T, k]`` and routing weights ``[T, k]`` from router logits
+# (``graphs/moe.py::route_weights``); ``ids`` given (hash layers), a copy of them is the choice.
+route_topk = declare_op("route_topk", route_weights, _route_fake, fresh=True)
 
 
 # The OpOverloads, for passes that insert calls and for tests that run opcheck on each.

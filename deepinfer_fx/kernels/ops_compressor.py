@@ -9,59 +9,27 @@ kernel (``kernels/triton/compressor.py``) registers for CUDA on top.
 
 Declaring the ring as mutated lets torch.compile functionalise the call (an
 ``auto_functionalized`` node in the ATen graph) and Inductor write the ring in place again.
-
-No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
 from ..graphs.compressor import pool_windows
-from .ops import NAMESPACE
+from .declare import declare_op
 
 # The kernel's norm holds a pooled latent row whole in registers up to this many channels
 # (V4's head_dim is 512, its index_head_dim 128).
 MAX_DIM = 8192
 
 
-def compressor_unserved(dim: int) -> Optional[str]:
+def compressor_unserved(dim: int) -> str | None:
     """Why the compressor kernel cannot pool latents of ``dim`` channels, or None."""
     return None if dim <= MAX_DIM else f"{dim}-channel latents: the compressor kernel norms at most {MAX_DIM}"
 
 
-@torch.library.custom_op(f"{NAMESPACE}::compressor_pool", mutates_args=("rows_kv", "rows_gate"))
-def compressor_pool(
-    kv: torch.Tensor,
-    gate: Optional[torch.Tensor],
-    rows_kv: torch.Tensor,
-    rows_gate: torch.Tensor,
-    slots: torch.Tensor,
-    starts: torch.Tensor,
-    lens: torch.Tensor,
-    norm: torch.Tensor,
-    ratio: int,
-    overlap: bool,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kv / gate ``[C, L, width]`` fp32 (no gate: flat gates) -> window ids ``[C, n]`` long,
-    completion ``[C, n]`` bool and fp32 latents ``[C, n, dim]``, ``n = L // ratio + 1``."""
-    return pool_windows.reference(kv, gate, rows_kv, rows_gate, slots, starts, lens, norm, ratio, overlap, eps)
-
-
-@compressor_pool.register_fake
-def _compressor_pool_fake(
-    kv: torch.Tensor,
-    gate: Optional[torch.Tensor],
-    rows_kv: torch.Tensor,
-    rows_gate: torch.Tensor,
-    slots: torch.Tensor,
-    starts: torch.Tensor,
-    lens: torch.Tensor,
-    norm: torch.Tensor,
-    ratio: int,
-    overlap: bool,
-    eps: float,
+def _pool_fake(
+    kv: torch.Tensor, norm: torch.Tensor, ratio: int, **_: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     c, n = kv.shape[0], kv.shape[1] // ratio + 1
     return (
@@ -69,3 +37,8 @@ def _compressor_pool_fake(
         kv.new_empty((c, n), dtype=torch.bool),
         kv.new_empty((c, n, norm.shape[0]), dtype=torch.float32),
     )
+
+
+# kv / gate ``[C, L, width]`` fp32 (no gate: flat gates) -> window ids ``[C, n]`` long, completion
+# ``[C, n]`` bool and fp32 latents ``[C, n, dim]``, ``n = L // ratio + 1``.
+compressor_pool = declare_op("compressor_pool", pool_windows, _pool_fake, mutates_args=("rows_kv", "rows_gate"))

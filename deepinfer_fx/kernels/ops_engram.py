@@ -7,27 +7,19 @@ in place of ``graphs/engram.py::gather_rows``: the ids stay on the device and th
 (``kernels/triton/engram.py``) reads only their rows over the bus, so no step waits on the host
 and the op can be captured in a CUDA graph. The reference (CPU, or a table beside its ids) is
 ``gather_rows`` itself.
-
-No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
 from ..graphs.engram import gather_rows
-from .ops import NAMESPACE
+from .declare import declare_op
 
-_reference = getattr(gather_rows, "reference", gather_rows)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::engram_rows", mutates_args=())
-def engram_rows(weight: torch.Tensor, scale: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    """float32 ``[*ids.shape, head_dim]`` rows ``ids`` of ``weight`` (float8_e4m3fn with ue8m0 bytes
-    ``scale``, or unquantised), on ``ids.device``."""
-    return _reference(weight, scale, ids)
-
-
-@engram_rows.register_fake
-def _engram_rows_fake(weight: torch.Tensor, scale: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    return ids.new_empty((*ids.shape, weight.shape[1]), dtype=torch.float32)
+# float32 ``[*ids.shape, head_dim]`` rows ``ids`` of ``weight`` (float8_e4m3fn with ue8m0 bytes
+# ``scale``, or unquantised), on ``ids.device``.
+engram_rows = declare_op(
+    "engram_rows",
+    gather_rows,
+    lambda weight, ids, **_: ids.new_empty((*ids.shape, weight.shape[1]), dtype=torch.float32),
+)

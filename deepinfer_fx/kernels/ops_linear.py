@@ -14,11 +14,11 @@ kernel, each column tile reading its block's slice of x: at decode the batched m
 replaces is a cuBLAS launch that PDL cannot chain to.
 
 ``decode_sized`` is the domain the kernels are built for; the ``skinny_linear_kernel`` swap
-(``passes/swaps.py``) routes only such calls through the op and leaves the rest to the
+(``passes/swap_calls.py``) routes only such calls through the op and leaves the rest to the
 reference's GEMM.
-
-No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
+
+from __future__ import annotations
 
 import math
 
@@ -26,7 +26,7 @@ import torch
 
 from ..graphs.batch_invariant import fixed_order_matmul
 from ..graphs.norm import project, project_blocks
-from .ops import NAMESPACE
+from .declare import declare_op
 
 # Rows up to which a call counts as decode-sized. Measured on the H200 at P8 widths
 # (bench/results/skinny_linear_p8.json): the kernel matches or beats cuBLAS by 1-14 % at 1 and
@@ -52,50 +52,35 @@ def decode_sized(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
-    """x ``[M, K]``, w ``[N, K]`` -> ``x @ w.T`` ``[M, N]`` in x's dtype, or fp32 (``out_fp32``)."""
-    return project.reference(x, w, out_fp32)  # type: ignore[attr-defined]
+def _rows_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool, **_: object) -> torch.Tensor:
+    """``[M, N]`` for x ``[M, K]`` and w ``[N, K]``, in x's dtype or fp32."""
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::skinny_linear_group", mutates_args=())
-def skinny_linear_group(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
+# x ``[M, K]``, w ``[N, K]`` -> ``x @ w.T`` ``[M, N]`` in x's dtype, or fp32 (``out_fp32``).
+skinny_linear = declare_op("skinny_linear", project, _rows_fake)
+
+
+def _skinny_linear_group(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
     """``[skinny_linear(x, w, out_fp32) for w in ws]``: projections of one input, which a
     kernel may stream as one weight (``passes/grouping.py`` forms the groups)."""
     return [project.reference(x, w, out_fp32) for w in ws]  # type: ignore[attr-defined]
 
 
-@skinny_linear_group.register_fake
-def _skinny_linear_group_fake(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
-    return [x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype) for w in ws]
+skinny_linear_group = declare_op(
+    "skinny_linear_group",
+    _skinny_linear_group,
+    lambda x, ws, out_fp32: [_rows_fake(x, w, out_fp32) for w in ws],
+)
 
+# x ``[M, G*K]`` times the block-diagonal weight of w's ``G`` row blocks (w ``[G*R, K]``) ->
+# ``[M, G*R]`` in x's dtype: ``graphs/norm.py::project_blocks`` (the grouped ``wo_a``).
+skinny_linear_blocks = declare_op(
+    "skinny_linear_blocks", project_blocks, lambda x, w, **_: x.new_empty(x.shape[0], w.shape[0])
+)
 
-@skinny_linear.register_fake
-def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::skinny_linear_blocks", mutates_args=())
-def skinny_linear_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
-    """x ``[M, G*K]`` times the block-diagonal weight of w's ``G`` row blocks (w ``[G*R, K]``) ->
-    ``[M, G*R]`` in x's dtype: ``graphs/norm.py::project_blocks`` (the grouped ``wo_a``)."""
-    return project_blocks.reference(x, w, blocks)  # type: ignore[attr-defined]
-
-
-@skinny_linear_blocks.register_fake
-def _skinny_linear_blocks_fake(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
-@torch.library.custom_op(f"{NAMESPACE}::bi_matmul", mutates_args=())
-def bi_matmul(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
-    """x ``[M, K]`` @ w ``[N, K]``.T with a reduction order that does not depend on M
-    (batch-invariant inference: ``passes/batch_invariant.py``), in x's dtype or fp32. The CPU
-    kernel is ``graphs/batch_invariant.py::fixed_order_matmul``; CUDA's is
-    ``kernels/triton/batch_invariant.py`` (fixed tiles, no split-K)."""
-    return fixed_order_matmul(x, w, out_fp32)
-
-
-@bi_matmul.register_fake
-def _bi_matmul_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype)
+# x ``[M, K]`` @ w ``[N, K]``.T with a reduction order that does not depend on M (batch-invariant
+# inference: ``passes/batch_invariant.py``), in x's dtype or fp32. The CPU kernel is
+# ``graphs/batch_invariant.py::fixed_order_matmul``; CUDA's is ``kernels/triton/batch_invariant.py``
+# (fixed tiles, no split-K).
+bi_matmul = declare_op("bi_matmul", fixed_order_matmul, _rows_fake)

@@ -11,57 +11,27 @@ The reference is the graphs function itself.
 ``mhc_head`` is ``graphs/mhc.py::hc_head``, the same GEMV (``N`` rows of ``fn``), ``pre`` alone
 and the collapse with it, once a step; compiled it is ~5 launches at decode, two of them cuBLAS's
 dot and its reduction. The Triton launcher runs it through the site's two kernels.
-
-No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
-from ..graphs.mhc import hc_head as _graphs_hc_head
-from ..graphs.mhc import mhc_site as _graphs_mhc_site
-from .ops import NAMESPACE
+from ..graphs.mhc import hc_head, mhc_site as _graphs_mhc_site
+from .declare import declare_op
 
 # The mHC kernels (site, head, Sinkhorn) hold a stream count's n x n tile: a power of two up to this.
 MAX_STREAMS = 16
 
 
-def streams_unserved(n: int) -> Optional[str]:
+def streams_unserved(n: int) -> str | None:
     """Why the mHC kernels cannot tile ``n`` streams (``hc_mult``), or None; every released model has 4."""
     if 0 < n <= MAX_STREAMS and not n & (n - 1):
         return None
     return f"{n} mHC streams: the mHC kernels tile a power of two up to {MAX_STREAMS}"
 
 
-@torch.library.custom_op(f"{NAMESPACE}::mhc_site", mutates_args=())
-def mhc_site(
-    X: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-    iters: int,
-    pre_in: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """X ``[..., N, D]`` -> fp32 pre ``[..., N]``, post ``[..., N]``, comb ``[..., N, N]`` and the
-    collapsed ``u`` ``[..., D]`` in X's dtype (all contiguous)."""
-    outs = _graphs_mhc_site.reference(X, fn, base, scale, rms_eps, hc_eps, iters, pre_in)  # type: ignore[attr-defined]
-    return tuple(t.contiguous() for t in outs)  # type: ignore[return-value]
-
-
-@mhc_site.register_fake
-def _mhc_site_fake(
-    X: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-    iters: int,
-    pre_in: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _site_fake(X: torch.Tensor, **_: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     lead, n, d = X.shape[:-2], X.shape[-2], X.shape[-1]
     return (
         X.new_empty((*lead, n), dtype=torch.float32),
@@ -71,27 +41,10 @@ def _mhc_site_fake(
     )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::mhc_head", mutates_args=())
-def mhc_head(
-    X: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-) -> torch.Tensor:
-    """X ``[..., N, D]``, fn ``[N, N*D]``, base ``[N]``, scale ``[1]`` -> the collapsed streams
-    ``[..., D]`` in X's dtype (contiguous)."""
-    return _graphs_hc_head.reference(X, fn, base, scale, rms_eps, hc_eps).contiguous()  # type: ignore[attr-defined]
+# X ``[..., N, D]`` -> fp32 pre ``[..., N]``, post ``[..., N]``, comb ``[..., N, N]`` and the
+# collapsed ``u`` ``[..., D]`` in X's dtype (all contiguous).
+mhc_site = declare_op("mhc_site", _graphs_mhc_site, _site_fake, fresh=True)
 
-
-@mhc_head.register_fake
-def _mhc_head_fake(
-    X: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-) -> torch.Tensor:
-    return X.new_empty((*X.shape[:-2], X.shape[-1]))
+# X ``[..., N, D]``, fn ``[N, N*D]``, base ``[N]``, scale ``[1]`` -> the collapsed streams
+# ``[..., D]`` in X's dtype (contiguous).
+mhc_head = declare_op("mhc_head", hc_head, lambda X, **_: X.new_empty((*X.shape[:-2], X.shape[-1])), fresh=True)

@@ -24,24 +24,22 @@ again, so the swap stays a functional rewrite. Inductor's own code for the inter
 its tail. Compiled as written at a small decode it was three launches a call (the norm kernel,
 Inductor's rotation of the tail, the concatenation of the halves), twice a layer (the query
 heads, the K = V latent).
-
-No ``from __future__ import annotations``: ``custom_op`` infers the schema from the annotations.
 """
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
 from ..graphs.rope import apply_rope, cos_sin, norm_rope
-from .ops import NAMESPACE
+from .declare import declare_op
 
 # The norm kernel holds rows up to this many channels whole in registers; only those it rotates.
 NORM_ROPE_MAX_WIDTH = 16384
 
 
 def norm_rope_unserved(
-    x_shape: torch.Size, weight_shape: Optional[torch.Size], table_shape: torch.Size, sin_shape: torch.Size
-) -> Optional[str]:
+    x_shape: torch.Size, weight_shape: torch.Size | None, table_shape: torch.Size, sin_shape: torch.Size
+) -> str | None:
     """Why the norm kernel cannot norm and rotate rows of ``x_shape`` (``rms_norm_rope``), or
     None: it takes a weight of the row's width, tables with exactly x's leading dims, and rows
     of an even width it holds whole."""
@@ -55,21 +53,20 @@ def norm_rope_unserved(
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::rope_table", mutates_args=())
-def rope_table(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_table(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos`` and ``sin`` ``[*positions.shape, len(freq)]`` of ``positions * freq``."""
-    cos, sin = cos_sin.reference(positions, freq)
-    return cos.contiguous(), sin.contiguous()
+    return cos_sin.reference(positions, freq)  # type: ignore[attr-defined]
 
 
-@rope_table.register_fake
-def _rope_table_fake(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _table_fake(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (*positions.shape, freq.shape[0])
     return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::rope_", mutates_args=("x",))
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> None:
+rope_table = declare_op("rope_table", _rope_table, _table_fake, fresh=True)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> None:
     """x ``[*P, ..., d]`` becomes ``apply_rope(x, cos, sin, inverse)``: its last ``2 * cos.shape[-1]``
     channels rotate in place; cos / sin ``[*P, rd/2]`` have exactly x's leading dims (broadcast
     over the middle ones only)."""
@@ -77,17 +74,15 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) 
     x[..., -rd:] = apply_rope.reference(x[..., -rd:], cos, sin, inverse)  # type: ignore[attr-defined]
 
 
-@torch.library.custom_op(f"{NAMESPACE}::rms_norm_rope", mutates_args=())
-def rms_norm_rope(
-    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor
+rope_ = declare_op("rope_", _rope, mutates_args=("x",))
+
+
+def _rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """``apply_rope(rms_norm(x, weight, eps), cos, sin)`` with ``torch.empty_like(x)``'s layout;
     cos / sin ``[*P, rd/2]`` have exactly x's leading dims (broadcast over the middle ones)."""
     return torch.empty_like(x).copy_(norm_rope.reference(x, weight, eps, cos, sin))  # type: ignore[attr-defined]
 
 
-@rms_norm_rope.register_fake
-def _rms_norm_rope_fake(
-    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    return torch.empty_like(x)
+rms_norm_rope = declare_op("rms_norm_rope", _rms_norm_rope, lambda x, **_: torch.empty_like(x))

@@ -32,7 +32,6 @@ ENV_DISABLE = "DEEPINFER_DISABLE_PASSES"
 _BUILTIN_PASS_MODULES: tuple[str, ...] = (
     "deepinfer_fx.passes.fusion",
     "deepinfer_fx.passes.swaps",
-    "deepinfer_fx.passes.swaps_attention",
     "deepinfer_fx.passes.grouping",
 )
 
@@ -59,8 +58,13 @@ class GraphPass(ABC):
 
     def declines(self) -> tuple[str, ...]:
         """Why the pass left calls to the reference since it was last asked (a kernel swap whose
-        kernel cannot serve a shape, ``swaps.py``); asking clears them. Most passes decline nothing."""
+        kernel cannot serve a shape, ``kernel_swap.py``); asking clears them. Most passes decline nothing."""
         return ()
+
+    @property
+    def declared_in(self) -> str:
+        """The module that declares the pass, which places it in the pipeline (``registered_passes``)."""
+        return type(self).__module__
 
     @cached_property
     def _uuid(self) -> str:
@@ -89,15 +93,23 @@ _REGISTRY: dict[str, GraphPass] = {}
 def register_pass(cls: type[GraphPass]) -> type[GraphPass]:
     """Class decorator: instantiate the pass and add it to the registry (registration order is
     pipeline order)."""
-    inst = cls()
+    add_pass(cls())
+    return cls
+
+
+def add_pass(inst: GraphPass) -> None:
+    """Add a pass instance to the registry (``register_pass``; the kernel swaps' table rows)."""
     bad = set(inst.accelerators) - set(ACCELERATORS)
     if bad:
         raise ValueError(f"pass {inst.name!r} names unknown accelerators {sorted(bad)}; known: {list(ACCELERATORS)}")
     old = _REGISTRY.get(inst.name)
-    if old is not None and type(old).__qualname__ != cls.__qualname__:
-        raise ValueError(f"two passes are named {inst.name!r}: {type(old).__qualname__} and {cls.__qualname__}")
-    _REGISTRY[inst.name] = inst  # re-registering the same class (a module reload) replaces it
-    return cls
+    if old is not None and (old.declared_in, type(old).__qualname__) != (inst.declared_in, type(inst).__qualname__):
+        raise ValueError(f"two passes are named {inst.name!r}: {_origin(old)} and {_origin(inst)}")
+    _REGISTRY[inst.name] = inst  # re-registering the same pass (a module reload) replaces it
+
+
+def _origin(p: GraphPass) -> str:
+    return f"{type(p).__qualname__} of {p.declared_in}"
 
 
 def registered_passes() -> dict[str, GraphPass]:
@@ -107,7 +119,7 @@ def registered_passes() -> dict[str, GraphPass]:
     for module in _BUILTIN_PASS_MODULES:
         importlib.import_module(module)
     rank = {m: i for i, m in enumerate(_BUILTIN_PASS_MODULES)}
-    ordered = sorted(_REGISTRY.items(), key=lambda kv: rank.get(type(kv[1]).__module__, len(rank)))  # stable
+    ordered = sorted(_REGISTRY.items(), key=lambda kv: rank.get(kv[1].declared_in, len(rank)))  # stable
     return dict(ordered)
 
 

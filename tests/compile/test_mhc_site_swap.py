@@ -16,11 +16,12 @@ import torch
 from deepinfer_fx.graphs.mhc import hc_head, mhc_expand, mhc_site
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
-from deepinfer_fx.passes.swaps import MHCSiteSwap, SinkhornSwap
+from deepinfer_fx.passes.manager import registered_passes
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
-SWAP = MHCSiteSwap.name
+SITE, SINKHORN = registered_passes()["mhc_site_kernel"], registered_passes()["mhc_sinkhorn_kernel"]
+SWAP = SITE.name
 N, D, RMS_EPS, HC_EPS, ITERS = 4, 24, 1e-6, 1e-6, 20
 
 
@@ -81,8 +82,8 @@ def test_compiled_sites_equal_eager(which: str, enabled: bool, tokens: int) -> N
     rewrites = be.rewrites()
     fused = enabled
     assert len(be.graphs) == 1 and rewrites.get(SWAP, 0) == 2 * int(fused), f"seed={seed}"
-    assert rewrites.get(SinkhornSwap.name, 0) == 2 * int(not fused), f"seed={seed}"
-    assert mhc_site.place == MHCSiteSwap.place  # type: ignore[attr-defined]
+    assert rewrites.get(SINKHORN.name, 0) == 2 * int(not fused), f"seed={seed}"
+    assert mhc_site.place == SITE.place  # type: ignore[attr-defined]
 
 
 def _head_params(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,14 +19,16 @@ from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.graphs import moe
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
-from deepinfer_fx.passes.swaps import FOLD_MAX_TOKENS, MoEExpertsSwap, MoESharedSwap
+from deepinfer_fx.passes.manager import registered_passes
+from deepinfer_fx.passes.swap_calls import FOLD_MAX_TOKENS
 from deepinfer_fx.sharding import eplb
 from deepinfer_fx.sharding.ep import ep_group
 from deepinfer_fx.sharding.parallel import ep_swaps
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
-FUSED, ROUTED = MoESharedSwap.name, MoEExpertsSwap.name
+SHARED = registered_passes()["moe_shared_fused_kernel"]
+FUSED, ROUTED = SHARED.name, registered_passes()["moe_experts_kernel"].name
 LAYER, T = 1, 7  # a layer with learned routing; decode-sized
 
 
@@ -77,7 +79,7 @@ def test_eager_swap_equals_reference() -> None:
     seed = _seed()
     c, p, x, ids, real = _layer(seed)
     want = moe.moe(p, c, x, ids, real)
-    with swapped(MoESharedSwap().swap()):
+    with swapped(SHARED.swap()):
         assert torch.equal(moe.moe(p, c, x, ids, real), want), f"seed={seed}"
 
 

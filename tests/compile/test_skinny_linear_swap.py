@@ -12,12 +12,13 @@ from deepinfer_fx.graphs.norm import linear, linear_fp32, project, project_block
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.kernels.ops_linear import MAX_ROWS, decode_sized
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
-from deepinfer_fx.passes.swaps import SkinnyBlocksSwap, SkinnyLinearSwap
+from deepinfer_fx.passes.manager import registered_passes
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
-SWAP = SkinnyLinearSwap.name
-BLOCKS = SkinnyBlocksSwap.name
+LINEAR, BLOCKS_SWAP = registered_passes()["skinny_linear_kernel"], registered_passes()["skinny_linear_blocks_kernel"]
+SWAP = LINEAR.name
+BLOCKS = BLOCKS_SWAP.name
 BF16 = torch.bfloat16
 
 
@@ -67,7 +68,7 @@ def test_replacement_equals_reference_eagerly() -> None:
     seed = _seed()
     args = _inputs(seed)
     want = block(*args)
-    with swapped(SkinnyLinearSwap().swap()):
+    with swapped(LINEAR.swap()):
         got = block(*args)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and a.shape == b.shape, f"seed={seed} output {i}"
@@ -90,7 +91,7 @@ def test_compiled_swap_equals_eager(enabled: bool) -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed} output {i}: {m}")
     assert len(be.graphs) == 1 and be.rewrites().get(SWAP, 0) == 3 * int(enabled), f"seed={seed}"
     assert (SWAP in be.pipeline.names) == enabled
-    assert project.place == SkinnyLinearSwap.place  # type: ignore[attr-defined]
+    assert project.place == LINEAR.place  # type: ignore[attr-defined]
 
 
 def grouped(o: torch.Tensor, wa: torch.Tensor, big: torch.Tensor, odd: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -130,4 +131,4 @@ def test_blocks_swap_compiled_equals_eager(enabled: bool) -> None:
         assert a.dtype == b.dtype and a.shape == b.shape, f"seed={seed} output {i}"
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed} output {i}: {m}")
     assert len(be.graphs) == 1 and be.rewrites().get(BLOCKS, 0) == 2 * int(enabled), f"seed={seed} {be.rewrites()}"
-    assert project_blocks.place == SkinnyBlocksSwap.place  # type: ignore[attr-defined]
+    assert project_blocks.place == BLOCKS_SWAP.place  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ so their effect is reproduced here:
   ``skinny_linear`` calls are laid out as an FX graph (a placeholder per input tensor they view,
   one per weight) and the pass itself groups them.
 
-Kernel swaps that decline a call (``KernelSwap.unserved``) are collected with their reasons.
+Kernel swaps that decline a call (``SwapRow.unserved``) are collected with their reasons.
 Only in a process without ``TRITON_INTERPRET`` (``sm90_ptxas.compile_in_subprocess``)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.kernels.triton import pdl, register_nvidia_kernels
 from deepinfer_fx.passes.grouping import SkinnyLinearGroup
 from deepinfer_fx.passes.manager import build_pipeline
-from deepinfer_fx.passes.swaps import KernelSwap
+from deepinfer_fx.passes.kernel_swap import KernelSwap
 
 # (kind, tokens): decode batches on each side of the launchers' size rules (skinny GEMVs up to
 # 16 rows, the shared-expert fold and ring attention at 64, the mHC one-tile schedule up to

@@ -24,7 +24,7 @@ from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.io.checkpoint import CheckpointError
 from deepinfer_fx.io.loader import held_experts
 from deepinfer_fx.io.quant import quant_fp8_block, quant_mxfp4, ue8m0_to_float
-from deepinfer_fx.passes.swaps import MoEExpertsSwap
+from deepinfer_fx.passes.manager import registered_passes
 
 SEED = 7
 EXPERTS = "layers.1.ffn.experts"
@@ -106,7 +106,7 @@ def test_ops_and_swap_match_the_eager_path(ckpt: tuple[str, Path]) -> None:
     w = torch.rand(t, k, generator=g)
     want = routed_experts(dequant_experts(p, torch.float32), 10.0, x, idx, w)
     torch.testing.assert_close(routed_experts(p, 10.0, x, idx, w), want, rtol=0, atol=0)
-    with swapped(MoEExpertsSwap().swap()):
+    with swapped(registered_passes()["moe_experts_kernel"].swap()):
         torch.testing.assert_close(routed_experts(p, 10.0, x, idx, w), want, rtol=0, atol=0)
 
 
@@ -189,6 +189,6 @@ def test_cuda_held_experts_and_the_triton_kernel_match(ckpt: tuple[str, Path]) -
     want = deepinfer_fx.load_model(path, dtype=torch.float32, device="cuda", expert_format="dequant")
     ids = random.Random(SEED).choices(range(3, want.config.vocab_size), k=24)
     ref = deepinfer_fx.logits(want, ids)
-    with swapped(MoEExpertsSwap().swap()):
+    with swapped(registered_passes()["moe_experts_kernel"].swap()):
         out = deepinfer_fx.logits(got, ids)
     assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
