@@ -15,7 +15,7 @@ them all):
 (a) ``--requests`` greedy requests (prompts of ``--prompt-lens`` tokens, fixed seed) in two
     ``generate`` calls, compared with the reference: max |logprob diff| over the top-5 entries
     up to each request's first differing token within ``--logprob-tol``, and tokens equal
-    except near-tie flips (``compare``; counted and listed in the JSON);
+    except near-tie flips (``mesh_checks.compare``; counted and listed in the JSON);
 (d) with ``--eplb``, ``rebalance_experts()`` between the two calls (the EPLB shuffle mid-run),
     with the redundant experts the engine adds (``DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS``,
     rounded up to a multiple of the EP degree; checked and reported);
@@ -29,34 +29,24 @@ for now. The JSON's ``engine.steps`` says which ran, for the mesh and for the re
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import random
 import sys
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..api import random_model
-from ..config import ModelConfig, config_from_dict
-from ..demo import DEMO_CONFIG
+from ..config import ModelConfig
 from ..engine.llm import LLM
 from ..engine.sampling import SamplingParams
-from ..settings import setting
-from ..sharding.eplb import EXTRA_EXPERTS_ENV, ExpertPlacement
-from ..sharding.mesh import MeshSpec, parse_mesh
+from ..sharding.mesh import MeshSpec
 from ..sharding.world import init_world
+from .mesh_checks import compare, expert_counts, serve, steps_kind
+from .mesh_setup import MULTICAST_OFF, free_memory, ints, make_prompts, model_config, rank_device, world_meshes
 from .mesh_steps import measure
-from .p8 import P8, p8_config, run_info, write_result
+from .p8 import run_info, write_result
 
-# the device README: NVLink multicast stays off on the lent machines
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TOP_LOGPROBS = 5
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,141 +86,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def world_meshes(texts: list[str]) -> list[MeshSpec]:
-    """The meshes asked for, checked against the launched world; one-line errors."""
-    try:
-        specs = [parse_mesh(t) for t in texts]
-    except ValueError as e:
-        raise SystemExit(f"mesh bench: {e}") from None
-    sizes = sorted({s.world_size for s in specs})
-    if sizes[0] == 1:
-        raise SystemExit("mesh bench: every mesh needs 2+ ranks (the one-process reference runs on rank 0 by itself)")
-    if len(sizes) > 1:
-        raise SystemExit(
-            f"mesh bench: meshes {' '.join(texts)} need different world sizes {sizes}; launch once per world size"
-        )
-    n = sizes[0]
-    launched = os.environ.get("WORLD_SIZE")
-    if launched is None:
-        raise SystemExit(
-            f"mesh bench: mesh {specs[0]} needs {n} processes; launch with torchrun --nproc-per-node {n} -m deepinfer_fx.bench.mesh ..."
-        )
-    if int(launched) != n:
-        raise SystemExit(
-            f"mesh bench: mesh {specs[0]} needs {n} ranks but torchrun started {launched}; use --nproc-per-node {n}"
-        )
-    return specs
-
-
-def rank_device() -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if local >= torch.cuda.device_count():
-        raise SystemExit(
-            f"mesh bench: local rank {local} has no GPU ({torch.cuda.device_count()} visible); lower --nproc-per-node"
-        )
-    return torch.device("cuda", local)
-
-
-def model_config(tiny: bool, layers: int) -> ModelConfig:
-    base = {k: v for k, v in DEMO_CONFIG.items() if k not in ("quantization_config", "expert_dtype")} if tiny else P8
-    most = base["num_hidden_layers"]
-    if not 1 <= layers <= most:
-        raise SystemExit(
-            f"mesh bench: --layers must lie in [1, {most}] for the {'demo' if tiny else 'P8'} widths, got {layers}"
-        )
-    cut = {
-        "num_hidden_layers": layers,
-        "compress_ratios": base["compress_ratios"][:layers],
-        "num_hash_layers": min(base["num_hash_layers"], layers),
-        "num_nextn_predict_layers": 0,
-    }
-    return (
-        p8_config(**cut)
-        if not tiny
-        else config_from_dict({**base, **cut}, where="demo widths").replace(fake_quant=False)
-    )
-
-
-def make_prompts(n: int, lens: list[int], vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(lens[i % len(lens)])] for i in range(n)]
-
-
-def _imbalance(placement: ExpertPlacement, loads: torch.Tensor) -> float:
-    """Busiest EP rank's share of the measured loads over the mean rank's, under ``placement``."""
-    per_rank = placement.rank_loads(loads.cpu())
-    return round(float(per_rank.max() / per_rank.mean()), 4)
-
-
-def serve(llm: LLM, prompts: list[list[int]], params: SamplingParams, rebalance: bool) -> tuple[list, dict | None]:
-    """(token ids, logprobs) per request, served in two ``generate`` calls; with ``rebalance``
-    the experts are re-placed between them (every rank calls this alike)."""
-    half = len(prompts) // 2
-    outs = llm.generate(prompts[:half], params)
-    shuffle = None
-    if rebalance:
-        ep = llm.ranks.ep
-        loads = ep.loads.clone()
-        dist.all_reduce(loads, group=ep.process_group)  # what rebalance plans from: the EP group's sum
-        before = ep.placement
-        llm.rebalance_experts()
-        after = llm.ranks.ep.placement
-        shuffle = {
-            "slots_moved": sum(a != b for a, b in zip(before.phys_to_logical, after.phys_to_logical)),
-            "rank_load_imbalance_before": _imbalance(before, loads),
-            "rank_load_imbalance_after": _imbalance(after, loads),
-        }
-    outs += llm.generate(prompts[half:], params)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], shuffle
-
-
-def compare(got: list, want: list, tol: float) -> dict[str, Any]:
-    """Greedy outputs against the reference, as vLLM's ``check_logprobs_close`` judges them:
-    logprobs are compared on the entries both hold up to and including each request's first
-    differing token (after it the contexts differ); a differing token passes only as a near-tie
-    flip, where each run holds the other's token among its top entries and the reference's two
-    candidates lie within ``tol`` of each other (a random-weight model has many such ties, and
-    bf16 on a different batch split breaks them either way)."""
-    mismatched, diff = [], 0.0
-    for i, ((ids, lps), (ref_ids, ref_lps)) in enumerate(zip(got, want)):
-        first = next((j for j, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
-        for a, b in zip(lps[: first + 1], ref_lps[: first + 1]):
-            diff = max([diff] + [abs(a[k] - b[k]) for k in a.keys() & b.keys()])
-        if ids != ref_ids:
-            tie = first < min(len(ids), len(ref_ids)) and _near_tie(
-                lps[first], ref_lps[first], ids[first], ref_ids[first], tol
-            )
-            mismatched.append({"request": i, "first_differing_token": first, "near_tie": tie})
-    ties = sum(m["near_tie"] for m in mismatched)
-    return {
-        "tokens_equal": not mismatched,
-        "near_tie_flips": ties,
-        "mismatched": mismatched,
-        "max_logprob_diff": diff,
-        "logprob_tol": tol,
-        "ok": ties == len(mismatched) and len(got) == len(want) and diff <= tol,
-    }
-
-
-def _near_tie(lp: dict, ref_lp: dict, tok: int, ref_tok: int, tol: float) -> bool:
-    return tok in ref_lp and ref_tok in lp and ref_lp[ref_tok] - ref_lp[tok] <= tol and lp[tok] - lp[ref_tok] <= tol
-
-
-def expert_counts(llm: LLM) -> dict[str, Any]:
-    p, extra = llm.ranks.ep.placement, setting(EXTRA_EXPERTS_ENV)
-    return {
-        "n_logical": p.n_logical,
-        "extra_asked": extra,
-        "n_physical": p.n_physical,
-        "ep": p.ep_degree,
-        "slots_per_rank": p.slots_per_rank,
-        "rounded_to_ep": p.n_physical % p.ep_degree == 0
-        and p.n_logical + extra <= p.n_physical < p.n_logical + extra + p.ep_degree,
-    }
-
-
 def timing_rows(llm: LLM, args: argparse.Namespace, host: dist.ProcessGroup | None) -> dict[tuple[str, int], dict]:
     """Every timed row on ``llm``; rank 0 prints each as it lands, so a run cut short by a
     time limit or a later failure still reports the rows it measured."""
@@ -242,7 +97,7 @@ def timing_rows(llm: LLM, args: argparse.Namespace, host: dist.ProcessGroup | No
         "seed": args.seed,
         "host": host,
     }
-    todo = [("decode", b) for b in _ints(args.decode_batches)] + [("prefill", t) for t in _ints(args.prefill_tokens)]
+    todo = [("decode", b) for b in ints(args.decode_batches)] + [("prefill", t) for t in ints(args.prefill_tokens)]
     rows = {}
     for kind, size in todo:
         rows[kind, size] = measure(llm, kind, size, **kw)
@@ -250,20 +105,6 @@ def timing_rows(llm: LLM, args: argparse.Namespace, host: dist.ProcessGroup | No
             where = "one gpu" if host is None else str(llm.ranks.spec)
             print(f"  [{where}] {kind} {size}: {rows[kind, size]}", flush=True)
     return rows
-
-
-def steps_kind(llm: LLM) -> str:
-    """How the engine steps: "compiled", "eager+kernels" (cp meshes: eager with the kernel
-    swaps in force) or "eager" (the reference math)."""
-    if llm.options.steps.compiled:
-        return "compiled"
-    return "eager+kernels" if "attention.mqa_with_sink" in llm.runner.swaps else "eager"
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def mesh_result(
@@ -328,7 +169,7 @@ def mesh_result(
         "experts": experts,
         "correctness": {
             "requests": args.requests,
-            "prompt_lens": _ints(args.prompt_lens),
+            "prompt_lens": ints(args.prompt_lens),
             "max_tokens": args.max_tokens,
             **check,
             "eplb": shuffle,
@@ -350,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
     tol = args.logprob_tol if args.logprob_tol is not None else (1e-4 if dtype == torch.float32 else 5e-2)
-    lens, batches, chunks = _ints(args.prompt_lens), _ints(args.decode_batches), _ints(args.prefill_tokens)
+    lens, batches, chunks = ints(args.prompt_lens), ints(args.decode_batches), ints(args.prefill_tokens)
     # compiled prefill graphs must hold the largest timed chunk, so the token budget covers it
     engine = {
         "max_num_seqs": max(batches + [1]),
@@ -372,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         ref_steps = steps_kind(ref)
         one_gpu = timing_rows(ref, args, None)
         del ref
-        _free(device)
+        free_memory(device)
     dist.barrier(group=host)
 
     failed = []
@@ -383,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         got, shuffle = serve(llm, prompts, params, rebalance=args.eplb)
         mesh_rows = timing_rows(llm, args, host)
         del llm
-        _free(device)
+        free_memory(device)
         if rank == 0:
             steps = {"mesh": mesh_steps, "one_gpu": ref_steps}
             result = mesh_result(

@@ -17,30 +17,20 @@ slower per byte (session 10), which this isolates.
 
 ``--sweep T`` times tile candidates at T tokens, gate/up then down, the other kernel's tiles as
 chosen: the prefill list for T > 64, else the decode list, with the programs each launches (a
-partial last wave over the H200's SMs shows there). With ``--shared`` the fused op is swept.
+partial last wave over the H200's SMs shows there). With ``--shared`` the fused op is swept
+(``bench/moe_tile_sweep.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 import torch
 
-from ..graphs.moe import routed_experts, shared_expert
-import triton
-
+from ..graphs.moe import routed_experts
 from ..io.quant import dequant_mxfp4, quant_mxfp4
-from ..kernels.triton.moe import (
-    Tiles,
-    choose_tiles,
-    fp4_tiles,
-    max_blocks,
-    moe_experts_fp4_triton,
-    moe_experts_fp8_triton,
-    moe_experts_shared_triton,
-    moe_experts_triton,
-)
+from ..kernels.triton.moe import moe_experts_fp4_triton, moe_experts_fp8_triton, moe_experts_triton
+from .moe_tile_sweep import expert_op, sweep
 from .p8 import P8, run_info, write_result
 from .timing import graph_ms
 
@@ -64,139 +54,9 @@ def _row(name: str, ms: float, weight_bytes: int, flops: int) -> dict:
     }
 
 
-# Candidates of the prefill tile sweep (bm, bn, bk, group_m, warps, stages, half); each list
-# starts from the tiles ``choose_tiles`` picks at T = 4096, then the same without half-height
-# last blocks. Two fp32 accumulators of bm x bn in the gate/up kernel bound its tile at
-# 128 x 128 on 8 warps.
-_GATE_UP_SWEEP = [
-    (128, 128, 64, 16, 8, 3, True),
-    (128, 128, 64, 16, 8, 3, False),
-    (128, 128, 64, 16, 8, 4, True),
-    (128, 128, 32, 16, 8, 5, True),
-    (128, 64, 64, 16, 4, 4, True),
-    (64, 128, 64, 16, 4, 4, True),
-    (128, 128, 64, 8, 8, 3, True),
-    (128, 128, 128, 16, 8, 2, True),
-    (64, 64, 64, 16, 4, 5, False),
-]
-_DOWN_SWEEP = [
-    (128, 256, 64, 8, 8, 4, True),
-    (128, 256, 64, 8, 8, 4, False),
-    (128, 256, 64, 8, 8, 3, True),
-    (128, 128, 64, 8, 8, 4, True),
-    (128, 128, 64, 8, 4, 4, True),
-    (256, 128, 64, 8, 8, 3, True),
-    (128, 256, 32, 8, 8, 5, True),
-    (64, 256, 64, 8, 4, 4, True),
-    (128, 128, 128, 8, 8, 3, True),
-]
-
-
-# Decode candidates (both kernels): the chosen narrow and wide tiles, and column widths and
-# pipeline depths around them.
-_DECODE_SWEEP = [
-    (16, 32, 128, 1, 4, 4, False),
-    (16, 128, 128, 1, 4, 3, False),
-    (16, 64, 128, 1, 4, 4, False),
-    (16, 64, 128, 1, 4, 3, False),
-    (16, 32, 128, 1, 4, 3, False),
-    (16, 32, 256, 1, 4, 3, False),
-    (16, 64, 256, 1, 4, 3, False),
-    (16, 128, 64, 1, 4, 4, False),
-    (16, 32, 128, 1, 2, 4, False),
-]
-
-
 def _shared_weights(w: dict) -> dict:
     """A shared expert of one routed expert's shapes (``moe_experts_shared``)."""
     return {n: torch.randn_like(v[0]) / v.shape[-1] ** 0.5 for n, v in w.items()}
-
-
-def _op(
-    w: dict, sh: dict | None, q4: dict | None = None
-) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """The op under test, ``(x, idx, rw, limit, out=, tiles=) -> [T, D]``, and its math
-    (``graphs/moe.py``): the bf16 routed experts, plus the shared expert ``sh`` when given, or
-    with ``q4`` (``{name: (codes, scales)}``) the MXFP4 ones against their dequantised weights."""
-    if q4 is not None:
-        w4 = (q4["w1"][0], q4["w1"][1], q4["w3"][0], q4["w3"][1], q4["w2"][0], q4["w2"][1])
-
-        def op4(x, idx, rw, limit, out=None, tiles=None):
-            return moe_experts_fp4_triton(x, *w4, idx, rw, limit, out=out, tiles=tiles)
-
-        def reference4(x, idx, rw, limit):
-            return routed_experts.reference({n: dequant_mxfp4(*q4[n], x.dtype) for n in q4}, limit, x, idx, rw)
-
-        return op4, reference4
-
-    def op(
-        x: torch.Tensor,
-        idx: torch.Tensor,
-        rw: torch.Tensor,
-        limit: float,
-        out: torch.Tensor | None = None,
-        tiles: tuple[Tiles, Tiles] | None = None,
-    ) -> torch.Tensor:
-        if sh is None:
-            return moe_experts_triton(x, w["w1"], w["w3"], w["w2"], idx, rw, limit, out=out, tiles=tiles)
-        return moe_experts_shared_triton(
-            x, w["w1"], w["w3"], w["w2"], sh["w1"], sh["w3"], sh["w2"], idx, rw, limit, out=out, tiles=tiles
-        )
-
-    def reference(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, limit: float) -> torch.Tensor:
-        routed = routed_experts.reference(w, limit, x, idx, rw)
-        return routed if sh is None else routed + shared_expert(sh, limit, x).float()
-
-    return op, reference
-
-
-def sweep(
-    t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None = None, q4: dict | None = None
-) -> list[dict]:
-    """Time the bf16 op (with the shared expert ``sh`` folded in when given; the MXFP4 one with
-    ``q4``, its base tiles ``fp4_tiles`` of bf16's) at ``t`` tokens over
-    the gate/up candidates (down tiles as chosen), then the down candidates (gate/up as chosen).
-    Each row: the kernel's programs, whole-op ms and TFLOP/s, max rel diff."""
-    e, inter, d = w["w1"].shape
-    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    idx = torch.rand(t, e, device="cuda").topk(top, dim=-1).indices
-    rw = torch.rand(t, top, device="cuda")
-    out = torch.empty(t, d, device="cuda")
-    op, reference = _op(w, sh, q4)
-    ref = reference(x, idx, rw, limit)
-    pairs, experts = t * (top + (sh is not None)), e + (sh is not None)
-    flops = 6 * pairs * d * inter
-    base = (choose_tiles(pairs, experts, inter, d, True, 0), choose_tiles(pairs, experts, d, inter, False, 0))
-    if q4 is not None:
-        base = fp4_tiles(*base, inter, d)
-    decode = t <= 64
-    rows = []
-    for part, n, cands in (
-        ("gate_up", inter, _DECODE_SWEEP if decode else _GATE_UP_SWEEP),
-        ("down", d, _DECODE_SWEEP if decode else _DOWN_SWEEP),
-    ):
-        for cand in cands:
-            tiles = (Tiles(*cand), base[1]) if part == "gate_up" else (base[0], Tiles(*cand))
-            programs = max_blocks(pairs, experts, cand[0]) * triton.cdiv(n, cand[1])
-            try:
-                err = ((op(x, idx, rw, limit, tiles=tiles) - ref).abs().max() / ref.abs().max()).item()
-                ms = graph_ms(lambda: op(x, idx, rw, limit, out=out, tiles=tiles), iters)
-            except Exception as exc:  # a config Triton cannot compile (shared memory, registers)
-                rows.append({"part": part, "tiles": list(cand), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                continue
-            rows.append(
-                {
-                    "part": part,
-                    "tiles": list(cand),
-                    "programs": programs,
-                    "chosen": Tiles(*cand) == base[0 if part == "gate_up" else 1],
-                    "ms": round(ms, 4),
-                    "TFLOPs": round(flops / ms / 1e9, 1),
-                    "max_rel_diff": err,
-                }
-            )
-            print(rows[-1], flush=True)
-    return rows
 
 
 @torch.no_grad()
@@ -259,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
             "max_rel_diff": err,
         }
         if sh is not None:
-            op, reference = _op(w, sh)
+            op, reference = expert_op(w, sh)
             err = ((op(x, idx, rw, limit) - reference(x, idx, rw, limit)).abs().max() / ref.abs().max()).item()
             t_shared = graph_ms(lambda: op(x, idx, rw, limit, out=out), args.iters)
             row.update(

@@ -33,6 +33,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from ..engine.llm import LLM
+from ..engine.llm_requests import make_seq
 from ..engine.sampling import SamplingParams
 from ..io.tokenizer import SPECIAL_TOKENS
 from .e2e import _model, _prompts
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
             for i in range(n)
         ]
 
-    llm._make_seq(prompts[0], params(1, 1)[0])  # compiles the grammar (timed here, once)
+    make_seq(llm, prompts[0], params(1, 1)[0])  # compiles the grammar (timed here, once)
     compile_s = time.perf_counter() - t0
     configs = {"free": params(0, args.max_tokens), "mixed": params(args.constrained, args.max_tokens)}
     for name in configs:  # untimed: compiles and captures every graph the timed runs replay

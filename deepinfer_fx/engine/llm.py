@@ -6,35 +6,31 @@ outs = llm.generate(["Hello"], SamplingParams(temperature=0.7, max_tokens=64))
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Sequence as Seq
 
 import torch
 
-from ..api import Model, load_model
-from ..io.checkpoint import ENV_MODEL_DIR
+from ..api import Model
+from ..io.tokenizer import decode
 from ..settings import EngineConfig, usable_cores
-from ..io.tokenizer import decode, encode, load_tokenizer
-from ..vision.requests import prepare, split_prompt
 from . import inputs
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
+from .llm_build import default_budget, model_len, model_tokenizer, run_dtype, serve_model, step_swaps
+from .llm_requests import imported_seqs, make_seq, sampling_list, serve
 from .loop import EngineLoop, LoopStats
-from .options import build_options, check_batch_invariant, compact_keep
-from .warmup import use_cache_dir, warm_up
+from .options import llm_options
 from .ranks import Ranks
 from .request import RequestOutput, Sequence, to_output
-from .runner import ModelRunner, eager_kernel_swaps
-from .sampler import derive_seed
+from .runner import ModelRunner
 from .sampling import SamplingParams
-from .structured import GrammarState, Grammars
 from .scheduler import EngineType, Scheduler
 from .spec_config import parse_speculative_config
 from .spec_decode import Speculator
-from .state_io import StateTransfer, read_meta
-
-DEFAULT_CPU_BUDGET = 2 << 30
+from .state_io import StateTransfer
+from .structured import Grammars
+from .warmup import use_cache_dir, warm_up
 
 
 class LLM:
@@ -132,64 +128,41 @@ class LLM:
         # a multi-rank mesh joins the torchrun world first: the loader reads only this rank's experts
         asked_eager = eager
         self.ranks, device, eager = Ranks.join(mesh, device, eager)
-        if dtype == "auto":
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        elif isinstance(dtype, str):
-            if dtype not in ("bfloat16", "float32", "float16"):
-                raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', got {dtype!r}")
-            dtype = getattr(torch, dtype)
-
-        if isinstance(model, Model):
-            self.model = self.ranks.shard(model)
-        else:
-            if model == "demo":
-                from ..demo import demo_model_dir
-
-                model = demo_model_dir()
-            if model is None and not self.settings.hf_model_dir:
-                raise ValueError(
-                    f"no model given: pass LLM(model=path or hub id), set {ENV_MODEL_DIR}, or use model='demo'"
-                )
-            self.model = load_model(
-                model,
-                dtype=dtype,
-                device=device,
-                fake_quant=fake_quant,
-                experts=self.ranks.experts(),
-                expert_format=expert_format,
-            )
+        self.model = serve_model(
+            model,
+            self.ranks,
+            self.settings,
+            dtype=run_dtype(dtype, device),
+            device=device,
+            fake_quant=fake_quant,
+            expert_format=expert_format,
+        )
         c = self.model.config
-        self.tokenizer = None
-        if self.model.path is not None and (Path(self.model.path) / "tokenizer.json").exists():
-            self.tokenizer = load_tokenizer(self.model.path)
+        self.tokenizer = model_tokenizer(self.model)
         self._grammars: Grammars | None = None  # built with the first constrained request (xgrammar loads then)
 
-        self.max_model_len = min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
-        if max_model_len is not None and max_model_len > c.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit ({c.max_position_embeddings})")
+        self.max_model_len = model_len(c, max_model_len)
         self.speculative = parse_speculative_config(speculative_config, self.settings, c, self.model.params)
         if self.speculative is not None and self.ranks.multi:
             raise ValueError(
                 "speculative decoding on a mesh is not built yet (its verify and rollback steps would need the "
                 "ranks' lock step); drop speculative_config or the mesh"
             )
-        budget = memory_budget if memory_budget is not None else self._default_budget(device)
+        budget = memory_budget if memory_budget is not None else default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
         cp_swap, split = self.ranks.cp_split()
         max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
-        keep = compact_keep(
+        method = None if self.speculative is None else self.speculative.method
+        self.options = opts = llm_options(
             c,
             self.settings,
-            yoco_mode,
-            yoco_keep_tokens,
-            max_draft=max_drafts,
-            cp=split is not None,
-            drafter=None if self.speculative is None else self.speculative.method,
-        )
-        opts = build_options(
-            self.settings,
             self.model.device,
+            yoco_mode=yoco_mode,
+            yoco_keep_tokens=yoco_keep_tokens,
+            max_drafts=max_drafts,
+            drafter=method,
+            cp=split is not None,
             eager=eager,
             overlap=overlap,
             warmup=warmup,
@@ -199,28 +172,10 @@ class LLM:
             inductor=inductor,
             dump_graphs=dump_graphs,
             disable_passes=disable_passes,
-            keep=keep,
-        )
-        self.options = opts
-        check_batch_invariant(
-            self.settings,
-            self.model.device,
-            speculative=self.speculative is not None,
-            compiled=opts.steps.compiled,
-            inductor=opts.steps.inductor,
         )
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
-        swaps = self.ranks.start_ep(c, max_num_batched_tokens, self.model.device)
-        if split is not None and asked_eager is None and not self.settings.batch_invariant:
-            # cp steps eagerly because it must, not because eager math was asked for: the
-            # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
-            # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU); batch invariance declines them
-            swaps = {
-                **eager_kernel_swaps(self.settings.accelerator, self.model.device, opts.steps.disabled_passes),
-                **swaps,
-            }
-        method = None if self.speculative is None else self.speculative.method
+        swaps = step_swaps(self.ranks, c, self.model.device, opts, cp=split is not None, asked_eager=asked_eager)
         model_drafts = max_drafts if method in ("mtp", "dspark") else 0
         if model_drafts and self.engine_type is not EngineType.NORMAL:
             raise ValueError(
@@ -255,86 +210,9 @@ class LLM:
             self.warmup_s = warm_up(self.runner, opts, show=self.ranks.rank == 0)
             self.warmed = frozenset(r["graph"] for r in self.runner.steps.report())
 
-    def _default_budget(self, device: torch.device) -> int:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free * 0.8)
-        return DEFAULT_CPU_BUDGET
-
     # --- per-token memory, for the CLI summary
     def bytes_per_token(self) -> float:
         return state_bytes_per_slot(self.model.config, self.max_model_len, self.model.dtype)["per_token"]
-
-    # --- requests
-    def _tokens(self, prompt: str | Seq[int], where: str) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"{where} is a str but this checkpoint has no tokenizer.json: pass token-id lists instead"
-                )
-            return prompt, encode(self.tokenizer, prompt)
-        return None, inputs.token_ids(prompt, where, self.model.config.vocab_size)
-
-    def _make_seq(self, prompt, params: SamplingParams, where: str = "prompt", laid_out: bool = False) -> Sequence:
-        """``laid_out``: the ids already hold their image spans (a COMPLETION engine's import)."""
-        images: list = []
-        if isinstance(prompt, dict):
-            prompt, images = split_prompt(prompt, where)
-        text, ids = self._tokens(prompt, where)
-        mm = None
-        if not laid_out:
-            ids, mm = prepare(self.model, ids, images, where)
-        if mm is not None:
-            self._check_images(where)
-        need = len(ids) + (1 if self.engine_type is EngineType.PROMPT else params.max_tokens)
-        if need > self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds max_model_len {self.max_model_len}; "
-                "shorten the prompt, lower max_tokens or raise max_model_len"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-        vocab = self.model.config.vocab_size
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            raise ValueError(
-                f"SamplingParams.stop_token_ids {outside} lie outside the model's vocabulary [0, {vocab}); "
-                "no token can match them: drop them"
-            )
-        grammar = None if params.so_spec is None else self._grammar(params, where)
-        seq_id = self._next_id
-        self._next_id += 1
-        seed = params.seq_seed if params.seq_seed is not None else derive_seed(self.seed, seq_id)
-        seq = Sequence(seq_id, text, ids, params, seed)
-        seq.grammar = grammar
-        seq.images = mm
-        return seq
-
-    def _check_images(self, where: str) -> None:
-        """Images go through an eager prefill step of their own (``ModelRunner.launch``); what
-        that step does not serve yet is refused here, by name."""
-        if self.ranks.multi:
-            raise ValueError(
-                f"{where}: images on a multi-rank mesh are not built yet (the ranks' steps would differ); run one rank"
-            )
-        if self.speculative is not None:
-            raise ValueError(f"{where}: images with speculative decoding are not built yet; drop speculative_config")
-
-    def _grammar(self, params: SamplingParams, where: str) -> GrammarState:
-        """A matcher for ``params.so_args``, compiled (once per distinct spec) now, so that a bad
-        regex, schema or grammar fails this request with xgrammar's message before it is queued."""
-        if self.tokenizer is None:
-            raise ValueError(
-                f"{where}: SamplingParams.so_args needs the checkpoint's tokenizer.json (structured output "
-                "constrains text); this checkpoint has none"
-            )
-        if self._grammars is None:
-            c = self.model.config
-            self._grammars = Grammars(self.tokenizer, c.vocab_size, c.eos_token_ids, threads=usable_cores())
-        try:
-            return self._grammars.state(params.so_spec)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
 
     def generate(
         self,
@@ -347,40 +225,12 @@ class LLM:
         ``image_token_id`` placeholder in the prompt per image); outputs in prompt order.
         A COMPLETION engine takes ``prompts=None`` and continues every state in ``state_dir``."""
         if self.engine_type is EngineType.COMPLETION:
-            seqs = self._imported_seqs(sampling_params)
+            seqs = imported_seqs(self, sampling_params)
         else:
             prompts, names = inputs.prompt_list(prompts)
-            params = sampling_params if sampling_params is not None else SamplingParams()
-            plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-            if len(plist) != len(prompts):
-                raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-            for i, sp in enumerate(plist):
-                if not isinstance(sp, SamplingParams):
-                    raise ValueError(f"sampling_params[{i}] is {type(sp).__name__}; pass SamplingParams(...)")
-            seqs = [
-                self._make_seq(p, sp, where) for p, sp, where in zip(prompts, plist, names)
-            ]  # validate all before running any
-        return self._run(seqs, use_tqdm)
-
-    def _imported_seqs(self, sampling_params) -> list[Sequence]:
-        dirs = sorted(p for p in self.state_dir.iterdir() if p.is_dir()) if self.state_dir.is_dir() else []
-        if not dirs:
-            raise ValueError(f"{self.state_dir}: no exported request states found (run a PROMPT engine first)")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(dirs)
-        seqs = []
-        for d, sp in zip(dirs, plist):
-            meta = read_meta(d)
-            seq = self._make_seq(list(meta["prompt_token_ids"]), sp, laid_out=True)
-            seq.prompt = meta.get("prompt")
-            seq.seed = int(meta["seed"]) if sp.seq_seed is None else sp.seq_seed
-            seq.imported, seq.import_path = True, d
-            seq.output_ids.append(int(meta["last_token"]))
-            if seq.grammar is not None and not seq.grammar.accept(seq.output_ids[-1]):
-                raise ValueError(f"{d}: its first token {seq.output_ids[-1]} does not match this request's so_args")
-            seq.num_sampled_scheduled = 1
-            seqs.append(seq)
-        return seqs
+            plist = sampling_list(sampling_params, len(prompts))
+            seqs = [make_seq(self, p, sp, where) for p, sp, where in zip(prompts, plist, names)]  # all checked first
+        return serve(self, seqs, use_tqdm)
 
     def _loop(self) -> EngineLoop:
         if self._engine_loop is None:
@@ -401,7 +251,7 @@ class LLM:
         """Queue one request; returns its id. Invalid input raises before anything is queued."""
         if self.engine_type is EngineType.COMPLETION:
             raise ValueError("a COMPLETION engine takes its requests from state_dir: call generate()")
-        seq = self._make_seq(prompt, params if params is not None else SamplingParams())
+        seq = make_seq(self, prompt, params if params is not None else SamplingParams())
         self.scheduler.add(seq)
         return seq.id
 
@@ -424,38 +274,6 @@ class LLM:
         moved = {s.id: s for s in self.ranks.turn(self._loop().step)}
         held, self._held = self._held, {}
         return [to_output(s) for s in sorted({**held, **moved}.values(), key=lambda s: s.id)]
-
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
-        """Serve this rank's share of ``seqs`` (all of them on one rank); every rank returns all
-        outputs, in order. Other requests (``add_request``) keep running alongside; their
-        progress is held for the next ``step()``."""
-        seqs = self.ranks.mine(seqs)
-        own = {s.id for s in seqs}
-        bar = None
-        if use_tqdm and self.ranks.rank == 0:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True)
-        for seq in seqs:
-            self.scheduler.add(seq)
-        loop = self._loop()
-        stats_before = dataclasses.replace(loop.stats)
-        left = len(seqs)
-        try:
-            while loop.busy() and (left or self.ranks.multi):  # a mesh's ranks turn together until all are done
-                for s in self.ranks.turn(loop.step):
-                    if s.id not in own:
-                        self._held[s.id] = s
-                    elif s.finished:
-                        left -= 1
-                        if bar is not None:
-                            bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-        self.last_stats = loop.stats.since(stats_before)
-        self.last_events = list(loop.events)
-        return self.ranks.gather([(s.id, to_output(s)) for s in seqs])
 
     def rebalance_experts(self) -> None:
         """EPLB at run time (multi-rank meshes): re-place the routed experts over each EP group by

@@ -21,8 +21,8 @@ Formats, as ``io/loader.py`` loads a checkpoint today:
 - state (``engine/cache.py``): a fixed part per sequence (window and compressor rings) and a part
   per cached token (compressed entries, index keys), in the run dtype; the pool holds
   ``max_num_seqs`` sequences of ``max_model_len`` tokens plus one scratch slot, or fewer: the
-  engine gives the pool 80 % of the memory left after the weights (``LLM._default_budget``) and
-  leaves the rest to the CUDA graph pool;
+  engine gives the pool 80 % of the memory left after the weights
+  (``engine/llm_build.default_budget``) and leaves the rest to the CUDA graph pool;
 - graph pool: the activations of the largest prefill graph, estimated from the shapes of one
   layer at ``max_num_batched_tokens`` tokens (not measured).
 

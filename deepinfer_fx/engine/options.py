@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -167,3 +167,25 @@ def build_options(
         compiled if warmup is None else warmup,
         default_cache_dir(settings),
     )
+
+
+def llm_options(
+    c: ModelConfig,
+    settings: EngineConfig,
+    device: torch.device,
+    *,
+    yoco_mode: str | None,
+    yoco_keep_tokens: int | None,
+    max_drafts: int,
+    drafter: str | None,
+    cp: bool,
+    **build: Any,
+) -> EngineOptions:
+    """``LLM``'s options: compact prefill's KEEP (``compact_keep``; ``drafter``: the speculative
+    method, None without), the rest from ``build_options``'s keywords, checked for batch invariance."""
+    keep = compact_keep(c, settings, yoco_mode, yoco_keep_tokens, max_draft=max_drafts, cp=cp, drafter=drafter)
+    opts = build_options(settings, device, keep=keep, **build)
+    check_batch_invariant(
+        settings, device, speculative=drafter is not None, compiled=opts.steps.compiled, inductor=opts.steps.inductor
+    )
+    return opts

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from deepinfer_fx.io.checkpoint import CheckpointError, CheckpointReader, RawTensor
+from deepinfer_fx.io.checkpoint import CheckpointError
+from deepinfer_fx.io.checkpoint_reader import CheckpointReader, RawTensor
 from deepinfer_fx.io.quant import ue8m0_to_float
 from deepinfer_fx.graphs.norm import linear
 from deepinfer_fx.graphs.pointwise import sigmoid

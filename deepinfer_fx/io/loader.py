@@ -20,7 +20,8 @@ from ..vision.params import vision_specs
 from ..graphs.engram import EngramTable
 from ..graphs.engram_hash import compressed_vocab
 from ..settings import argument
-from .checkpoint import CheckpointError, CheckpointReader, resolve_model_dir
+from .checkpoint import CheckpointError, resolve_model_dir
+from .checkpoint_reader import CheckpointReader
 from .quant import ue8m0_to_float
 from .tokenizer import load_tokenizer
 

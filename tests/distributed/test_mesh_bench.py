@@ -136,7 +136,7 @@ def test_errors_are_one_line(monkeypatch, argv: list[str], world: str | None, me
 def test_compare_accepts_only_near_tie_flips() -> None:
     """A differing greedy token passes only where the reference's two candidates are within the
     tolerance and each run holds the other's token; logprob drift beyond it fails."""
-    from deepinfer_fx.bench.mesh import compare
+    from deepinfer_fx.bench.mesh_checks import compare
 
     ref = [([5, 7], [{5: -1.00, 6: -1.01}, {7: -0.5, 8: -2.0}])]
     same = compare(ref, ref, 0.05)

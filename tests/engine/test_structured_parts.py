@@ -41,7 +41,8 @@ def test_draft_masks_hook_rolls_back() -> None:
 
 
 def test_cli_flags_give_so_args(tmp_path) -> None:
-    from deepinfer_fx.generate import _so_args, build_parser
+    from deepinfer_fx.cli.arguments import so_args as _so_args
+    from deepinfer_fx.cli.parser import build_parser
 
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps(SCHEMAS[0]))

@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deepinfer_fx.io.checkpoint import CheckpointError, CheckpointReader, canonical_name, resolve_model_dir
+from deepinfer_fx.io.checkpoint import CheckpointError, resolve_model_dir
+from deepinfer_fx.io.checkpoint_reader import CheckpointReader
+from deepinfer_fx.io.tensor_names import canonical_name
 
 E, I, D, V = 8, 32, 64, 256
 COMPRESS = [0, 4, 128, 4]  # sliding, CSA (indexer), HCA, CSA

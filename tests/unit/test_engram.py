@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer_fx.graphs.engram import EngramTable, engram_apply
-from deepinfer_fx.io.checkpoint import CheckpointError, CheckpointReader
+from deepinfer_fx.io.checkpoint import CheckpointError
+from deepinfer_fx.io.checkpoint_reader import CheckpointReader
 
 W_KEY = "layers.1.engram.embed.weight"
 S_KEY = "layers.1.engram.embed.scale"

@@ -44,11 +44,11 @@ def test_image_flag_generates(checkpoint, tmp_path, capsys) -> None:
 
 def test_placeholders_go_after_the_bos(checkpoint) -> None:
     from deepinfer_fx import LLM
-    from deepinfer_fx.generate import _with_images
+    from deepinfer_fx.cli.arguments import with_images
     from deepinfer_fx.io.tokenizer import encode
 
     llm = LLM(model=str(checkpoint), eager=True, max_num_seqs=1, memory_budget=16 << 20)
-    got = _with_images(llm, "look", ["a.png", "b.png"])
+    got = with_images(llm, "look", ["a.png", "b.png"])
     text = encode(llm.tokenizer, "look", add_bos=False)
     bos = encode(llm.tokenizer, "")
     assert got["prompt"] == bos + [IMAGE_TOKEN, IMAGE_TOKEN] + text and got["multi_modal_data"]["image"] == [

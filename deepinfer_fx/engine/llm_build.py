@@ -1,0 +1,109 @@
+"""What ``LLM.__init__`` builds from its checked arguments: the run dtype, the model it serves
+(a ``Model``, ``"demo"``, a path or hub id) and its tokenizer, the lengths and cache budget by
+default, and the kernels its steps swap in."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..api import Model, load_model
+from ..config import ModelConfig
+from ..io.checkpoint import ENV_MODEL_DIR
+from ..io.tokenizer import load_tokenizer
+from ..settings import EngineConfig
+from .options import EngineOptions
+from .ranks import Ranks
+from .runner import eager_kernel_swaps
+
+DEFAULT_CPU_BUDGET = 2 << 30
+
+
+def run_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``"auto"`` (bf16 on CUDA, fp32 elsewhere), a dtype's name, or a ``torch.dtype`` as given."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', got {dtype!r}")
+        return getattr(torch, dtype)
+    return dtype
+
+
+def serve_model(
+    model: str | os.PathLike | Model | None,
+    ranks: Ranks,
+    settings: EngineConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    fake_quant: bool | None,
+    expert_format: str | None,
+) -> Model:
+    """This rank's share of the model: a ``Model`` sharded as given, else loaded (only this
+    rank's experts) from ``model``, ``"demo"`` (the built-in tiny model) or ``DEEPINFER_HF_MODEL_DIR``."""
+    if isinstance(model, Model):
+        return ranks.shard(model)
+    if model == "demo":
+        from ..demo import demo_model_dir
+
+        model = demo_model_dir()
+    if model is None and not settings.hf_model_dir:
+        raise ValueError(f"no model given: pass LLM(model=path or hub id), set {ENV_MODEL_DIR}, or use model='demo'")
+    return load_model(
+        model,
+        dtype=dtype,
+        device=device,
+        fake_quant=fake_quant,
+        experts=ranks.experts(),
+        expert_format=expert_format,
+    )
+
+
+def model_tokenizer(model: Model) -> Any:
+    """The checkpoint's ``tokenizer.json``, loaded; None where it has none (token ids only)."""
+    if model.path is not None and (Path(model.path) / "tokenizer.json").exists():
+        return load_tokenizer(model.path)
+    return None
+
+
+def model_len(c: ModelConfig, max_model_len: int | None) -> int:
+    """The longest prompt + output: ``max_model_len`` within the model's limit; default the limit, at most 8192."""
+    if max_model_len is not None and max_model_len > c.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit ({c.max_position_embeddings})")
+    return min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
+
+
+def default_budget(device: torch.device) -> int:
+    """The cache pool's bytes when ``memory_budget`` is not given: 80 % of a GPU's free memory
+    (the rest stays for the CUDA graph pool), 2 GiB on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    return DEFAULT_CPU_BUDGET
+
+
+def step_swaps(
+    ranks: Ranks,
+    c: ModelConfig,
+    device: torch.device,
+    opts: EngineOptions,
+    *,
+    cp: bool,
+    asked_eager: bool | None,
+) -> dict[str, Callable]:
+    """The kernels the steps swap in: the EP exchange of a multi-rank mesh (started here), and
+    on a cp mesh whose steps run eagerly the accelerator's kernels."""
+    swaps = ranks.start_ep(c, opts.max_num_batched_tokens, device)
+    if cp and asked_eager is None and not opts.settings.batch_invariant:
+        # cp steps eagerly because it must, not because eager math was asked for: the
+        # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
+        # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU); batch invariance declines them
+        swaps = {
+            **eager_kernel_swaps(opts.settings.accelerator, device, opts.steps.disabled_passes),
+            **swaps,
+        }
+    return swaps
