@@ -81,8 +81,12 @@ def main(argv: list[str] | None = None) -> dict:
     steps.prefill(chunk)  # compiles, then captures
     torch.cuda.synchronize()
     entry = next(iter(steps._entries.values()))
-    if entry.graph is None:
+    if not entry.captured:
         raise SystemExit("the prefill step was not captured")
+
+    def replay() -> None:  # every captured piece of the step, in order
+        for piece in entry.pieces:
+            piece.graph.replay()
 
     smi, log = shutil.which("nvidia-smi"), tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
     sampler = None
@@ -90,8 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
         sampler = subprocess.Popen(
             [smi, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader", "-lms", "100"], stdout=log
         )
-    idle = [_replay_ms(entry.graph.replay, pause_s=0.5) for _ in range(3)]
-    sustained = [_replay_ms(entry.graph.replay) for _ in range(args.replays)]
+    idle = [_replay_ms(replay, pause_s=0.5) for _ in range(3)]
+    sustained = [_replay_ms(replay) for _ in range(args.replays)]
     if sampler is not None:
         sampler.terminate()
         sampler.wait()
