@@ -82,10 +82,11 @@ def span_starts(
 
 
 def text_embeddings(c: Any, params: dict, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``embed`` rows of ``token_ids``; span positions (``image_token_id``, which may lie past
-    a tiny model's vocabulary) read row 0, which the caller overwrites."""
+    """``embed`` rows of ``token_ids``, as ``graphs.model.embed`` reads them (a generated image
+    token id is text); an ``image_token_id`` past the vocabulary (tiny models) reads row 0 instead,
+    which span positions' callers overwrite."""
     ids = token_ids
-    if c.image_token_id is not None:
+    if c.image_token_id is not None and c.image_token_id >= params["embed"].shape[0]:
         ids = torch.where(ids == c.image_token_id, torch.zeros_like(ids), ids)
     return params["embed"][ids].to(dtype)
 

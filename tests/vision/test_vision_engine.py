@@ -16,7 +16,7 @@ from deepinfer_fx.graphs.batch import make_batch
 from deepinfer_fx.graphs.model import forward_batch
 from deepinfer_fx.graphs.state import init_state
 from deepinfer_fx.vision import input_embeddings
-from deepinfer_fx.vision.merge import token_grids
+from deepinfer_fx.vision.merge import text_embeddings, token_grids
 from deepinfer_fx.vision.processor import preprocess
 from deepinfer_fx.vision.spans import expand_placeholders
 
@@ -37,8 +37,13 @@ def reference(model: Model, ids: list[int], images: list, out: list[int]) -> tor
     the first position)."""
     c, params = model
     seq = ids + out[:-1]
-    emb = input_embeddings(model, seq, images)
-    batch = dataclasses.replace(make_batch([seq], [0], [0]), embeds=emb, image_rows=torch.tensor(seq) == IMAGE_TOKEN)
+    # generated tokens are text, even the image token id (a random model may emit it): the
+    # engine embeds them as text in every step, and routes none of them as a span row
+    prompt = input_embeddings(model, ids, images)
+    emb = torch.cat([prompt, text_embeddings(c, params, torch.tensor(out[:-1], dtype=torch.long), prompt.dtype)])
+    spans = torch.tensor(ids) == IMAGE_TOKEN
+    image_rows = torch.cat([spans, torch.zeros(len(out) - 1, dtype=torch.bool)])
+    batch = dataclasses.replace(make_batch([seq], [0], [0]), embeds=emb, image_rows=image_rows)
     state = init_state(c, len(seq) + 1, torch.float32, "cpu", mtp=False)
     logits, _ = forward_batch(params, state, c, batch)
     return logits.log_softmax(-1)
@@ -146,3 +151,18 @@ def test_compiled_decode_after_an_image_prefill(model) -> None:
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(*(o.logprobs for o in outs)):
         torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())), rtol=1e-4, atol=1e-4)
+
+
+def test_a_generated_image_token_is_embedded_as_text(model) -> None:
+    """A text row holding the image token id (a model may generate it) reads its own ``embed`` row
+    in a step that merges image spans, as in a text-only step (``graphs.model.embed``), so its
+    result does not depend on the step it lands in."""
+    from deepinfer_fx.graphs.model import embed
+    from deepinfer_fx.vision.requests import batch_embeddings
+
+    c, params = model
+    assert c.image_token_id == IMAGE_TOKEN < c.vocab_size
+    ids = torch.tensor([5, IMAGE_TOKEN, 7])
+    embeds, rows = batch_embeddings(model, ids, [(0, 0, 3, None)])
+    assert torch.equal(embeds, embed(params, c, ids, params["norm"].dtype)[:, 0])
+    assert not rows.any()
