@@ -3,7 +3,8 @@
 
 No GPU here, so the kernels are generated for the CPU through Inductor's Triton CPU backend with
 PDL codegen forced on, and their source is read: the property is where ``gdc_wait`` stands. The
-kernels then fail to run (the interpreter cannot execute ``gdc_wait``), which these tests expect.
+kernels then fail to run (the interpreter cannot execute ``gdc_wait``; a CUDA-only Triton has no CPU
+target), which these tests expect.
 On the H200, ``tests/compile/test_steps.py::test_pdl_on_and_off_replay_the_same_bits_on_cuda``
 runs the patched kernels."""
 
@@ -48,8 +49,9 @@ def _kernel_sources(fn: Callable[..., object], *args: torch.Tensor, handle: Call
         ):
             try:
                 torch.compile(fn, backend="inductor", fullgraph=True)(*args)
-            except Exception as e:  # the interpreter cannot run gdc_wait: only the codegen matters
-                assert "gdc" in repr(e) or "_semantic" in repr(e) or "jit" in repr(e), e
+            except Exception as e:  # the interpreter cannot run gdc_wait, a CUDA-only Triton has no
+                # CPU target (the H200's): only the codegen matters
+                assert any(m in repr(e) for m in ("gdc", "_semantic", "jit", "compatible backends")), e
         torch._dynamo.reset()
     assert sources, "Inductor generated no Triton kernel"
     return sources

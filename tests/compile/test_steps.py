@@ -110,8 +110,11 @@ def _run(
             )
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             pos = [p + 1 for p in pos]
+    # On CUDA the fused kernels sum in another order than eager's: one compressor entry in 6144
+    # came 1.3e-5 off (H200, fp32); the logits still agree to 1e-5.
+    tol = 1e-5 if device == "cpu" else 3e-5
     for (path, a), (_, b) in zip(_real_slots(state, slots), _real_slots(eager_state, slots)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"state {path}: {m}")
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"state {path}: {m}")
     return steps, pos, outs
 
 
