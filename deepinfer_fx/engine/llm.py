@@ -128,15 +128,10 @@ class LLM:
         # a multi-rank mesh joins the torchrun world first: the loader reads only this rank's experts
         asked_eager = eager
         self.ranks, device, eager = Ranks.join(mesh, device, eager)
-        self.model = serve_model(
-            model,
-            self.ranks,
-            self.settings,
-            dtype=run_dtype(dtype, device),
-            device=device,
-            fake_quant=fake_quant,
-            expert_format=expert_format,
-        )
+        # mesh_params (a multi-rank mesh): the rank's DTensors; the steps run on their local views
+        opt = {"fake_quant": fake_quant, "expert_format": expert_format}
+        served = serve_model(model, self.ranks, self.settings, dtype=run_dtype(dtype, device), device=device, **opt)
+        self.model, self.mesh_params = self.ranks.place(served)
         c = self.model.config
         self.tokenizer = model_tokenizer(self.model)
         self._grammars: Grammars | None = None  # built with the first constrained request (xgrammar loads then)

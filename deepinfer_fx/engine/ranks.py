@@ -1,10 +1,11 @@
 """An ``LLM`` on a multi-rank mesh: ``LLM(model=..., mesh="ep2")`` in every process of
 ``torchrun --nproc-per-node 2``, each process making the same calls (SPMD).
 
-Each rank loads only its experts (``sharding.parallel.start_expert_ids``), serves its share of
-every ``generate`` call's requests (round-robin by index) in its own cache pool, runs the MoE over
-its EP group (the ``moe.expert_parallel`` swap) and turns its engine loop in lock step with the
-others (``sharding.lockstep``); every rank returns all outputs, in prompt order. Requests keep
+Each rank loads only its experts (``sharding.parallel.start_expert_ids``), holds them and every
+other weight as DTensors on the world mesh (``LLM.mesh_params``; the steps take their local
+views), serves its share of every ``generate`` call's requests (round-robin by index) in its own
+cache pool, runs the MoE over its EP group (the ``moe.expert_parallel`` swap) and turns its engine
+loop in lock step with the others (``sharding.lockstep``); every rank returns all outputs, in prompt order. Requests keep
 the ids (and so the sampling seeds) they would have in one process, so outputs match it.
 
 With cp > 1 the ranks of a CP group serve the same requests: each forward's chunks are split
@@ -36,6 +37,7 @@ from ..sharding.ep import EPGroup, check_overflow, ep_group
 from ..sharding.lockstep import LockStep, RankTimeout, is_peer_failure
 from ..sharding.mesh import MeshSpec, parse_mesh
 from ..sharding.parallel import ep_swaps, rank_params, start_expert_ids, start_placement
+from ..sharding.placed import distribute_tree, local_tree
 from ..sharding.rebalance import rebalance
 from ..sharding.world import init_world, moe_view, rank_coordinate
 
@@ -103,6 +105,17 @@ class Ranks:
         return Model(
             model.config, rank_params(model.params, model.config, start_expert_ids(self.spec, self.rank)), model.path
         )
+
+    def place(self, model: Model) -> tuple[Model, dict | None]:
+        """This rank's loaded share as DTensors on the world mesh (``sharding/placed.py``: the
+        placements the rules give) and the model the steps run on, over their ``to_local()`` views
+        (same storage); on one rank the model as it is and no DTensors."""
+        if not self.multi:
+            return model, None
+        placed = distribute_tree(
+            model.params, model.config, self.world, lambda s: start_placement(s.shape[0], self.spec.ep)
+        )
+        return Model(model.config, local_tree(placed), model.path), placed
 
     def start_ep(self, c: ModelConfig, max_tokens: int, device: torch.device) -> dict[str, Callable]:
         """The EP group of this rank's MoE and the swap that puts it in force. ``max_tokens`` is

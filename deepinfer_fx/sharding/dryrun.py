@@ -9,7 +9,9 @@
    (``rules.local_shape`` under the EPLB placement), Engram tables included (a dense
    ``EngramTable`` over a fake tensor: nothing behind the ~98 GB tables). Fake rather than
    ``meta`` tensors because Dynamo makes constants built inside a step (``torch.tensor(...,
-   device=x.device)``) real tensors on a meta device, which fake tracing then refuses;
+   device=x.device)``) real tensors on a meta device, which fake tracing then refuses. The
+   parameters are DTensors on the world mesh, as ``LLM`` holds them (``placed.py``); the summary
+   lists their placements, and the steps take their local views;
 3. the engine's own compiled steps (``StepGraphs``: decode of a few requests, prefill of one
    chunk) are traced by torch.compile with the EP swap in force. Dynamo turns the EP all-to-alls
    into functional collectives (``_c10d_functional.all_to_all_single``), so they appear in the
@@ -48,6 +50,7 @@ from .ep import ep_group
 from .eplb import ExpertPlacement, default_placement, num_physical_experts
 from .mesh import MeshSpec, parse_mesh
 from .parallel import EP_PLACE, ep_swaps
+from .placed import distribute_tree, local_tree, placement_summary
 from .rules import local_shape
 from .world import build_mesh, fake_world, moe_view, rank_coordinate
 
@@ -126,6 +129,7 @@ class DryRun:
     graphs: dict[str, list[Collective]]  # graph name -> its collectives
     moe_calls: dict[str, int]  # graph name -> EP calls traced
     seconds: dict[str, float]
+    placements: str = ""  # placed.placement_summary of the rank's DTensor parameters
 
 
 def dry_run(
@@ -146,10 +150,15 @@ def dry_run(
     )
     run = DryRun(spec, rank, placement, {}, {}, {})
     with fake_world(spec.world_size, rank), torch.no_grad():
-        ep_view = moe_view(build_mesh(spec))  # before the fake mode: a mesh reads its rank table
+        world = build_mesh(spec)  # before the fake mode: a mesh reads its rank table
+        ep_view = moe_view(world)
         # allow_non_fake_inputs: constants a compiled graph builds (small index tables) are real
         with FakeTensorMode(allow_non_fake_inputs=True):
-            params = abstract_params(c, spec, rank, placement, dtype)
+            # the rank's parameters as the engine holds them on a mesh: DTensors, whose local
+            # views the steps take
+            placed = distribute_tree(abstract_params(c, spec, rank, placement, dtype), c, world, lambda s: placement)
+            run.placements = placement_summary(placed)
+            params = local_tree(placed)
             state = init_state(c, 4096, dtype, mtp=False, slots=decode_requests)  # long enough for every top-k
             steps = StepGraphs(
                 Model(c, params),
@@ -211,6 +220,8 @@ def summary(run: DryRun) -> str:
                 for x in by_layer[layer]
             )
             lines.append(f"  {'outside MoE' if layer is None else f'layer {layer:2d}'}: {parts}")
+    if run.placements:
+        lines.append(run.placements)
     lines.append(NOT_REAL)
     return "\n".join(lines)
 

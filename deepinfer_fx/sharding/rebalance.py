@@ -26,8 +26,8 @@ from .topology import Topology
 def rebalance(group: EPGroup, experts: list[dict[str, torch.Tensor]], topology: Topology | None = None) -> EPGroup:
     """Re-place the experts of ``group`` by its measured loads. ``experts``: every MoE layer's
     local expert tensors (``{"w1", "w3", "w2"}`` stacked by slot, plus ``w1_scale``... for experts
-    held in fp8: every tensor of the dict moves), replaced in place by the new
-    layout (one placement serves every layer). Returns the new group (the old one must not be
+    held in fp8: every tensor of the dict moves), rewritten in place in the new
+    layout (one placement serves every layer; the tensors keep their storage). Returns the new group (the old one must not be
     used again: its tables describe the old layout)."""
     loads = group.loads.clone()
     if group.process_group is not None:
@@ -38,7 +38,7 @@ def rebalance(group: EPGroup, experts: list[dict[str, torch.Tensor]], topology: 
     if moves:
         for tensors in experts:
             for name in tensors:
-                tensors[name] = move_slots(tensors[name], moves, group)
+                tensors[name].copy_(move_slots(tensors[name], moves, group))  # same storage: DTensors over it stay true
     slots, counts = new.replica_table(group.loads.device)
     return dataclasses.replace(
         group, placement=new, replica_slots=slots, replica_counts=counts, loads=torch.zeros_like(group.loads)

@@ -69,6 +69,16 @@ def test_v41_flash_ep8_one_all_to_all_set_per_moe_layer(tmp_path) -> None:
             assert [x.nbytes for x in got] == [rows * d * 2, rows * 8, rows * d * 4]
     text = summary(run)
     assert text.count("  layer ") == 2 * c.num_hidden_layers and text.endswith(NOT_REAL)
+    # the rank's parameters, as DTensors on the world mesh: experts split over ep, the rest whole
+    n, i, e = c.num_hidden_layers, c.moe_intermediate_size, 416
+    assert f"  layers.*.ffn.experts.w1 x{n}: (dp:R, cp:R, ep:S(0)) global [{e}, {i}, {d}] local [52, {i}, {d}]" in text
+    assert f"  layers.*.ffn.shared_experts.w1 x{n}: (dp:R, cp:R, ep:R) global [{i}, {d}] local [{i}, {d}]" in text
+    assert f"  embed: (dp:R, cp:R, ep:R) global [{c.vocab_size}, {d}]" in text
+    assert "  layers.*.engram.embed x2: not a DTensor (EngramTable, replicated)" in text
+    rows = text[text.index("parameter placements") :].splitlines()[1:-1]
+    assert all("ep:S(0)" in r for r in rows if ".experts." in r) and all(
+        "ep:R" in r or "not a DTensor" in r for r in rows if ".experts." not in r
+    )
 
 
 def test_cli_v4_flash_ep8(tmp_path, capsys) -> None:

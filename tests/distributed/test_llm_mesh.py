@@ -2,8 +2,11 @@
 group), dp2 (experts replicated) and cp2 (both ranks serve every request, prefill chunks split
 over them) produce the tokens and logprobs of one process, for greedy and seeded sampled
 requests of different lengths (some ranks finish early and idle through the others' steps),
-also after an EPLB rebalance between two generate calls, with eager and with compiled steps.
-One torchrun launch runs every mesh of a test: a launch costs ~20 s here, compiling ~60 s more."""
+also after an EPLB rebalance between two generate calls, with eager and with compiled steps; four
+ranks serve dp2 x ep2. On every mesh each parameter is a DTensor with the placements the sharding
+rules give (``LLM.mesh_params``), whose local view is the tensor the steps run on and whose
+gathered whole is the one-process tensor. One torchrun launch runs every mesh of a test: a
+launch costs ~20 s here, compiling ~60 s more."""
 
 from __future__ import annotations
 
@@ -15,19 +18,48 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from mesh_requests import mesh_requests
 from tiny import tiny_v4
 
 import deepinfer_fx
 from deepinfer_fx import LLM, SamplingParams
+from deepinfer_fx.graphs.param_spec import iter_tree
+from deepinfer_fx.graphs.params import param_specs
+from deepinfer_fx.sharding.mesh import parse_mesh
+from deepinfer_fx.sharding.parallel import start_placement
 
 JOB = Path(__file__).with_name("llm_mesh_job.py")
 REPO = Path(deepinfer_fx.__file__).resolve().parents[1]
 
 
-def _meshes_equal_one_process(tmp_path: Path, meshes: list[str]) -> dict:
-    """Launch ``llm_mesh_job.py`` on two ranks over ``meshes``; each mesh's outputs (before and
-    after its EPLB rebalance) == one eager process: tokens equal, logprobs within 1e-5."""
+def _check_placements(got: dict, mesh: str, one: LLM) -> None:
+    """Every parameter of the one-process tree is on ``mesh`` as the design has it: routed experts
+    (stacked, ``{e}`` keys) sharded on dim 0 over ``ep`` with every physical slot in the whole
+    shape, everything else replicated; each local view is the steps' tensor and gathers to the
+    one-process weight (the job checks both on every rank)."""
+    spec = parse_mesh(mesh.partition("@")[0])
+    specs = {s.path: s for s in param_specs(one.model.config)}
+    tensors = {p: v for p, v in iter_tree(one.model.params) if isinstance(v, torch.Tensor)}
+    for when in ("", "+eplb"):
+        placed = got[f"{mesh}{when}:placements"]
+        assert {p for p, v in placed.items() if isinstance(v, dict)} == set(tensors), (mesh, when)
+        for path, t in tensors.items():
+            row, s = placed[path], specs.get(path)
+            shape = list(t.shape)
+            if s is not None and s.stacked:
+                whole = [start_placement(shape[0], spec.ep).n_physical, *shape[1:]]
+                want = (["R", "R", "S(0)"], whole, [whole[0] // spec.ep, *shape[1:]])
+            else:
+                want = (["R", "R", "R"], shape, shape)
+            assert (row["placements"], row["global"], row["local"]) == want, (mesh, when, path)
+            assert row["same storage"] and row["whole equal"], (mesh, when, path, row)
+
+
+def _meshes_equal_one_process(tmp_path: Path, meshes: list[str], ranks: int = 2) -> dict:
+    """Launch ``llm_mesh_job.py`` on ``ranks`` ranks over ``meshes``; each mesh's outputs (before
+    and after its EPLB rebalance) == one eager process: tokens equal, logprobs within 1e-5; its
+    parameters placed as ``_check_placements`` says."""
     seed = random.SystemRandom().randrange(2**31)
     ckpt = tmp_path / "ckpt"
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=seed)
@@ -40,7 +72,7 @@ def _meshes_equal_one_process(tmp_path: Path, meshes: list[str]) -> dict:
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(ranks),
         str(JOB),
         str(ckpt),
         str(tmp_path / "requests.json"),
@@ -64,6 +96,8 @@ def _meshes_equal_one_process(tmp_path: Path, meshes: list[str]) -> dict:
     again = one.generate(
         [q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs]
     )  # later request ids
+    for mesh in meshes:
+        _check_placements(got, mesh, one)
     runs = [(m, first) for m in meshes] + [(f"{m}+eplb", again) for m in meshes]
     for mesh, want in runs:
         for i, (w, (ids, lps)) in enumerate(zip(want, got[mesh])):
@@ -89,6 +123,11 @@ def test_compiled_steps_on_ep2_dp2_equal_one_process(tmp_path) -> None:
     graphs and their buckets, so ranks with less work (or none) pad and the all-to-alls pair up;
     the EPLB shuffle drops the graphs, which are traced again."""
     _meshes_equal_one_process(tmp_path, ["ep2@compiled", "dp2@compiled"])
+
+
+def test_llm_on_dp2_ep2_equals_one_process(tmp_path) -> None:
+    """Four ranks: two EP groups of two, each holding every expert once between its ranks."""
+    _meshes_equal_one_process(tmp_path, ["dp2,ep2"], ranks=4)
 
 
 def test_mesh_errors_before_any_work(tmp_path) -> None:
