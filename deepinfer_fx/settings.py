@@ -2,8 +2,10 @@
 
 ``EngineConfig.from_env`` reads them all (CLI flags override), warns about a ``DEEPINFER_*``
 name nobody declared (usually a typo) and refuses an invalid value with a message that names
-the variable and the allowed values. Modules that need one variable call ``setting(name)``,
-which goes through the same parser.
+the variable and the allowed values. The engine reads them once (``LLM`` builds one
+``EngineConfig``) and hands each value to the function that needs it; library functions take
+those values as arguments whose defaults are ``DEFAULTS`` (the table's defaults, never the
+environment). ``setting(name)`` parses one variable, for entry points that take no config.
 """
 
 from __future__ import annotations
@@ -220,3 +222,6 @@ class EngineConfig:
             raise ValueError(f"unknown engine setting(s) {bad}; known: {sorted(fields)}")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+DEFAULTS = EngineConfig()  # every setting at its declared default: what library functions assume

@@ -10,8 +10,7 @@ import torch.distributed as dist
 
 from ..engine.llm import LLM
 from ..engine.sampling import SamplingParams
-from ..settings import setting
-from ..sharding.eplb import EXTRA_EXPERTS_ENV, ExpertPlacement
+from ..sharding.eplb import ExpertPlacement
 
 
 def _imbalance(placement: ExpertPlacement, loads: torch.Tensor) -> float:
@@ -75,7 +74,7 @@ def _near_tie(lp: dict, ref_lp: dict, tok: int, ref_tok: int, tol: float) -> boo
 
 
 def expert_counts(llm: LLM) -> dict[str, Any]:
-    p, extra = llm.ranks.ep.placement, setting(EXTRA_EXPERTS_ENV)
+    p, extra = llm.ranks.ep.placement, llm.settings.extra_experts
     return {
         "n_logical": p.n_logical,
         "extra_asked": extra,

@@ -36,7 +36,6 @@ from ..engine.steps import decode_logits
 from ..graphs.batch import make_batch
 from ..graphs.model import forward_batch
 from ..graphs.swap import swapped
-from ..settings import setting
 from ..sharding.ep import EPGroup, ep_group
 from ..sharding.parallel import ep_swaps
 from ..sharding.world import moe_view
@@ -55,7 +54,12 @@ def row_swaps(llm: LLM, max_tokens: int) -> tuple[dict[str, Callable], EPGroup |
         return dict(llm.runner.swaps), None
     c = llm.model.config
     group = ep_group(
-        ep.placement, max_tokens, c.num_experts_per_tok, moe_view(llm.ranks.world), device=llm.model.device
+        ep.placement,
+        max_tokens,
+        c.num_experts_per_tok,
+        moe_view(llm.ranks.world),
+        device=llm.model.device,
+        capacity_factor=llm.settings.ep_capacity_factor,
     )
     return {**llm.runner.swaps, **ep_swaps(group)}, group
 
@@ -177,7 +181,7 @@ def ep_columns(llm: LLM, group: EPGroup, fn: Callable[[], object], profile_steps
         "a2a_share_of_profiled_step_max": round(max(r[2] for r in per_rank), 4),
         "a2a_calls_per_layer": round(calls / layers, 2),
         "ep_capacity": group.capacity,
-        "capacity_factor": setting("DEEPINFER_EP_CAPACITY_FACTOR"),
+        "capacity_factor": llm.settings.ep_capacity_factor,
         # tokens out (run dtype) + slot/weight (2 x int32) + fp32 results back
         "a2a_bytes_sent_per_layer_per_rank": group.size
         * group.capacity

@@ -14,6 +14,7 @@ import torch
 
 from ..api import Model
 from ..io.tokenizer import decode
+from ..kernels.launch_options import use_pdl
 from ..settings import EngineConfig, usable_cores
 from . import inputs
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
@@ -116,6 +117,7 @@ class LLM:
         inputs.check_pass_names(disable_passes)
         inputs.check_launch(mesh)
         self.settings = EngineConfig.from_env(batch_invariant=batch_invariant)
+        use_pdl(self.settings.pdl)  # our kernels' launchers and Inductor's backend read it
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
         if self.engine_type is not EngineType.NORMAL and state_dir is None:
             raise ValueError(
@@ -127,7 +129,7 @@ class LLM:
             torch.set_num_threads(num_threads or usable_cores())  # torchrun's OMP_NUM_THREADS (1 a rank) stays in force
         # a multi-rank mesh joins the torchrun world first: the loader reads only this rank's experts
         asked_eager = eager
-        self.ranks, device, eager = Ranks.join(mesh, device, eager)
+        self.ranks, device, eager = Ranks.join(mesh, device, eager, self.settings)
         # mesh_params (a multi-rank mesh): the rank's DTensors; the steps run on their local views
         opt = {"fake_quant": fake_quant, "expert_format": expert_format}
         served = serve_model(model, self.ranks, self.settings, dtype=run_dtype(dtype, device), device=device, **opt)

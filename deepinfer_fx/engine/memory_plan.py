@@ -40,6 +40,7 @@ from ..config import ModelConfig
 from ..graphs.param_spec import ParamSpec
 from ..graphs.params import param_specs
 from ..io.loader import held_experts
+from ..settings import DEFAULTS, EngineConfig
 from ..sharding.mesh import MeshSpec
 from ..sharding.parallel import start_expert_ids
 from .cache import state_bytes_per_slot
@@ -136,7 +137,7 @@ def _bytes(s: ParamSpec, shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * s.dtype(dtype).itemsize
 
 
-def _expert_slots(mesh: MeshSpec, s: ParamSpec, extra: int | None) -> int:
+def _expert_slots(mesh: MeshSpec, s: ParamSpec, extra: int) -> int:
     """The expert slots of stacked spec ``s`` one GPU holds: all experts on one GPU, else rank 0's
     start placement with ``extra`` redundant experts (every rank holds as many)."""
     return s.shape[0] if mesh.world_size == 1 else len(start_expert_ids(mesh, 0, extra)(s))
@@ -186,13 +187,13 @@ def memory_plan(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     draft: bool = True,
-    extra_experts: int | None = None,
+    extra_experts: int = DEFAULTS.extra_experts,
 ) -> MemoryPlan:
     """The plan of config ``c`` (a checkpoint's config, nothing else read) on one GPU of ``mesh``
     with the engine's settings: ``max_model_len`` (None: the engine's default,
     ``min(max_position_embeddings, 8192)``), ``max_num_seqs``, ``max_num_batched_tokens``,
     ``expert_format`` (as ``load_model`` takes it), ``compiled`` (Engram tables on the device),
-    ``draft`` (the checkpoint carries ``mtp.*``) and ``extra_experts`` (None:
+    ``draft`` (the checkpoint carries ``mtp.*``) and ``extra_experts`` (the engine's
     ``DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS``; multi-rank meshes only)."""
     c = c.replace(held_experts=held_experts(c, expert_format, "cuda"))
     max_len = min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
@@ -275,10 +276,10 @@ def cli(
     """``generate --plan``: ``model`` is a checkpoint directory or a config.json (only the config is
     read; default ``DEEPINFER_HF_MODEL_DIR``); the other arguments are ``generate``'s flags."""
     from ..config import load_config
-    from ..settings import setting
     from ..sharding.mesh import parse_mesh
 
-    path = model or setting("DEEPINFER_HF_MODEL_DIR")
+    settings = EngineConfig.from_env()
+    path = model or settings.hf_model_dir
     if not path:
         raise ValueError("--plan needs --model: a checkpoint directory or a config.json (only the config is read)")
     run = torch.float32 if dtype == "float32" else torch.bfloat16  # auto: the engine's dtype on a GPU
@@ -292,6 +293,7 @@ def cli(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        extra_experts=settings.extra_experts,
     )
     print(plan.format())
     return 0 if plan.fits else 1

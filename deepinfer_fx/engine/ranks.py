@@ -32,19 +32,23 @@ from ..api import Model
 from ..config import ModelConfig
 from ..graphs.batch import Batch
 from ..io.loader import ExpertIds
+from ..settings import DEFAULTS, EngineConfig
 from ..sharding.cp import cp_swaps, split_step
 from ..sharding.ep import EPGroup, check_overflow, ep_group
 from ..sharding.lockstep import LockStep, RankTimeout, is_peer_failure
 from ..sharding.mesh import MeshSpec, parse_mesh
 from ..sharding.parallel import ep_swaps, rank_params, start_expert_ids, start_placement
 from ..sharding.placed import distribute_tree, local_tree
+from ..sharding.eplb import ExpertPlacement
 from ..sharding.rebalance import rebalance
+from ..sharding.topology import topology_for
 from ..sharding.world import init_world, moe_view, rank_coordinate
 
 
 @dataclass
 class Ranks:
     spec: MeshSpec
+    settings: EngineConfig = DEFAULTS  # the engine's: timeouts, extra experts, capacity, topology
     rank: int = 0
     lockstep: LockStep | None = None  # None: one rank, nothing to agree on
     ep: EPGroup | None = None
@@ -52,25 +56,27 @@ class Ranks:
 
     @classmethod
     def join(
-        cls, mesh: str | None, device: torch.device, eager: bool | None
+        cls, mesh: str | None, device: torch.device, eager: bool | None, settings: EngineConfig = DEFAULTS
     ) -> tuple["Ranks", torch.device, bool | None]:
         """Parse ``mesh`` and, for more than one rank, join the torchrun world; returns the ranks,
         this rank's device (a GPU rank takes GPU ``LOCAL_RANK``) and the eager setting to use."""
         spec = parse_mesh(mesh) if mesh else MeshSpec()
         if spec.world_size == 1:
-            return cls(spec), device, eager
+            return cls(spec, settings), device, eager
         if spec.cp > 1:
             if eager is False:
                 raise ValueError(
                     f"mesh {spec}: context parallelism steps eagerly for now (its split is built on the host per step); drop eager=False / --compile"
                 )
             eager = True
-        world = init_world(spec, device.type)
+        world = init_world(spec, device.type, settings.dist_timeout)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         coord = rank_coordinate(spec, dist.get_rank())
-        lockstep = LockStep(server=coord["dp"] * spec.ep + coord["ep"], servers=spec.dp * spec.ep)
-        return cls(spec, lockstep.rank, lockstep, world=world), device, eager
+        lockstep = LockStep(
+            server=coord["dp"] * spec.ep + coord["ep"], servers=spec.dp * spec.ep, timeout=settings.dist_timeout
+        )
+        return cls(spec, settings, lockstep.rank, lockstep, world=world), device, eager
 
     @property
     def multi(self) -> bool:
@@ -96,15 +102,17 @@ class Ranks:
 
     def experts(self) -> ExpertIds | None:
         """What the loader reads for this rank (None: every expert)."""
-        return start_expert_ids(self.spec, self.rank) if self.multi else None
+        return start_expert_ids(self.spec, self.rank, self.settings.extra_experts) if self.multi else None
 
     def shard(self, model: Model) -> Model:
         """This rank's share of an in-memory model."""
         if not self.multi:
             return model
-        return Model(
-            model.config, rank_params(model.params, model.config, start_expert_ids(self.spec, self.rank)), model.path
-        )
+        return Model(model.config, rank_params(model.params, model.config, self.experts()), model.path)
+
+    def start_placement(self, n_logical: int) -> ExpertPlacement:
+        """The EPLB placement of ``n_logical`` stacked experts before any load is measured."""
+        return start_placement(n_logical, self.spec.ep, self.settings.extra_experts)
 
     def place(self, model: Model) -> tuple[Model, dict | None]:
         """This rank's loaded share as DTensors on the world mesh (``sharding/placed.py``: the
@@ -112,9 +120,7 @@ class Ranks:
         (same storage); on one rank the model as it is and no DTensors."""
         if not self.multi:
             return model, None
-        placed = distribute_tree(
-            model.params, model.config, self.world, lambda s: start_placement(s.shape[0], self.spec.ep)
-        )
+        placed = distribute_tree(model.params, model.config, self.world, lambda s: self.start_placement(s.shape[0]))
         return Model(model.config, local_tree(placed), model.path), placed
 
     def start_ep(self, c: ModelConfig, max_tokens: int, device: torch.device) -> dict[str, Callable]:
@@ -123,8 +129,14 @@ class Ranks:
         its worst case, so no pair is ever dropped."""
         if not self.multi:
             return {}
-        placement = start_placement(c.n_routed_experts, self.spec.ep)
-        self.ep = ep_group(placement, max_tokens, c.num_experts_per_tok, moe_view(self.world), device=device)
+        self.ep = ep_group(
+            self.start_placement(c.n_routed_experts),
+            max_tokens,
+            c.num_experts_per_tok,
+            moe_view(self.world),
+            device=device,
+            capacity_factor=self.settings.ep_capacity_factor,
+        )
         return ep_swaps(self.ep)
 
     def rebalance(self, params: dict) -> dict[str, Callable] | None:
@@ -133,7 +145,8 @@ class Ranks:
         on one rank, where there is nothing to balance)."""
         if self.ep is None:
             return None
-        self.ep = rebalance(self.ep, [lp["ffn"]["experts"] for lp in params["layers"]])
+        topology = topology_for(self.settings.topology_file, self.spec.ep)
+        self.ep = rebalance(self.ep, [lp["ffn"]["experts"] for lp in params["layers"]], topology)
         return ep_swaps(self.ep)
 
     def cp_split(self) -> tuple[dict[str, Callable], Callable[[Batch], Batch] | None]:

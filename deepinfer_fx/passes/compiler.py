@@ -18,7 +18,8 @@ eager path has no persistent cache to key; there the uuid is recorded in ``gm.me
 dump index for inspection. When dumping on the Inductor path the caches are switched off, since a
 cache hit skips the passes and so would leave their stages out of the dump.
 
-PDL. ``DEEPINFER_PDL=1`` on the nvidia pipeline turns on Inductor's ``triton.enable_pdl`` with
+PDL. PDL wanted (``DEEPINFER_PDL``, handed down by the engine through
+``kernels.launch_options.use_pdl``, or ``make_backend(pdl=...)``) on the nvidia pipeline turns on Inductor's ``triton.enable_pdl`` with
 its codegen patched so that every kernel waits before its first access (``inductor_pdl.py``;
 upstream's kernels do not all wait, which breaks the ordering every PDL kernel relies on), and
 adds the patch's id to the cache key. ``TORCHINDUCTOR_ENABLE_PDL=1`` alone would run the
@@ -42,7 +43,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import kernels  # noqa: F401  (registers torch.ops.deepinfer.*, which the passes insert)
-from ..settings import setting
+from ..kernels.launch_options import pdl_wanted
 from . import inductor_pdl
 from .dump import GraphDump, start_dump
 from .manager import PassRecord, Pipeline, build_pipeline
@@ -185,12 +186,15 @@ def make_backend(
     *,
     inductor: bool = False,
     environ: Mapping[str, str] | None = None,
+    pdl: bool | None = None,
 ) -> DeepinferBackend:
     """A backend running ``accelerator``'s pipeline minus ``disabled`` (and minus the names in
     ``DEEPINFER_DISABLE_PASSES`` of ``environ``, default ``os.environ``); ``name`` (kind and
-    bucket, see ``dump.graph_name``) names the graph's dump under ``dump_dir``. ``DEEPINFER_PDL``
-    of ``environ`` turns on PDL for Inductor's kernels on the nvidia pipeline."""
-    pdl = accelerator == "nvidia" and inductor and bool(setting("DEEPINFER_PDL", environ))
+    bucket, see ``dump.graph_name``) names the graph's dump under ``dump_dir``. ``pdl`` (None:
+    ``launch_options.pdl_wanted()``, which the engine sets from ``DEEPINFER_PDL``) PDL-launches
+    Inductor's kernels on the nvidia pipeline."""
+    wanted = pdl_wanted() if pdl is None else pdl
+    pdl = accelerator == "nvidia" and inductor and wanted
     return DeepinferBackend(build_pipeline(accelerator, disabled, environ), name, dump_dir, inductor, pdl)
 
 

@@ -46,6 +46,7 @@ from ..graphs.param_spec import build_tree
 from ..graphs.params import param_specs
 from ..graphs.state import init_state
 from ..graphs.swap import swapped
+from ..settings import DEFAULTS, EngineConfig
 from .ep import ep_group
 from .eplb import ExpertPlacement, default_placement, num_physical_experts
 from .mesh import MeshSpec, parse_mesh
@@ -140,7 +141,7 @@ def dry_run(
     *,
     decode_requests: int = 4,
     prefill_tokens: int = 64,
-    extra_experts: int | None = None,
+    extra_experts: int = DEFAULTS.extra_experts,
     dtype: torch.dtype = torch.bfloat16,
 ) -> DryRun:
     """Trace rank ``rank``'s decode step (``decode_requests`` requests) and prefill step (one chunk
@@ -229,16 +230,15 @@ def summary(run: DryRun) -> str:
 def cli(model: str | None, mesh: str, rank: int, dump_dir: str | None) -> int:
     """``generate --dry-run``: ``model`` is a checkpoint directory or a config.json (only the config
     is read; default ``DEEPINFER_HF_MODEL_DIR``, else the packaged V4.1-Flash config)."""
-    from ..settings import setting
-
-    path = model or setting("DEEPINFER_HF_MODEL_DIR") or DEFAULT_CONFIG
+    settings = EngineConfig.from_env()
+    path = model or settings.hf_model_dir or DEFAULT_CONFIG
     if path == DEFAULT_CONFIG:
         print(f"[dry run] no --model: using the packaged V4.1-Flash config ({path.name})")
     c = load_config(path)
     spec = parse_mesh(mesh)
     rank_coordinate(spec, rank)  # a rank outside the mesh fails before anything is traced
     t0 = time.perf_counter()
-    text = summary(dry_run(c, spec, rank, dump_dir))
+    text = summary(dry_run(c, spec, rank, dump_dir, extra_experts=settings.extra_experts))
     print(text)
     if dump_dir is not None:
         (Path(dump_dir) / "collectives.txt").write_text(text + "\n")

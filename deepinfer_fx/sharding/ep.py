@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..graphs.moe import routed_experts
-from ..settings import setting
+from ..settings import DEFAULTS
 from .eplb import ExpertPlacement, pick_replicas
 
 
@@ -75,11 +75,12 @@ def ep_group(
     group: dist.ProcessGroup | DeviceMesh | None = None,
     capacity: int | None = None,
     device: torch.device | str = "cpu",
+    capacity_factor: float = DEFAULTS.ep_capacity_factor,
 ) -> EPGroup:
     """The EP group of this rank over ``group`` (a process group or the 1-D ``ep`` view of the world
     mesh, ``world.moe_view``). ``max_tokens`` is the largest batch any rank passes in one call
-    (the token bucket); capacity defaults to ``DEEPINFER_EP_CAPACITY_FACTOR`` (``capacity_for``:
-    unset or 0 is the worst case for it, which never drops)."""
+    (the token bucket); capacity defaults to ``capacity_for(capacity_factor)`` (the engine passes
+    ``DEEPINFER_EP_CAPACITY_FACTOR``; 0 is the worst case, which never drops)."""
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(f"ep_group: needs the 1-D ep view of the mesh (world.moe_view), got a {group.ndim}-D mesh")
@@ -95,7 +96,7 @@ def ep_group(
     if size > 1 and pg is None:
         raise ValueError(f"ep_group: ep{size} needs a process group")
     if capacity is None:
-        capacity = capacity_for(max_tokens, top_k, size, setting("DEEPINFER_EP_CAPACITY_FACTOR"))
+        capacity = capacity_for(max_tokens, top_k, size, capacity_factor)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(
             f"ep_group: capacity must be a positive integer (token-expert pairs per destination rank), got {capacity!r}"

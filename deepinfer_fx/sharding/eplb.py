@@ -22,21 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..settings import setting
+from ..settings import DEFAULTS
 from .topology import Topology
 
-EXTRA_EXPERTS_ENV = "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"
-DEFAULT_EXTRA_EXPERTS = 32
+EXTRA_EXPERTS_ENV = "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"  # EngineConfig.extra_experts
 
 
-def extra_experts_from_env() -> int:
-    return setting(EXTRA_EXPERTS_ENV)
-
-
-def num_physical_experts(n_routed: int, ep_degree: int, extra: int | None = None) -> int:
+def num_physical_experts(n_routed: int, ep_degree: int, extra: int = DEFAULTS.extra_experts) -> int:
     """Routed + extra rounded UP to a multiple of the EP degree: ``extra`` is a lower bound, so
-    256 + 32 on ep64 gives 320 (5 per rank), not 288. ``extra`` defaults to the environment."""
-    extra = extra_experts_from_env() if extra is None else extra
+    256 + 32 on ep64 gives 320 (5 per rank), not 288. The engine passes its ``extra_experts``."""
     for name, v, low in (("n_routed", n_routed, 1), ("ep_degree", ep_degree, 1), ("extra", extra, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"num_physical_experts: {name} must be an integer >= {low}, got {v!r}")
@@ -62,8 +56,7 @@ def draft_routed_experts(c: ModelConfig) -> int:
     return 0
 
 
-def expert_counts(c: ModelConfig, ep_degree: int, extra: int | None = None) -> ExpertCounts:
-    extra = extra_experts_from_env() if extra is None else extra
+def expert_counts(c: ModelConfig, ep_degree: int, extra: int = DEFAULTS.extra_experts) -> ExpertCounts:
     draft = draft_routed_experts(c)
     return ExpertCounts(
         c.n_routed_experts,

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..settings import setting
+from ..settings import DEFAULTS
 from .world import TIMEOUT_VAR
 
 ROLL_CALL_S = 3.0  # how long a failing rank waits for the others to post: they fail within ms of it
@@ -58,17 +58,19 @@ def is_peer_failure(e: BaseException) -> bool:
 class LockStep:
     """The host-side agreement of one world of engine loops."""
 
-    def __init__(self, server: int | None = None, servers: int | None = None, timeout: float | None = None) -> None:
+    def __init__(
+        self, server: int | None = None, servers: int | None = None, timeout: float = DEFAULTS.dist_timeout
+    ) -> None:
         """``server`` / ``servers``: which request share this rank serves, of how many (default:
         its rank, of the world; the ranks of a CP group serve one share together). ``timeout``:
-        seconds an agreement waits for the other ranks (default ``DEEPINFER_DIST_TIMEOUT``)."""
+        seconds an agreement waits for the other ranks (the engine passes ``DEEPINFER_DIST_TIMEOUT``)."""
         if not dist.is_initialized():
             raise RuntimeError("LockStep needs the world's process group (init_world) first")
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.server = self.rank if server is None else server
         self.servers = self.size if servers is None else servers
-        self.timeout = float(setting(TIMEOUT_VAR) if timeout is None else timeout)
+        self.timeout = float(timeout)
         # host flags on a CPU group of their own: no device sync, no interleaving with the EP group
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
         self.turn = 0  # agreements made so far (the same sequence on every rank)

@@ -43,6 +43,7 @@ from ..graphs.param_spec import ParamSpec, build_tree, iter_tree
 from ..graphs.params import param_specs
 from ..graphs.state import scratch_slot
 from ..io.loader import ExpertIds
+from ..settings import DEFAULTS
 from .ep import EPGroup, ep_routed_experts
 from .eplb import ExpertPlacement, default_placement, num_physical_experts
 from .mesh import MeshSpec
@@ -73,14 +74,14 @@ def rank_expert_ids(spec: MeshSpec, rank: int, placement: ExpertPlacement | None
 
 
 @lru_cache(maxsize=8)
-def start_placement(n_logical: int, ep: int, extra: int | None = None) -> ExpertPlacement:
-    """The placement a run starts from, before any load is measured (uniform loads; extra experts
-    from ``DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS`` unless given). Deterministic, so every rank
-    computes the same one without talking to the others."""
+def start_placement(n_logical: int, ep: int, extra: int = DEFAULTS.extra_experts) -> ExpertPlacement:
+    """The placement a run starts from, before any load is measured (uniform loads; ``extra``:
+    the engine's ``extra_experts``). Deterministic, so every rank computes the same one without
+    talking to the others."""
     return default_placement(n_logical, num_physical_experts(n_logical, ep, extra), ep)
 
 
-def start_expert_ids(spec: MeshSpec, rank: int, extra: int | None = None) -> ExpertIds:
+def start_expert_ids(spec: MeshSpec, rank: int, extra: int = DEFAULTS.extra_experts) -> ExpertIds:
     """``rank_expert_ids`` under the start placement of each stacked tensor's own expert count:
     the trunk and a draft head with its own experts (V4.1's DSpark: 128) are placed separately."""
 

@@ -14,9 +14,9 @@ What placement uses today, and what it may use later:
 - **bandwidths** (recorded, not yet used): NVLink inside a host and the network between hosts.
   A bandwidth-aware cost (bytes of all-to-all per link) can be added without changing callers.
 
-Sources, in order: an explicit ``Topology``; ``from_env()`` reading the JSON file named by
-``DEEPINFER_TOPOLOGY_FILE``; otherwise ``Topology.default(world)``: hosts of 8 GPUs (one host
-for world sizes up to 8), H200-class links.
+Sources, in order: an explicit ``Topology``; ``topology_for(path)`` reading a JSON file (the
+engine's EPLB passes ``DEEPINFER_TOPOLOGY_FILE``); otherwise ``Topology.default(world)``: hosts
+of 8 GPUs (one host for world sizes up to 8), H200-class links.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config.fields import read_json_object
-from ..settings import setting
 
-TOPOLOGY_ENV = "DEEPINFER_TOPOLOGY_FILE"
+TOPOLOGY_ENV = "DEEPINFER_TOPOLOGY_FILE"  # EngineConfig.topology_file
 
 # Per-GPU unidirectional bandwidths in GB/s of an H200 node: NVLink 4 (18 links x 25 GB/s) and one
 # 400 Gb/s NIC per GPU. Only ratios matter to a placement cost, so round numbers are fine.
@@ -112,9 +111,9 @@ def load_topology(path: str | os.PathLike) -> Topology:
     return Topology.from_dict(read_json_object(p, "topology file not found"), where=str(p))
 
 
-def from_env(world_size: int = 8) -> Topology:
-    """``$DEEPINFER_TOPOLOGY_FILE`` when set, else the default for ``world_size`` ranks."""
-    path = setting(TOPOLOGY_ENV)
+def topology_for(path: str | os.PathLike | None, world_size: int = 8) -> Topology:
+    """The topology in the JSON file ``path`` (the engine passes ``DEEPINFER_TOPOLOGY_FILE``),
+    else the default for ``world_size`` ranks."""
     if path:
         return load_topology(path)
     return Topology.default(world_size)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..settings import setting
+from ..settings import DEFAULTS
 from .mesh import AXES, MeshSpec
 
 MESH_AXES: tuple[str, ...] = AXES  # ("dp", "cp", "ep"), outermost first; see the module docstring
@@ -44,10 +44,10 @@ MOE_AXES: tuple[str, ...] = ("ep",)
 TIMEOUT_VAR = "DEEPINFER_DIST_TIMEOUT"
 
 
-def dist_timeout(seconds: float | None = None) -> timedelta:
-    """The collective timeout of every group the engine creates: ``seconds``, else
-    ``DEEPINFER_DIST_TIMEOUT`` (default 300)."""
-    return timedelta(seconds=setting(TIMEOUT_VAR) if seconds is None else seconds)
+def dist_timeout(seconds: float = DEFAULTS.dist_timeout) -> timedelta:
+    """The collective timeout of every group the engine creates (it passes its
+    ``DEEPINFER_DIST_TIMEOUT``; default 300 s)."""
+    return timedelta(seconds=seconds)
 
 
 def _with_timeout(device_type: str, timeout: timedelta) -> object | None:
@@ -68,9 +68,9 @@ def _launch_hint(n: int) -> str:
     return f"launch with torchrun --nproc-per-node {n} (or use fake_world({n}, rank) for a dry run)"
 
 
-def build_mesh(spec: MeshSpec, device_type: str = "cpu", timeout: float | None = None) -> DeviceMesh:
+def build_mesh(spec: MeshSpec, device_type: str = "cpu", timeout: float = DEFAULTS.dist_timeout) -> DeviceMesh:
     """The world mesh of ``spec`` over the already initialised default process group; the groups
-    it creates wait ``timeout`` seconds at most (default ``DEEPINFER_DIST_TIMEOUT``)."""
+    it creates wait ``timeout`` seconds at most."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"mesh {spec} needs an initialised process group of {spec.world_size} ranks; {_launch_hint(spec.world_size)}"
@@ -89,11 +89,11 @@ def build_mesh(spec: MeshSpec, device_type: str = "cpu", timeout: float | None =
     return init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override or None)
 
 
-def init_world(spec: MeshSpec, device_type: str = "cpu", timeout: float | None = None) -> DeviceMesh:
+def init_world(spec: MeshSpec, device_type: str = "cpu", timeout: float = DEFAULTS.dist_timeout) -> DeviceMesh:
     """The world mesh of a multi-rank run: joins the process group torchrun describes in the
     environment (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``...) unless one is already up, with NCCL
     on GPUs (each rank on GPU ``LOCAL_RANK``) and gloo on the CPU, waiting ``timeout`` seconds at
-    most in any collective (default ``DEEPINFER_DIST_TIMEOUT``); then ``build_mesh``."""
+    most in any collective (the engine passes ``DEEPINFER_DIST_TIMEOUT``); then ``build_mesh``."""
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

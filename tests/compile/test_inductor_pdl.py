@@ -19,6 +19,7 @@ import torch._inductor.config as inductor_config
 import torch.utils._triton as torch_triton
 from torch._inductor.codegen.triton import TritonKernel
 
+from deepinfer_fx.kernels import launch_options
 from deepinfer_fx.passes import inductor_pdl
 from deepinfer_fx.passes.compiler import make_backend
 
@@ -114,9 +115,9 @@ def test_backend_turns_on_patched_pdl_unless_switched_off(monkeypatch: pytest.Mo
     )
     monkeypatch.setattr(TritonKernel, "_handle_pdl_before_access", inductor_pdl.upstream())
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    off = make_backend("nvidia", environ={"DEEPINFER_PDL": "0"}, inductor=True)
-    on = make_backend("nvidia", environ={}, inductor=True)  # on by default
-    cpu = make_backend("cpu", environ={"DEEPINFER_PDL": "1"}, inductor=True)  # no PDL on a CPU
+    off = make_backend("nvidia", pdl=False, inductor=True)
+    on = make_backend("nvidia", inductor=True)  # on by default (launch_options.pdl_wanted)
+    cpu = make_backend("cpu", pdl=True, inductor=True)  # no PDL on a CPU
     assert (off.pdl, on.pdl, cpu.pdl) == (False, True, False)
     off._compile_inductor(gm, [torch.zeros(2)], None)
     assert "triton.enable_pdl" not in seen[-1] and not inductor_pdl.installed()
@@ -126,9 +127,21 @@ def test_backend_turns_on_patched_pdl_unless_switched_off(monkeypatch: pytest.Mo
     assert on.cache_key() != off.cache_key() and inductor_pdl.PATCH_ID in on.cache_key()
 
 
-def test_bad_pdl_value_is_refused_naming_the_variable() -> None:
-    with pytest.raises(ValueError, match="DEEPINFER_PDL='maybe' is invalid"):
-        make_backend("nvidia", environ={"DEEPINFER_PDL": "maybe"}, inductor=True)
+def test_the_engine_hands_its_pdl_setting_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LLM`` reads ``DEEPINFER_PDL`` once and sets the launch option that the backend (and our
+    kernels' launchers) read; a bad value is refused naming the variable."""
+    from deepinfer_fx import LLM
+
+    try:
+        for value, want in (("0", False), ("1", True)):
+            monkeypatch.setenv("DEEPINFER_PDL", value)
+            LLM("demo", max_model_len=64, max_num_seqs=1)
+            assert launch_options.pdl_wanted() is want and make_backend("nvidia", inductor=True).pdl is want
+        monkeypatch.setenv("DEEPINFER_PDL", "maybe")
+        with pytest.raises(ValueError, match="DEEPINFER_PDL='maybe' is invalid"):
+            LLM("demo", max_model_len=64, max_num_seqs=1)
+    finally:
+        launch_options.use_pdl(True)  # the default, for the tests after this one
 
 
 def test_an_unpatchable_inductor_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

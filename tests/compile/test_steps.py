@@ -256,17 +256,19 @@ def test_pdl_on_and_off_replay_the_same_bits_on_cuda(tmp_path, monkeypatch: pyte
     ``passes/inductor_pdl.py``): captured steps with it (our kernels and Inductor's) and without
     it must give the same bits; a kernel that read before its wait would show here as a
     difference."""
-    from deepinfer_fx.kernels.triton import pdl
+    from deepinfer_fx.kernels import launch_options
     from deepinfer_fx.passes import inductor_pdl
 
     seed = random.SystemRandom().randrange(2**31)
     outs = {}
-    for on in (True, False):
-        monkeypatch.setitem(pdl._ON, torch.cuda.current_device(), on)
-        monkeypatch.setenv("DEEPINFER_PDL", "1" if on else "0")
-        _, _, outs[on] = _run(tiny_v4(), seed, tmp_path / f"pdl-{on}", inductor=True, device="cuda", graphs=True)
-        if on:
-            assert inductor_pdl.installed()
+    try:
+        for on in (True, False):
+            launch_options.use_pdl(on)  # what LLM does with its DEEPINFER_PDL: our launchers and the backend read it
+            _, _, outs[on] = _run(tiny_v4(), seed, tmp_path / f"pdl-{on}", inductor=True, device="cuda", graphs=True)
+            if on:
+                assert inductor_pdl.installed()
+    finally:
+        launch_options.use_pdl(True)
     assert len(outs[True]) == len(outs[False]) == 5
     for i, (a, b) in enumerate(zip(outs[True], outs[False])):
         assert torch.equal(a, b), f"seed={seed}: step {i} differs with PDL"

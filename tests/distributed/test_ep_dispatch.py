@@ -5,6 +5,7 @@ reported (never silent), the worst-case capacity never drops, and the code has n
 from __future__ import annotations
 
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from deepinfer_fx.engine.ranks import Ranks
 from deepinfer_fx.graphs.moe import routed_experts, swiglu_act
+from deepinfer_fx.settings import EngineConfig
 from deepinfer_fx.sharding import eplb
 from deepinfer_fx.sharding import ep as ep_mod
 from deepinfer_fx.sharding.ep import check_overflow, ep_group, ep_routed_experts
@@ -20,6 +23,7 @@ from deepinfer_fx.sharding.mesh import MeshSpec
 from deepinfer_fx.sharding.world import build_mesh, fake_world, moe_view
 
 E, K, D, I, LIMIT, MAX_T = 12, 3, 16, 24, 7.0, 20
+EXTRA = eplb.EXTRA_EXPERTS_ENV
 
 
 def _experts(seed: int) -> dict[str, torch.Tensor]:
@@ -271,16 +275,20 @@ def test_dispatch_and_combine_have_no_host_sync(monkeypatch) -> None:
 
 def test_capacity_factor_setting(monkeypatch) -> None:
     """DEEPINFER_EP_CAPACITY_FACTOR: a multiple of the average pairs per destination, capped at the
-    worst case; unset or 0 is the worst case; a bad value is a one-line error naming the variable."""
+    worst case; unset or 0 is the worst case; a bad value is a one-line error naming the variable.
+    The engine reads it once and its ranks hand it to ``ep_group``; the library ignores the environment."""
     pl = eplb.default_placement(E, eplb.num_physical_experts(E, 4, 0), 4)
+    monkeypatch.setenv("DEEPINFER_EP_CAPACITY_FACTOR", "1.5")
     with fake_world(4, 0):
-        pg = moe_view(build_mesh(MeshSpec(ep=4)))
-        monkeypatch.delenv("DEEPINFER_EP_CAPACITY_FACTOR", raising=False)
-        assert ep_group(pl, 100, K, pg).capacity == 100 * K
-        monkeypatch.setenv("DEEPINFER_EP_CAPACITY_FACTOR", "1.5")
-        assert ep_group(pl, 100, K, pg).capacity == 113  # ceil(1.5 * 300 / 4)
-        monkeypatch.setenv("DEEPINFER_EP_CAPACITY_FACTOR", "9")
-        assert ep_group(pl, 100, K, pg).capacity == 100 * K  # never above the worst case
-        monkeypatch.setenv("DEEPINFER_EP_CAPACITY_FACTOR", "-1")
-        with pytest.raises(ValueError, match="DEEPINFER_EP_CAPACITY_FACTOR='-1' is invalid"):
-            ep_group(pl, 100, K, pg)
+        world = build_mesh(MeshSpec(ep=4))
+        pg = moe_view(world)
+        assert ep_group(pl, 100, K, pg).capacity == 100 * K  # the argument's default, not the environment
+        assert ep_group(pl, 100, K, pg, capacity_factor=1.5).capacity == 113  # ceil(1.5 * 300 / 4)
+        assert ep_group(pl, 100, K, pg, capacity_factor=9).capacity == 100 * K  # never above the worst case
+        for value, want in (("1.5", 113), ("", 100 * K)):
+            settings = EngineConfig.from_env({"DEEPINFER_EP_CAPACITY_FACTOR": value, EXTRA: "0"})
+            ranks = Ranks(MeshSpec(ep=4), settings, lockstep=object(), world=world)  # a lock step: several ranks
+            ranks.start_ep(SimpleNamespace(n_routed_experts=E, num_experts_per_tok=K), 100, torch.device("cpu"))
+            assert ranks.ep.capacity == want
+    with pytest.raises(ValueError, match="DEEPINFER_EP_CAPACITY_FACTOR='-1' is invalid"):
+        EngineConfig.from_env({"DEEPINFER_EP_CAPACITY_FACTOR": "-1"})

@@ -12,7 +12,10 @@ import torch
 from deepinfer_fx.config import load_config
 from deepinfer_fx.config import released_config
 from deepinfer_fx.sharding import eplb
-from deepinfer_fx.sharding.topology import TOPOLOGY_ENV, Topology, from_env, load_topology
+from deepinfer_fx.engine.ranks import Ranks
+from deepinfer_fx.settings import EngineConfig
+from deepinfer_fx.sharding.mesh import MeshSpec
+from deepinfer_fx.sharding.topology import TOPOLOGY_ENV, Topology, load_topology, topology_for
 
 ENV = eplb.EXTRA_EXPERTS_ENV
 
@@ -44,18 +47,17 @@ def test_round_up_values(n_routed: int, ep: int, extra: int, expect: int) -> Non
     assert eplb.num_physical_experts(n_routed, ep, extra) == expect
 
 
-def test_env_override_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV, raising=False)
-    assert eplb.num_physical_experts(256, 64) == 320  # default 32
+def test_the_setting_is_handed_down_by_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library takes ``extra`` as an argument (default 32) and never reads the environment;
+    the engine reads the variable once into its config and its ranks place experts with it."""
     monkeypatch.setenv(ENV, "5")
-    assert eplb.num_physical_experts(256, 8) == 264
-    monkeypatch.setenv(ENV, "0")
-    assert eplb.num_physical_experts(256, 8) == 256
-    assert eplb.num_physical_experts(256, 8, extra=32) == 288  # an explicit value wins over the env
+    assert eplb.num_physical_experts(256, 64) == 320 and eplb.num_physical_experts(256, 8, 0) == 256
+    for value, want in (("5", 264), ("0", 256), ("", 288)):
+        ranks = Ranks(MeshSpec(ep=8), EngineConfig.from_env({ENV: value}))
+        assert ranks.start_placement(256).n_physical == want
     for bad in ("abc", "-1", "2.5"):
-        monkeypatch.setenv(ENV, bad)
         with pytest.raises(ValueError, match=ENV):
-            eplb.num_physical_experts(256, 8)
+            EngineConfig.from_env({ENV: bad})
 
 
 def test_bad_arguments() -> None:
@@ -66,14 +68,13 @@ def test_bad_arguments() -> None:
 
 @pytest.mark.parametrize("ep", [1, 3, 8, 64])
 @pytest.mark.parametrize("extra", [0, 5, 32])
-def test_trunk_and_draft_counts_round_separately(ep: int, extra: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV, str(extra))
+def test_trunk_and_draft_counts_round_separately(ep: int, extra: int) -> None:
     up = lambda n: math.ceil((n + extra) / ep) * ep  # noqa: E731
-    v41 = eplb.expert_counts(load_config(released_config("deepseek_v41_flash")), ep)
+    v41 = eplb.expert_counts(load_config(released_config("deepseek_v41_flash")), ep, extra)
     assert (v41.trunk_logical, v41.draft_logical) == (384, 128)  # DSpark's own experts
     assert (v41.trunk_physical, v41.draft_physical) == (up(384), up(128))
     for name in ("deepseek_v4_flash", "deepseek_v4_flash_0731_dspark"):  # MTP-1 / DSpark on the trunk's 256
-        v4 = eplb.expert_counts(load_config(released_config(name)), ep)
+        v4 = eplb.expert_counts(load_config(released_config(name)), ep, extra)
         assert (v4.trunk_physical, v4.draft_physical) == (up(256), up(256))
 
 
@@ -174,10 +175,8 @@ def test_topology_default_json_and_env(tmp_path: Path, monkeypatch: pytest.Monke
     f = tmp_path / "topo.json"
     f.write_text(json.dumps(t.to_dict()))
     assert load_topology(f) == t
-    monkeypatch.setenv(TOPOLOGY_ENV, str(f))
-    assert from_env() == t
-    monkeypatch.delenv(TOPOLOGY_ENV)
-    assert from_env(16) == Topology(hosts=2, gpus_per_host=8)
+    assert topology_for(EngineConfig.from_env({TOPOLOGY_ENV: str(f)}).topology_file) == t
+    assert topology_for(EngineConfig.from_env({}).topology_file, 16) == Topology(hosts=2, gpus_per_host=8)
     f.write_text(json.dumps({"hosts": 2, "gpu_per_host": 4}))
     with pytest.raises(ValueError, match="unknown field"):
         load_topology(f)

@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...settings import setting
+from ..launch_options import derived_cache, pdl_wanted
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_ON: dict[int, bool] = {}
+_ON: dict[int, bool] = derived_cache()
 
 
 @triton.jit
@@ -79,12 +79,12 @@ def prefetch_l2(ptrs):
 
 def pdl_enabled(device: torch.device) -> bool:
     """PDL for launches on ``device``: a CUDA device of compute capability 9 or later, not the
-    interpreter, and ``DEEPINFER_PDL`` not off (read once per process)."""
+    interpreter, and PDL wanted (``launch_options.use_pdl``: the engine's ``DEEPINFER_PDL``)."""
     if device.type != "cuda" or _INTERPRET:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _ON:
-        _ON[index] = bool(setting("DEEPINFER_PDL")) and torch.cuda.get_device_capability(index)[0] >= 9
+        _ON[index] = pdl_wanted() and torch.cuda.get_device_capability(index)[0] >= 9
     return _ON[index]
 
 
