@@ -12,6 +12,7 @@ import torch
 from deepinfer_fx.config import load_config
 from deepinfer_fx.config import released_config
 from deepinfer_fx.sharding import eplb
+from deepinfer_fx.engine import ranks as ranks_module
 from deepinfer_fx.engine.ranks import Ranks
 from deepinfer_fx.settings import EngineConfig
 from deepinfer_fx.sharding.mesh import MeshSpec
@@ -177,6 +178,12 @@ def test_topology_default_json_and_env(tmp_path: Path, monkeypatch: pytest.Monke
     assert load_topology(f) == t
     assert topology_for(EngineConfig.from_env({TOPOLOGY_ENV: str(f)}).topology_file) == t
     assert topology_for(EngineConfig.from_env({}).topology_file, 16) == Topology(hosts=2, gpus_per_host=8)
+    # the engine's EPLB plans with the file its settings name
+    seen = []
+    monkeypatch.setattr(ranks_module, "rebalance", lambda group, experts, topology: seen.append(topology) or group)
+    ranks = Ranks(MeshSpec(ep=8), EngineConfig.from_env({TOPOLOGY_ENV: str(f)}), ep=object())
+    ranks.rebalance({"layers": []})
+    assert seen == [t]
     f.write_text(json.dumps({"hosts": 2, "gpu_per_host": 4}))
     with pytest.raises(ValueError, match="unknown field"):
         load_topology(f)
