@@ -6,57 +6,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .config.tiny import tiny_v4
 from .settings import setting
 
-DEMO_CONFIG = {
-    "model_type": "deepseek_v4",
-    "vocab_size": 1024,
-    "hidden_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 64,
-    "o_groups": 2,
-    "o_lora_rank": 32,
-    "sliding_window": 16,
-    "compress_ratios": [0, 4, 128, 4, 0],
-    "index_n_heads": 16,
-    "index_head_dim": 64,
-    "index_topk": 8,
-    "rope_theta": 10000,
-    "compress_rope_theta": 160000,
-    "rope_scaling": {
+# tiny_v4 at twice the width, block-FP8 dense weights and MXFP4 experts as the released V4-Flash
+# stores them, and a 1024-token vocabulary for its tokenizer
+DEMO_CONFIG = tiny_v4(
+    vocab_size=1024,
+    hidden_size=128,
+    q_lora_rank=64,
+    o_lora_rank=32,
+    moe_intermediate_size=64,
+    sliding_window=16,
+    compress_ratios=[0, 4, 128, 4, 0],
+    index_topk=8,
+    rope_scaling={
         "type": "yarn",
         "factor": 16,
         "original_max_position_embeddings": 65536,
         "beta_fast": 32,
         "beta_slow": 1,
     },
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "moe_intermediate_size": 64,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "num_hash_layers": 1,
-    "swiglu_limit": 10.0,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "num_nextn_predict_layers": 1,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "torch_dtype": "bfloat16",
-    "expert_dtype": "fp4",
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]},
-}
+    torch_dtype="bfloat16",
+    expert_dtype="fp4",
+    quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]},
+)
 
 
 def demo_dir() -> Path:

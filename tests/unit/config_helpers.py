@@ -9,51 +9,29 @@ import copy
 import pytest
 
 from deepinfer_fx.config import ConfigError, config_from_dict
+from deepinfer_fx.config.tiny import tiny_v4
 
 YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 
 # A change whose value is DROP removes the field: ``tiny(hidden_size=DROP)`` has no hidden_size.
 DROP = object()
 
-# A tiny DeepSeek-spelled config (the released files' fields, small numbers).
+# A tiny DeepSeek-spelled config (the released files' fields, small numbers): tiny_v4 at other
+# head widths and window, without the fields the released files leave out.
 TINY = {
-    "model_type": "deepseek_v4",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "qk_rope_head_dim": 16,
-    "q_lora_rank": 32,
-    "o_groups": 2,
-    "o_lora_rank": 16,
-    "sliding_window": 16,
-    "compress_ratios": [0, 4, 128, 4, 0],
-    "index_n_heads": 16,
-    "index_head_dim": 32,
-    "index_topk": 4,
-    "rope_theta": 10000,
-    "compress_rope_theta": 160000,
-    "rope_scaling": dict(YARN),
-    "max_position_embeddings": 1048576,
-    "rms_norm_eps": 1e-6,
-    "moe_intermediate_size": 32,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "scoring_func": "sqrtsoftplus",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "num_hash_layers": 1,
-    "swiglu_limit": 10.0,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "num_nextn_predict_layers": 1,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
+    k: v
+    for k, v in tiny_v4(
+        vocab_size=256,
+        head_dim=64,
+        qk_rope_head_dim=16,
+        sliding_window=16,
+        compress_ratios=[0, 4, 128, 4, 0],
+        index_head_dim=32,
+        index_topk=4,
+        rope_scaling=dict(YARN),
+        max_position_embeddings=1048576,
+    ).items()
+    if k not in ("topk_method", "torch_dtype")
 }
 
 # A tiny bare text config (deepseek_v41_text): 10 layers, ratio-2 groups at 2 and 4, a ratio-1
