@@ -5,8 +5,10 @@ Each rank loads only its experts (``sharding.parallel.start_expert_ids``), holds
 other weight as DTensors on the world mesh (``LLM.mesh_params``; the steps take their local
 views), serves its share of every ``generate`` call's requests (round-robin by index) in its own
 cache pool, runs the MoE over its EP group (the ``moe.expert_parallel`` swap) and turns its engine
-loop in lock step with the others (``sharding.lockstep``); every rank returns all outputs, in prompt order. Requests keep
-the ids (and so the sampling seeds) they would have in one process, so outputs match it.
+loop in lock step with the others (``sharding.lockstep``); every rank returns all outputs, in
+prompt order. Requests keep the ids (and so the sampling seeds) they would have in one process,
+so outputs match it. The engine's settings (``EngineConfig``) come in with ``join`` and are handed
+to the mesh, the lock step, the placements, the EP group and EPLB from here.
 
 With cp > 1 the ranks of a CP group serve the same requests: each forward's chunks are split
 zigzag over the group (``sharding.cp``), attention gathers its rows over the group, and the
@@ -35,11 +37,11 @@ from ..io.loader import ExpertIds
 from ..settings import DEFAULTS, EngineConfig
 from ..sharding.cp import cp_swaps, split_step
 from ..sharding.ep import EPGroup, check_overflow, ep_group
+from ..sharding.eplb import ExpertPlacement
 from ..sharding.lockstep import LockStep, RankTimeout, is_peer_failure
 from ..sharding.mesh import MeshSpec, parse_mesh
 from ..sharding.parallel import ep_swaps, rank_params, start_expert_ids, start_placement
 from ..sharding.placed import distribute_tree, local_tree
-from ..sharding.eplb import ExpertPlacement
 from ..sharding.rebalance import rebalance
 from ..sharding.topology import topology_for
 from ..sharding.world import init_world, moe_view, rank_coordinate
@@ -126,7 +128,8 @@ class Ranks:
     def start_ep(self, c: ModelConfig, max_tokens: int, device: torch.device) -> dict[str, Callable]:
         """The EP group of this rank's MoE and the swap that puts it in force. ``max_tokens`` is
         the most tokens one forward packs on any rank (the scheduler's budget): the capacity is
-        its worst case, so no pair is ever dropped."""
+        its worst case, so no pair is ever dropped, unless ``DEEPINFER_EP_CAPACITY_FACTOR`` asks
+        for less (``check_overflow`` then reports drops)."""
         if not self.multi:
             return {}
         self.ep = ep_group(
