@@ -14,6 +14,33 @@ FP8_EXPERTS = {
 }
 
 
+# fields both generations share at the tiny widths: routed and shared experts with their routing
+_MOE = {
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+}
+# the SwiGLU clamp and mHC
+_MHC = {
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+}
+# untied head, the special tokens and the stored dtype
+_TAIL = {
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "float32",
+}
+
+
 def tiny_v4(**overrides) -> dict:
     """Every layer kind (SWA, CSA ratio 4, HCA ratio 8), hash and learned routing, an MTP block.
     head_dim 128 / rope 64 and index_head_dim 64 so the fake-quant blocks (64 / 32) tile exactly."""
@@ -45,24 +72,11 @@ def tiny_v4(**overrides) -> dict:
         },
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 1.5,
+        **_MOE,
         "num_hash_layers": 1,
-        "swiglu_limit": 10.0,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
+        **_MHC,
         "num_nextn_predict_layers": 1,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "torch_dtype": "float32",
+        **_TAIL,
     }
     cfg.update(copy.deepcopy(overrides))
     return cfg
@@ -105,18 +119,8 @@ def tiny_v41(**overrides) -> dict:
         },
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-20,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 1.5,
-        "swiglu_limit": 10.0,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
+        **_MOE,
+        **_MHC,
         "num_nextn_predict_layers": 0,
         "engram_layer_ids": [1, 3],
         "engram_max_ngram_size": 3,
@@ -125,10 +129,7 @@ def tiny_v41(**overrides) -> dict:
         "engram_vocab_size": 400,
         "engram_pad_token_id": 2,
         "engram_compressed_vocab_size": 250,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "torch_dtype": "float32",
+        **_TAIL,
     }
     cfg.update(copy.deepcopy(overrides))
     if "engram_num_embeddings" not in cfg:
