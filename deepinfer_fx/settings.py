@@ -88,7 +88,13 @@ VARIABLES: dict[str, Var] = {
         "EP send capacity as a multiple of the average pairs per destination rank; 0 = worst case, never drops",
     ),
     f"{PREFIX}ENABLE_MTP_VARLEN": Var("mtp_varlen", _boolean, False, "0 or 1", "variable-length draft verification"),
-    f"{PREFIX}USE_NEXTN_DECODE": Var("nextn_decode", _count, 5, "a non-negative integer", "maximum draft length"),
+    f"{PREFIX}USE_NEXTN_DECODE": Var(
+        "nextn_decode",
+        _count,
+        None,
+        "a non-negative integer",
+        "caps the draft length of speculative decoding; 0 refuses it; unset: no cap",
+    ),
     f"{PREFIX}YOCO_PREFILL_TRUNCATION_MODE": Var(
         "yoco_mode", _choice("compact", "off"), None, "compact or off", "compact for V4.1 when unset"
     ),
@@ -194,7 +200,7 @@ class EngineConfig:
     extra_experts: int = 32
     ep_capacity_factor: float = 0.0
     mtp_varlen: bool = False
-    nextn_decode: int = 5
+    nextn_decode: int | None = None
     yoco_mode: str | None = None
     yoco_keep_tokens: int = 140
     batch_invariant: bool = False

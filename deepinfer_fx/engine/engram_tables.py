@@ -51,10 +51,8 @@ class Placed:
 
 
 def engram_budget(device: torch.device, gib: float | None = None) -> int:
-    """Bytes of Engram tables the device may hold: ``gib`` (None: ``DEEPINFER_ENGRAM_DEVICE_GIB``,
-    unset: an eighth of the device's memory; on the CPU, where host and device are one, no limit)."""
-    if gib is None:
-        gib = argument("DEEPINFER_ENGRAM_DEVICE_GIB", None)
+    """Bytes of Engram tables the device may hold: ``gib`` (``DEEPINFER_ENGRAM_DEVICE_GIB``; None:
+    an eighth of the device's memory; on the CPU, where host and device are one, no limit)."""
     if gib is not None:
         return int(gib * GiB)
     if device.type == "cuda":
@@ -79,7 +77,7 @@ def place_engram_tables(
     ``engram_budget``). Returns where each went; steps read a host table with
     ``deepinfer::engram_rows`` (``StepGraphs`` swaps it in when any table is on the host)."""
     mode = argument("DEEPINFER_ENGRAM_TABLES", mode)
-    budget = engram_budget(device) if budget is None else budget
+    budget = engram_budget(device, argument("DEEPINFER_ENGRAM_DEVICE_GIB", None)) if budget is None else budget
     tables = [(i, lp["engram"]["embed"]) for i, lp in enumerate(params.get("layers", [])) if "engram" in lp]
     placed, on_device, new_host = [], 0, 0
     for i, table in tables:

@@ -30,6 +30,7 @@ import torch
 
 from ..api import Model
 from ..kernels.ops_engram import engram_rows
+from ..passes.manager import resolve_disabled
 from .engram_tables import Placed, place_engram_tables
 from .graph_capture import GRAPH_DEVICES, Entry, GraphEntries, GraphKey
 from .spec_schedule import StepTimes
@@ -56,7 +57,7 @@ class StepGraphs(GraphEntries):
         graphs: bool | None = None,
         inductor: bool = False,
         dump_dir: str | None = None,
-        disabled: Sequence[str] = (),
+        disabled: Sequence[str] | None = None,
         compile: bool = True,
         max_drafts: int = 0,
         keep: int | None = None,
@@ -70,6 +71,7 @@ class StepGraphs(GraphEntries):
         ``n_drafts``: drafts the model's drafter proposes after every step (``mtp`` / ``dspark``; 0: none).
         ``varlen``: confidence-scheduled verification: verify chunks of every length 2 .. max_drafts + 1
         (not only the longest) and every step part timed (``spec_schedule.StepTimes``).
+        ``disabled``: the graph passes switched off (None, for a bench or script: ``DEEPINFER_DISABLE_PASSES``).
         ``over``: ``graphs.swap`` replacements that win over the pipeline's kernel swaps in the
         compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``).
         ``engram_tables`` / ``engram_budget`` (bytes): where compiled steps hold V4.1's Engram
@@ -89,7 +91,8 @@ class StepGraphs(GraphEntries):
             raise ValueError(
                 f"graph capture needs compiled steps on a CUDA or Ascend device; this model is on {device}"
             )
-        self.inductor, self.dump_dir, self.disabled = inductor, dump_dir, tuple(disabled)
+        self.disabled = tuple(sorted(resolve_disabled())) if disabled is None else tuple(disabled)
+        self.inductor, self.dump_dir = inductor, dump_dir
         self.decode_buckets = buckets(max_requests)
         self.request_buckets = buckets(max_requests)
         self.length_buckets = buckets(max_tokens, smallest=min(16, max_tokens))

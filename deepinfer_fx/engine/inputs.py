@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..passes.manager import parse_pass_list, resolve_disabled
+from ..settings import EngineConfig
 from ..sharding.mesh import parse_mesh
 
 PROMPT = "a str or a list of token ids (ints)"
@@ -143,9 +144,14 @@ def eager_setting(eager: bool | None, mesh: str | None, **compiled_options: Any)
     return False
 
 
-def check_pass_names(disable_passes: str | Sequence[str] | None) -> None:
-    """Unknown graph pass names are refused here, not at the first compile in the middle of a run."""
-    resolve_disabled(parse_pass_list(disable_passes) if isinstance(disable_passes, str) else disable_passes or ())
+def disabled_passes(disable_passes: str | Sequence[str] | None, settings: EngineConfig) -> tuple[str, ...]:
+    """The passes switched off: the argument's names (a list, or comma-separated) and then the
+    settings' ``DEEPINFER_DISABLE_PASSES``, checked against the registry here, before the model
+    loads, not at the first compile in the middle of a run."""
+    names = parse_pass_list(disable_passes) if isinstance(disable_passes, str) else disable_passes or ()
+    both = {n.strip() for n in names if n.strip()} | parse_pass_list(settings.disable_passes)
+    resolve_disabled(both, environ={})  # the settings are already in: read no environment again
+    return tuple(sorted(both))
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

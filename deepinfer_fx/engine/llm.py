@@ -114,9 +114,9 @@ class LLM:
             dump_graphs=dump_graphs,
             disable_passes=disable_passes,
         )
-        inputs.check_pass_names(disable_passes)
         inputs.check_launch(mesh)
         self.settings = EngineConfig.from_env(batch_invariant=batch_invariant)
+        disable_passes = inputs.disabled_passes(disable_passes, self.settings)
         use_pdl(self.settings.pdl)  # our kernels' launchers and Inductor's backend read it
         self.engine_type = EngineType(engine_type) if not isinstance(engine_type, EngineType) else engine_type
         if self.engine_type is not EngineType.NORMAL and state_dir is None:

@@ -188,17 +188,21 @@ def memory_plan(
     max_num_batched_tokens: int = 2048,
     draft: bool = True,
     extra_experts: int = DEFAULTS.extra_experts,
+    engram_tables: str = DEFAULTS.engram_tables,
+    engram_device_gib: float | None = DEFAULTS.engram_device_gib,
 ) -> MemoryPlan:
     """The plan of config ``c`` (a checkpoint's config, nothing else read) on one GPU of ``mesh``
     with the engine's settings: ``max_model_len`` (None: the engine's default,
     ``min(max_position_embeddings, 8192)``), ``max_num_seqs``, ``max_num_batched_tokens``,
     ``expert_format`` (as ``load_model`` takes it), ``compiled`` (Engram tables on the device),
-    ``draft`` (the checkpoint carries ``mtp.*``) and ``extra_experts`` (the engine's
-    ``DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS``; multi-rank meshes only)."""
+    ``draft`` (the checkpoint carries ``mtp.*``) and the settings ``extra_experts`` (multi-rank
+    meshes only), ``engram_tables`` and ``engram_device_gib`` (``EngineConfig``'s fields)."""
     c = c.replace(held_experts=held_experts(c, expert_format, "cuda"))
     max_len = min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
     sums = {"routed": 0, "dense": 0, "draft": 0, "engram": 0, "engram_host": 0, "released": 0}
-    engram_budget = int(gpu_memory_gib * GiB) // DEVICE_SHARE if compiled else 0
+    # as engram_tables.place_engram_tables places them; eager steps read them memory-mapped
+    share = int(gpu_memory_gib * GiB) // DEVICE_SHARE if engram_device_gib is None else int(engram_device_gib * GiB)
+    engram_budget = {"host": 0, "device": 1 << 62}.get(engram_tables, share) if compiled else 0
     problems = []
     for s in param_specs(c, mtp=draft):
         if s.path == "head" and c.tie_word_embeddings:
@@ -221,6 +225,7 @@ def memory_plan(
     expert = next(s for s in param_specs(c, mtp=False) if s.stacked)
     released = {"fp4": "MXFP4", "fp8": "block FP8"}.get(_stored(c, expert) or "", "bf16")
     slots = _expert_slots(mesh, expert, extra_experts)
+    dense_note = "mHC, sinks and biases fp32; on every GPU"
     device = [
         Category(
             "routed experts",
@@ -228,16 +233,10 @@ def memory_plan(
             f"{slots} of {c.n_routed_experts} experts a layer, {held}; "
             f"{sums['released'] / GiB:.2f} GiB as released ({released})",
         ),
-        Category(
-            "dense weights",
-            sums["dense"],
-            ("FP8 dense dequantised; " if c.fp8_block else "") + "mHC, sinks and biases fp32; on every GPU",
-        ),
+        Category("dense weights", sums["dense"], ("FP8 dequantised; " if c.fp8_block else "") + dense_note),
     ]
     if draft and sums["draft"]:
-        device.append(
-            Category("draft model (mtp.*)", sums["draft"], "MTP-1 / DSpark, loaded when the checkpoint has it")
-        )
+        device.append(Category("draft model (mtp.*)", sums["draft"], "MTP-1 / DSpark, when the checkpoint has it"))
     host = []
     if sums["engram"]:
         device.append(Category("Engram tables", sums["engram"], "fp8 rows + ue8m0 scales within the device budget"))
@@ -294,6 +293,8 @@ def cli(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         extra_experts=settings.extra_experts,
+        engram_tables=settings.engram_tables,
+        engram_device_gib=settings.engram_device_gib,
     )
     print(plan.format())
     return 0 if plan.fits else 1

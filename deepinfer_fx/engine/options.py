@@ -103,6 +103,8 @@ class StepOptions:
     disabled_passes: tuple[str, ...] = ()
     keep: int | None = None  # V4.1 compact prefill's KEEP (rows the decoder replays); None: exact prefill
     batch_invariant: bool = False  # passes/batch_invariant.py's table at every place
+    engram_tables: str = "auto"  # where compiled steps hold V4.1's Engram tables (engine/engram_tables.py)
+    engram_device_gib: float | None = None  # their device budget; None: an eighth of the device's memory
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ def build_options(
         disabled_passes=disabled,
         keep=keep,
         batch_invariant=settings.batch_invariant,
+        engram_tables=settings.engram_tables,
+        engram_device_gib=settings.engram_device_gib,
     )
     return EngineOptions(
         steps,

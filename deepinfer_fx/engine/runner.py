@@ -30,6 +30,7 @@ from ..passes.manager import build_pipeline
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
 from .cache import CachePool
+from .engram_tables import engram_budget
 from .grammar_masks import GrammarMasks
 from .graph_runner import StepGraphs
 from .host_step import host_step
@@ -45,13 +46,13 @@ from .steps import decode_logits
 
 
 def eager_kernel_swaps(accelerator: str | None, device: torch.device, disabled: Seq[str] = ()) -> dict[str, Callable]:
-    """The kernel swaps of ``device``'s pipeline (minus ``disabled`` and
-    ``DEEPINFER_DISABLE_PASSES``) for eager steps: each op runs its accelerator kernel (its
+    """The kernel swaps of ``device``'s pipeline (minus ``disabled``, which holds the engine's
+    ``DEEPINFER_DISABLE_PASSES`` too) for eager steps: each op runs its accelerator kernel (its
     reference on the CPU); the pattern-rewrite passes need a compiled graph and do not apply."""
     accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(device.type, "cpu")
     if accelerator == "nvidia" and not register_nvidia_kernels():
         return {}  # no Triton: the references run, as they would in any eager step
-    return build_pipeline(accelerator, [n.strip() for n in disabled if n.strip()]).swaps()
+    return build_pipeline(accelerator, [n.strip() for n in disabled if n.strip()], environ={}).swaps()
 
 
 def step_mode(seqs: Seq[Sequence]) -> str:
@@ -111,6 +112,8 @@ class ModelRunner:
             over=invariant,
             n_drafts=model_drafts,
             varlen=varlen,
+            engram_tables=options.engram_tables,
+            engram_budget=engram_budget(self.device, options.engram_device_gib),
         )
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)

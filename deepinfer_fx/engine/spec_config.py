@@ -2,14 +2,13 @@
 
 vLLM's shape: ``{"method": "ngram" | "mtp" | "dspark", "num_speculative_tokens": k, ...}``;
 ``ngram`` also takes ``prompt_lookup_min`` / ``prompt_lookup_max``. DeepInfer's variables join
-it: ``DEEPINFER_USE_NEXTN_DECODE`` caps k (default 5; 0 is off, and refuses a config) and
+it: ``DEEPINFER_USE_NEXTN_DECODE`` caps k (unset: no cap; 0 is off, and refuses a config) and
 ``DEEPINFER_ENABLE_MTP_VARLEN`` asks for confidence-scheduled variable-length verification.
 What is not built refuses here, with the reason, so that nothing silently runs plain decoding.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +48,10 @@ def parse_speculative_config(
     settings: EngineConfig,
     c: ModelConfig,
     params: dict,
-    environ: Mapping[str, str] = os.environ,
 ) -> SpeculativeConfig | None:
     """The checked config, or None for plain decoding. Refuses unknown keys and methods, k < 1,
     a method whose weights the checkpoint lacks, and every part that is not built yet."""
-    nextn_set = bool(environ.get(NEXTN, "").strip())
+    nextn_set = settings.nextn_decode is not None
     if settings.mtp_varlen and (cfg is None or not isinstance(cfg, Mapping) or cfg.get("method") != "dspark"):
         raise ValueError(
             f"{VARLEN}=1 asks for confidence-scheduled variable-length verification, which reads DSpark's "
@@ -63,7 +61,7 @@ def parse_speculative_config(
     if cfg is None:
         if nextn_set and settings.nextn_decode > 0:
             raise ValueError(
-                f"{NEXTN}={environ[NEXTN]!r} caps the draft length of speculative decoding, which is off: pass "
+                f"{NEXTN}={settings.nextn_decode} caps the draft length of speculative decoding, which is off: pass "
                 "LLM(speculative_config={'method': 'ngram' or 'mtp', 'num_speculative_tokens': k}), or unset "
                 f"{NEXTN}"
             )

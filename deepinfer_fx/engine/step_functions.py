@@ -119,7 +119,8 @@ class StepFunctions:
     def backend(self, name: str) -> DeepinferBackend | None:
         if not self.compile:
             return None
-        return make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor)
+        # ``disabled`` holds every name (StepGraphs resolved the environment's): read none here
+        return make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor, environ={})
 
     def forward(self, layout: Layout, backend: DeepinferBackend | None, streams: bool = False) -> Callable:
         """The model part of ``layout``'s bucket (``streams``: it also returns the final streams)."""

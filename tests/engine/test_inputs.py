@@ -173,6 +173,28 @@ def test_disable_passes_on_the_cpu_compiles_the_steps(llm) -> None:
     assert not llm.options.steps.compiled  # the default CPU run stays eager
 
 
+def test_the_settings_passes_and_engram_placement_reach_the_steps(llm, monkeypatch, tmp_path) -> None:
+    """DEEPINFER_DISABLE_PASSES joins disable_passes= when the engine reads its settings, and the
+    steps' backends hold both names without reading the environment again; an unknown name is
+    refused before the model loads (the path below holds no checkpoint)."""
+    torch._dynamo.reset()
+    monkeypatch.setenv("DEEPINFER_DISABLE_PASSES", "rope_kernel")
+    monkeypatch.setenv("DEEPINFER_ENGRAM_TABLES", "host")
+    monkeypatch.setenv("DEEPINFER_ENGRAM_DEVICE_GIB", "2.5")
+    compiled = LLM(llm.model.path, dtype="float32", device="cpu", fake_quant=False, max_model_len=64,
+                   max_num_seqs=2, disable_passes=["norm_rope_kernel"], warmup=False)  # fmt: skip
+    steps = compiled.runner.steps
+    assert steps.disabled == ("norm_rope_kernel", "rope_kernel")
+    assert compiled.options.steps.engram_tables == "host" and compiled.options.steps.engram_device_gib == 2.5
+    monkeypatch.delenv("DEEPINFER_DISABLE_PASSES")
+    pipeline = steps.functions.backend("decode-b1").pipeline
+    assert pipeline.disabled == {"norm_rope_kernel", "rope_kernel"}
+    assert not {"norm_rope_kernel", "rope_kernel"} & set(pipeline.names) and "rms_norm_fusion" in pipeline.names
+    monkeypatch.setenv("DEEPINFER_DISABLE_PASSES", "rope_kernel, no_such_pass")
+    with pytest.raises(ValueError, match=r"unknown graph pass name\(s\) \['no_such_pass'\].*DEEPINFER_DISABLE_PASSES"):
+        LLM(tmp_path / "nothing-here", device="cpu", eager=False)
+
+
 def test_num_threads(llm, monkeypatch) -> None:
     before = torch.get_num_threads()
     make = lambda **kw: LLM(llm.model.path, dtype="float32", device="cpu", fake_quant=False, max_model_len=64, **kw)  # noqa: E731

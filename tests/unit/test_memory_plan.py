@@ -81,6 +81,12 @@ def test_released_v41_flash() -> None:
     assert abs(plan.host[0].bytes / 203.1e9 - 1) < 0.01 and "pinned host memory" in plan.host[0].note
     big = memory_plan(c, gpu_memory_gib=2048)
     assert not big.host and abs(_category(big, "Engram tables") / 203.1e9 - 1) < 0.01
+    # DEEPINFER_ENGRAM_TABLES / DEEPINFER_ENGRAM_DEVICE_GIB as the engine places the tables
+    assert memory_plan(c, gpu_memory_gib=2048, engram_tables="host").host[0].bytes == _category(big, "Engram tables")
+    assert _category(memory_plan(c, engram_tables="device"), "Engram tables") == _category(big, "Engram tables")
+    one = memory_plan(c, engram_device_gib=120)  # room for the first table (~101 GB) and not both
+    assert 0 < _category(one, "Engram tables") < 120 * GiB < _category(big, "Engram tables")
+    assert _category(one, "Engram tables") + one.host[0].bytes == _category(big, "Engram tables")
     assert memory_plan(c, MeshSpec(ep=16)).fits
     eager = memory_plan(c, MeshSpec(ep=16), compiled=False)
     assert abs(eager.host[0].bytes / 203.1e9 - 1) < 0.01 and "Engram" not in [x.name for x in eager.device]

@@ -11,7 +11,7 @@ from deepinfer_fx.settings import VARIABLES, EngineConfig, setting
 
 def test_defaults_and_overrides() -> None:
     cfg = EngineConfig.from_env({})
-    assert cfg.extra_experts == 32 and cfg.nextn_decode == 5 and cfg.yoco_keep_tokens == 140
+    assert cfg.extra_experts == 32 and cfg.nextn_decode is None and cfg.yoco_keep_tokens == 140
     assert cfg.batch_invariant is False and cfg.accelerator is None and cfg.expert_format == "auto"
     assert cfg.dist_timeout == 300.0 and EngineConfig.from_env({"DEEPINFER_DIST_TIMEOUT": "2.5"}).dist_timeout == 2.5
     env = {
