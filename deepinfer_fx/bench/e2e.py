@@ -40,6 +40,7 @@ from ..engine.step_arena import DecodeRow, PrefillChunk
 from .p8 import P8, p8_config, run_info, write_result
 from .timing import timed
 
+PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler")
 SETTINGS = {"greedy": dict(temperature=0.0), "top_p": dict(temperature=0.7, top_p=0.95)}
 
 
@@ -125,8 +126,18 @@ def prefill_row(llm: LLM, n: int, length: int, iters: int) -> dict:
     return row
 
 
+def _cache_files(root: str | None) -> int:
+    return sum(len(files) for _, _, files in os.walk(root)) if root else 0
+
+
 def startup_child(args: argparse.Namespace) -> dict:
-    """One engine start with the warm-up on, as a fresh process sees it."""
+    """One engine start with the warm-up on, as a fresh process sees it; with the compile
+    caches' hits and misses and the files the start added to them."""
+    from torch._dynamo.utils import compilation_time_metrics as times
+    from torch._dynamo.utils import counters
+
+    cache = os.environ["DEEPINFER_CACHE_DIR"]
+    before = _cache_files(cache)
     t0 = time.perf_counter()
     model = _model(args.layers)
     torch.cuda.synchronize()
@@ -151,6 +162,12 @@ def startup_child(args: argparse.Namespace) -> dict:
         "graphs": len(llm.warmed),
         "ttft_s": round(ttft, 4),
         "compiled_in_generate": compiled_late,
+        # Dynamo's whole compile, its tracing, and the backend (our passes, then Inductor or its cache)
+        "compile_s": {k: round(sum(times.get(k, [])), 2) for k in PHASES},
+        "fx_graph_cache": {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss")},
+        "aot_autograd_cache": {k: counters["aot_autograd"][f"autograd_cache_{k}"] for k in ("hit", "miss")},
+        "cache_files_added": _cache_files(cache) - before,
+        "cache_dirs": {v: os.environ.get(v) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")},
     }
 
 

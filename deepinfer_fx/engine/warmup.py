@@ -30,9 +30,15 @@ CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "t
 
 
 def use_cache_dir(root: Path) -> None:
-    """Point the compilers' caches under ``root`` unless the user pointed them elsewhere."""
+    """Point the compilers' caches under ``root`` unless the user pointed them elsewhere.
+    Importing ``torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR`` to Inductor's default (and an
+    earlier compile ``TRITON_CACHE_DIR`` to a folder inside it): a value there counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    inductor_default = os.path.abspath(default_cache_dir())
     for var, sub in CACHE_VARIABLES.items():
-        if not os.environ.get(var):
+        now = os.environ.get(var)
+        if not now or os.path.abspath(now) == inductor_default or now.startswith(inductor_default + os.sep):
             path = root / sub
             path.mkdir(parents=True, exist_ok=True)
             os.environ[var] = str(path)
