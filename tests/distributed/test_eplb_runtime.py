@@ -4,7 +4,11 @@ expert weights to exactly the new layout, and a tiny model keeps the one-process
 the shuffle mid-run (prefill before it, decode steps after it); experts held in fp8 move with
 their block scales. In float64: in float32 one CI run failed at seed 1991544978 (45% of a rank's
 logits off by up to 1.6e-3) that passes on the development machine, as 40 other seeds do; a routing
-near-tie that the two CPUs' matmuls round apart is the likely cause, and float64 leaves no such margin."""
+near-tie that the two CPUs' matmuls round apart was the guess. In float64 a CI run failed again
+(seed 1242592194, 59% off by 1.7e-3) and a loaded development machine failed 1 of 30 runs: with 2
+intra-op threads the same forward repeated in one process under load gave outputs up to 2e-3
+apart (a discrete top-k flipped by a thread-split reduction), with 1 thread never (30 runs). So
+each rank runs one thread: the property is sharded == one process for the same arithmetic."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ def _worker(rank: int, init_file: str, seed: int, fp8: bool) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
     )
+    torch.set_num_threads(1)  # deterministic reductions: see the module docstring
     try:
         c = config_from_dict(tiny_v4(**FP8_EXPERTS) if fp8 else tiny_v4()).replace(
             fake_quant=False, held_experts="fp8" if fp8 else None
