@@ -7,7 +7,7 @@ logits off by up to 1.6e-3) that passes on the development machine, as 40 other 
 near-tie that the two CPUs' matmuls round apart was the guess. In float64 a CI run failed again
 (seed 1242592194, 59% off by 1.7e-3) and a loaded development machine failed 1 of 30 runs: with 2
 intra-op threads the same forward repeated in one process under load gave outputs up to 2e-3
-apart (a discrete top-k flipped by a thread-split reduction), with 1 thread never (30 runs). So
+apart (which op is not pinned yet), with 1 thread never (30 runs). So
 each rank runs one thread: the property is sharded == one process for the same arithmetic."""
 
 from __future__ import annotations
