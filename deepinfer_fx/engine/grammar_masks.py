@@ -5,7 +5,8 @@ A request whose grammar allows no token gets ``error`` set (``DEAD_GRAMMAR``); t
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
 import torch
 
@@ -52,6 +53,12 @@ class GrammarMasks:
             chunks[i].seq.error = DEAD_GRAMMAR.format(n=len(chunks[i].seq.output_ids))
         self.host_s += time.perf_counter() - t0
         return mask
+
+    def lend(self) -> Callable[[], None] | None:
+        """What gives this step's host mask buffers back for reuse, called once the step is done
+        (``StepHandle.wait``): its asynchronous copies read them until then. None: it used none."""
+        lent = [] if self._filler is None else self._filler.take_lent()
+        return None if not lent else partial(self._filler.give_back, lent)
 
     def verify_rows(self, chunks: Sequence, length: int) -> torch.Tensor | None:
         """The token bitmasks of verify ``chunks`` (rows of ``length`` each; None: no grammar among

@@ -6,7 +6,7 @@ the drafts proposed for its next step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -35,6 +35,7 @@ class StepHandle:
     part_drafts: list[tuple | None] = field(default_factory=list)  # per part: host copies of its drafts and confidences
     fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
     gap: tuple | None = None  # CUDA timing events: model parts done -> masks copied (StepGraphs.step)
+    release: Callable[[], None] | None = None  # gives the step's host mask buffers back, once done
     _tokens: list[list[int]] | None = None
     _accepted: list[int] | None = None
     _drafts: list[tuple | None] | None = None  # per part: each row's drafts and confidences (None: no model drafter)
@@ -44,6 +45,9 @@ class StepHandle:
             return
         if self.done is not None:
             self.done.synchronize()
+        if self.release is not None:
+            self.release()
+            self.release = None
         self._tokens = [p[0].tolist() for p in self.parts]
         if self.verify:
             self._accepted = self.parts[VERIFY][1].tolist()

@@ -179,18 +179,27 @@ class MaskFiller:
 
     def __init__(self, threads: int) -> None:
         self.batch = _xgrammar().BatchGrammarMatcher(max_threads=max(threads, 1))
-        self._buffers: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
+        self._free: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
+        self._lent: list[tuple[tuple[int, int, bool], torch.Tensor]] = []
 
     def _buffer(self, rows: int, words: int, pinned: bool) -> torch.Tensor:
-        # two per power-of-two row count (a few MiB in all), used in turn: step N+1's mask is
-        # filled once step N's token is back, so step N's copy has run; the older one is free
-        cap = 1 << (rows - 1).bit_length()
-        ring = self._buffers.setdefault((cap, words, pinned), [])
-        if len(ring) < 2:
-            ring.append(torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned))
-        else:
-            ring.reverse()
-        return ring[-1][:rows]
+        # lent to the step that copies it until that step is done (give_back): the copy reads it
+        # asynchronously, and one step may fill two parts while the step before it still runs
+        key = (1 << (rows - 1).bit_length(), words, pinned)  # a few buffers per power-of-two row count
+        free = self._free.setdefault(key, [])
+        buf = free.pop() if free else torch.empty(key[:2], dtype=torch.int32, pin_memory=pinned)
+        self._lent.append((key, buf))
+        return buf[:rows]
+
+    def take_lent(self) -> list[tuple[tuple[int, int, bool], torch.Tensor]]:
+        """The buffers handed out since the last call (one step's masks), for ``give_back``."""
+        lent, self._lent = self._lent, []
+        return lent
+
+    def give_back(self, lent: Sequence[tuple[tuple[int, int, bool], torch.Tensor]]) -> None:
+        """Return a done step's buffers (``take_lent``) for reuse."""
+        for key, buf in lent:
+            self._free[key].append(buf)
 
     def fill(
         self, states: Sequence[GrammarState | None], words: int, pinned: bool, skip: Sequence[int] = ()
@@ -199,7 +208,7 @@ class MaskFiller:
         (``states``: None for an unconstrained row: all ones). Rows in ``skip`` (requests that
         already failed) and rows whose grammar allows no token get token 0 alone, so the step
         stays well defined; returns the mask and the latter rows (the loop ends their requests
-        with an error). The mask is valid until the second next call."""
+        with an error). The mask is the caller's until it gives it back (``take_lent``)."""
         mask = self._buffer(len(states), words, pinned)
         host = mask.numpy()  # per-row writes through numpy: a torch op per row costs microseconds each
         skip = set(skip)

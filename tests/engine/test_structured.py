@@ -69,6 +69,9 @@ def test_outputs_match_their_grammars(llm, overlap: bool, round_: int) -> None:
     at = [order.index(len(params) + k) for k in range(len(free))]  # where free request k sat in the batch
     alone = llm.generate([prompts[j] for j in at], free)
     assert [outs[j].outputs[0].token_ids for j in at] == [o.outputs[0].token_ids for o in alone], seed
+    # every step's host mask buffers came back once it was done: two parts a step, two steps in flight
+    filler = llm._loop().runner.grammar_masks._filler
+    assert not filler._lent and filler._free and all(1 <= len(p) <= 4 for p in filler._free.values())
 
 
 def test_bad_specs_fail_their_request_and_the_engine_goes_on(llm) -> None:

@@ -12,7 +12,7 @@ from structured_helpers import EBNF, SCHEMAS, TOKENIZER_VOCAB, xgr
 
 from deepinfer_fx import SamplingParams
 from deepinfer_fx.engine.sampler import apply_token_mask
-from deepinfer_fx.engine.structured import Grammars
+from deepinfer_fx.engine.structured import Grammars, MaskFiller, mask_words
 from deepinfer_fx.io.tokenizer import build_demo_tokenizer
 
 
@@ -38,6 +38,22 @@ def test_draft_masks_hook_rolls_back() -> None:
     bit = lambda row, t: bool((mask[row, t // 32] >> (t % 32)) & 1)  # noqa: E731
     assert bit(0, digit) and not bit(0, dash) and bit(1, dash) and bit(2, x) and not bit(2, y)
     assert st.accepted == 0 and st.accept(digit) and not st.accept(x)
+
+
+def test_a_steps_mask_buffers_wait_until_it_is_done() -> None:
+    """A step may fill two parts (decode, prefill) while the step before it still copies its own
+    masks: a buffer lent to a step is handed out again only once that step gives it back."""
+    grammars = Grammars(build_demo_tokenizer(TOKENIZER_VOCAB), 320, (1,), threads=1)
+    states = [grammars.state(SamplingParams(so_args={"regex": "[0-9]-x"}).so_spec), None]
+    filler, words = MaskFiller(1), mask_words(320)
+    step = [filler.fill(states, words, pinned=False)[0] for _ in range(2)]  # step N's two parts
+    kept = [m.clone() for m in step]
+    lent = filler.take_lent()
+    later = filler.fill(states[::-1], words, pinned=False)[0]  # step N+1's first part; N still runs
+    assert all(torch.equal(m, k) for m, k in zip(step, kept))
+    assert later.data_ptr() not in {m.data_ptr() for m in step}
+    filler.give_back(lent)
+    assert {filler.fill(states, words, pinned=False)[0].data_ptr() for _ in range(2)} == {m.data_ptr() for m in step}
 
 
 def test_cli_flags_give_so_args(tmp_path) -> None:
