@@ -150,15 +150,15 @@ class ModelRunner:
         with swapped(self.swaps):
             if self.split is not None or any(ch.seq.images is not None and not ch.from_device for ch in sched.chunks):
                 handle = self._launch_host(sched, mode, k, before_masks)
-            else:
-                outs, where, first_row, stride, verify = self._launch_steps(sched, mode, k, before_masks)
-                logits = outs[1].logits if outs[1] is not None else None
-                prompt_lp = prompt_logprobs(sched, logits, [r * stride for r in first_row], self.device)
-                handle = copy_back(
-                    sched, where, outs, prompt_lp, verify, async_copy=self.async_copy, device=self.device
-                )
-                handle.gap = self.steps.gap
-        handle.release = self.grammar_masks.lend()
+                handle.release = self.grammar_masks.lend()
+                return handle
+            outs, where, first_row, stride, verify = self._launch_steps(sched, mode, k, before_masks)
+            gap = self.steps.gap
+        logits = outs[1].logits if outs[1] is not None else None
+        prompt_lp = prompt_logprobs(sched, logits, [r * stride for r in first_row], self.device)
+        handle = copy_back(sched, where, outs, prompt_lp, verify, async_copy=self.async_copy, device=self.device)
+        handle.gap = gap
+        handle.release = self.grammar_masks.lend()  # this step's host mask buffers, until it is done
         return handle
 
     def _launch_steps(

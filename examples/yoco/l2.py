@@ -32,7 +32,7 @@ import sys
 
 import torch
 from l2_mesh import mesh_spec, run_mesh
-from l2_runs import bitwise, compare, forced_ids, has_dspark, print_rows, summary, teacher_forced
+from l2_runs import forced_ids, has_dspark, print_rows, rank_result, teacher_forced
 
 from deepinfer_fx.api import load_model
 from deepinfer_fx.config import ModelConfig, load_config
@@ -72,19 +72,7 @@ def one_process(args: argparse.Namespace) -> dict:
     exact = teacher_forced(model, ids, n, None, chunk, dspark)
     compact = teacher_forced(model, ids, n, args.keep, chunk, dspark)
     noise = teacher_forced(model, ids, n, None, n if chunk < n else max(1, n // 2), dspark)
-    forced = ids[n:]
-    rows, ref = compare(compact, exact, forced), compare(noise, exact, forced)
-    return {
-        "rank": 0,
-        "seed": args.seed,
-        "dspark": dspark,
-        **summary(rows),
-        "reference_max_abs": summary(ref)["max_abs"],
-        "reference_summary": summary(ref),
-        "bitwise": bitwise(compact, exact),
-        "rows": rows,
-        "reference": ref,
-    }
+    return rank_result(0, args.seed, dspark, compact, exact, noise, ids[n:])
 
 
 def main(argv: list[str] | None = None) -> dict:

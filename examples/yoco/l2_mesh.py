@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from l2_runs import bitwise, compare, forced_ids, has_dspark, summary, teacher_forced
+from l2_runs import forced_ids, has_dspark, rank_result, teacher_forced
 
 from deepinfer_fx.api import Model, load_model
 from deepinfer_fx.graphs.param_spec import ParamSpec
@@ -107,16 +107,4 @@ def measure_rank(args: Namespace, spec: MeshSpec, rank: int, device: torch.devic
     compact = teacher_forced(local, ids, n, args.keep, chunk, dspark, swaps)
     check_overflow(group)
     alone = teacher_forced(full, ids, n, None, chunk, dspark)
-    forced = ids[n:]
-    rows, ref = compare(compact, exact, forced), compare(exact, alone, forced)
-    return {
-        "rank": rank,
-        "seed": args.seed + rank,
-        "dspark": dspark,
-        **summary(rows),
-        "reference_max_abs": summary(ref)["max_abs"],
-        "reference_summary": summary(ref),
-        "bitwise": bitwise(compact, exact),
-        "rows": rows,
-        "reference": ref,
-    }
+    return rank_result(rank, args.seed + rank, dspark, compact, exact, alone, ids[n:])

@@ -135,6 +135,23 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def rank_result(rank: int, seed: int, dspark: bool, compact: Run, exact: Run, ref: Run, forced: torch.Tensor) -> dict:
+    """One rank's L2 result: compact against exact per position, and ``ref`` against exact as the
+    reference (the other chunking's noise floor in one process; one process on a mesh)."""
+    rows, refs = compare(compact, exact, forced), compare(ref, exact, forced)
+    return {
+        "rank": rank,
+        "seed": seed,
+        "dspark": dspark,
+        **summary(rows),
+        "reference_max_abs": summary(refs)["max_abs"],
+        "reference_summary": summary(refs),
+        "bitwise": bitwise(compact, exact),
+        "rows": rows,
+        "reference": refs,
+    }
+
+
 def print_rows(first: int, rows: list[dict], ref: list[dict], ref_name: str) -> None:
     """The per-position table: compact vs exact, beside a reference comparison's max |dlogprob|."""
     dspark = "same_drafts" in rows[0]
