@@ -12,7 +12,7 @@ import torch
 from ..api import Model
 from ..graphs.batch import Batch, Chunk, context_gather, group_chunks
 from ..graphs.model import forward_batch
-from ..vision.requests import batch_embeddings, encode_requests
+from ..vision.requests import ImageInputs, batch_embeddings
 from .cache import CachePool
 from .scheduler import SchedulerOutputs
 from .step_inputs import Layout, SampledRow, fill
@@ -29,11 +29,12 @@ def host_step(
     k: int | None,
     split: Callable[[Batch], Batch] | None,
     masks: Callable[[], torch.Tensor | None],
+    encode_images: Callable[[Model, list[ImageInputs]], None],
 ) -> tuple[StepOut, list[tuple[int, int] | None], list[int]]:
     """``sched``'s step as one eager packed forward of a batch built on the host (``split``:
     context parallelism's share of it; the requests' images are encoded here, at their first
-    prefill step, all in one pass), then every sampled row sampled with ``mode`` (``k``: top
-    logprobs). ``masks``: called after the forward, returns the sampled rows' token bitmasks
+    prefill step, all in one pass of ``encode_images``), then every sampled row sampled with
+    ``mode`` (``k``: top logprobs). ``masks``: called after the forward, returns the sampled rows' token bitmasks
     (None: no constrained row). Returns the step's results (every row's logits), per chunk the
     (part, row) of its sampled token (None if it samples nothing), and each chunk's first row."""
     device = model.device
@@ -64,7 +65,7 @@ def host_step(
         if ch.seq.images is not None and not ch.from_device
     ]
     if spans:
-        encode_requests(model, [item for *_, item in spans])
+        encode_images(model, [item for *_, item in spans])
         embeds, image_rows = batch_embeddings(model, token_ids, spans)
         batch = dataclasses.replace(batch, embeds=embeds, image_rows=image_rows)
         for ch in sched.chunks:

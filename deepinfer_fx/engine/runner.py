@@ -29,6 +29,7 @@ from ..passes.batch_invariant import batch_invariant_swaps
 from ..passes.manager import build_pipeline
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
+from ..vision.compiled import request_encoder
 from .cache import CachePool
 from .engram_tables import engram_budget
 from .grammar_masks import GrammarMasks
@@ -119,6 +120,7 @@ class ModelRunner:
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)
         self.async_copy = self.device.type == "cuda"
         self.grammar_masks = GrammarMasks(model.config.vocab_size, pinned=self.async_copy)
+        self.encode_images = request_encoder(options.compiled, options.inductor, options.batch_invariant)
 
     @torch.no_grad()
     def warm_up(self, keys: Seq[tuple], progress: Callable[[str], None] | None = None) -> float:
@@ -288,7 +290,7 @@ class ModelRunner:
 
         vocab_ids = self.steps.vocab_ids
         out, where, first_row = host_step(
-            self.model, self.pool, self.next_token, vocab_ids, sched, mode, k, self.split, masks
+            self.model, self.pool, self.next_token, vocab_ids, sched, mode, k, self.split, masks, self.encode_images
         )
         prompt_lp = prompt_logprobs(sched, out.logits, first_row, self.device)
         return copy_back(sched, where, [out], prompt_lp, async_copy=self.async_copy, device=self.device)

@@ -10,7 +10,7 @@ import torch
 from .aligner import aligner
 from .processor import Plan, preprocess
 from .spans import merge_span, span_length
-from .vit import vit
+from .vit import EAGER, BlockParts, vit
 
 
 def has_vision(params: dict) -> bool:
@@ -31,13 +31,16 @@ def token_grids(c: Any, grids: Sequence[tuple[int, int]]) -> list[tuple[int, int
 
 
 @torch.no_grad()
-def encode(model: Any, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+def encode(
+    model: Any, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int]], parts: BlockParts = EAGER
+) -> list[torch.Tensor]:
     """Packed patches of ``preprocess`` -> one ``[H * W, hidden]`` tensor per image: the
-    aligner's tokens in raster order of the image's aligner grid, in the weights' dtype."""
+    aligner's tokens in raster order of the image's aligner grid, in the weights' dtype
+    (``parts``: how the ViT's blocks run, ``vision/compiled.py``)."""
     c, params = model
     _require_vision(c, params)
     grids = [(int(h), int(w)) for h, w in grids]
-    return aligner(params["aligner"], c.vision, vit(params["vision"], c.vision, pixel_values, grids), grids)
+    return aligner(params["aligner"], c.vision, vit(params["vision"], c.vision, pixel_values, grids, parts), grids)
 
 
 def span_embeddings(model: Any, images: Any | Sequence[Any]) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:

@@ -14,6 +14,7 @@ import torch
 from .merge import encode, has_vision, text_embeddings, token_grids
 from .processor import preprocess_one
 from .spans import expand_placeholders, merge_span, span_length
+from .vit import EAGER, BlockParts
 
 PROMPT_KEYS = ("prompt", "multi_modal_data")
 
@@ -72,16 +73,21 @@ def prepare(model: Any, ids: Sequence[int], images: Sequence[Any], where: str) -
 
 
 @torch.no_grad()
-def encode_requests(model: Any, items: Sequence[ImageInputs]) -> None:
+def encode_requests(model: Any, items: Sequence[ImageInputs], parts: BlockParts = EAGER, alone: bool = False) -> None:
     """Span embeddings of every request in ``items`` still without them: one ViT pass over all
-    their images (each image still attends only to itself)."""
+    their images (each image still attends only to itself; ``parts``: how the blocks run).
+    ``alone``: one pass per image, so that an image's bits do not depend on the images encoded
+    with it (batch-invariant inference: the packed projections' GEMMs block by row count)."""
     todo = [it for it in items if it.spans is None]
     if not todo:
         return
     c, params = model
     grids = [g for it in todo for g in it.grids]
-    pixels = torch.cat([p for it in todo for p in it.pixel_values])
-    feats = iter(encode(model, pixels, grids))
+    pixels = [p for it in todo for p in it.pixel_values]
+    if alone:
+        feats = iter([f for px, g in zip(pixels, grids) for f in encode(model, px, [g], parts)])
+    else:
+        feats = iter(encode(model, torch.cat(pixels), grids, parts))
     for it in todo:
         spans = []
         for h, w in token_grids(c, it.grids):

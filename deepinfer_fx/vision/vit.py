@@ -5,12 +5,14 @@ patch projection, pre-norm blocks (RMSNorm; fused qkv with bias; 2-D rotate-half
 patch's row and column; softmax attention within each image only; output projection with bias;
 RMSNorm; bias-free SwiGLU) and a final RMSNorm. Projections and the MLP run on all packed
 patches at once; attention runs image by image, so a batch of images gives each image's rows
-exactly as it alone would.
+as it alone would (up to the GEMMs' blocking by row count). A block is its two halves around
+the attention, which ``vision/compiled.py`` compiles.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,19 +51,30 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def attention(
-    p: dict, v: VisionConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[tuple[int, int]]
-) -> torch.Tensor:
-    """Self-attention of each image's rows ``x[a:b]`` among themselves (``bounds``)."""
+def attention_inputs(
+    p: dict, v: VisionConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block up to its attention: RMSNorm, fused qkv, RoPE on q and k -> q, k, v ``[P, heads, head_dim]``."""
     n, heads, hd = x.shape[0], v.num_attention_heads, v.head_dim
-    q, k, val = _linear(x, p["wqkv"], p["wqkv_bias"]).view(n, 3, heads, hd).unbind(1)
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    h = rms_norm(x, p["norm1"], v.rms_norm_eps)
+    q, k, val = _linear(h, p["attn"]["wqkv"], p["attn"]["wqkv_bias"]).view(n, 3, heads, hd).unbind(1)
+    return rotate(q, cos, sin), rotate(k, cos, sin), val
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Softmax attention of each image's rows ``[a:b]`` among themselves (``bounds``)."""
     out = torch.empty_like(q)
     for a, b in bounds:  # one image at a time: no mask, and each image's result is its own
         out[a:b] = F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), val[a:b].transpose(0, 1)
         ).transpose(0, 1)
-    return _linear(out.reshape(n, heads * hd), p["wo"], p["wo_bias"])
+    return out
+
+
+def block_rest(p: dict, v: VisionConfig, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """A block after its attention: output projection and residual, RMSNorm, SwiGLU and residual."""
+    x = x + _linear(attended.reshape(x.shape[0], -1), p["attn"]["wo"], p["attn"]["wo_bias"])
+    return x + mlp(p["mlp"], rms_norm(x, p["norm2"], v.rms_norm_eps))
 
 
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -70,12 +83,29 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return _linear(F.silu(gate) * up, p["w2"])
 
 
+@dataclass(frozen=True)
+class BlockParts:
+    """The two halves of a block around its per-image attention, as they run: these functions
+    (``EAGER``), or compiled (``vision/compiled.py``)."""
+
+    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_inputs
+    block_rest: Callable[..., torch.Tensor] = block_rest
+
+
+EAGER = BlockParts()
+
+
 def block(
-    p: dict, v: VisionConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[tuple[int, int]]
+    p: dict,
+    v: VisionConfig,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    bounds: Sequence[tuple[int, int]],
+    parts: BlockParts = EAGER,
 ) -> torch.Tensor:
-    eps = v.rms_norm_eps
-    x = x + attention(p["attn"], v, rms_norm(x, p["norm1"], eps), cos, sin, bounds)
-    return x + mlp(p["mlp"], rms_norm(x, p["norm2"], eps))
+    q, k, val = parts.attention_inputs(p, v, x, cos, sin)
+    return parts.block_rest(p, v, x, attend(q, k, val, bounds))
 
 
 def image_bounds(grids: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -87,9 +117,15 @@ def image_bounds(grids: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def vit(p: dict, v: VisionConfig, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int]]) -> torch.Tensor:
+def vit(
+    p: dict,
+    v: VisionConfig,
+    pixel_values: torch.Tensor,
+    grids: Sequence[tuple[int, int]],
+    parts: BlockParts = EAGER,
+) -> torch.Tensor:
     """Packed patches ``[P, 3 * patch**2]`` of images with patch grids ``grids`` -> the
-    final-normed patch tokens ``[P, hidden]`` in the weights' dtype."""
+    final-normed patch tokens ``[P, hidden]`` in the weights' dtype (``parts``: how the blocks run)."""
     bounds = image_bounds(grids)
     if pixel_values.dim() != 2 or pixel_values.shape != (bounds[-1][1], v.patch_dim):
         raise ValueError(
@@ -99,5 +135,5 @@ def vit(p: dict, v: VisionConfig, pixel_values: torch.Tensor, grids: Sequence[tu
     x = _linear(pixel_values.to(device=w.device, dtype=w.dtype), w, p["patch_embed"]["proj_bias"])
     cos, sin = rope_tables(grids, v.head_dim, v.rope_theta, device=x.device)
     for bp in p["blocks"]:
-        x = block(bp, v, x, cos, sin, bounds)
+        x = block(bp, v, x, cos, sin, bounds, parts)
     return rms_norm(x, p["norm"], v.rms_norm_eps)

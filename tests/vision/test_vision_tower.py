@@ -163,3 +163,66 @@ def test_checkpoint_round_trip(tmp_path) -> None:
         for part in path.split("."):
             node = node[int(part)] if isinstance(node, list) else node[part]
         assert torch.equal(node, want), path
+
+
+def test_the_compiled_tower_is_the_eager_one_for_every_image_size(model) -> None:
+    """``vision/compiled.py`` on aot_eager (CPU): the eager tower's features, and the second
+    batch of other sizes and image count runs the graphs the first compiled (patches dynamic)."""
+    from torch._dynamo.utils import counters
+
+    from deepinfer_fx.vision.compiled import compiled_parts
+
+    c, _ = model
+    seed = fresh_seed()
+    batches = [
+        [random_image(100, 60, seed), random_image(45, 120, seed + 1)],
+        [random_image(70, 70, seed + 2), random_image(30, 90, seed + 3), random_image(120, 40, seed + 4)],
+    ]
+    torch._dynamo.reset()  # another test may have compiled these sizes in this process
+    parts = compiled_parts("aot_eager")
+    graphs = [counters["stats"]["unique_graphs"]]
+    for images in batches:
+        pixel_values, grids = preprocess(images, c)
+        got = encode(model, pixel_values, grids, parts)
+        graphs.append(counters["stats"]["unique_graphs"])
+        for g, want in zip(got, encode(model, pixel_values, grids), strict=True):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+    assert graphs[0] < graphs[1] == graphs[2]  # the first batch compiled, the second's sizes compiled nothing
+    with pytest.raises(ValueError, match="compiles with one of"):
+        compiled_parts("eager-ish")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor on the GPU")
+def test_the_tower_compiled_by_inductor_on_cuda_is_the_eager_one() -> None:
+    from deepinfer_fx.vision.compiled import compiled_parts
+
+    c, params = random_model(tiny_vision_config(), seed=fresh_seed())
+    model = (c, torch.utils._pytree.tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, params))
+    seed = fresh_seed()
+    pixel_values, grids = preprocess([random_image(100, 60, seed), random_image(45, 120, seed + 1)], c)
+    got = encode(model, pixel_values, grids, compiled_parts("inductor"))
+    for g, want in zip(got, encode(model, pixel_values, grids), strict=True):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_image_per_pass_is_bitwise_each_alone(model) -> None:
+    """Batch-invariant inference encodes each image in its own pass (``encode_requests(alone=True)``):
+    an image's features are the same bits with other requests' images or without."""
+    from deepinfer_fx.vision.requests import ImageInputs, encode_requests
+    from deepinfer_fx.vision.processor import preprocess_one
+
+    c, _ = model
+    seed = fresh_seed()
+
+    def inputs(images) -> ImageInputs:
+        done = [preprocess_one(im, c.vision, "test") for im in images]
+        return ImageInputs(
+            [torch.from_numpy(p) for p, _ in done], [g for _, g in done], [0] * len(done), [0] * len(done)
+        )
+
+    images = [random_image(90, 70, seed), random_image(50, 140, seed + 1), random_image(80, 80, seed + 2)]
+    alone = inputs(images[:1])
+    encode_requests(model, [alone], alone=True)
+    together = [inputs(images[:1]), inputs(images[1:])]
+    encode_requests(model, together, alone=True)
+    assert torch.equal(together[0].spans[0], alone.spans[0])
