@@ -65,9 +65,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bounds: Sequence
     """Softmax attention of each image's rows ``[a:b]`` among themselves (``bounds``)."""
     out = torch.empty_like(q)
     for a, b in bounds:  # one image at a time: no mask, and each image's result is its own
-        out[a:b] = F.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), val[a:b].transpose(0, 1)
-        ).transpose(0, 1)
+        # [1, heads, rows, head_dim]: the fused (flash) kernels take 4-D inputs only, 3-D ones fall back to math
+        out[a:b] = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, val)))[0].transpose(
+            0, 1
+        )
     return out
 
 
