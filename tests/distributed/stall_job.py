@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from deepinfer_fx import LLM, SamplingParams
 from deepinfer_fx.sharding import ep as ep_mod
-from deepinfer_fx.sharding import ep_ragged
 from deepinfer_fx.sharding.lockstep import LockStep, RankTimeout
 
 
@@ -48,17 +47,15 @@ def _arm(out: Path, mode: str, n: int) -> None:
     """Make rank 1 stall at its ``n``th agreement (turn) or EP all-to-all (step)."""
     calls = [0]
     if mode == "step":
-        # the static path's exchanges (compiled steps) and the ragged path's (eager steps)
-        for module, name in ((ep_mod, "_exchange"), (ep_ragged, "_exchange_rows")):
-            exchange = getattr(module, name)
+        exchange = ep_mod._exchange
 
-            def stalling_exchange(*args, exchange=exchange):
-                calls[0] += 1
-                if calls[0] == n:
-                    _stall(out)
-                return exchange(*args)
+        def stalling_exchange(t, group):
+            calls[0] += 1
+            if calls[0] == n:
+                _stall(out)
+            return exchange(t, group)
 
-            setattr(module, name, stalling_exchange)
+        ep_mod._exchange = stalling_exchange
         return
     agreement = LockStep._agreement
 
