@@ -58,7 +58,7 @@ def score_topk(
     if n == 0 or k <= 0:
         return torch.zeros_like(visible)
     scores = index_scores(q, keys, head_w, visible, 1.0, slots)
-    top = scores.topk(min(k, n), dim=-1).indices
+    top = scores.topk(min(k, n), dim=-1, sorted=False).indices  # a set: unsorted skips a sort kernel
     # fewer than k visible: topk also returns masked entries; drop them
     return torch.zeros_like(visible).scatter_(-1, top, True) & visible
 
@@ -87,6 +87,6 @@ def index_scores(
 def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The values and indices of the ``k`` largest of each row (``Tensor.topk``): V4.1's
     selections (``csa2.py``); a place so that batch-invariant inference can send ties to the
-    lower index."""
-    top = scores.topk(k, dim=-1)
+    lower index. Unsorted: callers use the set (a mask), and the sort is a kernel of its own on CUDA."""
+    top = scores.topk(k, dim=-1, sorted=False)
     return top.values, top.indices
