@@ -162,10 +162,10 @@ def index_scores(
     return (dots * head_w.float()[..., None]).sum(-2).masked_fill(~visible, float("-inf"))
 
 
-def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``indexer.top_k`` with ties to the lower index."""
+def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``indexer.top_k_mask`` with ties to the lower index."""
     idx = _top_k(scores, k)
-    return scores.gather(-1, idx), idx
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, scores.gather(-1, idx) > float("-inf"))
 
 
 def score_topk(

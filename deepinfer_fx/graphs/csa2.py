@@ -16,7 +16,7 @@ from ..config import ModelConfig
 from . import fake_quant as fq
 from .batch import Group
 from .compressor import entry_rope, new_latents, store_entries, visible_entries
-from .indexer import index_scores, top_k
+from .indexer import index_scores, top_k_mask
 from .norm import linear, linear_fp32, rms_norm
 from .rope import apply_rope, cos_sin
 
@@ -44,8 +44,7 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, top_blocks: 
     newest = torch.div(n_visible - 1, block, rounding_mode="floor")
     ids = torch.arange(blk.shape[-1], device=scores.device)
     blk = blk.masked_fill(ids == newest[..., None], float("inf"))
-    values, indices = top_k(blk, min(top_blocks, blk.shape[-1]))
-    keep = torch.zeros_like(blk, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
+    keep = top_k_mask(blk, min(top_blocks, blk.shape[-1]))
     return keep.repeat_interleave(block, dim=-1)[..., :n]
 
 
@@ -76,9 +75,7 @@ def _select(
         group_ctx["candidates"] = candidate_blocks(scores, n_vis, c.candidate_topk_blocks, c.candidate_block_size)
     elif c.uses_candidates(layer) and "candidates" in group_ctx:
         scores = scores.masked_fill(~group_ctx["candidates"], float("-inf"))
-    values, indices = top_k(scores, min(c.index_topk, n))
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
-    return chosen & visible
+    return top_k_mask(scores, min(c.index_topk, n)) & visible
 
 
 def csa2_entries(

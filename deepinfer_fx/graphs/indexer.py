@@ -84,9 +84,10 @@ def index_scores(
 
 
 @swappable
-def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values and indices of the ``k`` largest of each row (``Tensor.topk``): V4.1's
-    selections (``csa2.py``); a place so that batch-invariant inference can send ties to the
-    lower index. Unsorted: callers use the set (a mask), and the sort is a kernel of its own on CUDA."""
+def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool like ``scores``: per row its ``k`` largest entries above -inf (all of them where at
+    most k are), V4.1's selections (``csa2.py``). A place, so that a kernel can pick them without
+    a sort and batch-invariant inference can send ties to the lower index. Unsorted: only the set
+    counts, and a sorted top-k is a sort kernel more on CUDA."""
     top = scores.topk(k, dim=-1, sorted=False)
-    return top.values, top.indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))

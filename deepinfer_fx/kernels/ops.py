@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..graphs.attention import mqa_ring, mqa_with_sink
-from ..graphs.indexer import index_scores, score_topk
+from ..graphs.indexer import index_scores, score_topk, top_k_mask
 from ..graphs.mhc import sinkhorn
 from ..graphs.moe import route_weights, routed_experts, shared_expert, swiglu_act
 from ..graphs.norm import rms_norm as _graphs_rms_norm
@@ -63,6 +63,14 @@ indexer_scores = declare_op(
     lambda q, visible, **_: q.new_empty(visible.shape, dtype=torch.float32),
     fresh=True,
 )
+# Bool ``[..., N]``: per row the ``k`` largest fp32 scores above -inf (``graphs/indexer.py::top_k_mask``,
+# V4.1's selections); the kernel is the one ``indexer_topk`` runs after its scores.
+topk_mask = declare_op("topk_mask", top_k_mask, lambda scores, **_: scores.new_empty(scores.shape, dtype=torch.bool))
+
+
+def topk_mask_unserved(scores: torch.Tensor, k: int) -> str | None:
+    """Why the top-k kernel cannot serve a call, or None: it reads fp32 scores."""
+    return None if scores.dtype == torch.float32 else f"scores in {scores.dtype}: the top-k kernel reads fp32"
 
 
 # --- routed MoE experts ----------------------------------------------------------------------
@@ -151,6 +159,7 @@ OPS: dict[str, torch._ops.OpOverload] = {
         "ring_mqa",
         "indexer_topk",
         "indexer_scores",
+        "topk_mask",
         "moe_experts",
         "moe_experts_shared",
         "route_topk",

@@ -44,7 +44,7 @@ FORMS: dict[str, Callable[..., Any]] = {
     "attention.mqa_ring": bi.mqa_ring,
     "indexer.index_scores": bi.index_scores,
     "indexer.score_topk": bi.score_topk,
-    "indexer.top_k": bi.top_k,
+    "indexer.top_k_mask": bi.top_k_mask,
 }
 
 

@@ -6,7 +6,7 @@ takes the place's arguments as they are needs nothing else, the others name thei
 
 from __future__ import annotations
 
-from ..kernels.ops import route_unserved
+from ..kernels.ops import route_unserved, topk_mask_unserved
 from ..kernels.ops_compressor import compressor_unserved
 from ..kernels.ops_fp8 import fp8_block_unserved
 from ..kernels.ops_linear import decode_sized
@@ -96,6 +96,9 @@ SWAPS: tuple[SwapRow, ...] = (
     SwapRow("indexer_topk_kernel", "indexer.score_topk", "indexer_topk"),
     # The same scoring kernel, for V4.1's two-level selection, which goes on from the scores.
     SwapRow("indexer_scores_kernel", "indexer.index_scores", "indexer_scores"),
+    # V4.1's selections from those scores by the same threshold search, where torch.topk's radix
+    # select took 26 us a call for one query's row on an H200 (130 us of a V4.1-width b1 step).
+    SwapRow("topk_mask_kernel", "indexer.top_k_mask", "topk_mask", unserved=topk_mask_unserved),
     # For prefill-sized position sets, so the tables are computed once per call instead of once per
     # element of every tensor they rotate (kernels/ops_rope.py says why Inductor would recompute
     # them), and for the tables a whole forward shares at any size (shared): Inductor copies an

@@ -83,6 +83,11 @@ def _indexer_scores_args(g: torch.Generator) -> tuple:
     return (*_indexer_args(g)[:4], 8**-0.5)  # V4.1's dot scale, index_head_dim ** -0.5
 
 
+def _topk_mask_args(g: torch.Generator) -> tuple:
+    scores = _randn(g, 2, 3, 12).float()
+    return scores.masked_fill(torch.rand(2, 3, 12, generator=g) < 0.4, float("-inf")), 5
+
+
 def _moe_args(g: torch.Generator) -> tuple:
     t, d, i, e, k = 7, 16, 8, 5, 2
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
@@ -117,6 +122,7 @@ ARGS = {
     "ring_mqa": _ring_args,
     "indexer_topk": _indexer_args,
     "indexer_scores": _indexer_scores_args,
+    "topk_mask": _topk_mask_args,
     "moe_experts": _moe_args,
     "route_topk": _route_args,
     "moe_experts_shared": _moe_shared_args,

@@ -39,6 +39,7 @@ SWAPS = (
     "compressor_kernel",
     "indexer_topk_kernel",
     "indexer_scores_kernel",
+    "topk_mask_kernel",
     "rope_table_op",
     "rope_kernel",
     "norm_rope_kernel",

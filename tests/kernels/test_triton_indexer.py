@@ -19,7 +19,7 @@ import torch
 from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.compressor import visible_entries
-from deepinfer_fx.graphs.indexer import index_scores, score_topk
+from deepinfer_fx.graphs.indexer import index_scores, score_topk, top_k_mask
 from deepinfer_fx.kernels.triton.indexer import indexer_scores_triton, indexer_topk_triton, topk_mask_triton
 
 CUDA = torch.cuda.is_available()
@@ -117,6 +117,25 @@ def test_topk_matches_reference(device: str, k: int, block) -> None:
     _check_selection(mask, ref, visible, k, 1e-4, seed, expect=score_topk(q, keys, head_w, visible, k))
     assert not mask[:, 0].any(), f"seed {seed}: a query that sees nothing chooses nothing"
     assert torch.equal(indexer_topk_triton(q, keys, head_w, visible, k), mask), f"seed {seed}"
+
+
+@pytest.mark.parametrize("block", [None, 16])
+@pytest.mark.parametrize("k", [1, 4, 30, 64, 90])  # 30: more than some rows' finite entries; 90 > N
+def test_topk_mask_op_is_the_graphs_selection(device: str, k: int, block) -> None:
+    """``deepinfer::topk_mask``'s kernel against ``indexer.top_k_mask`` (V4.1's selections): the
+    same set, +inf always kept (the candidate level's newest block), -inf never; distinct random
+    scores, so the reference's set is defined."""
+    seed = _fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(3, 5, 64, generator=g)
+    scores = scores.masked_fill(torch.rand(3, 5, 64, generator=g) < torch.rand(3, 5, 1, generator=g), -INF)
+    scores[:, 1, 17] = INF
+    scores[0, 2] = -INF  # a query that sees nothing
+    scores = scores.to(device)
+    mask = torch.ones(scores.shape, dtype=torch.bool, device=device)  # poisoned
+    assert topk_mask_triton(scores, k, out=mask, block=block) is mask
+    assert torch.equal(mask, top_k_mask(scores, min(k, 64))), f"seed {seed}"
+    assert mask[:, 1, 17].all() and not mask[0, 2].any(), f"seed {seed}"
 
 
 @pytest.mark.parametrize("block", [None, 8])

@@ -1,4 +1,5 @@
-"""The Lightning indexer on CUDA: ``deepinfer::indexer_scores`` and ``deepinfer::indexer_topk``.
+"""The Lightning indexer on CUDA: ``deepinfer::indexer_scores``, ``deepinfer::indexer_topk`` and
+``deepinfer::topk_mask`` (the top-k of given scores: V4.1's selections).
 
 Scoring: one program scores ``BLOCK_Q`` queries against ``BLOCK_N`` entries. The queries'
 heads are the rows of one ``tl.dot`` (``[BLOCK_Q * Hi, di] x [di, BLOCK_N]``, fp32
@@ -312,4 +313,5 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 torch.library.register_kernel("deepinfer::indexer_scores", "cuda", indexer_scores_triton)
+torch.library.register_kernel("deepinfer::topk_mask", "cuda", topk_mask_triton)
 torch.library.register_kernel("deepinfer::indexer_topk", "cuda", indexer_topk_triton)
