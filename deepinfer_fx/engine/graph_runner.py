@@ -10,11 +10,10 @@ fp32 output a graph would hold for good (2 GiB at 4096 tokens of a 129k vocabula
 from graphs as decode does: uncaptured, a 4096-token P8 prefill (~650 launches) ran 3.9 ms longer
 than its kernels on an H200 (55.2 vs 51.3 ms).
 
-Every input of a step sits in one device arena (``step_arena``). The first step of a key runs the
-compiled functions (which compiles them: ``warm_up`` does it ahead of time on padding) and
-captures the graph right after. ``compile=False`` runs the same step functions eagerly at the
-exact sizes (the CPU engine and the tests' eager twin). With the model's drafter a rollback's
-replay of accepted drafts runs keys without it (``draft=False``): the drafter already saw those rows.
+Every input of a step sits in one device arena (``step_arena``). A key's first step runs the compiled
+functions (compiling them: ``warm_up`` does it ahead of time on padding), then captures the graph.
+``compile=False`` runs the same step functions eagerly at exact sizes (the CPU engine, the tests' eager
+twin). A rollback's replay of accepted drafts runs keys without the drafter (``draft=False``): it saw them.
 
 A step with structured-output rows (``masked``) runs a sampler variant that reads a token bitmask
 per sampled row from a static device buffer (``StepArena.masks``), in two pieces (``graph_capture``):
@@ -211,14 +210,15 @@ class StepGraphs(GraphEntries):
         draft: bool = True,
         k: int | None = None,
         mask: torch.Tensor | None = None,
+        min_chunks: int = 0,
+        min_length: int = 0,
     ) -> VerifyOut:
-        """Launch one verify step (after ``step``'s parts, in its own copy): every chunk's rows
-        scored in one target forward, drafts accepted on the device (``spec_accept``), each
-        bonus token written to ``next_token[slot]``. Sampling ``mode`` must serve every chunk;
-        ``draft`` False: without the drafter (benches); ``k``: every row's top logprobs too;
-        ``mask``: host token bitmasks of the rows (``[chunks * layout.length, words]``, structured
-        output), run by the masked acceptor."""
-        layout = self.verify_layout(len(chunks), max(len(ch.ids) for ch in chunks))
+        """Launch one verify step (after ``step``'s parts, in its own copy): every chunk's rows scored in
+        one target forward, drafts accepted on the device (``spec_accept``), each bonus token to
+        ``next_token[slot]``. ``mode`` must serve every chunk; ``draft`` False: without the drafter
+        (benches); ``k``: every row's top logprobs too; ``mask``: the rows' host token bitmasks
+        (``[chunks * layout.length, words]``); ``min_*``: as in ``step`` (no chunks: padding alone)."""
+        layout = self.verify_layout(max(len(chunks), min_chunks), max([len(c.ids) for c in chunks] + [min_length, 2]))
         e = self._entry(layout, mode, k, mask is not None, draft)
         self.arena.copy([(layout, self.arena.verify_inputs(layout, chunks))])
         if mask is not None:

@@ -27,7 +27,7 @@ from .request import RequestOutput, Sequence, to_output
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import EngineType, Scheduler
-from .spec_config import parse_speculative_config
+from .spec_config import check_mesh, parse_speculative_config
 from .spec_decode import Speculator
 from .state_io import StateTransfer
 from .structured import Grammars
@@ -141,10 +141,7 @@ class LLM:
         self.max_model_len = model_len(c, max_model_len)
         self.speculative = parse_speculative_config(speculative_config, self.settings, c, self.model.params)
         if self.speculative is not None and self.ranks.multi:
-            raise ValueError(
-                "speculative decoding on a mesh is not built yet (its verify and rollback steps would need the "
-                "ranks' lock step); drop speculative_config or the mesh"
-            )
+            check_mesh(self.speculative, self.ranks.spec, c)
         budget = memory_budget if memory_budget is not None else default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)

@@ -55,6 +55,7 @@ class Ranks:
     lockstep: LockStep | None = None  # None: one rank, nothing to agree on
     ep: EPGroup | None = None
     world: Any = None  # the world DeviceMesh
+    heads_follow: bool = False  # the draft head's experts sit on the trunk's placement (its expert count)
 
     @classmethod
     def join(
@@ -140,16 +141,20 @@ class Ranks:
             device=device,
             capacity_factor=self.settings.ep_capacity_factor,
         )
+        # an MTP-1 block routes over the trunk's count, so the trunk's group serves it; DSpark's may differ
+        self.heads_follow = not c.dspark_stages or c.dspark_n_routed_experts == c.n_routed_experts
         return ep_swaps(self.ep)
 
     def rebalance(self, params: dict) -> dict[str, Callable] | None:
         """EPLB between steps: re-place the routed experts of every layer by the loads measured
-        since the last call, moving ``params``' expert slots in place; the new swaps to use (None
-        on one rank, where there is nothing to balance)."""
+        since the last call, moving ``params``' expert slots in place (a draft head's too where it
+        shares the trunk's placement: its MTP-1 drafts run on the same EP group); the new swaps to
+        use (None on one rank, where there is nothing to balance)."""
         if self.ep is None:
             return None
         topology = topology_for(self.settings.topology_file, self.spec.ep)
-        self.ep = rebalance(self.ep, [lp["ffn"]["experts"] for lp in params["layers"]], topology)
+        blocks = [*params["layers"], *(params.get("mtp", []) if self.heads_follow else [])]
+        self.ep = rebalance(self.ep, [b["ffn"]["experts"] for b in blocks], topology)
         return ep_swaps(self.ep)
 
     def cp_split(self) -> tuple[dict[str, Callable], Callable[[Batch], Batch] | None]:

@@ -40,7 +40,7 @@ from .request import Sequence
 from .sampler import MODES
 from .sampling import MAX_LOGPROBS
 from .scheduler import SchedulerOutputs
-from .spec_decode import restore, snapshot
+from .spec_decode import Reruns, restore, snapshot
 from .step_arena import DecodeRow, PrefillChunk, VerifyChunk
 from .step_handle import VERIFY, StepHandle, copy_back, prompt_logprobs
 from .steps import decode_logits
@@ -121,6 +121,7 @@ class ModelRunner:
         self.async_copy = self.device.type == "cuda"
         self.grammar_masks = GrammarMasks(model.config.vocab_size, pinned=self.async_copy)
         self.encode_images = request_encoder(options.compiled, options.inductor, options.batch_invariant)
+        self.reruns = Reruns()  # rollback re-runs for the next launch
 
     @torch.no_grad()
     def warm_up(self, keys: Seq[tuple], progress: Callable[[str], None] | None = None) -> float:
@@ -151,6 +152,7 @@ class ModelRunner:
         k = self.logprobs_k if any(s.params.logprobs is not None for s in sampled) else None
         with swapped(self.swaps):
             if self.split is not None or any(ch.seq.images is not None and not ch.from_device for ch in sched.chunks):
+                self.reruns.run(self.steps, self.reruns.due())  # unagreed: meshes refuse cp + speculation, images
                 handle = self._launch_host(sched, mode, k, before_masks)
                 handle.release = self.grammar_masks.lend()
                 return handle
@@ -191,9 +193,11 @@ class ModelRunner:
         wants_rows = sched is not None and any(
             ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device
         )
-        n_dec, n_pre, length, all_rows = self._plan(
-            [len(dec), len(pre), max([len(c.ids) for c in pre] + [0]), int(wants_rows)]
+        rerun = self.reruns.due()
+        n_dec, n_pre, length, all_rows, n_re, re_len, n_ver, ver_len = self._plan(
+            [len(dec), len(pre), _longest(pre), int(wants_rows), len(rerun), _longest(rerun), len(ver), _longest(ver)]
         )
+        self.reruns.run(self.steps, rerun, n_re, re_len)  # first: a request rolled back may be in this step
         # the decode and prefill parts' chunks in row order (a verify chunk's grammar masks: _verify_masks)
         parts = ([ch for ch in chunks if ch.from_device and not ch.drafts], [ch for ch in chunks if not ch.from_device])
         masked = tuple(any(ch.sample and ch.seq.grammar is not None for ch in part) for part in parts)
@@ -220,16 +224,16 @@ class ModelRunner:
             if p is not None and all_rows
             else 1
         )
-        if not ver:
+        if not n_ver:
             return [d, p], where, first_row, stride, ({}, None)
-        # saved before the verify forward writes the rows a rejected draft must not leave behind
-        saved = snapshot(self.pool, [v.slot for v in ver])
-        verify = {i: (ver[w[1]], w[1]) for i, w in enumerate(where) if w is not None and w[0] == VERIFY}
         spec = [ch for ch in chunks if ch.drafts]
         k_ver = self.logprobs_k if any(ch.seq.params.logprobs is not None for ch in spec) else None
-        length = self.steps.verify_layout(len(ver), max(len(v.ids) for v in ver)).length
-        mask = self.grammar_masks.verify_rows(spec, length)
-        return [d, p, self.steps.verify(ver, mode, k=k_ver, mask=mask)], where, first_row, stride, (verify, saved)
+        mask = self.grammar_masks.verify_rows(spec, self.steps.verify_layout(n_ver, ver_len).length)
+        # saved before the verify forward writes the rows a rejected draft must not leave behind
+        saved = snapshot(self.pool, [v.slot for v in ver]) if ver else None
+        out = self.steps.verify(ver, mode, k=k_ver, mask=mask, min_chunks=n_ver, min_length=ver_len)
+        verify = {i: (ver[w[1]], w[1]) for i, w in enumerate(where) if w is not None and w[0] == VERIFY}
+        return [d, p, out][: 3 if ver else 2], where, first_row, stride, (verify, saved)  # none here: padding
 
     def step_time(self, lengths: Seq[int]) -> float | None:
         """The measured seconds of a step whose requests verify ``lengths`` drafts each (0: a
@@ -248,16 +252,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def rollback(self, handle: StepHandle, rejected: Seq[tuple[int, int]]) -> None:
-        """Undo what the rejected drafts of verify chunks ``(i, accepted)`` wrote: restore their
-        slots' saved state and run each one's token and accepted drafts again, as prompt chunks
-        that sample nothing, in one step (the bonus tokens in ``next_token`` stay)."""
+        """Undo what the rejected drafts of verify chunks ``(i, accepted)`` wrote: restore their slots'
+        saved state now and queue each one's token and accepted drafts to run again first in the
+        next launch (``Reruns``); the bonus tokens in ``next_token`` stay."""
         restore(self.pool, handle.saved, [handle.verify[i][1] for i, _ in rejected])
-        chunks = [
-            PrefillChunk(handle.verify[i][0].slot, handle.verify[i][0].start, handle.verify[i][0].ids[: n + 1])
-            for i, n in rejected
-        ]
-        with swapped(self.swaps):
-            self.steps.step((), chunks, "greedy", draft=False)
+        for i, n in rejected:
+            self.reruns.add(handle.sched.chunks[i].seq, handle.verify[i][0], n)
 
     @torch.no_grad()
     def idle(self) -> None:
@@ -272,9 +272,9 @@ class ModelRunner:
             decode_logits(params, self.pool.state, c, self.next_token, *idle_step(self.pool.state, self.device))
 
     def _plan(self, mine: list[int]) -> list[int]:
-        """This turn's steps: decode requests, prefill chunks, prefill length, every row or
-        not. On a multi-rank mesh the max over ranks, so every rank runs the same steps at the
-        same sizes and the EP all-to-alls inside them pair up."""
+        """This turn's steps: decode requests, prefill chunks and length, every row or not, rollback
+        re-runs and length, verify chunks and length. On a multi-rank mesh the max over ranks, so every
+        rank runs the same steps at the same sizes (padded) and the EP all-to-alls inside them pair up."""
         return mine if self.lockstep is None else self.lockstep.agree(mine)
 
     def _launch_host(
@@ -294,3 +294,7 @@ class ModelRunner:
         )
         prompt_lp = prompt_logprobs(sched, out.logits, first_row, self.device)
         return copy_back(sched, where, [out], prompt_lp, async_copy=self.async_copy, device=self.device)
+
+
+def _longest(chunks: Seq) -> int:
+    return max([len(ch.ids) for ch in chunks] + [0])

@@ -16,6 +16,7 @@ from typing import Any
 from ..config import ModelConfig
 from ..graphs.params import mtp_specs
 from ..settings import PREFIX, EngineConfig
+from ..sharding.mesh import MeshSpec
 
 METHODS = ("ngram", "mtp", "dspark")
 KEYS = {
@@ -128,4 +129,24 @@ def _check_draft_weights(method: str, c: ModelConfig, params: dict) -> None:
             f"speculative_config method {method!r} needs the draft weights, and this checkpoint has no mtp.* "
             f"tensors (missing: {shown or 'mtp.0.*: the config declares no draft layers'}); use method "
             "'ngram' (no weights) or a checkpoint with them"
+        )
+
+
+def check_mesh(spec: SpeculativeConfig, mesh: MeshSpec, c: ModelConfig) -> None:
+    """Speculation on a multi-rank ``mesh``: its verify and rollback steps run in the ranks' lock
+    step (``ModelRunner._plan``) for n-gram and MTP-1 drafts; what is not built refuses here."""
+    where = f"speculative_config method {spec.method!r} on mesh {mesh}"
+    if mesh.cp > 1:
+        raise ValueError(
+            f"{where}: speculation is not built with context parallelism (a cp{mesh.cp} step splits its "
+            "prompt chunks over the group in host-built eager steps, and verify and rollback steps are not "
+            "split); meshes of dp and ep speculate (methods 'ngram' and 'mtp'), or drop speculative_config"
+        )
+    if spec.method == "dspark":
+        raise ValueError(
+            f"{where}: not built: DSpark's draft blocks ({c.dspark_block_size} rows a request, "
+            f"{c.dspark_n_routed_experts} experts, top-{c.dspark_num_experts_per_tok}) would run their MoE "
+            f"through the mesh's EP dispatch, which is placed and sized for the trunk's ({c.n_routed_experts} "
+            "experts, the token budget's rows) and serves no other expert count; methods 'ngram' and 'mtp' "
+            "run on dp and ep meshes"
         )

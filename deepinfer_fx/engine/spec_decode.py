@@ -16,13 +16,16 @@ before a verify step the runner snapshots the verify slots' fixed-size state (ev
 ``cache.GROWING_KEYS``); for the requests whose drafts were rejected it restores the snapshot
 and runs their accepted prefixes again as prompt chunks that sample nothing, all in one step.
 Its cost (``docs/decisions.md``): one copy of each verify slot's fixed state per verify step,
-and a prefill step of ``1 + accepted`` rows per rejecting request after a rejection.
+and a prefill step of ``1 + accepted`` rows per rejecting request after a rejection. That re-run
+waits for the next launch and runs first in it (``Reruns``): on a mesh it is a step every rank
+takes together (its MoE is an all-to-all), agreed with the launch's other parts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +34,10 @@ from .drafters import NgramDrafter
 from .request import Sequence
 from .spec_config import SpeculativeConfig
 from .spec_schedule import plan_lengths
+from .step_arena import PrefillChunk, VerifyChunk
+
+if TYPE_CHECKING:
+    from .graph_runner import StepGraphs
 
 
 @dataclass
@@ -118,3 +125,30 @@ def restore(pool: CachePool, saved: tuple[torch.Tensor, dict[str, torch.Tensor]]
     for p, t in iter_tensors(pool.state):
         if p in tensors:
             t[index[pick]] = tensors[p][pick]
+
+
+class Reruns:
+    """Rollback re-runs waiting for the next launch (``ModelRunner._launch_steps`` runs them before
+    its other parts, which may hold the same requests): each one's token and accepted drafts as a
+    prompt chunk that samples nothing. Deferred, not run at once, because the loop reads a step at
+    different points of a turn on different ranks, while a mesh's steps must line up."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[Sequence, PrefillChunk]] = []
+
+    def add(self, seq: Sequence, chunk: VerifyChunk, accepted: int) -> None:
+        self.queued.append((seq, PrefillChunk(chunk.slot, chunk.start, chunk.ids[: accepted + 1])))
+
+    def due(self) -> list[PrefillChunk]:
+        """The queued re-runs (emptying the queue) of requests still in their slots: an aborted
+        request's slot may be another's by now."""
+        due = [ch for seq, ch in self.queued if not seq.finished and seq.slot == ch.slot]
+        self.queued = []
+        return due
+
+    @staticmethod
+    def run(steps: StepGraphs, chunks: list[PrefillChunk], n: int = 0, length: int = 0) -> None:
+        """Launch re-runs ``chunks`` as one greedy prefill step without the drafter (it saw those
+        rows), padded to ``n`` chunks of ``length`` (a mesh's agreement: none of its own, padding alone)."""
+        if chunks or n:
+            steps.step((), chunks, "greedy", min_chunks=n, min_length=length, draft=False)

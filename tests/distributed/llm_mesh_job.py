@@ -26,7 +26,7 @@ def placements(llm: LLM, whole: dict) -> dict:
     storage), and whether the gathered whole (``full_tensor``, a collective every rank joins) is
     the one-process tensor ``whole`` holds, its experts in the placement's slot order."""
     local = dict(iter_tree(llm.model.params))
-    trunk = llm.ranks.ep.placement  # EPLB re-places the trunk's experts; a draft head keeps its start
+    trunk = llm.ranks.ep.placement  # EPLB re-places the trunk's experts, a draft head's of that count too
     out = {}
     for path, leaf in iter_tree(llm.mesh_params):
         if not isinstance(leaf, DTensor):
@@ -35,7 +35,7 @@ def placements(llm: LLM, whole: dict) -> dict:
         gathered = leaf.full_tensor()
         want = whole[path]
         if ".experts." in path:
-            at = trunk if path.startswith("layers.") else start_placement(want.shape[0], llm.ranks.spec.ep)
+            at = trunk if want.shape[0] == trunk.n_logical else start_placement(want.shape[0], llm.ranks.spec.ep)
             want = want[torch.as_tensor(at.phys_to_logical)]
         out[path] = {
             "placements": ["S(%d)" % p.dim if p.is_shard() else "R" for p in leaf.placements],

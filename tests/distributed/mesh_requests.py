@@ -20,3 +20,22 @@ def mesh_requests(rng: random.Random) -> list[dict]:
         }
         out.append({"prompt": [rng.randrange(3, 300) for _ in range(rng.randint(1, 30))], "params": params})
     return out
+
+
+def spec_requests() -> list[dict]:
+    """Greedy requests for speculation on meshes (``spec_mesh_job.py``, a target whose text
+    cycles): repetitive prompts, whose first lookups draft the prompt's pattern (rejected, so
+    rollbacks run) and later ones the output's cycle (accepted), random prompts, prompts longer
+    than the 16-token budget (chunked), and uneven work: dealt round-robin over two ranks, rank 0
+    serves three requests with long outputs (one waits for a slot), rank 1 two short ones behind
+    a 40-token prompt, so some turns have one rank verifying while the other prefills or idles."""
+    rng = random.Random(7)
+    prompts = [
+        [5, 6, 7, 8] * 6 + [7],
+        [rng.randrange(3, 300) for _ in range(40)],
+        [9, 10] * 10 + [11],
+        [rng.randrange(3, 300) for _ in range(6)],
+        [20, 21, 22] * 4,
+    ]
+    params = [{"temperature": 0.0, "max_tokens": m, "ignore_eos": True} for m in (24, 6, 20, 5, 16)]
+    return [{"prompt": p, "params": q} for p, q in zip(prompts, params)]
