@@ -20,3 +20,14 @@ def mesh_requests(rng: random.Random) -> list[dict]:
         }
         out.append({"prompt": [rng.randrange(3, 300) for _ in range(rng.randint(1, 30))], "params": params})
     return out
+
+
+def cp_requests(rng: random.Random) -> list[dict]:
+    """``mesh_requests`` with prompts of 61, 7, 13, 30 and 22 tokens: none a multiple of 4, so a
+    cp2 split pads every chunk, and 61 is prefilled in two chunks (over a 48-token budget); the
+    fourth also asks for prompt logprobs, so some prefill steps return every row's logits."""
+    out = mesh_requests(rng)
+    for req, n in zip(out, (61, 7, 13, 30, 22)):
+        req["prompt"] = [rng.randrange(3, 300) for _ in range(n)]
+    out[3]["params"]["prompt_logprobs"] = 2
+    return out
