@@ -22,8 +22,9 @@ them all):
 (b, c) decode and prefill steps timed in lock step, with the EP all-to-all time per MoE layer
     (``bench/mesh_steps.py`` says what a step is and how the collectives are timed).
 Steps are compiled on GPUs (the engine's ``StepGraphs``, CUDA graphs for decode; the ranks agree
-on each turn's graphs) and eager on the CPU (``--steps-mode`` overrides); cp meshes step eagerly
-for now. The JSON's ``engine.steps`` says which ran, for the mesh and for the reference.
+on each turn's graphs; on cp meshes the prefill graphs run the static split, ``sharding/cp.py``)
+and eager on the CPU (``--steps-mode`` overrides). The JSON's ``engine.steps`` says which ran, for
+the mesh and for the reference.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--steps-mode",
         choices=("auto", "eager", "compiled"),
         default="auto",
-        help="auto: compiled on GPUs, eager on the CPU; cp meshes step eagerly either way for now",
+        help="auto: compiled on GPUs, eager on the CPU",
     )
     ap.add_argument("--out", default="bench/results/latest")
     return ap.parse_args(argv)
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = []
     for spec in specs:
-        llm = LLM(model, mesh=str(spec), eager=True if spec.cp > 1 and eager is False else eager, **engine)
+        llm = LLM(model, mesh=str(spec), eager=eager, **engine)
         experts = expert_counts(llm)
         mesh_steps = steps_kind(llm)
         got, shuffle = serve(llm, prompts, params, rebalance=args.eplb)

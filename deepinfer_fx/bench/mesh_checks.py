@@ -87,8 +87,5 @@ def expert_counts(llm: LLM) -> dict[str, Any]:
 
 
 def steps_kind(llm: LLM) -> str:
-    """How the engine steps: "compiled", "eager+kernels" (cp meshes: eager with the kernel
-    swaps in force) or "eager" (the reference math)."""
-    if llm.options.steps.compiled:
-        return "compiled"
-    return "eager+kernels" if "attention.mqa_with_sink" in llm.runner.swaps else "eager"
+    """How the engine steps: "compiled" or "eager" (the reference math)."""
+    return "compiled" if llm.options.steps.compiled else "eager"

@@ -6,10 +6,11 @@ What a step is. With compiled steps (GPUs by default) the engine's own decode / 
 Decode: ``engine.steps.decode_logits`` of ``B`` requests at position ``context``
 (slots ``0..B-1``); a decode at a fixed position rewrites the same cache rows, so it repeats
 (as in ``bench/decode_graphs.py``), and the cache's contents do not change the work. Prefill:
-one chunk of ``T`` tokens at position 0 of slot 0, cut by the engine's own CP split
-(``runner.split``) on a cp mesh, logits for one row per rank (what the compiled prefill step
-computes; the eager runner's all-row fp32 logits would add a vocab-sized GEMM per row). The
-batch is built once, so host-side batch building and sampling are outside the timed steps.
+one chunk of ``T`` tokens at position 0 of slot 0, cut by the engine's own eager CP split
+(``runner.split``) on a cp mesh, logits of its last row only, from the rank owning it (what the
+compiled prefill step computes; the eager runner's all-row fp32 logits would add a vocab-sized
+GEMM per row). The batch is built once, so host-side batch building and sampling are outside the
+timed steps.
 
 EP capacity. The engine sizes an EP group's static send buffers from the scheduler's token
 budget, so each row uses a group sized as an engine configured for that row would be
@@ -84,7 +85,7 @@ def prefill_fn(llm: LLM, tokens: int, seed: int) -> Callable[[], torch.Tensor]:
     batch = make_batch([ids], [0], [0], llm.model.device)
     if llm.runner.split is not None:
         batch = llm.runner.split(batch)
-    rows = torch.tensor([batch.token_ids.shape[0] - 1], device=llm.model.device)
+    rows = torch.tensor([tokens - 1], device=llm.model.device)  # a row of the whole chunk (forward_batch)
     return lambda: forward_batch(params, llm.pool.state, c, batch, rows=rows)[0]
 
 

@@ -128,8 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh",
         type=_mesh,
         default=None,
-        help="e.g. ep8, ep2,dp4; more than one rank: launch under torchrun (cp meshes step eagerly for now, "
-        "with the GPU kernels) (default: one rank)",
+        help="e.g. ep8, ep2,dp4, cp2,ep2; more than one rank: launch under torchrun (default: one rank)",
     )
     e.add_argument(
         "--dry-run",

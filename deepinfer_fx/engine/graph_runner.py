@@ -30,17 +30,18 @@ import torch
 from ..api import Model
 from ..kernels.ops_engram import engram_rows
 from ..passes.manager import resolve_disabled
+from ..sharding.cp import ContextRank
 from .engram_tables import Placed, place_engram_tables
 from .graph_capture import GRAPH_DEVICES, Entry, GraphEntries, GraphKey
 from .spec_schedule import StepTimes
 from .step_arena import GREEDY, DecodeRow, PrefillChunk, StepArena, VerifyChunk
 from .step_functions import StepFunctions
-from .step_inputs import Layout, bucket_for, buckets
+from .step_inputs import Layout, StepSizes
 from .steps import StepOut, VerifyOut
 from .structured import mask_words
 
 
-class StepGraphs(GraphEntries):
+class StepGraphs(GraphEntries, StepSizes):
     """Decode / prefill steps over a model and a state pool: compiled per bucket and replayed as
     graphs (``compile=True``), or the same step functions run eagerly at the exact sizes."""
 
@@ -65,6 +66,7 @@ class StepGraphs(GraphEntries):
         varlen: bool = False,
         engram_tables: str | None = None,
         engram_budget: int | None = None,
+        context: ContextRank | None = None,
     ) -> None:
         """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps).
         ``n_drafts``: drafts the model's drafter proposes after every step (``mtp`` / ``dspark``; 0: none).
@@ -75,12 +77,12 @@ class StepGraphs(GraphEntries):
         compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``).
         ``engram_tables`` / ``engram_budget`` (bytes): where compiled steps hold V4.1's Engram
         tables (``engram_tables.place_engram_tables``; None: ``DEEPINFER_ENGRAM_TABLES`` /
-        ``DEEPINFER_ENGRAM_DEVICE_GIB``); eager steps read them memory-mapped."""
+        ``DEEPINFER_ENGRAM_DEVICE_GIB``); eager steps read them memory-mapped. ``context``: this
+        rank's place in a CP group; prefill chunks are then padded to a multiple of twice its
+        size and each step runs this rank's static share of them (``sharding.cp.split_bucket``)."""
         self.config, self.params = model
         self.state = state
         self.next_token = next_token
-        self.compile = compile
-        self.keep = keep  # V4.1 compact prefill's KEEP (engine/options.py checked it); None: exact prefill
         self.n_drafts = n_drafts
         self.over = dict(over or {})
         device = model.device
@@ -92,24 +94,13 @@ class StepGraphs(GraphEntries):
             )
         self.disabled = tuple(sorted(resolve_disabled())) if disabled is None else tuple(disabled)
         self.inductor, self.dump_dir = inductor, dump_dir
-        self.decode_buckets = buckets(max_requests)
-        self.request_buckets = buckets(max_requests)
-        self.length_buckets = buckets(max_tokens, smallest=min(16, max_tokens))
-        # a verify chunk is a token and 1..max_drafts drafts, padded to one length: a verify of
-        # 2 rows costs 0.96 of one of 4 at batch 1 on an H200, and one bucket a request count
-        # warms up k times fewer graphs (docs/decisions.md)
-        self.verify_buckets = (tuple(range(2, max_drafts + 2)) if varlen else (max_drafts + 1,)) if max_drafts else ()
-        super().__init__(device, compile and has_graphs and graphs is not False, StepTimes(device) if varlen else None)
+        GraphEntries.__init__(
+            self, device, compile and has_graphs and graphs is not False, StepTimes(device) if varlen else None
+        )
+        StepSizes.__init__(self, compile, max_requests, max_tokens, max_drafts, varlen, keep, context)
         self.scratch = state["slots"]
         self.gap: tuple | None = None  # the last masked step's timing events around its mask work (CUDA)
-        largest = (
-            Layout("decode", self.decode_buckets[-1]),
-            Layout(
-                "prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True, kept=int(keep is not None)
-            ),
-            Layout("verify", self.request_buckets[-1], self.verify_buckets[-1]) if max_drafts else None,
-        )
-        self.arena = StepArena(device, self.scratch, *largest, mask_words(self.config.vocab_size))
+        self.arena = StepArena(device, self.scratch, *self.largest(), mask_words(self.config.vocab_size))
         self.vocab_ids = torch.arange(self.config.vocab_size, device=device)  # the sampler's race keys
         self.functions = StepFunctions(
             model,
@@ -121,6 +112,7 @@ class StepGraphs(GraphEntries):
             inductor=inductor,
             dump_dir=dump_dir,
             disabled=self.disabled,
+            split=None if context is None else context.bucket,
         )
         self.engram: list[Placed] = []  # where each Engram table went (compiled steps)
         if compile:
@@ -128,25 +120,6 @@ class StepGraphs(GraphEntries):
         if any(p.where == "host" for p in self.engram):
             # not a disableable pass: a GPU step cannot read host rows any other way
             self.over.setdefault("engram.gather_rows", engram_rows)
-
-    # -- sizes --------------------------------------------------------------------------------
-    def _bucket(self, n: int, choices: Sequence[int]) -> int:
-        return bucket_for(n, choices) if self.compile else max(n, 1)
-
-    def decode_layout(self, n: int) -> Layout:
-        return Layout("decode", self._bucket(n, self.decode_buckets))
-
-    def prefill_layout(self, n_chunks: int, length: int, all_rows: bool = False) -> Layout:
-        """Compact prefill replays at most KEEP rows of a chunk, every row of a step with prompt
-        logprobs (its other chunks still replay only theirs: ``PrefillChunk.keep_from``)."""
-        n, L = self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.length_buckets)
-        kept = 0 if self.keep is None else L if all_rows else min(L, self.keep)
-        return Layout("prefill", n, L, all_rows, kept)
-
-    def verify_layout(self, n_chunks: int, length: int) -> Layout:
-        if not self.verify_buckets:
-            raise ValueError("these step graphs were built without verify steps (max_drafts=0)")
-        return Layout("verify", self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.verify_buckets))
 
     # -- steps ------------------------------------------------------------------------------
     def step(

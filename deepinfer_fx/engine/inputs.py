@@ -113,19 +113,10 @@ def flag(name: str, value: Any, optional: bool = False) -> None:
         raise ValueError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
 
 
-def eager_setting(eager: bool | None, mesh: str | None, **compiled_options: Any) -> bool | None:
+def eager_setting(eager: bool | None, **compiled_options: Any) -> bool | None:
     """``eager`` once the options that act on compiled steps only (``cuda_graphs``, ``inductor``,
     ``dump_graphs``, ``disable_passes``) are taken into account: asking for one asks for compiled
-    steps, on the CPU too; with ``eager=True``, or a cp mesh (which steps eagerly for now), it is
-    an error naming the conflict."""
-    cp = parse_mesh(mesh).cp if mesh else 1
-    if cp > 1 and eager is False:
-        raise ValueError(
-            f"mesh {mesh}: context parallelism steps eagerly for now (its split is built on the host per step); "
-            "drop eager=False / --compile"
-        )
-    if cp > 1 and eager is None:  # disable_passes also picks the kernel swaps of a cp mesh's eager steps
-        compiled_options.pop("disable_passes", None)
+    steps, on the CPU too; with ``eager=True`` it is an error naming the conflict."""
     asked = [
         name
         for name, v in compiled_options.items()
@@ -136,10 +127,6 @@ def eager_setting(eager: bool | None, mesh: str | None, **compiled_options: Any)
     if eager is True:
         raise ValueError(
             f"{', '.join(asked)} act on compiled steps, which eager=True (--eager) turns off; drop one or the other"
-        )
-    if cp > 1:
-        raise ValueError(
-            f"{', '.join(asked)} act on compiled steps, but a cp{cp} mesh steps eagerly for now; drop them"
         )
     return False
 

@@ -18,7 +18,7 @@ from ..kernels.launch_options import use_pdl
 from ..settings import EngineConfig, usable_cores
 from . import inputs
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
-from .llm_build import default_budget, model_len, model_tokenizer, run_dtype, serve_model, step_swaps
+from .llm_build import default_budget, model_len, model_tokenizer, run_dtype, serve_model
 from .llm_requests import imported_seqs, make_seq, sampling_list, serve
 from .loop import EngineLoop, LoopStats
 from .options import llm_options
@@ -108,7 +108,6 @@ class LLM:
             inputs.flag(name, value, optional=True)
         eager = inputs.eager_setting(
             eager,
-            mesh,
             cuda_graphs=cuda_graphs,
             inductor=inductor,
             dump_graphs=dump_graphs,
@@ -128,8 +127,7 @@ class LLM:
         if num_threads is not None or (device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ):
             torch.set_num_threads(num_threads or usable_cores())  # torchrun's OMP_NUM_THREADS (1 a rank) stays in force
         # a multi-rank mesh joins the torchrun world first: the loader reads only this rank's experts
-        asked_eager = eager
-        self.ranks, device, eager = Ranks.join(mesh, device, eager, self.settings)
+        self.ranks, device = Ranks.join(mesh, device, self.settings)
         # mesh_params (a multi-rank mesh): the rank's DTensors; the steps run on their local views
         opt = {"fake_quant": fake_quant, "expert_format": expert_format}
         served = serve_model(model, self.ranks, self.settings, dtype=run_dtype(dtype, device), device=device, **opt)
@@ -145,7 +143,7 @@ class LLM:
         budget = memory_budget if memory_budget is not None else default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
-        cp_swap, split = self.ranks.cp_split()
+        cp_swap, context = self.ranks.cp_split()
         max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
         method = None if self.speculative is None else self.speculative.method
         self.options = opts = llm_options(
@@ -156,7 +154,7 @@ class LLM:
             yoco_keep_tokens=yoco_keep_tokens,
             max_drafts=max_drafts,
             drafter=method,
-            cp=split is not None,
+            cp=context is not None,
             eager=eager,
             overlap=overlap,
             warmup=warmup,
@@ -169,7 +167,7 @@ class LLM:
         )
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
-        swaps = step_swaps(self.ranks, c, self.model.device, opts, cp=split is not None, asked_eager=asked_eager)
+        swaps = self.ranks.start_ep(c, opts.max_num_batched_tokens, self.model.device)  # a mesh's EP exchange
         model_drafts = max_drafts if method in ("mtp", "dspark") else 0
         if model_drafts and self.engine_type is not EngineType.NORMAL:
             raise ValueError(
@@ -181,7 +179,7 @@ class LLM:
             self.pool,
             opts.steps,
             {**swaps, **cp_swap},
-            split,
+            context,
             lockstep=self.ranks.lockstep,
             max_drafts=max_drafts,
             model_drafts=model_drafts,

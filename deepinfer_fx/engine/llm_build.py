@@ -1,12 +1,12 @@
 """What ``LLM.__init__`` builds from its checked arguments: the run dtype, the model it serves
 (a ``Model``, ``"demo"``, a path or hub id) and its tokenizer, the lengths and cache budget by
-default, and the kernels its steps swap in."""
+default."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -15,9 +15,7 @@ from ..config import ModelConfig
 from ..io.checkpoint import ENV_MODEL_DIR
 from ..io.tokenizer import load_tokenizer
 from ..settings import EngineConfig
-from .options import EngineOptions
 from .ranks import Ranks
-from .runner import eager_kernel_swaps
 
 DEFAULT_CPU_BUDGET = 2 << 30
 
@@ -84,26 +82,3 @@ def default_budget(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.8)
     return DEFAULT_CPU_BUDGET
-
-
-def step_swaps(
-    ranks: Ranks,
-    c: ModelConfig,
-    device: torch.device,
-    opts: EngineOptions,
-    *,
-    cp: bool,
-    asked_eager: bool | None,
-) -> dict[str, Callable]:
-    """The kernels the steps swap in: the EP exchange of a multi-rank mesh (started here), and
-    on a cp mesh whose steps run eagerly the accelerator's kernels."""
-    swaps = ranks.start_ep(c, opts.max_num_batched_tokens, device)
-    if cp and asked_eager is None and not opts.settings.batch_invariant:
-        # cp steps eagerly because it must, not because eager math was asked for: the
-        # accelerator's kernels still take their places (an eager cp2 16k-token chunk ran the
-        # reference attention at 1.1 s on H200s, against 72 ms compiled on one GPU); batch invariance declines them
-        swaps = {
-            **eager_kernel_swaps(opts.settings.accelerator, device, opts.steps.disabled_passes),
-            **swaps,
-        }
-    return swaps

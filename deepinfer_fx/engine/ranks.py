@@ -10,21 +10,20 @@ prompt order. Requests keep the ids (and so the sampling seeds) they would have 
 so outputs match it. The engine's settings (``EngineConfig``) come in with ``join`` and are handed
 to the mesh, the lock step, the placements, the EP group and EPLB from here.
 
-With cp > 1 the ranks of a CP group serve the same requests: each forward's chunks are split
-zigzag over the group (``sharding.cp``), attention gathers its rows over the group, and the
-logits are gathered back so every CP rank samples the same tokens from the same rows.
+With cp > 1 the ranks of a CP group serve the same requests: each prefill step's chunks are split
+zigzag over the group (``sharding.cp``: statically over the bucket in compiled steps, per step on
+the host in eager ones), attention gathers its rows over the group, and each row's logits come
+from the rank that owns it, so every CP rank samples the same tokens from the same rows.
 
-Compiled steps (the default on GPUs; not yet with cp > 1, whose split is built on the host per
-step) run a decode and a prefill graph per turn; the ranks agree each turn on which graphs run
-and at what bucket (``ModelRunner._plan``, ``LockStep.agree``), so the all-to-alls inside them
-pair up. An EPLB shuffle drops the graphs (``StepGraphs.reset``): a captured graph would replay
-the old placement tables.
+Compiled steps (the default on GPUs) run a decode and a prefill graph per turn; the ranks agree
+each turn on which graphs run and at what bucket (``ModelRunner._plan``, ``LockStep.agree``), so
+the all-to-alls inside them pair up. An EPLB shuffle drops the graphs (``StepGraphs.reset``): a
+captured graph would replay the old placement tables.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,10 +31,9 @@ import torch.distributed as dist
 
 from ..api import Model
 from ..config import ModelConfig
-from ..graphs.batch import Batch
 from ..io.loader import ExpertIds
 from ..settings import DEFAULTS, EngineConfig
-from ..sharding.cp import cp_swaps, split_step
+from ..sharding.cp import ContextRank, cp_swaps
 from ..sharding.ep import EPGroup, check_overflow, ep_group
 from ..sharding.eplb import ExpertPlacement
 from ..sharding.lockstep import LockStep, RankTimeout, is_peer_failure
@@ -59,19 +57,13 @@ class Ranks:
 
     @classmethod
     def join(
-        cls, mesh: str | None, device: torch.device, eager: bool | None, settings: EngineConfig = DEFAULTS
-    ) -> tuple["Ranks", torch.device, bool | None]:
-        """Parse ``mesh`` and, for more than one rank, join the torchrun world; returns the ranks,
-        this rank's device (a GPU rank takes GPU ``LOCAL_RANK``) and the eager setting to use."""
+        cls, mesh: str | None, device: torch.device, settings: EngineConfig = DEFAULTS
+    ) -> tuple["Ranks", torch.device]:
+        """Parse ``mesh`` and, for more than one rank, join the torchrun world; returns the ranks
+        and this rank's device (a GPU rank takes GPU ``LOCAL_RANK``)."""
         spec = parse_mesh(mesh) if mesh else MeshSpec()
         if spec.world_size == 1:
-            return cls(spec, settings), device, eager
-        if spec.cp > 1:
-            if eager is False:
-                raise ValueError(
-                    f"mesh {spec}: context parallelism steps eagerly for now (its split is built on the host per step); drop eager=False / --compile"
-                )
-            eager = True
+            return cls(spec, settings), device
         world = init_world(spec, device.type, settings.dist_timeout)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -79,7 +71,7 @@ class Ranks:
         lockstep = LockStep(
             server=coord["dp"] * spec.ep + coord["ep"], servers=spec.dp * spec.ep, timeout=settings.dist_timeout
         )
-        return cls(spec, settings, lockstep.rank, lockstep, world=world), device, eager
+        return cls(spec, settings, lockstep.rank, lockstep, world=world), device
 
     @property
     def multi(self) -> bool:
@@ -157,13 +149,13 @@ class Ranks:
         self.ep = rebalance(self.ep, [b["ffn"]["experts"] for b in blocks], topology)
         return ep_swaps(self.ep)
 
-    def cp_split(self) -> tuple[dict[str, Callable], Callable[[Batch], Batch] | None]:
-        """With cp > 1: the swap that gathers rows over this rank's CP group and the function
-        that cuts a step's batch to this rank's share; else nothing."""
+    def cp_split(self) -> tuple[dict[str, Callable], ContextRank | None]:
+        """With cp > 1: the swap that gathers rows over this rank's CP group and this rank's place
+        in it (which cuts a step's chunks to its share); else nothing."""
         if not self.multi or self.spec.cp == 1:
             return {}, None
         cp_rank = rank_coordinate(self.spec, self.rank)["cp"]
-        return cp_swaps(self.world.get_group("cp")), partial(split_step, rank=cp_rank, size=self.spec.cp)
+        return cp_swaps(self.world.get_group("cp")), ContextRank(cp_rank, self.spec.cp)
 
     def mine(self, items: Sequence[Any]) -> list[Any]:
         """This rank's share of one call's requests."""

@@ -22,11 +22,9 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from ..api import Model
-from ..graphs.batch import Batch
 from ..graphs.swap import swapped
-from ..kernels.triton import register_nvidia_kernels
 from ..passes.batch_invariant import batch_invariant_swaps
-from ..passes.manager import build_pipeline
+from ..sharding.cp import ContextRank
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
 from ..vision.compiled import request_encoder
@@ -46,16 +44,6 @@ from .step_handle import VERIFY, StepHandle, copy_back, prompt_logprobs
 from .steps import decode_logits
 
 
-def eager_kernel_swaps(accelerator: str | None, device: torch.device, disabled: Seq[str] = ()) -> dict[str, Callable]:
-    """The kernel swaps of ``device``'s pipeline (minus ``disabled``, which holds the engine's
-    ``DEEPINFER_DISABLE_PASSES`` too) for eager steps: each op runs its accelerator kernel (its
-    reference on the CPU); the pattern-rewrite passes need a compiled graph and do not apply."""
-    accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(device.type, "cpu")
-    if accelerator == "nvidia" and not register_nvidia_kernels():
-        return {}  # no Triton: the references run, as they would in any eager step
-    return build_pipeline(accelerator, [n.strip() for n in disabled if n.strip()], environ={}).swaps()
-
-
 def step_mode(seqs: Seq[Sequence]) -> str:
     """The cheapest sampler mode that serves every sampled row of a step."""
     return MODES[max((MODES.index(s.sampler_mode) for s in seqs), default=0)]
@@ -68,7 +56,7 @@ class ModelRunner:
         pool: CachePool,
         options: StepOptions,
         swaps: dict | None = None,
-        split: Callable[[Batch], Batch] | None = None,
+        context: ContextRank | None = None,
         lockstep: LockStep | None = None,
         max_drafts: int = 0,
         model_drafts: int = 0,
@@ -76,18 +64,17 @@ class ModelRunner:
     ) -> None:
         """``options``: how steps run (compiled or eager, graphs, passes, buckets). ``swaps``:
         ``graphs.swap`` replacements in force around every forward (a multi-rank mesh: the
-        expert-parallel MoE, ``sharding.parallel.ep_swaps``). ``split``: context parallelism,
-        a step's batch -> this rank's share (``sharding.cp.split_batch``), which steps eagerly
-        on a host-built batch. ``lockstep``: a multi-rank mesh, whose ranks agree on each
-        turn's step sizes (``_plan``) so that the all-to-alls inside them pair up. ``max_drafts``:
-        the longest draft of speculative decoding (0: off), which sizes the verify buckets.
-        ``model_drafts``: the drafts the model's drafter proposes after every step (speculative
+        expert-parallel MoE, ``sharding.parallel.ep_swaps``). ``context``: this rank's place in
+        a CP group (context parallelism): compiled prefill steps run its static share of their
+        bucket, eager steps its share of a host-built batch (``sharding.cp``). ``lockstep``: a
+        multi-rank mesh, whose ranks agree on each turn's step sizes (``_plan``) so that the
+        all-to-alls inside them pair up. ``max_drafts``: the longest draft of speculative
+        decoding (0: off), which sizes the verify buckets. ``model_drafts``: the drafts the model's drafter proposes after every step (speculative
         decoding's ``mtp`` and ``dspark`` methods); ``varlen``: confidence-scheduled verification
         (verify buckets of every length, step parts timed: ``step_time``)."""
-        if options.compiled and split is not None:
-            raise ValueError("context parallelism steps eagerly for now (its split is built on the host per step)")
         self.model = model
-        self.split = split
+        # eager context parallelism: each step's batch built on the host, then this rank's share of it
+        self.split = context.step if context is not None and not options.compiled else None
         self.lockstep = lockstep
         # batch-invariant forms win over every replacement but the sharding's, eager or compiled
         invariant = batch_invariant_swaps(sharded=swaps or {}) if options.batch_invariant else {}
@@ -115,6 +102,7 @@ class ModelRunner:
             varlen=varlen,
             engram_tables=options.engram_tables,
             engram_budget=engram_budget(self.device, options.engram_device_gib),
+            context=context if options.compiled else None,
         )
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)

@@ -139,8 +139,8 @@ def check_mesh(spec: SpeculativeConfig, mesh: MeshSpec, c: ModelConfig) -> None:
     if mesh.cp > 1:
         raise ValueError(
             f"{where}: speculation is not built with context parallelism (a cp{mesh.cp} step splits its "
-            "prompt chunks over the group in host-built eager steps, and verify and rollback steps are not "
-            "split); meshes of dp and ep speculate (methods 'ngram' and 'mtp'), or drop speculative_config"
+            "prompt chunks over the group, statically when compiled and on the host when eager, and verify "
+            "and rollback steps have no such split); meshes of dp and ep speculate (methods 'ngram' and 'mtp'), or drop speculative_config"
         )
     if spec.method == "dspark":
         raise ValueError(

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..api import Model
+from ..graphs.batch import Batch
 from ..graphs.model import cached_engram_layout
 from ..graphs.swap import swapped
 from ..kernels.triton import register_nvidia_kernels
@@ -42,8 +43,12 @@ class StepFunctions:
         inductor: bool,
         dump_dir: str | None,
         disabled: Sequence[str],
+        split: Callable[[Batch], Batch] | None = None,
     ) -> None:
+        """``split``: context parallelism, a prefill bucket -> this rank's static share
+        (``sharding.cp.ContextRank.bucket``); decode steps run whole."""
         self.config, self.params = model
+        self.split = split
         self.state = state
         self.next_token = next_token
         self.vocab_ids = vocab_ids  # the sampler's race keys (sampler.sample_mode)
@@ -127,6 +132,7 @@ class StepFunctions:
         fkey = (layout.kind, layout.requests, layout.length, layout.all_rows, layout.kept, streams)
         if fkey not in self._forwards:
             c = self.config
+            split = self.split if layout.kind == "prefill" else None  # verify chunks are not split
             if layout.kind == "decode":
 
                 def forward(params, state, next_token, part):
@@ -135,7 +141,7 @@ class StepFunctions:
 
                 def forward(params, state, next_token, part):
                     return prefill_logits(
-                        params, state, c, *layout.split_model(part), kept=layout.kept, streams=streams
+                        params, state, c, *layout.split_model(part), kept=layout.kept, streams=streams, split=split
                     )
 
             self._forwards[fkey] = self.compiled(forward, backend)

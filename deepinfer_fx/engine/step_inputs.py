@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from ..sharding.cp import ContextRank
 from .sampler import SamplingTensors
 
 SAMPLING = ("row", "write", "temperature", "top_k", "top_p", "min_p", "seed", "position")
@@ -102,6 +103,63 @@ class Layout:
             return slots, starts, lens
         rows = part[t + 3 * r : t + 3 * r + self.logit_rows]
         return part[:t], slots, starts, lens, rows, (part[t + 3 * r + self.logit_rows :] if self.kept else None)
+
+
+class StepSizes:
+    """The buckets of a step table (powers of two) and the layout a step of some size runs at:
+    its buckets where steps compile, its exact sizes where they run eagerly. ``keep``: V4.1
+    compact prefill's KEEP (None: exact prefill); ``context``: a CP rank, whose static split
+    (``sharding.cp.split_bucket``) cuts every chunk into ``2 * cp`` pieces of one length."""
+
+    def __init__(
+        self,
+        compile: bool,
+        max_requests: int,
+        max_tokens: int,
+        max_drafts: int = 0,
+        varlen: bool = False,
+        keep: int | None = None,
+        context: ContextRank | None = None,
+    ) -> None:
+        self.compile, self.keep, self.context = compile, keep, context
+        self.decode_buckets = buckets(max_requests)
+        self.request_buckets = buckets(max_requests)
+        self.length_buckets = tuple(dict.fromkeys(map(self._length, buckets(max_tokens, min(16, max_tokens)))))
+        # a verify chunk is a token and 1..max_drafts drafts, padded to one length: a verify of
+        # 2 rows costs 0.96 of one of 4 at batch 1 on an H200, and one bucket a request count
+        # warms up k times fewer graphs (docs/decisions.md)
+        self.verify_buckets = (tuple(range(2, max_drafts + 2)) if varlen else (max_drafts + 1,)) if max_drafts else ()
+
+    def largest(self) -> tuple[Layout, Layout, Layout | None]:
+        """The largest layout of each kind (decode, prefill, verify or None: no verify steps)."""
+        kept = int(self.keep is not None)
+        return (
+            Layout("decode", self.decode_buckets[-1]),
+            Layout("prefill", self.request_buckets[-1], self.length_buckets[-1], all_rows=True, kept=kept),
+            Layout("verify", self.request_buckets[-1], self.verify_buckets[-1]) if self.verify_buckets else None,
+        )
+
+    def _bucket(self, n: int, choices: Sequence[int]) -> int:
+        return bucket_for(n, choices) if self.compile else max(n, 1)
+
+    def _length(self, n: int) -> int:
+        """A prefill chunk length as the steps run it (a CP rank's: a multiple of ``2 * cp``)."""
+        return n if self.context is None else self.context.length(n)
+
+    def decode_layout(self, n: int) -> Layout:
+        return Layout("decode", self._bucket(n, self.decode_buckets))
+
+    def prefill_layout(self, n_chunks: int, length: int, all_rows: bool = False) -> Layout:
+        """Compact prefill replays at most KEEP rows of a chunk, every row of a step with prompt
+        logprobs (its other chunks still replay only theirs: ``PrefillChunk.keep_from``)."""
+        n, L = self._bucket(n_chunks, self.request_buckets), self._length(self._bucket(length, self.length_buckets))
+        kept = 0 if self.keep is None else L if all_rows else min(L, self.keep)
+        return Layout("prefill", n, L, all_rows, kept)
+
+    def verify_layout(self, n_chunks: int, length: int) -> Layout:
+        if not self.verify_buckets:
+            raise ValueError("these step graphs were built without verify steps (max_drafts=0)")
+        return Layout("verify", self._bucket(n_chunks, self.request_buckets), self._bucket(length, self.verify_buckets))
 
 
 def sampling_tensors(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, SamplingTensors]:

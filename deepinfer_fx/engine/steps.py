@@ -25,7 +25,7 @@ padding rows of a chunk sit past its length (``graphs/batch.py`` says why both a
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -220,6 +220,15 @@ def _forward(params: dict, state: dict, c: ModelConfig, batch: Batch, streams: b
     return logits, (tuple(captured[layer] for layer in c.dspark_target_layer_ids) if captured is not None else X)
 
 
+def bucket_batch(token_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> Batch:
+    """``C`` chunks packed ``[C * L]`` (rows past a chunk's length: padding) as one packed group."""
+    n_chunks = slots.shape[0]
+    length = token_ids.shape[0] // n_chunks
+    index = torch.arange(n_chunks * length, device=slots.device).view(n_chunks, length)
+    group = Group(index, slots, starts, lens, packed=True)
+    return Batch(token_ids, group.positions.reshape(-1), (group,))
+
+
 def prefill_logits(
     params: dict,
     state: dict,
@@ -232,18 +241,20 @@ def prefill_logits(
     keep_from: torch.Tensor | None = None,
     kept: int = 0,
     streams: bool = False,
+    split: Callable[[Batch], Batch] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logits ``[R, vocab]`` at packed ``rows`` for ``C`` prompt chunks packed ``[C * L]``; with
     ``kept``, compact prefill from each chunk's ``keep_from`` (a row before it has no logits:
     its result is that chunk's first kept row's, which nothing reads). ``streams``: and the
-    final streams of every row ``[C * L, hc, D]`` (of the kept rows with ``kept``)."""
-    n_chunks = slots.shape[0]
-    length = token_ids.shape[0] // n_chunks
-    index = torch.arange(n_chunks * length, device=slots.device).view(n_chunks, length)
-    group = Group(index, slots, starts, lens, packed=True)
-    batch = Batch(token_ids, group.positions.reshape(-1), (group,))
+    final streams of every row ``[C * L, hc, D]`` (of the kept rows with ``kept``). ``split``:
+    context parallelism, the bucket -> this rank's static share (``sharding.cp.split_bucket``);
+    the logits are still every ``rows``' (from their owner ranks), the streams the rank's rows'."""
+    batch = bucket_batch(token_ids, slots, starts, lens)
+    if split is not None:
+        batch = split(batch)
     if not kept:
         return _forward(params, state, c, batch, streams, rows=rows)
+    length = token_ids.shape[0] // slots.shape[0]
     # packed row r = c * L + j -> kept row c * kept + j - (first kept position - start)
     chunk = torch.div(rows, length, rounding_mode="floor")
     skipped = (first_kept(starts, lens, keep_from) - starts)[chunk]

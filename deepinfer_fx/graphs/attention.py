@@ -38,7 +38,7 @@ from .window import reads_after_write, ring_positions, window_bias, window_keys,
 RING_MIN_CHUNKS = 64
 
 # fp32 logits the reference materialises at once (1 GiB): an eager 16k-token chunk would
-# otherwise need [T, H, N] = 34 GiB (found on a cp2 mesh, which steps eagerly).
+# otherwise need [T, H, N] = 34 GiB (found on a cp2 mesh stepping eagerly).
 _LOGITS_BUDGET = 1 << 28
 
 

@@ -81,6 +81,9 @@ class Queries:
 
     index: torch.Tensor  # [C, Lq] long
     positions: torch.Tensor  # [C, Lq] long
+    # Static: ``index`` is ``arange(C * Lq).view(C, Lq)`` and the batch has no other rows (a
+    # compiled step's static split, ``sharding/cp.split_bucket``): gathers are views, as ``Group.packed``
+    packed: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,10 +155,23 @@ def context_gather(x: torch.Tensor, split: ContextSplit) -> torch.Tensor:
     return torch.cat([x, pad])[split.source]
 
 
+def owned_rows(x: torch.Tensor, split: ContextSplit, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` ``[R]`` of the whole chunks (``split.full``'s packed rows) from this rank's
+    ``x`` ``[N_local, ...]``, each taken from the rank that owns it: every rank picks its own
+    candidate for each row and one ``context_gather`` of ``R`` rows keeps the owner's, so every
+    rank of the group gets the same ``[R, ...]`` (a head over them samples alike)."""
+    src = split.source[rows]
+    # another rank's row may index past this rank's rows: any row of ours will do, it is not kept
+    mine = x[(src % split.width).clamp(max=x.shape[0] - 1)]
+    n = rows.shape[0]
+    owners = torch.div(src, split.width, rounding_mode="floor") * n + torch.arange(n, device=rows.device)
+    return context_gather(mine, ContextSplit(split.full, (), owners, rows, n))
+
+
 def gather_rows(x: torch.Tensor, g: Group | Queries) -> torch.Tensor:
     """Packed ``x`` ``[N, ...]`` -> ``[C, L, ...]`` (padding rows are zeros; a packed group's
     padding rows are the batch's own, and the result is a view wherever x's strides allow)."""
-    if isinstance(g, Group) and g.packed:
+    if g.packed:
         return x.reshape(*g.index.shape, *x.shape[1:])
     pad = torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device)
     return torch.cat([x, pad])[g.index]
@@ -164,7 +180,7 @@ def gather_rows(x: torch.Tensor, g: Group | Queries) -> torch.Tensor:
 def rows_to_packed(parts: Sequence[tuple[Group | Queries, torch.Tensor]], n: int) -> torch.Tensor:
     """Per-group results ``y`` ``[C, L, ...]`` -> packed ``[n, ...]`` (rows no group covers are
     zeros). One packed group's result is reshaped, not copied."""
-    if len(parts) == 1 and isinstance(parts[0][0], Group) and parts[0][0].packed:
+    if len(parts) == 1 and parts[0][0].packed:
         y = parts[0][1]
         return y.reshape(n, *y.shape[2:])
     y0 = parts[0][1]

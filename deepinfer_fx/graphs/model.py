@@ -19,7 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from .attention import attention
-from .batch import Batch, gather_rows, make_batch, scatter_rows
+from .batch import Batch, ContextSplit, gather_rows, make_batch, owned_rows, scatter_rows
 from .engram import engram_apply
 from .engram_hash import DEAD, EngramLayout, engram_hash, engram_layout
 from .mhc import hc_head, mhc_collapse, mhc_expand, mhc_site
@@ -223,11 +223,18 @@ def forward_batch(
     head is a large share of a prefill step), and the final streams (MTP input).
     ``captured``: layer -> None entries to fill with those layers' input streams (DSpark).
     ``replay``: V4.1 compact prefill; rows (and the captured streams) are then the kept rows
-    (``yoco.kept_rows``)."""
+    (``yoco.kept_rows``). On a context-parallel rank (``batch.split``) ``rows`` are rows of the
+    whole chunks, whose streams come from the ranks that own them (every rank: the same logits)."""
     X, pre = hidden_streams(params, state, c, batch, captured, replay)
     if rows is None:
         return head(params, c, X, pre=pre), X
-    return head(params, c, X[rows], pre=None if pre is None else pre[rows]), X
+    picked = _pick_rows(X, batch, rows), None if pre is None else _pick_rows(pre, batch, rows)
+    return head(params, c, picked[0], pre=picked[1]), X
+
+
+def _pick_rows(t: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+    """``t``'s ``rows``; on a context-parallel rank, rows of the whole chunks, from their owners."""
+    return owned_rows(t, batch.split, rows) if isinstance(batch.split, ContextSplit) else t[rows]
 
 
 def forward(

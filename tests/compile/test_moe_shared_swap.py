@@ -74,7 +74,7 @@ def test_compiled_moe_equals_eager(enabled: bool) -> None:
 
 
 def test_eager_swap_equals_reference() -> None:
-    """Installed eagerly (``runner.eager_kernel_swaps``) the swap gives the reference's bits on
+    """Installed eagerly (``swapped``, outside a compiled step) the swap gives the reference's bits on
     CPU, where the op runs its reference."""
     seed = _seed()
     c, p, x, ids, real = _layer(seed)

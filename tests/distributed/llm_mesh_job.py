@@ -2,9 +2,9 @@
 mesh given and generates the same requests (SPMD), then rebalances the experts by the measured
 loads and generates them again; every rank must get all outputs back, and rank 0 writes them to
 a JSON file, with the swap places each mesh's runner held and, before and after the rebalance,
-what each parameter is on the mesh (``placements``). Usage: ``llm_mesh_job.py CKPT REQUESTS.json
-OUT.json MESH...``; a mesh written ``ep2@compiled`` runs compiled steps, ``cp2@auto`` the
-engine's default steps."""
+what each parameter is on the mesh (``placements``), and for compiled steps the collectives in
+each graph (``collectives``). Usage: ``llm_mesh_job.py CKPT REQUESTS.json OUT.json MESH...``; a
+mesh written ``ep2@compiled`` runs compiled steps."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from deepinfer_fx import LLM, SamplingParams, load_model
 from deepinfer_fx.graphs.param_spec import iter_tree
+from deepinfer_fx.sharding.dryrun import collectives
 from deepinfer_fx.sharding.parallel import start_placement
 
 
@@ -47,14 +48,29 @@ def placements(llm: LLM, whole: dict) -> dict:
     return out
 
 
+def graph_collectives(llm: LLM) -> dict[str, list[str]]:
+    """Per compiled step graph (its ``GraphKey.name``): the kinds of functional collective its
+    model part holds (``all_to_all_single``: EP; ``all_gather_into_tensor``: CP), so a test can
+    tell a compiled step that shares its work from one that ran without its group."""
+    steps = llm.runner.steps
+    return {
+        r["graph"]: sorted({x.kind for gm in steps.backend(r["graph"]).graphs for x in collectives(gm, r["graph"])})
+        for r in steps.report()
+    }
+
+
+def outputs(outs: list) -> list:
+    """Per request: its tokens, their logprobs and its prompt logprobs (None unless asked for)."""
+    return [[o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs] for o in outs]
+
+
 def main(ckpt: str, requests: str, out: str, meshes: list[str]) -> None:
     reqs = json.loads(open(requests).read())
     params = [SamplingParams(**r["params"]) for r in reqs]
     results = {}
     whole = dict(iter_tree(load_model(ckpt, dtype=torch.float32, fake_quant=False).params))
     for name in meshes:
-        # "ep2@compiled": compiled steps (aot_eager on the CPU); "cp2@auto": the engine's default
-        # (cp steps eagerly with the kernel swaps); no suffix: eager=True, the reference math
+        # "ep2@compiled": compiled steps (aot_eager on the CPU); no suffix: eager=True, the reference math
         mesh, _, steps = name.partition("@")
         llm = LLM(
             ckpt,
@@ -65,19 +81,21 @@ def main(ckpt: str, requests: str, out: str, meshes: list[str]) -> None:
             max_num_seqs=4,
             max_num_batched_tokens=48,
             mesh=mesh,
-            eager={"compiled": False, "auto": None}.get(steps, True),
+            eager=steps != "compiled",
             warmup=False,
         )
         results[f"{name}:swap places"] = sorted(llm.runner.swaps)
         results[f"{name}:placements"] = placements(llm, whole)
         outs = llm.generate([r["prompt"] for r in reqs], params)
         assert len(outs) == len(reqs), (name, dist.get_rank(), len(outs))
-        results[name] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
+        results[name] = outputs(outs)
+        if steps == "compiled":
+            results[f"{name}:collectives"] = graph_collectives(llm)
         # EPLB mid-run: re-place the experts by the loads just measured, then serve again
         llm.rebalance_experts()
         results[f"{name}+eplb:placements"] = placements(llm, whole)
         outs = llm.generate([r["prompt"] for r in reqs], params)
-        results[f"{name}+eplb"] = [[o.outputs[0].token_ids, o.outputs[0].logprobs] for o in outs]
+        results[f"{name}+eplb"] = outputs(outs)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

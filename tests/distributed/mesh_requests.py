@@ -39,3 +39,14 @@ def spec_requests() -> list[dict]:
     ]
     params = [{"temperature": 0.0, "max_tokens": m, "ignore_eos": True} for m in (24, 6, 20, 5, 16)]
     return [{"prompt": p, "params": q} for p, q in zip(prompts, params)]
+
+
+def cp_requests(rng: random.Random) -> list[dict]:
+    """``mesh_requests`` with prompts of 61, 7, 13, 30 and 22 tokens: none a multiple of 4, so a
+    cp2 split pads every chunk, and 61 is prefilled in two chunks (over a 48-token budget); the
+    fourth also asks for prompt logprobs, so some prefill steps return every row's logits."""
+    out = mesh_requests(rng)
+    for req, n in zip(out, (61, 7, 13, 30, 22)):
+        req["prompt"] = [rng.randrange(3, 300) for _ in range(n)]
+    out[3]["params"]["prompt_logprobs"] = 2
+    return out

@@ -1,9 +1,9 @@
 """``LLM(model=..., mesh=...)`` under torchrun: two ranks serving ep2 (experts split, one all-to-all
 group), dp2 (experts replicated) and cp2 (both ranks serve every request, prefill chunks split
-over them) produce the tokens and logprobs of one process, for greedy and seeded sampled
-requests of different lengths (some ranks finish early and idle through the others' steps),
-also after an EPLB rebalance between two generate calls, with eager and with compiled steps; four
-ranks serve dp2 x ep2. On every mesh each parameter is a DTensor with the placements the sharding
+over them; eager, and compiled with the static split) produce the tokens and logprobs of one
+process, for greedy and seeded sampled requests of different lengths (some ranks finish early and
+idle through the others' steps), also after an EPLB rebalance between two generate calls, with
+eager and with compiled steps; four ranks serve dp2 x ep2. On every mesh each parameter is a DTensor with the placements the sharding
 rules give (``LLM.mesh_params``), whose local view is the tensor the steps run on and whose
 gathered whole is the one-process tensor. One torchrun launch runs every mesh of a test: a
 launch costs ~20 s here, compiling ~60 s more."""
@@ -16,10 +16,11 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
-from mesh_requests import mesh_requests
+from mesh_requests import cp_requests, mesh_requests
 from tiny import tiny_v4
 
 import deepinfer_fx
@@ -56,14 +57,19 @@ def _check_placements(got: dict, mesh: str, one: LLM) -> None:
             assert row["same storage"] and row["whole equal"], (mesh, when, path, row)
 
 
-def _meshes_equal_one_process(tmp_path: Path, meshes: list[str], ranks: int = 2) -> dict:
+def _meshes_equal_one_process(
+    tmp_path: Path,
+    meshes: list[str],
+    ranks: int = 2,
+    requests: Callable[[random.Random], list[dict]] = mesh_requests,
+) -> dict:
     """Launch ``llm_mesh_job.py`` on ``ranks`` ranks over ``meshes``; each mesh's outputs (before
-    and after its EPLB rebalance) == one eager process: tokens equal, logprobs within 1e-5; its
-    parameters placed as ``_check_placements`` says."""
+    and after its EPLB rebalance) == one eager process: tokens equal, logprobs (and prompt
+    logprobs, where asked for) within 1e-5; its parameters placed as ``_check_placements`` says."""
     seed = random.SystemRandom().randrange(2**31)
     ckpt = tmp_path / "ckpt"
     deepinfer_fx.write_random_checkpoint(ckpt, tiny_v4(), seed=seed)
-    reqs = mesh_requests(random.Random(seed))
+    reqs = requests(random.Random(seed))
     (tmp_path / "requests.json").write_text(json.dumps(reqs))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = [
@@ -100,22 +106,19 @@ def _meshes_equal_one_process(tmp_path: Path, meshes: list[str], ranks: int = 2)
         _check_placements(got, mesh, one)
     runs = [(m, first) for m in meshes] + [(f"{m}+eplb", again) for m in meshes]
     for mesh, want in runs:
-        for i, (w, (ids, lps)) in enumerate(zip(want, got[mesh])):
-            assert ids == w.outputs[0].token_ids, f"seed={seed} mesh={mesh} request {i}"
-            for a, b in zip(lps, w.outputs[0].logprobs):
-                assert {int(k) for k in a} == set(b), f"seed={seed} mesh={mesh} request {i}"
-                assert all(abs(a[str(k)] - v) <= 1e-5 for k, v in b.items()), f"seed={seed} mesh={mesh} request {i}"
+        for i, (w, (ids, lps, prompt_lps)) in enumerate(zip(want, got[mesh])):
+            where = f"seed={seed} mesh={mesh} request {i}"
+            assert ids == w.outputs[0].token_ids, where
+            assert (prompt_lps is None) == (w.prompt_logprobs is None), where
+            for a, b in zip(lps + (prompt_lps or []), w.outputs[0].logprobs + (w.prompt_logprobs or [])):
+                assert (a is None) == (b is None), where
+                assert {int(k) for k in a or {}} == set(b or {}), where
+                assert all(abs(a[str(k)] - v) <= 1e-5 for k, v in (b or {}).items()), where
     return got
 
 
 def test_llm_on_ep2_dp2_cp2_equals_one_process(tmp_path) -> None:
-    """cp2@auto: cp steps eagerly by necessity, so the kernel swaps stay in force (op
-    references on the CPU); cp2 asked eager=True and runs the model's own functions."""
-    got = _meshes_equal_one_process(tmp_path, ["ep2", "dp2", "cp2", "cp2@auto"])
-    assert (
-        "attention.mqa_with_sink" in got["cp2@auto:swap places"] and "moe.routed_experts" in got["cp2@auto:swap places"]
-    )
-    assert "attention.mqa_with_sink" not in got["cp2:swap places"]
+    _meshes_equal_one_process(tmp_path, ["ep2", "dp2", "cp2"])
 
 
 def test_compiled_steps_on_ep2_dp2_equal_one_process(tmp_path) -> None:
@@ -123,6 +126,18 @@ def test_compiled_steps_on_ep2_dp2_equal_one_process(tmp_path) -> None:
     graphs and their buckets, so ranks with less work (or none) pad and the all-to-alls pair up;
     the EPLB shuffle drops the graphs, which are traced again."""
     _meshes_equal_one_process(tmp_path, ["ep2@compiled", "dp2@compiled"])
+
+
+def test_compiled_cp2_equals_one_process(tmp_path) -> None:
+    """Compiled context parallelism (aot_eager on the CPU): each prefill bucket split statically
+    over the two ranks (prompts of no multiple of 4 tokens, a chunked prompt, a step with every
+    row's logits), decode steps whole on both; the eager cp2 beside it. Every compiled prefill
+    graph holds the CP all-gather and no decode graph does, so the steps ran compiled and split."""
+    got = _meshes_equal_one_process(tmp_path, ["cp2", "cp2@compiled"], requests=cp_requests)
+    graphs = got["cp2@compiled:collectives"]
+    assert {g.split("-")[0] for g in graphs} == {"prefill", "decode"}, graphs
+    for graph, kinds in graphs.items():
+        assert kinds == (["all_gather_into_tensor"] if graph.startswith("prefill") else []), graphs
 
 
 def test_llm_on_dp2_ep2_equals_one_process(tmp_path) -> None:
@@ -143,5 +158,3 @@ def test_mesh_errors_before_any_work(tmp_path) -> None:
         match=r"mesh cp2,ep2 has 4 ranks but this process was not started by torchrun; launch it under torchrun --nproc-per-node 4",
     ):
         LLM(ckpt, dtype="float32", device="cpu", mesh="cp2,ep2")
-    with pytest.raises(ValueError, match="context parallelism steps eagerly"):
-        LLM(ckpt, dtype="float32", device="cpu", mesh="cp2", eager=False)

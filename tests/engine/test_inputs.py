@@ -114,10 +114,6 @@ def test_stop_token_ids_outside_the_vocabulary(llm) -> None:
         ),
         ({"eager": True, "disable_passes": "rope_kernel"}, r"disable_passes act on compiled steps, which eager=True"),
         ({"eager": True, "cuda_graphs": False, "inductor": False}, r"cuda_graphs, inductor act on compiled steps"),
-        (
-            {"mesh": "cp2", "dump_graphs": "d"},
-            r"dump_graphs act on compiled steps, but a cp2 mesh steps eagerly for now; drop them",
-        ),
         ({"device": "garbage"}, r"device 'garbage' is not a device; use 'cpu', 'cuda', 'cuda:N' or 'npu'"),
         ({"device": 3}, r"device must be a str or torch.device, got 3 \(int\)"),
         ({"device": "meta"}, r"device 'meta': the engine runs on 'cpu', 'cuda'"),
@@ -148,13 +144,12 @@ def test_cuda_on_a_machine_without_cuda(llm) -> None:
 
 
 def test_compiled_step_options_ask_for_compiled_steps() -> None:
-    assert eager_setting(None, None, dump_graphs="d", disable_passes=None) is False
-    assert eager_setting(None, None, disable_passes="rope_kernel") is False
-    assert eager_setting(None, None, cuda_graphs=None, inductor=None, dump_graphs=None, disable_passes="") is None
-    assert eager_setting(True, None, disable_passes=[]) is True
-    assert eager_setting(None, "cp2", disable_passes="rope_kernel") is None  # a cp mesh's eager kernel swaps take it
+    assert eager_setting(None, dump_graphs="d", disable_passes=None) is False
+    assert eager_setting(None, disable_passes="rope_kernel") is False
+    assert eager_setting(None, cuda_graphs=None, inductor=None, dump_graphs=None, disable_passes="") is None
+    assert eager_setting(True, disable_passes=[]) is True
     with pytest.raises(ValueError, match="disable_passes act on compiled steps, which eager=True"):
-        eager_setting(True, "cp2", disable_passes="rope_kernel")
+        eager_setting(True, disable_passes="rope_kernel")
 
 
 def test_disable_passes_on_the_cpu_compiles_the_steps(llm) -> None:
