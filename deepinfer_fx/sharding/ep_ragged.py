@@ -21,6 +21,11 @@ from .eplb import pick_replicas
 # Rows per destination are padded to a multiple of this, so that the receive buffers and the expert
 # kernels' row counts take few distinct sizes (a padding row has weight 0 and adds exactly 0).
 GRANULE = 16
+# What every form of the moe.routed_experts place returns whatever x's dtype (the reference, the
+# kernels' ops, the batch-invariant one): fp32. A rank's results go back in its local dtype and the
+# receive buffer takes it too, unchecked across ranks, so an empty result must be fp32 as well
+# (one made in x's float64 read its peers' fp32 bits as float64: docs/decisions.md, ragged EP).
+RESULT_DTYPE = torch.float32
 
 
 def _exchange_counts(counts: torch.Tensor, group: EPGroup) -> torch.Tensor:
@@ -89,8 +94,8 @@ def ep_routed_experts_ragged(
     if recv_x.shape[0]:
         weights = recv_meta[:, 1:].contiguous().view(torch.float32)
         y = routed_experts(p_local, limit, recv_x, recv_meta[:, :1].long(), weights)
-    else:  # nothing routed to this rank's experts
-        y = x.new_zeros((0, d))
+    else:  # nothing routed to this rank's experts: no rows, in the dtype routed_experts returns
+        y = x.new_zeros((0, d), dtype=RESULT_DTYPE)
     back = _exchange_rows(y, recv_list, send_list, group)
 
     # each real pair reads its result row: its destination's first padded row plus its place there
