@@ -169,9 +169,17 @@ def ep_columns(llm: LLM, group: EPGroup, fn: Callable[[], object], profile_steps
     largest share of a profiled step, calls per layer, the capacity and bytes it implies, and
     the pairs dropped over capacity (none at the default worst-case capacity)."""
     a2a_s = calls = share = 0.0
+    ragged = not llm.options.steps.compiled  # eager steps send the routed pairs only (sharding/ep_ragged.py)
+    sent_before = list(group.ragged_sent)
     if group.size > 1:  # ep1 exchanges nothing
         a2a_s, calls, profiled_s = all_to_all_per_step(fn, profile_steps, llm.model.device)
         share = a2a_s / profiled_s
+    if group.size == 1:
+        rows = 0.0
+    elif ragged:  # rows per call over the profiled steps
+        rows = (group.ragged_sent[0] - sent_before[0]) / max(1, group.ragged_sent[1] - sent_before[1])
+    else:
+        rows = float(group.size * group.capacity)
     per_rank: list = [None] * dist.get_world_size(host)
     dist.all_gather_object(per_rank, (a2a_s, calls, share, int(group.overflow)), group=host)
     c, elem = llm.model.config, llm.model.dtype.itemsize
@@ -181,13 +189,11 @@ def ep_columns(llm: LLM, group: EPGroup, fn: Callable[[], object], profile_steps
         "a2a_ms_per_layer_max": round(max(r[0] for r in per_rank) * 1e3 / layers, 4),
         "a2a_share_of_profiled_step_max": round(max(r[2] for r in per_rank), 4),
         "a2a_calls_per_layer": round(calls / layers, 2),
+        "ep_dispatch": "ragged" if ragged else "static",
         "ep_capacity": group.capacity,
         "capacity_factor": llm.settings.ep_capacity_factor,
-        # tokens out (run dtype) + slot/weight (2 x int32) + fp32 results back
-        "a2a_bytes_sent_per_layer_per_rank": group.size
-        * group.capacity
-        * (c.hidden_size * elem + 8 + c.hidden_size * 4)
-        if group.size > 1
-        else 0,
+        # rows sent: the static capacity to every rank, or what the ragged path counted over the
+        # profiled steps; each row is its token (run dtype) + slot/weight (2 x int32) + fp32 results back
+        "a2a_bytes_sent_per_layer_per_rank": round(rows * (c.hidden_size * elem + 8 + c.hidden_size * 4)),
         "dropped_pairs": sum(r[3] for r in per_rank),
     }

@@ -34,8 +34,8 @@ def host_step(
     """``sched``'s step as one eager packed forward of a batch built on the host (``split``:
     context parallelism's share of it; the requests' images are encoded here, at their first
     prefill step, all in one pass of ``encode_images``), then every sampled row sampled with
-    ``mode`` (``k``: top logprobs). ``masks``: called after the forward, returns the sampled rows' token bitmasks
-    (None: no constrained row). Returns the step's results (every row's logits), per chunk the
+    ``mode`` (``k``: top logprobs). ``masks``: called after the forward, returns the sampled
+    rows' token bitmasks (None: no constrained row). Returns the step's results (every row's logits), per chunk the
     (part, row) of its sampled token (None if it samples nothing), and each chunk's first row."""
     device = model.device
     c, params = model

@@ -22,6 +22,7 @@ A dropped pair is never silent: it is counted on the device into ``EPGroup.overf
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,8 @@ class EPGroup:
     replica_counts: torch.Tensor  # [n_logical]
     overflow: torch.Tensor  # int64 scalar: pairs this rank dropped since the group was made
     loads: torch.Tensor  # int64 [n_logical]: pairs this rank routed to each logical expert (EPLB input)
+    # [rows, calls] of the ragged path (ep_ragged.py) on this rank: host counts, for the mesh bench
+    ragged_sent: list[int] = dataclasses.field(default_factory=lambda: [0, 0])
 
     @property
     def slots_per_rank(self) -> int:

@@ -37,6 +37,7 @@ from functools import lru_cache, partial
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..config import ModelConfig
 from ..graphs.param_spec import ParamSpec, build_tree, iter_tree
@@ -45,6 +46,7 @@ from ..graphs.state import scratch_slot
 from ..io.loader import ExpertIds
 from ..settings import DEFAULTS
 from .ep import EPGroup, ep_routed_experts
+from .ep_ragged import ep_routed_experts_ragged
 from .eplb import ExpertPlacement, default_placement, num_physical_experts
 from .mesh import MeshSpec
 from .rules import expert_ids
@@ -53,15 +55,25 @@ from .world import rank_coordinate
 EP_PLACE = "moe.expert_parallel"  # the graphs/swap.py place this module fills
 
 
+def static_shapes(x: torch.Tensor) -> bool:
+    """Whether this call is traced (torch.compile, or a fake-tensor dry run): shapes there must not
+    depend on the data, so EP sends its static capacity."""
+    return torch.compiler.is_compiling() or isinstance(x, FakeTensor)
+
+
 def ep_swaps(group: EPGroup) -> dict[str, Callable[..., torch.Tensor]]:
     """The replacement for ``moe.expert_parallel`` on this rank: the MoE's routed experts run over
-    ``group`` (the params it receives must be the rank's local slots, ``rank_params``)."""
+    ``group`` (the params it receives must be the rank's local slots, ``rank_params``). Compiled
+    steps (which CUDA graphs capture) send the static capacity (``ep.py``); eager steps send only
+    the routed pairs (``ep_ragged.py``)."""
 
     def dispatch(
         p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor
     ) -> torch.Tensor:
         # replica choice by row index: any replica gives the same output (they are copies)
-        return ep_routed_experts(p, limit, x, idx, w, group, real=real)
+        return (ep_routed_experts if static_shapes(x) else ep_routed_experts_ragged)(
+            p, limit, x, idx, w, group, real=real
+        )
 
     return {EP_PLACE: dispatch}
 

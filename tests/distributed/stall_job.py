@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from deepinfer_fx import LLM, SamplingParams
 from deepinfer_fx.sharding import ep as ep_mod
+from deepinfer_fx.sharding import ep_ragged
 from deepinfer_fx.sharding.lockstep import LockStep, RankTimeout
 
 
@@ -47,15 +48,17 @@ def _arm(out: Path, mode: str, n: int) -> None:
     """Make rank 1 stall at its ``n``th agreement (turn) or EP all-to-all (step)."""
     calls = [0]
     if mode == "step":
-        exchange = ep_mod._exchange
+        # the static path's exchanges (compiled steps) and the ragged path's (eager steps)
+        for module, name in ((ep_mod, "_exchange"), (ep_ragged, "_exchange_rows")):
+            exchange = getattr(module, name)
 
-        def stalling_exchange(t, group):
-            calls[0] += 1
-            if calls[0] == n:
-                _stall(out)
-            return exchange(t, group)
+            def stalling_exchange(*args, exchange=exchange):
+                calls[0] += 1
+                if calls[0] == n:
+                    _stall(out)
+                return exchange(*args)
 
-        ep_mod._exchange = stalling_exchange
+            setattr(module, name, stalling_exchange)
         return
     agreement = LockStep._agreement
 

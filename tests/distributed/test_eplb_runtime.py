@@ -93,7 +93,13 @@ def _worker(rank: int, init_file: str, seed: int, fp8: bool) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["dequantised", "fp8-experts"])
-def test_rebalance_mid_run_keeps_outputs_and_moves_weights(tmp_path, fp8: bool) -> None:
-    seed = random.SystemRandom().randrange(2**31)
+# 1737447152: after the shuffle rank 1 received no rows at a decode step, and the ragged EP path
+# (eager steps) read its peer's fp32 results as float64 (docs/decisions.md, ragged EP); pinned
+@pytest.mark.parametrize(
+    "fp8, seed",
+    [(False, None), (True, None), (False, 1737447152)],
+    ids=["dequantised", "fp8-experts", "dequantised-rank-receives-nothing"],
+)
+def test_rebalance_mid_run_keeps_outputs_and_moves_weights(tmp_path, fp8: bool, seed: int | None) -> None:
+    seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), seed, fp8), nprocs=2, join=True)
