@@ -71,7 +71,7 @@ def test_mesh_equals_one_process_bit_for_bit(tmp_path: Path, ranks: int, meshes:
         num_threads=1,
     )
     want = [
-        [o.outputs[0].token_ids, o.outputs[0].logprobs]
+        [o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs]  # llm_mesh_job.outputs' fields
         for o in one.generate([q["prompt"] for q in reqs], [SamplingParams(**q["params"]) for q in reqs])
     ]
     want = json.loads(json.dumps(want))  # the job's JSON spelling (string keys)
