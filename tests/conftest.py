@@ -2,14 +2,7 @@ import os
 import sys
 from pathlib import Path
 
-# Triton's interpreter (below) runs tl.dot as a numpy matmul. OpenBLAS's Haswell and Zen kernels
-# round a row differently at a different row count: on an AMD EPYC whose environment set
-# OPENBLAS_CORETYPE=Haswell, 6 of the kernels' 8 batch-invariance tests failed for the BLAS's sake,
-# and all 8 pass with its SkylakeX kernels. So those, wherever the CPU has AVX-512, before numpy loads.
-if " avx512f" in Path("/proc/cpuinfo").read_text(errors="ignore"):
-    os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
-
-import torch  # noqa: E402
+import torch
 
 # Shared test helpers (tiny configs, the HF oracle) live in tests/models.
 sys.path.insert(0, str(Path(__file__).parent / "models"))
@@ -45,5 +38,29 @@ def _refuse_unknown_launch_keywords() -> None:
     InterpretedFunction.run = checked
 
 
+def _row_independent_dots() -> None:
+    """Triton's interpreter runs a block's ``tl.dot`` as one numpy matmul in the accumulator's
+    dtype, and OpenBLAS sums a row in another order at another row count (its Haswell and Zen
+    kernels, on an AMD EPYC without AVX-512: 6 of the kernels' 8 batch-invariance tests failed for
+    the BLAS's sake). Products of fp32 or narrower operands are exact in float64, so a block's dot
+    summed there and rounded once is the same for any row count, while the kernel's own
+    accumulation over its K blocks (``+ acc``, in the accumulator's dtype) is still what it is."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        fp8 = any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b))
+        if fp8 or d.data.dtype != np.float32 or max(a.data.itemsize, b.data.itemsize) > 4:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return interpreter.TensorHandle(exact.astype(np.float32) + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _refuse_unknown_launch_keywords()
+    _row_independent_dots()
