@@ -288,7 +288,9 @@ def test_capacity_factor_setting(monkeypatch) -> None:
         for value, want in (("1.5", 113), ("", 100 * K)):
             settings = EngineConfig.from_env({"DEEPINFER_EP_CAPACITY_FACTOR": value, EXTRA: "0"})
             ranks = Ranks(MeshSpec(ep=4), settings, lockstep=object(), world=world)  # a lock step: several ranks
-            ranks.start_ep(SimpleNamespace(n_routed_experts=E, num_experts_per_tok=K, dspark_stages=0), 100, torch.device("cpu"))
+            ranks.start_ep(
+                SimpleNamespace(n_routed_experts=E, num_experts_per_tok=K, dspark_stages=0), 100, torch.device("cpu")
+            )
             assert ranks.ep.capacity == want
     with pytest.raises(ValueError, match="DEEPINFER_EP_CAPACITY_FACTOR='-1' is invalid"):
         EngineConfig.from_env({"DEEPINFER_EP_CAPACITY_FACTOR": "-1"})
