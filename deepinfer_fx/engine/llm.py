@@ -139,7 +139,7 @@ class LLM:
         self.max_model_len = model_len(c, max_model_len)
         self.speculative = parse_speculative_config(speculative_config, self.settings, c, self.model.params)
         if self.speculative is not None and self.ranks.multi:
-            check_mesh(self.speculative, self.ranks.spec, c)
+            check_mesh(self.speculative, self.ranks.spec)
         budget = memory_budget if memory_budget is not None else default_budget(device)
         self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
@@ -167,7 +167,9 @@ class LLM:
         )
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
-        swaps = self.ranks.start_ep(c, opts.max_num_batched_tokens, self.model.device)  # a mesh's EP exchange
+        swaps = self.ranks.start_ep(
+            c, opts.max_num_batched_tokens, max_num_seqs, self.model.device
+        )  # a mesh's EP exchange
         model_drafts = max_drafts if method in ("mtp", "dspark") else 0
         if model_drafts and self.engine_type is not EngineType.NORMAL:
             raise ValueError(

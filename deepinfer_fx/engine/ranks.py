@@ -54,6 +54,7 @@ class Ranks:
     ep: EPGroup | None = None
     world: Any = None  # the world DeviceMesh
     heads_follow: bool = False  # the draft head's experts sit on the trunk's placement (its expert count)
+    draft_ep: EPGroup | None = None  # a DSpark drafter's own EP group where its expert count differs
 
     @classmethod
     def join(
@@ -118,36 +119,48 @@ class Ranks:
         placed = distribute_tree(model.params, model.config, self.world, lambda s: self.start_placement(s.shape[0]))
         return Model(model.config, local_tree(placed), model.path), placed
 
-    def start_ep(self, c: ModelConfig, max_tokens: int, device: torch.device) -> dict[str, Callable]:
-        """The EP group of this rank's MoE and the swap that puts it in force. ``max_tokens`` is
+    def start_ep(self, c: ModelConfig, max_tokens: int, max_seqs: int, device: torch.device) -> dict[str, Callable]:
+        """The EP groups of this rank's MoE and the swap that puts them in force. ``max_tokens`` is
         the most tokens one forward packs on any rank (the scheduler's budget): the capacity is
         its worst case, so no pair is ever dropped, unless ``DEEPINFER_EP_CAPACITY_FACTOR`` asks
-        for less (``check_overflow`` then reports drops)."""
+        for less (``check_overflow`` then reports drops). A DSpark drafter with its own expert
+        count (V4.1: 128 of top-3 beside the trunk's 384 of top-6) gets a group of its own over
+        the same ranks, sized for ``max_seqs`` draft blocks; an MTP-1 block routes over the
+        trunk's count, so the trunk's group serves it."""
         if not self.multi:
             return {}
-        self.ep = ep_group(
-            self.start_placement(c.n_routed_experts),
+        self.ep = self._group(c.n_routed_experts, max_tokens, c.num_experts_per_tok, device)
+        self.heads_follow = not c.dspark_stages or c.dspark_n_routed_experts == c.n_routed_experts
+        if not self.heads_follow:
+            rows = max_seqs * c.dspark_block_size
+            self.draft_ep = self._group(c.dspark_n_routed_experts, rows, c.dspark_num_experts_per_tok, device)
+        return self._swaps()
+
+    def _group(self, n_experts: int, max_tokens: int, top_k: int, device: torch.device) -> EPGroup:
+        return ep_group(
+            self.start_placement(n_experts),
             max_tokens,
-            c.num_experts_per_tok,
+            top_k,
             moe_view(self.world),
             device=device,
             capacity_factor=self.settings.ep_capacity_factor,
         )
-        # an MTP-1 block routes over the trunk's count, so the trunk's group serves it; DSpark's may differ
-        self.heads_follow = not c.dspark_stages or c.dspark_n_routed_experts == c.n_routed_experts
-        return ep_swaps(self.ep)
+
+    def _swaps(self) -> dict[str, Callable]:
+        return ep_swaps(*(g for g in (self.ep, self.draft_ep) if g is not None))
 
     def rebalance(self, params: dict) -> dict[str, Callable] | None:
         """EPLB between steps: re-place the routed experts of every layer by the loads measured
         since the last call, moving ``params``' expert slots in place (a draft head's too where it
-        shares the trunk's placement: its MTP-1 drafts run on the same EP group); the new swaps to
-        use (None on one rank, where there is nothing to balance)."""
+        shares the trunk's placement: its MTP-1 drafts run on the same EP group; a DSpark drafter
+        with its own group keeps its start placement); the new swaps to use (None on one rank,
+        where there is nothing to balance)."""
         if self.ep is None:
             return None
         topology = topology_for(self.settings.topology_file, self.spec.ep)
         blocks = [*params["layers"], *(params.get("mtp", []) if self.heads_follow else [])]
         self.ep = rebalance(self.ep, [b["ffn"]["experts"] for b in blocks], topology)
-        return ep_swaps(self.ep)
+        return self._swaps()
 
     def cp_split(self) -> tuple[dict[str, Callable], ContextRank | None]:
         """With cp > 1: the swap that gathers rows over this rank's CP group and this rank's place
@@ -165,8 +178,9 @@ class Ranks:
         """Every rank's ``(request id, output)`` pairs -> all outputs ordered by request id, on
         every rank; raises if any rank's EP dispatch dropped a pair (read here, where the host
         has waited for the results anyway)."""
-        if self.ep is not None:
-            check_overflow(self.ep)
+        for group in (self.ep, self.draft_ep):
+            if group is not None:
+                check_overflow(group)
         if self.multi:  # a CP group's ranks hold the same outputs: its first rank speaks for it
             keyed = self.lockstep.gather(keyed if rank_coordinate(self.spec, self.rank)["cp"] == 0 else [])
         return [out for _, out in sorted(keyed, key=lambda kv: kv[0])]

@@ -132,21 +132,14 @@ def _check_draft_weights(method: str, c: ModelConfig, params: dict) -> None:
         )
 
 
-def check_mesh(spec: SpeculativeConfig, mesh: MeshSpec, c: ModelConfig) -> None:
+def check_mesh(spec: SpeculativeConfig, mesh: MeshSpec) -> None:
     """Speculation on a multi-rank ``mesh``: its verify and rollback steps run in the ranks' lock
-    step (``ModelRunner._plan``) for n-gram and MTP-1 drafts; what is not built refuses here."""
-    where = f"speculative_config method {spec.method!r} on mesh {mesh}"
+    step (``ModelRunner._plan``) for every method on dp and ep meshes (a DSpark drafter with its
+    own expert count on an EP group of its own, ``Ranks.start_ep``); what is not built refuses here."""
     if mesh.cp > 1:
         raise ValueError(
-            f"{where}: speculation is not built with context parallelism (a cp{mesh.cp} step splits its "
-            "prompt chunks over the group, statically when compiled and on the host when eager, and verify "
-            "and rollback steps have no such split); meshes of dp and ep speculate (methods 'ngram' and 'mtp'), or drop speculative_config"
-        )
-    if spec.method == "dspark":
-        raise ValueError(
-            f"{where}: not built: DSpark's draft blocks ({c.dspark_block_size} rows a request, "
-            f"{c.dspark_n_routed_experts} experts, top-{c.dspark_num_experts_per_tok}) would run their MoE "
-            f"through the mesh's EP dispatch, which is placed and sized for the trunk's ({c.n_routed_experts} "
-            "experts, the token budget's rows) and serves no other expert count; methods 'ngram' and 'mtp' "
-            "run on dp and ep meshes"
+            f"speculative_config method {spec.method!r} on mesh {mesh}: speculation is not built with context "
+            f"parallelism (a cp{mesh.cp} step splits its prompt chunks over the group, statically when compiled and "
+            "on the host when eager, and verify and rollback steps have no such split); meshes of dp and ep "
+            "speculate, or drop speculative_config"
         )

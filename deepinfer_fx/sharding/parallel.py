@@ -19,7 +19,7 @@ Who owns what, on a mesh ``dp{D},cp{C},ep{E}`` (world rank ``w = (d * C + c) * E
   for ``ep.ep_routed_experts`` (dispatch, the rank's local experts, combine), which takes the
   model's global (logical) expert ids and maps them to slots and ranks itself. One placement
   serves every layer of the trunk (per-layer EPLB placements are not wired yet); a draft head
-  with its own expert count needs its own group, and a mismatch fails loudly (slot count check).
+  with its own expert count has its own group over the same ranks, picked by slot count.
 - **Lock step.** An all-to-all needs every member of its group, so every rank of an EP group runs
   every MoE layer once per step with the same capacity (token-expert pairs per destination), even
   a rank that has fewer tokens or none: the send buffers have a static shape, rows it does not
@@ -61,15 +61,31 @@ def static_shapes(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or isinstance(x, FakeTensor)
 
 
-def ep_swaps(group: EPGroup) -> dict[str, Callable[..., torch.Tensor]]:
+def ep_swaps(*groups: EPGroup) -> dict[str, Callable[..., torch.Tensor]]:
     """The replacement for ``moe.expert_parallel`` on this rank: the MoE's routed experts run over
-    ``group`` (the params it receives must be the rank's local slots, ``rank_params``). Compiled
-    steps (which CUDA graphs capture) send the static capacity (``ep.py``); eager steps send only
-    the routed pairs (``ep_ragged.py``)."""
+    one of ``groups`` (the params it receives must be the rank's local slots, ``rank_params``).
+    A draft head with its own expert count (V4.1's DSpark) has a group of its own; a call's
+    group is the one whose slots per rank its expert tensors hold, a static shape, so the choice
+    costs nothing in a compiled step. Compiled steps (which CUDA graphs capture) send the
+    static capacity (``ep.py``); eager steps send only the routed pairs (``ep_ragged.py``)."""
+    by_slots = {g.slots_per_rank: g for g in groups}
+    if len(by_slots) != len(groups):
+        counts = ", ".join(f"{g.placement.n_logical} experts" for g in groups)
+        raise ValueError(
+            f"expert parallelism: the expert sets ({counts}) fill the same {groups[0].slots_per_rank} slots a rank "
+            f"on ep{groups[0].size}, and the EP exchange tells a call's set by its slot count: change the mesh's "
+            "ep degree or DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS so that they differ"
+        )
 
     def dispatch(
         p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor
     ) -> torch.Tensor:
+        group = by_slots.get(p["w1"].shape[0])
+        if group is None:
+            raise ValueError(
+                f"expert parallelism: a MoE call holds {p['w1'].shape[0]} expert slots, and this rank's EP groups "
+                f"hold {sorted(by_slots)}: its experts were not cut by a placement of this mesh (rank_params)"
+            )
         # replica choice by row index: any replica gives the same output (they are copies)
         return (ep_routed_experts if static_shapes(x) else ep_routed_experts_ragged)(
             p, limit, x, idx, w, group, real=real

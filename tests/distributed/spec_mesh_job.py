@@ -8,7 +8,8 @@ drafts are accepted and rejected on a model whose tokens any state error would c
 
 Rank 0 writes, per run, each request's tokens and draft counts, every rank's count of verify
 and rollback re-run steps (those with chunks of its own and those of padding alone) and the EP
-placement; or the ``ValueError`` a refused run raised. Usage: ``spec_mesh_job.py OUT.json
+placement and the slots a rank holds of each EP group (the trunk's, a DSpark drafter's); or the
+``ValueError`` a refused run raised. Usage: ``spec_mesh_job.py OUT.json
 REF.json RUN...``, a run written ``MESH[@compiled]:METHOD[+eplb]`` (METHOD ``off``, ``ngram``,
 ``oracle``, ``mtp`` or ``dspark``; ``+eplb``: then an EPLB rebalance by the loads measured, and
 the requests again, written as ``RUN+eplb``)."""
@@ -97,7 +98,8 @@ def main(out: str, ref: str, runs: list[str]) -> None:
                 "tokens": [o.outputs[0].token_ids for o in outs],
                 "drafts": [[o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens] for o in outs],
                 "steps": per_rank,
-                "placement": list(llm.ranks.ep.placement.phys_to_logical),
+                "placement": list(llm.ranks.ep.placement.phys_to_logical) if llm.ranks.ep else None,
+                "slots": [g.slots_per_rank for g in (llm.ranks.ep, llm.ranks.draft_ep) if g is not None],
             }
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))

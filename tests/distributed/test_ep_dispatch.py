@@ -18,6 +18,7 @@ from deepinfer_fx.graphs.moe import routed_experts, swiglu_act
 from deepinfer_fx.settings import EngineConfig
 from deepinfer_fx.sharding import eplb
 from deepinfer_fx.sharding import ep as ep_mod
+from deepinfer_fx.sharding import parallel
 from deepinfer_fx.sharding.ep import check_overflow, ep_group, ep_routed_experts
 from deepinfer_fx.sharding.mesh import MeshSpec
 from deepinfer_fx.sharding.world import build_mesh, fake_world, moe_view
@@ -289,8 +290,42 @@ def test_capacity_factor_setting(monkeypatch) -> None:
             settings = EngineConfig.from_env({"DEEPINFER_EP_CAPACITY_FACTOR": value, EXTRA: "0"})
             ranks = Ranks(MeshSpec(ep=4), settings, lockstep=object(), world=world)  # a lock step: several ranks
             ranks.start_ep(
-                SimpleNamespace(n_routed_experts=E, num_experts_per_tok=K, dspark_stages=0), 100, torch.device("cpu")
+                SimpleNamespace(n_routed_experts=E, num_experts_per_tok=K, dspark_stages=0), 100, 4, torch.device("cpu")
             )
-            assert ranks.ep.capacity == want
+            assert ranks.ep.capacity == want and ranks.draft_ep is None
     with pytest.raises(ValueError, match="DEEPINFER_EP_CAPACITY_FACTOR='-1' is invalid"):
         EngineConfig.from_env({"DEEPINFER_EP_CAPACITY_FACTOR": "-1"})
+
+
+def test_a_dspark_drafter_gets_its_own_group() -> None:
+    """A drafter with its own expert count (V4.1's DSpark) gets an EP group of its own over the
+    same ranks, its capacity sized for the engine's draft blocks (``max_seqs`` x block rows, its
+    top-k); the dispatch picks a call's group by the slots its expert tensors hold, and refuses
+    sets it cannot tell apart or tensors no group placed."""
+    c = SimpleNamespace(
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        dspark_stages=2,
+        dspark_n_routed_experts=E // 2,
+        dspark_num_experts_per_tok=2,
+        dspark_block_size=5,
+    )
+    with fake_world(4, 0):
+        world = build_mesh(MeshSpec(ep=4))
+        ranks = Ranks(MeshSpec(ep=4), EngineConfig.from_env({EXTRA: "0"}), lockstep=object(), world=world)
+        swaps = ranks.start_ep(c, 100, 4, torch.device("cpu"))
+        assert (ranks.ep.slots_per_rank, ranks.ep.capacity) == (E // 4, 100 * K)
+        assert (ranks.draft_ep.slots_per_rank, ranks.draft_ep.capacity) == (
+            2,
+            4 * 5 * 2,
+        )  # 6 experts round up to 8 slots
+        assert not ranks.heads_follow
+        dispatch = next(iter(swaps.values()))
+        x, idx, w = torch.randn(3, D), torch.zeros(3, K, dtype=torch.long), torch.ones(3, K)
+        with pytest.raises(
+            ValueError, match=r"a MoE call holds 5 expert slots, and this rank's EP groups hold \[2, 3\]"
+        ):
+            dispatch({"w1": torch.zeros(5, I, D)}, LIMIT, x, idx, w, torch.ones(3, dtype=torch.bool))
+        same = ep_group(ranks.ep.placement, 10, K, moe_view(world))
+        with pytest.raises(ValueError, match=r"\(12 experts, 12 experts\) fill the same 3 slots a rank on ep4"):
+            parallel.ep_swaps(ranks.ep, same)

@@ -1,11 +1,13 @@
-"""Speculative decoding on meshes (gloo, CPU, fp32, tiny V4): n-gram and MTP-1 drafts on ep2,
-dp2 and dp2 x ep2, eager and compiled, give one process's greedy tokens without speculation,
+"""Speculative decoding on meshes (gloo, CPU, fp32, tiny V4 and V4.1): n-gram, MTP-1 and DSpark
+drafts on ep2, dp2 and dp2 x ep2, eager and compiled, give one process's greedy tokens without speculation,
 token for token, with drafts accepted and rejected (so verify steps and rollback re-runs run)
 over requests of uneven work: some turns have one rank verifying while another prefills or
 idles, and a rank with nothing of its own to verify or re-run then runs padding steps of the
 agreed sizes (counted on every rank). MTP-1 keeps drafting after an EPLB shuffle (its experts
-move with the trunk's). What is not built refuses at start: speculation with context
-parallelism, DSpark on a mesh. The ranks run ``spec_mesh_job.py`` under torchrun."""
+move with the trunk's); V4.1's DSpark drafter (its own 4 experts of top-2 beside the trunk's 8 of
+top-2) runs its MoE over an EP group of its own, before and after the trunk's EPLB shuffle. What
+is not built refuses at start: speculation with context parallelism. The ranks run
+``spec_mesh_job.py`` under torchrun."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import deepinfer_fx
 from deepinfer_fx import LLM, SamplingParams
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.engine.spec_config import SpeculativeConfig, check_mesh
+from deepinfer_fx.sharding.eplb import num_physical_experts
 from deepinfer_fx.sharding.mesh import MeshSpec
 
 JOB = Path(__file__).with_name("spec_mesh_job.py")
@@ -42,8 +45,13 @@ def _one_process(model) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain() -> dict[str, list[list[int]]]:
-    """One eager process without speculation: the cycling model's tokens and the random one's."""
-    return {"cycle": _one_process(drafting("mtp-v4")), "oracle": _one_process(_tiny_model("v4"))}
+    """One eager process without speculation: the cycling models' tokens (V4 with MTP-1, V4.1 with
+    DSpark) and the random one's."""
+    return {
+        "cycle": _one_process(drafting("mtp-v4")),
+        "dspark": _one_process(drafting("dspark-v41")),
+        "oracle": _one_process(_tiny_model("v4")),
+    }
 
 
 def _launch(tmp_path: Path, plain: dict, runs: list[str], ranks: int = 2) -> dict:
@@ -58,7 +66,8 @@ def _launch(tmp_path: Path, plain: dict, runs: list[str], ranks: int = 2) -> dic
     got = json.loads((tmp_path / "out.json").read_text())
     for run, res in got.items():
         if "error" not in res:
-            want = plain["oracle" if ":oracle" in run else "cycle"]
+            method = run.partition(":")[2].partition("+")[0]
+            want = plain[method if method in ("oracle", "dspark") else "cycle"]
             assert res["tokens"] == want, run
     return got
 
@@ -77,7 +86,7 @@ def _speculated(res: dict, ranks: int) -> None:
 def test_ngram_and_mtp_on_ep2_and_dp2(tmp_path: Path, plain: dict) -> None:
     """Eager: off, n-gram (its own drafts on the cycling model; the oracle's on the random one),
     MTP-1 before and after an EPLB shuffle, and n-gram on dp2; then the refusals."""
-    runs = ["ep2:off", "ep2:ngram", "ep2:oracle", "ep2:mtp+eplb", "dp2:ngram", "cp2:ngram", "ep2:dspark"]
+    runs = ["ep2:off", "ep2:ngram", "ep2:oracle", "ep2:mtp+eplb", "dp2:ngram", "cp2:ngram"]
     got = _launch(tmp_path, plain, runs)
     assert got["ep2:off"]["drafts"] == [[0, 0]] * 5
     for run in ("ep2:ngram", "ep2:oracle", "ep2:mtp", "ep2:mtp+eplb", "dp2:ngram"):
@@ -85,7 +94,18 @@ def test_ngram_and_mtp_on_ep2_and_dp2(tmp_path: Path, plain: dict) -> None:
     assert got["ep2:mtp+eplb"]["placement"] != got["ep2:mtp"]["placement"]  # the shuffle moved experts
     assert got["ep2:mtp+eplb"]["drafts"] == got["ep2:mtp"]["drafts"]
     assert "not built with context parallelism" in got["cp2:ngram"]["error"]
-    assert "DSpark's draft blocks" in got["ep2:dspark"]["error"], got["ep2:dspark"]
+
+
+def test_dspark_on_ep2_with_its_own_expert_group(tmp_path: Path, plain: dict) -> None:
+    """DSpark's MoE (4 experts) on its own EP group beside the trunk's (8), every rank drafting in every step (padding blocks where it has none); after the trunk's
+    EPLB shuffle the drafter keeps its placement and its drafts; and on dp2 (no EP)."""
+    got = _launch(tmp_path, plain, ["ep2:dspark+eplb", "dp2:dspark"])
+    for run in ("ep2:dspark", "ep2:dspark+eplb", "dp2:dspark"):
+        _speculated(got[run], 2)
+    for run, ep in (("ep2:dspark", 2), ("dp2:dspark", 1)):  # each set's own placement, 32 extra slots
+        assert got[run]["slots"] == [num_physical_experts(n, ep) // ep for n in (8, 4)], got[run]["slots"]
+    assert got["ep2:dspark+eplb"]["placement"] != got["ep2:dspark"]["placement"]
+    assert got["ep2:dspark+eplb"]["drafts"] == got["ep2:dspark"]["drafts"]
 
 
 def test_compiled_ngram_on_ep2(tmp_path: Path, plain: dict) -> None:
@@ -102,6 +122,13 @@ def test_compiled_mtp_on_ep2(tmp_path: Path, plain: dict) -> None:
     _speculated(got["ep2@compiled:mtp"], 2)
 
 
+def test_compiled_dspark_on_ep2(tmp_path: Path, plain: dict) -> None:
+    """Compiled DSpark: every step graph drafts, its stages' MoE over the drafter's own EP group
+    at the capacity of the engine's draft blocks, padding ranks' graphs too."""
+    got = _launch(tmp_path, plain, ["ep2@compiled:dspark"])
+    _speculated(got["ep2@compiled:dspark"], 2)
+
+
 def test_ngram_and_mtp_on_dp2_ep2(tmp_path: Path, plain: dict) -> None:
     """Four ranks, two EP groups: five requests dealt round-robin, so one rank serves two."""
     got = _launch(tmp_path, plain, ["dp2,ep2:ngram", "dp2,ep2:oracle", "dp2,ep2:mtp"], ranks=4)
@@ -113,8 +140,6 @@ def test_refusals_name_what_runs() -> None:
     c = config_from_dict(v41_dspark())
     for method in ("ngram", "mtp", "dspark"):
         with pytest.raises(ValueError, match=r"on mesh cp2,ep2: speculation is not built with context parallelism"):
-            check_mesh(SpeculativeConfig(method, 3), MeshSpec(cp=2, ep=2), c)
-    with pytest.raises(ValueError, match=r"\(5 rows a request, 4 experts, top-2\).*trunk's \(8 experts.*'mtp' run on"):
-        check_mesh(SpeculativeConfig("dspark", 3), MeshSpec(ep=2), c)
-    for method in ("ngram", "mtp"):
-        check_mesh(SpeculativeConfig(method, 3), MeshSpec(dp=2, ep=2), c)
+            check_mesh(SpeculativeConfig(method, 3), MeshSpec(cp=2, ep=2))
+        check_mesh(SpeculativeConfig(method, 3), MeshSpec(dp=2, ep=2))
+    assert c.dspark_n_routed_experts != c.n_routed_experts  # the drafter the mesh tests run has its own experts
