@@ -148,8 +148,10 @@ def measure(
     (a CP group shares one)."""
     spec, dev = llm.ranks.spec, llm.model.device
     swaps, group = row_swaps(llm, size)
-    if llm.options.steps.compiled and group is not None:  # graphs captured with another EP group would replay it
-        llm.runner.steps.reset()
+    compiled = llm.options.steps.compiled
+    engine_prefill = dict(llm.runner.steps.prefill_over)
+    if compiled and group is not None:  # graphs captured with another EP group would replay it
+        llm.runner.steps.reset(ep_swaps(group, ragged_traced=True) if group.size > 1 else {})  # as the engine's
     with torch.no_grad(), swapped(swaps):
         fn = decode_fn(llm, size, context) if kind == "decode" else prefill_fn(llm, size, seed)
         step_s = seconds_per_step(fn, steps, warmup, dev, host)
@@ -158,18 +160,21 @@ def measure(
             "tok_s_per_gpu": round(size * spec.dp * spec.ep / spec.world_size / step_s, 1),
         }
         if group is not None:
-            row.update(ep_columns(llm, group, fn, profile_steps, host))
-    if llm.options.steps.compiled and group is not None:
-        llm.runner.steps.reset()
+            # eager steps and compiled prefill send the routed pairs only (sharding/ep_ragged.py)
+            row.update(ep_columns(llm, group, fn, profile_steps, host, not compiled or kind == "prefill"))
+    if compiled and group is not None:
+        llm.runner.steps.reset(engine_prefill)
     return row
 
 
-def ep_columns(llm: LLM, group: EPGroup, fn: Callable[[], object], profile_steps: int, host: dist.ProcessGroup) -> dict:
+def ep_columns(
+    llm: LLM, group: EPGroup, fn: Callable[[], object], profile_steps: int, host: dist.ProcessGroup, ragged: bool
+) -> dict:
     """A mesh row's EP side: all-to-all time per MoE layer (mean and max over the ranks), its
-    largest share of a profiled step, calls per layer, the capacity and bytes it implies, and
-    the pairs dropped over capacity (none at the default worst-case capacity)."""
+    largest share of a profiled step, calls per layer, the rows sent per call (``ragged``: the
+    routed pairs counted, else the capacity) and the bytes they imply, and the pairs dropped over
+    capacity (none at the default worst-case capacity)."""
     a2a_s = calls = share = 0.0
-    ragged = not llm.options.steps.compiled  # eager steps send the routed pairs only (sharding/ep_ragged.py)
     sent_before = list(group.ragged_sent)
     if group.size > 1:  # ep1 exchanges nothing
         a2a_s, calls, profiled_s = all_to_all_per_step(fn, profile_steps, llm.model.device)

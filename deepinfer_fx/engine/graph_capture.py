@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -136,9 +136,12 @@ class GraphEntries:
     a pool is gone (reset, or an engine dropped) the allocator retires the pool, and capturing into
     its id again fails an internal assert: so fresh pools after each reset (``_forget``)."""
 
-    def __init__(self, device: torch.device, graphs: bool, times: StepTimes | None) -> None:
+    def __init__(
+        self, device: torch.device, graphs: bool, times: StepTimes | None, uncaptured: Sequence[str] = ()
+    ) -> None:
         self.device = device
         self.graphs = graphs
+        self.uncaptured = frozenset(uncaptured)  # step kinds run compiled but never captured
         self.times = times
         self._entries: dict[GraphKey, Entry] = {}
         self._pools: dict[str, object] = {}
@@ -189,7 +192,8 @@ class GraphEntries:
         out = p.fn(*args)
         if e.calls == 1:
             e.compile_s += time.perf_counter() - t0
-            if self.graphs and not e.key.all_rows and (i == 0 or e.pieces[i - 1].graph is not None):
+            capturable = not e.key.all_rows and e.key.kind not in self.uncaptured
+            if self.graphs and capturable and (i == 0 or e.pieces[i - 1].graph is not None):
                 t0 = time.perf_counter()
                 if e.key.kind not in self._pools:
                     self._pools[e.key.kind] = graph_api(self.device.type).graph_pool_handle()

@@ -6,7 +6,8 @@ per mode for every bucket), the functions of ``step_functions``; on a device wit
 captured as one graph (``graph_capture``), so a replay turns the step's input buffer into sampled
 tokens written to ``next_token`` with no host work between. Decode and prefill alike are captured,
 except prefill keys that return every row's logits (prompt logprobs), whose ``[tokens, vocab]``
-fp32 output a graph would hold for good (2 GiB at 4096 tokens of a 129k vocabulary). Prefill gains
+fp32 output a graph would hold for good (2 GiB at 4096 tokens of a 129k vocabulary), and on a
+mesh with ep > 1 every prefill key, whose EP dispatch reads its splits on the host. Prefill gains
 from graphs as decode does: uncaptured, a 4096-token P8 prefill (~650 launches) ran 3.9 ms longer
 than its kernels on an H200 (55.2 vs 51.3 ms).
 
@@ -62,6 +63,7 @@ class StepGraphs(GraphEntries, StepSizes):
         max_drafts: int = 0,
         keep: int | None = None,
         over: dict | None = None,
+        prefill_over: dict | None = None,
         n_drafts: int = 0,
         varlen: bool = False,
         engram_tables: str | None = None,
@@ -74,7 +76,9 @@ class StepGraphs(GraphEntries, StepSizes):
         (not only the longest) and every step part timed (``spec_schedule.StepTimes``).
         ``disabled``: the graph passes switched off (None, for a bench or script: ``DEEPINFER_DISABLE_PASSES``).
         ``over``: ``graphs.swap`` replacements that win over the pipeline's kernel swaps in the
-        compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``).
+        compiled steps (batch-invariant inference's table, ``passes/batch_invariant.py``);
+        ``prefill_over``: more that win in compiled prefill steps alone, which are then run
+        uncaptured (a mesh's ragged EP dispatch, whose splits are read on the host: ``EPSwaps``).
         ``engram_tables`` / ``engram_budget`` (bytes): where compiled steps hold V4.1's Engram
         tables (``engram_tables.place_engram_tables``; None: ``DEEPINFER_ENGRAM_TABLES`` /
         ``DEEPINFER_ENGRAM_DEVICE_GIB``); eager steps read them memory-mapped. ``context``: this
@@ -85,6 +89,7 @@ class StepGraphs(GraphEntries, StepSizes):
         self.next_token = next_token
         self.n_drafts = n_drafts
         self.over = dict(over or {})
+        self.prefill_over = dict(prefill_over or {})
         device = model.device
         self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(device.type, "cpu")
         has_graphs = device.type in GRAPH_DEVICES
@@ -95,7 +100,11 @@ class StepGraphs(GraphEntries, StepSizes):
         self.disabled = tuple(sorted(resolve_disabled())) if disabled is None else tuple(disabled)
         self.inductor, self.dump_dir = inductor, dump_dir
         GraphEntries.__init__(
-            self, device, compile and has_graphs and graphs is not False, StepTimes(device) if varlen else None
+            self,
+            device,
+            compile and has_graphs and graphs is not False,
+            StepTimes(device) if varlen else None,
+            uncaptured=("prefill",) if self.prefill_over else (),
         )
         StepSizes.__init__(self, compile, max_requests, max_tokens, max_drafts, varlen, keep, context)
         self.scratch = state["slots"]
@@ -243,12 +252,15 @@ class StepGraphs(GraphEntries, StepSizes):
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def reset(self) -> None:
+    def reset(self, prefill_over: dict | None = None) -> None:
         """Forget every compiled and captured graph: a captured graph replays the tensors it was
         captured with, so after an EPLB shuffle (new placement tables, moved expert slots) the
-        steps are traced again on their next call."""
+        steps are traced again on their next call; ``prefill_over`` (given) replaces the prefill
+        steps' own swaps (the shuffle's new EP groups)."""
         self._forget()
         self.functions.clear()
+        if prefill_over is not None:
+            self.prefill_over = dict(prefill_over)
 
     def _entry(self, layout: Layout, mode: str, k: int | None, masked: bool = False, draft: bool = True) -> Entry:
         n_drafts = self.n_drafts if draft else 0
@@ -267,7 +279,8 @@ class StepGraphs(GraphEntries, StepSizes):
             return self._entries[key]
         dev = self.arena.region(layout)
         mask = self.arena.mask_rows(layout) if masked else None
-        pieces, backend = self.functions.pieces(key, layout, dev, mask, self.over)
+        over = {**self.over, **self.prefill_over} if layout.kind == "prefill" else self.over
+        pieces, backend = self.functions.pieces(key, layout, dev, mask, over)
         e = Entry(key, layout, dev, mask, pieces, backend)
         self._entries[key] = e
         return e

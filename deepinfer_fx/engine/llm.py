@@ -167,7 +167,7 @@ class LLM:
         )
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
-        swaps = self.ranks.start_ep(
+        ep = self.ranks.start_ep(
             c, opts.max_num_batched_tokens, max_num_seqs, self.model.device
         )  # a mesh's EP exchange
         model_drafts = max_drafts if method in ("mtp", "dspark") else 0
@@ -180,8 +180,9 @@ class LLM:
             self.model,
             self.pool,
             opts.steps,
-            {**swaps, **cp_swap},
+            {**ep.steps, **cp_swap},
             context,
+            prefill_swaps=ep.prefill,
             lockstep=self.ranks.lockstep,
             max_drafts=max_drafts,
             model_drafts=model_drafts,
@@ -273,12 +274,12 @@ class LLM:
         """EPLB at run time (multi-rank meshes): re-place the routed experts over each EP group by
         the loads measured since the last call (hot experts get the redundant slots) and move the
         weights between ranks. Call it between ``generate`` calls on every rank; outputs do not
-        change. On one rank it does nothing. The steps bake the old placement in, so they are
+        change. On one rank, or where the EP groups have one rank (dp, cp meshes), it does nothing. The steps bake the old placement in, so they are
         compiled again: by the warm-up where the engine was warmed up, else on first use."""
         swaps = self.ranks.rebalance(self.model.params)
         if swaps is not None:
-            self.runner.swaps.update(swaps)
-            self.runner.steps.reset()
+            self.runner.swaps.update(swaps.steps)
+            self.runner.steps.reset(swaps.prefill)
             if self.options.warmup:
                 self.warmup_s = warm_up(self.runner, self.options, show=self.ranks.rank == 0)
 

@@ -24,7 +24,7 @@ captured graph would replay the old placement tables.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,18 @@ from ..sharding.placed import distribute_tree, local_tree
 from ..sharding.rebalance import rebalance
 from ..sharding.topology import topology_for
 from ..sharding.world import init_world, moe_view, rank_coordinate
+
+
+class EPSwaps(NamedTuple):
+    """The expert-parallel swaps of a rank (``sharding.parallel.ep_swaps``): ``steps`` around every
+    step (eager steps send the routed pairs, compiled ones the static capacity, which CUDA graphs
+    capture); ``prefill`` over them in compiled prefill steps where the EP group has several ranks:
+    the routed pairs through the opaque ragged op, in uncaptured graphs. At prefill the static
+    capacity is the worst case, a whole bucket's pairs to every rank (sent, and run through the
+    experts as zero-weight rows): ep times the work, where one graph launch saves little."""
+
+    steps: dict[str, Callable]
+    prefill: dict[str, Callable]
 
 
 @dataclass
@@ -119,8 +131,8 @@ class Ranks:
         placed = distribute_tree(model.params, model.config, self.world, lambda s: self.start_placement(s.shape[0]))
         return Model(model.config, local_tree(placed), model.path), placed
 
-    def start_ep(self, c: ModelConfig, max_tokens: int, max_seqs: int, device: torch.device) -> dict[str, Callable]:
-        """The EP groups of this rank's MoE and the swap that puts them in force. ``max_tokens`` is
+    def start_ep(self, c: ModelConfig, max_tokens: int, max_seqs: int, device: torch.device) -> EPSwaps:
+        """The EP groups of this rank's MoE and the swaps that put them in force. ``max_tokens`` is
         the most tokens one forward packs on any rank (the scheduler's budget): the capacity is
         its worst case, so no pair is ever dropped, unless ``DEEPINFER_EP_CAPACITY_FACTOR`` asks
         for less (``check_overflow`` then reports drops). A DSpark drafter with its own expert
@@ -128,7 +140,7 @@ class Ranks:
         the same ranks, sized for ``max_seqs`` draft blocks; an MTP-1 block routes over the
         trunk's count, so the trunk's group serves it."""
         if not self.multi:
-            return {}
+            return EPSwaps({}, {})
         self.ep = self._group(c.n_routed_experts, max_tokens, c.num_experts_per_tok, device)
         self.heads_follow = not c.dspark_stages or c.dspark_n_routed_experts == c.n_routed_experts
         if not self.heads_follow:
@@ -144,18 +156,21 @@ class Ranks:
             moe_view(self.world),
             device=device,
             capacity_factor=self.settings.ep_capacity_factor,
+            rows_agreed=True,  # static calls come from compiled steps, at the buckets the ranks agreed
         )
 
-    def _swaps(self) -> dict[str, Callable]:
-        return ep_swaps(*(g for g in (self.ep, self.draft_ep) if g is not None))
+    def _swaps(self) -> EPSwaps:
+        groups = [g for g in (self.ep, self.draft_ep) if g is not None]
+        return EPSwaps(ep_swaps(*groups), ep_swaps(*groups, ragged_traced=True) if self.spec.ep > 1 else {})
 
-    def rebalance(self, params: dict) -> dict[str, Callable] | None:
+    def rebalance(self, params: dict) -> EPSwaps | None:
         """EPLB between steps: re-place the routed experts of every layer by the loads measured
         since the last call, moving ``params``' expert slots in place (a draft head's too where it
         shares the trunk's placement: its MTP-1 drafts run on the same EP group; a DSpark drafter
-        with its own group keeps its start placement); the new swaps to use (None on one rank,
-        where there is nothing to balance)."""
-        if self.ep is None:
+        with its own group keeps its start placement); the new swaps to use (None on one rank or
+        an EP group of one, dp and cp meshes: every expert is local there, so there is nothing to
+        balance, and new swaps would only make the steps compile again)."""
+        if self.ep is None or self.spec.ep == 1:
             return None
         topology = topology_for(self.settings.topology_file, self.spec.ep)
         blocks = [*params["layers"], *(params.get("mtp", []) if self.heads_follow else [])]

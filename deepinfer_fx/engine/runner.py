@@ -61,10 +61,12 @@ class ModelRunner:
         max_drafts: int = 0,
         model_drafts: int = 0,
         varlen: bool = False,
+        prefill_swaps: dict | None = None,
     ) -> None:
         """``options``: how steps run (compiled or eager, graphs, passes, buckets). ``swaps``:
         ``graphs.swap`` replacements in force around every forward (a multi-rank mesh: the
-        expert-parallel MoE, ``sharding.parallel.ep_swaps``). ``context``: this rank's place in
+        expert-parallel MoE, ``sharding.parallel.ep_swaps``); ``prefill_swaps``: those that win
+        over them in compiled prefill steps, which are then not captured (``engine.ranks.EPSwaps``). ``context``: this rank's place in
         a CP group (context parallelism): compiled prefill steps run its static share of their
         bucket, eager steps its share of a host-built batch (``sharding.cp``). ``lockstep``: a
         multi-rank mesh, whose ranks agree on each turn's step sizes (``_plan``) so that the
@@ -98,6 +100,7 @@ class ModelRunner:
             max_drafts=max_drafts,
             keep=options.keep,
             over=invariant,
+            prefill_over=prefill_swaps,
             n_drafts=model_drafts,
             varlen=varlen,
             engram_tables=options.engram_tables,

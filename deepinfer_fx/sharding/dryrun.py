@@ -56,6 +56,13 @@ from .rules import local_shape
 from .world import build_mesh, fake_world, moe_view, rank_coordinate
 
 NOT_REAL = "NOTE: dry run on a fake process group with fake tensors: collectives moved no data and no value is real; only shapes, dtypes and bytes are."
+# the prefill graph is traced with the static capacity, which shows its collectives; the engine's
+# prefill on ep > 1 runs the ragged op instead (engine/ranks.EPSwaps), whose bytes follow the routing
+RAGGED_PREFILL = (
+    "NOTE: on ep > 1 the engine's prefill steps send only the routed pairs (deepinfer::ep_moe_ragged, splits "
+    "read on the host, graphs not captured); the prefill bytes above are the static capacity's worst case, "
+    "an upper bound. Decode steps send what is shown."
+)
 LAYER_KEY = "moe_layer"
 # the packaged V4.1-Flash release config: the default dry-run target
 DEFAULT_CONFIG = released_config("deepseek_v41_flash")
@@ -221,6 +228,8 @@ def summary(run: DryRun) -> str:
                 for x in by_layer[layer]
             )
             lines.append(f"  {'outside MoE' if layer is None else f'layer {layer:2d}'}: {parts}")
+    if run.spec.ep > 1:
+        lines.append(RAGGED_PREFILL)
     if run.placements:
         lines.append(run.placements)
     lines.append(NOT_REAL)

@@ -37,7 +37,8 @@ from .eplb import ExpertPlacement, pick_replicas
 @dataclass(frozen=True, eq=False)  # eq=False: tensor fields have no boolean equality
 class EPGroup:
     """This rank's EP group. ``capacity`` counts token-expert pairs that one rank may send to one
-    destination rank per call; it must be the same on every rank (all-to-all splits are equal)."""
+    destination rank per call, at most (a call of T tokens sends at most its worst case, T * k);
+    it must be the same on every rank (all-to-all splits are equal)."""
 
     placement: ExpertPlacement
     capacity: int
@@ -48,6 +49,9 @@ class EPGroup:
     replica_counts: torch.Tensor  # [n_logical]
     overflow: torch.Tensor  # int64 scalar: pairs this rank dropped since the group was made
     loads: torch.Tensor  # int64 [n_logical]: pairs this rank routed to each logical expert (EPLB input)
+    # every rank calls with the same row count (the engine's compiled steps run agreed buckets), so a
+    # call's capacity may be capped at its own worst case, rows * k, and still agree across the group
+    rows_agreed: bool = False
     # [rows, calls] of the ragged path (ep_ragged.py) on this rank: host counts, for the mesh bench
     ragged_sent: list[int] = dataclasses.field(default_factory=lambda: [0, 0])
 
@@ -79,11 +83,14 @@ def ep_group(
     capacity: int | None = None,
     device: torch.device | str = "cpu",
     capacity_factor: float = DEFAULTS.ep_capacity_factor,
+    rows_agreed: bool = False,
 ) -> EPGroup:
     """The EP group of this rank over ``group`` (a process group or the 1-D ``ep`` view of the world
     mesh, ``world.moe_view``). ``max_tokens`` is the largest batch any rank passes in one call
     (the token bucket); capacity defaults to ``capacity_for(capacity_factor)`` (the engine passes
-    ``DEEPINFER_EP_CAPACITY_FACTOR``; 0 is the worst case, which never drops)."""
+    ``DEEPINFER_EP_CAPACITY_FACTOR``; 0 is the worst case, which never drops). ``rows_agreed``:
+    every rank calls with the same row count (the engine's compiled steps, whose buckets the ranks
+    agree), so each call sends at most its own worst case; on one rank that holds anyway."""
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(f"ep_group: needs the 1-D ep view of the mesh (world.moe_view), got a {group.ndim}-D mesh")
@@ -107,7 +114,7 @@ def ep_group(
     slots, counts = placement.replica_table(device)
     overflow = torch.zeros((), dtype=torch.int64, device=device)
     loads = torch.zeros(placement.n_logical, dtype=torch.int64, device=device)
-    return EPGroup(placement, capacity, rank, size, pg, slots, counts, overflow, loads)
+    return EPGroup(placement, capacity, rank, size, pg, slots, counts, overflow, loads, rows_agreed=rows_agreed)
 
 
 def check_overflow(group: EPGroup) -> None:
@@ -155,6 +162,8 @@ def ep_routed_experts(
     as load, and its output is zero, so a compiled bucket's padding costs no capacity."""
     t, k = idx.shape
     d, cap, size, s = x.shape[1], group.capacity, group.size, group.slots_per_rank
+    if group.rows_agreed or size == 1:  # a decode bucket sends its own worst case, not the token budget's
+        cap = min(cap, worst_case_capacity(t, k))
     if p_local["w1"].shape[0] != s:
         raise ValueError(f"ep_routed_experts: p_local holds {p_local['w1'].shape[0]} expert slots, this rank owns {s}")
     if positions is None:

@@ -4,9 +4,11 @@ experts and send the results back by the same splits.
 
 Where ``sharding/ep.py`` sends ``capacity`` rows to every destination whatever the routing (a
 static shape, so it compiles and is captured), this path reads the counts on the host: its
-shapes depend on the data, so it runs in uncaptured steps (``parallel.ep_swaps`` picks it
-outside compiled code). It never drops a pair. Results match ``ep_routed_experts``'s: the same
-replica choice, the same per-row expert math, a token's k results summed in k order.
+shapes depend on the data, so it runs in uncaptured steps. Eager steps call it directly;
+compiled prefill steps call it as one opaque op, ``deepinfer::ep_moe_ragged``, whose result has
+the static shape ``[T, D]`` (``parallel.ep_swaps`` picks which). It never drops a pair. Results
+match ``ep_routed_experts``'s: the same replica choice, the same per-row expert math, a token's k
+results summed in k order.
 """
 
 from __future__ import annotations
@@ -106,3 +108,50 @@ def ep_routed_experts_ragged(
     for j in range(1, k):  # the fixed summation order of the static path
         out = out + per_pair[:, j]
     return out
+
+
+# The EP groups compiled steps name by number (an op's arguments are tensors and scalars); a group
+# stays registered for the process (one per start or EPLB rebalance), so a number never changes owner.
+_GROUPS: dict[int, EPGroup] = {}
+
+
+def register_group(group: EPGroup) -> int:
+    """The number ``ep_moe_ragged`` knows ``group`` by (registered outside any trace)."""
+    _GROUPS.setdefault(id(group), group)
+    return id(group)
+
+
+@torch.library.custom_op("deepinfer::ep_moe_ragged", mutates_args=())
+def _ep_moe_ragged(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    real: torch.Tensor,
+    weights: list[torch.Tensor],
+    names: str,
+    limit: float,
+    group: int,
+) -> torch.Tensor:
+    """``ep_routed_experts_ragged`` over the registered ``group``; ``weights`` the rank's local
+    expert tensors, named by the comma-separated ``names``. Opaque to the compiler: inside it the
+    counts are read on the host and the splits follow them, so a graph holding it is not captured."""
+    out = ep_routed_experts_ragged(dict(zip(names.split(","), weights)), limit, x, idx, w, _GROUPS[group], real=real)
+    return out.contiguous()
+
+
+@_ep_moe_ragged.register_fake
+def _(x, idx, w, real, weights, names, limit, group):
+    return x.new_empty((x.shape[0], x.shape[1]), dtype=RESULT_DTYPE)
+
+
+def ep_moe_ragged(
+    p_local: dict[str, torch.Tensor],
+    limit: float,
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    real: torch.Tensor,
+    group: int,
+) -> torch.Tensor:
+    """The traced form of ``ep_routed_experts_ragged``: the op over the group numbered ``group``."""
+    return torch.ops.deepinfer.ep_moe_ragged(x, idx, w, real, list(p_local.values()), ",".join(p_local), limit, group)

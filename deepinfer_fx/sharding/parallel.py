@@ -46,7 +46,7 @@ from ..graphs.state import scratch_slot
 from ..io.loader import ExpertIds
 from ..settings import DEFAULTS
 from .ep import EPGroup, ep_routed_experts
-from .ep_ragged import ep_routed_experts_ragged
+from .ep_ragged import ep_moe_ragged, ep_routed_experts_ragged, register_group
 from .eplb import ExpertPlacement, default_placement, num_physical_experts
 from .mesh import MeshSpec
 from .rules import expert_ids
@@ -61,13 +61,15 @@ def static_shapes(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or isinstance(x, FakeTensor)
 
 
-def ep_swaps(*groups: EPGroup) -> dict[str, Callable[..., torch.Tensor]]:
+def ep_swaps(*groups: EPGroup, ragged_traced: bool = False) -> dict[str, Callable[..., torch.Tensor]]:
     """The replacement for ``moe.expert_parallel`` on this rank: the MoE's routed experts run over
     one of ``groups`` (the params it receives must be the rank's local slots, ``rank_params``).
     A draft head with its own expert count (V4.1's DSpark) has a group of its own; a call's
     group is the one whose slots per rank its expert tensors hold, a static shape, so the choice
-    costs nothing in a compiled step. Compiled steps (which CUDA graphs capture) send the
-    static capacity (``ep.py``); eager steps send only the routed pairs (``ep_ragged.py``)."""
+    costs nothing in a compiled step. Eager steps send only the routed pairs (``ep_ragged.py``);
+    compiled steps send the static capacity (``ep.py``), which CUDA graphs capture, or with
+    ``ragged_traced`` (the engine's prefill steps on ep > 1) the routed pairs too, through the
+    opaque ``deepinfer::ep_moe_ragged`` op (such a graph is not captured)."""
     by_slots = {g.slots_per_rank: g for g in groups}
     if len(by_slots) != len(groups):
         counts = ", ".join(f"{g.placement.n_logical} experts" for g in groups)
@@ -76,20 +78,24 @@ def ep_swaps(*groups: EPGroup) -> dict[str, Callable[..., torch.Tensor]]:
             f"on ep{groups[0].size}, and the EP exchange tells a call's set by its slot count: change the mesh's "
             "ep degree or DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS so that they differ"
         )
+    numbers = {s: register_group(g) for s, g in by_slots.items()} if ragged_traced else {}
 
     def dispatch(
         p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, real: torch.Tensor
     ) -> torch.Tensor:
-        group = by_slots.get(p["w1"].shape[0])
+        slots = p["w1"].shape[0]
+        group = by_slots.get(slots)
         if group is None:
             raise ValueError(
-                f"expert parallelism: a MoE call holds {p['w1'].shape[0]} expert slots, and this rank's EP groups "
+                f"expert parallelism: a MoE call holds {slots} expert slots, and this rank's EP groups "
                 f"hold {sorted(by_slots)}: its experts were not cut by a placement of this mesh (rank_params)"
             )
         # replica choice by row index: any replica gives the same output (they are copies)
-        return (ep_routed_experts if static_shapes(x) else ep_routed_experts_ragged)(
-            p, limit, x, idx, w, group, real=real
-        )
+        if not static_shapes(x):
+            return ep_routed_experts_ragged(p, limit, x, idx, w, group, real=real)
+        if numbers:
+            return ep_moe_ragged(p, limit, x, idx, w, real, numbers[slots])
+        return ep_routed_experts(p, limit, x, idx, w, group, real=real)
 
     return {EP_PLACE: dispatch}
 

@@ -50,13 +50,16 @@ def placements(llm: LLM, whole: dict) -> dict:
 
 def graph_collectives(llm: LLM) -> dict[str, list[str]]:
     """Per compiled step graph (its ``GraphKey.name``): the kinds of functional collective its
-    model part holds (``all_to_all_single``: EP; ``all_gather_into_tensor``: CP), so a test can
-    tell a compiled step that shares its work from one that ran without its group."""
+    model part holds (``all_to_all_single``: EP's static capacity; ``all_gather_into_tensor``: CP)
+    and ``ep_moe_ragged`` where it holds the ragged EP op (whose all-to-alls are inside it), so a
+    test can tell a compiled step that shares its work from one that ran without its group."""
     steps = llm.runner.steps
-    return {
-        r["graph"]: sorted({x.kind for gm in steps.backend(r["graph"]).graphs for x in collectives(gm, r["graph"])})
-        for r in steps.report()
-    }
+
+    def kinds(gm) -> set[str]:
+        ragged = any(getattr(n.target, "name", lambda: "")() == "deepinfer::ep_moe_ragged" for n in gm.graph.nodes)
+        return {x.kind for x in collectives(gm, "")} | ({"ep_moe_ragged"} if ragged else set())
+
+    return {r["graph"]: sorted(set().union(*map(kinds, steps.backend(r["graph"]).graphs))) for r in steps.report()}
 
 
 def outputs(outs: list) -> list:

@@ -15,7 +15,7 @@ import torch
 from deepinfer_fx import generate
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.config import released_config
-from deepinfer_fx.sharding.dryrun import DEFAULT_CONFIG, NOT_REAL, dry_run, summary
+from deepinfer_fx.sharding.dryrun import DEFAULT_CONFIG, NOT_REAL, RAGGED_PREFILL, dry_run, summary
 from deepinfer_fx.sharding.mesh import parse_mesh
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -69,6 +69,7 @@ def test_v41_flash_ep8_one_all_to_all_set_per_moe_layer(tmp_path) -> None:
             assert [x.nbytes for x in got] == [rows * d * 2, rows * 8, rows * d * 4]
     text = summary(run)
     assert text.count("  layer ") == 2 * c.num_hidden_layers and text.endswith(NOT_REAL)
+    assert RAGGED_PREFILL in text  # the engine's prefill sends less than the traced static capacity
     # the rank's parameters, as DTensors on the world mesh: experts split over ep, the rest whole
     n, i, e = c.num_hidden_layers, c.moe_intermediate_size, 416
     assert f"  layers.*.ffn.experts.w1 x{n}: (dp:R, cp:R, ep:S(0)) global [{e}, {i}, {d}] local [52, {i}, {d}]" in text

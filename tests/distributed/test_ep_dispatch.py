@@ -272,6 +272,14 @@ def test_dispatch_and_combine_have_no_host_sync(monkeypatch) -> None:
         traced = make_fx(rank2, tracing_mode="fake", _allow_non_fake_inputs=True)(*_batch(8906, MAX_T))
     assert _host_syncs(traced) == []
     assert sum("alltoall" in str(n.target) for n in traced.graph.nodes) == 3
+    # a group sized for a large token budget sends it whole, unless the ranks' row counts are
+    # agreed (the engine's compiled buckets): then a call sends its own worst case, 4 x rows x k
+    for agreed, rows in ((False, 4 * 1000 * K), (True, 4 * MAX_T * K)):
+        with fake_world(4, rank=2):
+            grp = ep_group(pl4, 1000, K, dist.group.WORLD, rows_agreed=agreed)
+            traced = make_fx(rank2, tracing_mode="fake", _allow_non_fake_inputs=True)(*_batch(8907, MAX_T))
+        sent = [n.args[1].meta["val"].shape[0] for n in traced.graph.nodes if "alltoall" in str(n.target)]
+        assert sent == [rows] * 3, (agreed, sent)
 
 
 def test_capacity_factor_setting(monkeypatch) -> None:
@@ -320,7 +328,7 @@ def test_a_dspark_drafter_gets_its_own_group() -> None:
             4 * 5 * 2,
         )  # 6 experts round up to 8 slots
         assert not ranks.heads_follow
-        dispatch = next(iter(swaps.values()))
+        dispatch = next(iter(swaps.steps.values()))
         x, idx, w = torch.randn(3, D), torch.zeros(3, K, dtype=torch.long), torch.ones(3, K)
         with pytest.raises(
             ValueError, match=r"a MoE call holds 5 expert slots, and this rank's EP groups hold \[2, 3\]"

@@ -3,7 +3,7 @@ result equals the single-process ``routed_experts`` and the static-capacity path
 routing, a rank that routes nothing, a rank that receives nothing and a bucket's padding rows;
 so it does in float64 after an EPLB rebalance (where a rank that received nothing once read its
 peers' fp32 results as float64); it never drops a pair whatever the group's capacity; eager
-steps take it, traced ones do not."""
+steps take it, traced ones only through the opaque op of compiled prefill steps (same bits)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from deepinfer_fx.sharding import eplb
 from deepinfer_fx.sharding.ep import check_overflow, ep_group, ep_routed_experts
 from deepinfer_fx.sharding.ep_ragged import ep_routed_experts_ragged
 from deepinfer_fx.sharding.mesh import MeshSpec
-from deepinfer_fx.sharding.parallel import static_shapes
+from deepinfer_fx.sharding.parallel import EP_PLACE, ep_swaps, static_shapes
 from deepinfer_fx.sharding.rebalance import rebalance
 from deepinfer_fx.sharding.world import build_mesh, moe_view
 
@@ -94,6 +94,18 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
             grp = ep_group(pl2, MAX_T, K, sub)
             got = ep_routed_experts_ragged(_local(logical, pl2, grp.rank), LIMIT, x, idx, w, grp, pos)
             _close(got, routed_experts(logical, LIMIT, x, idx, w))
+
+        # 6. compiled (a prefill step's swap): one opaque op, the eager ragged path's bits, its loads counted
+        x, idx, w, _ = _batch(mine + 7, MAX_T - rank)
+        real = torch.ones(x.shape[0], dtype=torch.bool)
+        traced, eager, graphs = fresh(), fresh(), []
+        dispatch = ep_swaps(traced, ragged_traced=True)[EP_PLACE]
+        keep = lambda gm, _: graphs.append(gm) or gm.forward  # noqa: E731
+        got = torch.compile(lambda *a: dispatch(p_local, LIMIT, *a), backend=keep, fullgraph=True)(x, idx, w, real)
+        assert torch.equal(got, ep_routed_experts_ragged(p_local, LIMIT, x, idx, w, eager, real=real))
+        assert torch.equal(traced.loads, eager.loads) and int(traced.loads.sum()) == x.shape[0] * K
+        targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+        assert targets == ["deepinfer.ep_moe_ragged"], targets  # the op alone: no all-to-all, no graph break
     finally:
         dist.destroy_process_group()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -181,8 +182,11 @@ def test_topology_default_json_and_env(tmp_path: Path, monkeypatch: pytest.Monke
     # the engine's EPLB plans with the file its settings name
     seen = []
     monkeypatch.setattr(ranks_module, "rebalance", lambda group, experts, topology: seen.append(topology) or group)
-    ranks = Ranks(MeshSpec(ep=8), EngineConfig.from_env({TOPOLOGY_ENV: str(f)}), ep=object())
+    ranks = Ranks(MeshSpec(ep=8), EngineConfig.from_env({TOPOLOGY_ENV: str(f)}), ep=SimpleNamespace(slots_per_rank=5))
     ranks.rebalance({"layers": []})
+    assert seen == [t]
+    # an EP group of one (dp, cp meshes) has nothing to balance: no new swaps, no recompilation
+    assert Ranks(MeshSpec(dp=2), EngineConfig.from_env({}), ep=object()).rebalance({"layers": []}) is None
     assert seen == [t]
     f.write_text(json.dumps({"hosts": 2, "gpu_per_host": 4}))
     with pytest.raises(ValueError, match="unknown field"):

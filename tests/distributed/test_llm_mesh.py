@@ -124,8 +124,15 @@ def test_llm_on_ep2_dp2_cp2_equals_one_process(tmp_path) -> None:
 def test_compiled_steps_on_ep2_dp2_equal_one_process(tmp_path) -> None:
     """Compiled steps (aot_eager on the CPU): the ranks agree each turn on the decode and prefill
     graphs and their buckets, so ranks with less work (or none) pad and the all-to-alls pair up;
-    the EPLB shuffle drops the graphs, which are traced again."""
-    _meshes_equal_one_process(tmp_path, ["ep2@compiled", "dp2@compiled"])
+    the EPLB shuffle drops the graphs, which are traced again. On ep2 the decode graphs send the
+    static capacity and the prefill graphs the routed pairs alone (the ragged op); dp2's EP
+    groups have one rank: no exchange at all."""
+    got = _meshes_equal_one_process(tmp_path, ["ep2@compiled", "dp2@compiled"])
+    for mesh, want in (("ep2", {"decode": ["all_to_all_single"], "prefill": ["ep_moe_ragged"]}), ("dp2", {})):
+        graphs = got[f"{mesh}@compiled:collectives"]
+        assert {g.split("-")[0] for g in graphs} == {"prefill", "decode"}, graphs
+        for graph, kinds in graphs.items():
+            assert kinds == want.get(graph.split("-")[0], []), (mesh, graphs)
 
 
 def test_compiled_cp2_equals_one_process(tmp_path) -> None:
