@@ -100,6 +100,7 @@ def main(out: str, ref: str, runs: list[str]) -> None:
                 "steps": per_rank,
                 "placement": list(llm.ranks.ep.placement.phys_to_logical) if llm.ranks.ep else None,
                 "slots": [g.slots_per_rank for g in (llm.ranks.ep, llm.ranks.draft_ep) if g is not None],
+                "varlen": llm.speculative is not None and llm.speculative.varlen,
             }
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))

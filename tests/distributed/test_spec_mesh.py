@@ -54,11 +54,12 @@ def plain() -> dict[str, list[list[int]]]:
     }
 
 
-def _launch(tmp_path: Path, plain: dict, runs: list[str], ranks: int = 2) -> dict:
-    """``spec_mesh_job.py`` on ``ranks`` ranks over ``runs``; every run that was not refused
-    gives the one-process tokens."""
+def _launch(tmp_path: Path, plain: dict, runs: list[str], ranks: int = 2, **settings: str) -> dict:
+    """``spec_mesh_job.py`` on ``ranks`` ranks over ``runs`` (``settings``: DEEPINFER_* variables
+    for the ranks); every run that was not refused gives the one-process tokens."""
     (tmp_path / "ref.json").write_text(json.dumps(plain["oracle"]))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    env.update(settings)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     cmd += [str(JOB), str(tmp_path / "out.json"), str(tmp_path / "ref.json"), *runs]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
@@ -120,6 +121,14 @@ def test_compiled_mtp_on_ep2(tmp_path: Path, plain: dict) -> None:
     slowest test here: the drafter's pieces compile for every bucket)."""
     got = _launch(tmp_path, plain, ["ep2@compiled:mtp"])
     _speculated(got["ep2@compiled:mtp"], 2)
+
+
+def test_confidence_scheduled_dspark_on_ep2(tmp_path: Path, plain: dict) -> None:
+    """DEEPINFER_ENABLE_MTP_VARLEN=1: each rank picks its requests' draft lengths from DSpark's
+    confidences and its own step-time curve; the verify sizes are agreed in the lock step."""
+    got = _launch(tmp_path, plain, ["ep2:dspark"], DEEPINFER_ENABLE_MTP_VARLEN="1")
+    assert got["ep2:dspark"]["varlen"]
+    _speculated(got["ep2:dspark"], 2)
 
 
 def test_compiled_dspark_on_ep2(tmp_path: Path, plain: dict) -> None:
