@@ -167,9 +167,8 @@ class LLM:
         )
         if opts.steps.compiled:
             use_cache_dir(opts.cache_dir)
-        ep = self.ranks.start_ep(
-            c, opts.max_num_batched_tokens, max_num_seqs, self.model.device
-        )  # a mesh's EP exchange
+        # a mesh's EP exchange
+        ep = self.ranks.start_ep(c, opts.max_num_batched_tokens, max_num_seqs, self.model.device)
         model_drafts = max_drafts if method in ("mtp", "dspark") else 0
         if model_drafts and self.engine_type is not EngineType.NORMAL:
             raise ValueError(
@@ -274,8 +273,9 @@ class LLM:
         """EPLB at run time (multi-rank meshes): re-place the routed experts over each EP group by
         the loads measured since the last call (hot experts get the redundant slots) and move the
         weights between ranks. Call it between ``generate`` calls on every rank; outputs do not
-        change. On one rank, or where the EP groups have one rank (dp, cp meshes), it does nothing. The steps bake the old placement in, so they are
-        compiled again: by the warm-up where the engine was warmed up, else on first use."""
+        change. On one rank, or where the EP groups have one rank (dp, cp meshes), it does
+        nothing. The steps bake the old placement in, so they are compiled again: by the warm-up
+        where the engine was warmed up, else on first use."""
         swaps = self.ranks.rebalance(self.model.params)
         if swaps is not None:
             self.runner.swaps.update(swaps.steps)

@@ -66,8 +66,8 @@ class ModelRunner:
         """``options``: how steps run (compiled or eager, graphs, passes, buckets). ``swaps``:
         ``graphs.swap`` replacements in force around every forward (a multi-rank mesh: the
         expert-parallel MoE, ``sharding.parallel.ep_swaps``); ``prefill_swaps``: those that win
-        over them in compiled prefill steps, which are then not captured (``engine.ranks.EPSwaps``). ``context``: this rank's place in
-        a CP group (context parallelism): compiled prefill steps run its static share of their
+        over them in compiled prefill steps, which are then not captured (``engine.ranks.EPSwaps``).
+        ``context``: this rank's place in a CP group (context parallelism): compiled prefill steps run its static share of their
         bucket, eager steps its share of a host-built batch (``sharding.cp``). ``lockstep``: a
         multi-rank mesh, whose ranks agree on each turn's step sizes (``_plan``) so that the
         all-to-alls inside them pair up. ``max_drafts``: the longest draft of speculative
