@@ -147,6 +147,18 @@ def test_compiled_cp2_equals_one_process(tmp_path) -> None:
         assert kinds == (["all_gather_into_tensor"] if graph.startswith("prefill") else []), graphs
 
 
+def test_compiled_cp2_ep2_equals_one_process(tmp_path) -> None:
+    """Four ranks, compiled: each prefill bucket split over the CP pair, and its MoE sending only
+    the routed pairs within each EP pair (the ragged op, inside the split prefill graph); decode
+    graphs whole on every rank, sending the static capacity of their own bucket."""
+    got = _meshes_equal_one_process(tmp_path, ["cp2,ep2@compiled"], ranks=4, requests=cp_requests)
+    graphs = got["cp2,ep2@compiled:collectives"]
+    assert {g.split("-")[0] for g in graphs} == {"prefill", "decode"}, graphs
+    for graph, kinds in graphs.items():
+        want = ["all_gather_into_tensor", "ep_moe_ragged"] if graph.startswith("prefill") else ["all_to_all_single"]
+        assert kinds == want, graphs
+
+
 def test_llm_on_dp2_ep2_equals_one_process(tmp_path) -> None:
     """Four ranks: two EP groups of two, each holding every expert once between its ranks."""
     _meshes_equal_one_process(tmp_path, ["dp2,ep2"], ranks=4)
