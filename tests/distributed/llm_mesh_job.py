@@ -59,7 +59,9 @@ def graph_collectives(llm: LLM) -> dict[str, list[str]]:
         ragged = any(getattr(n.target, "name", lambda: "")() == "deepinfer::ep_moe_ragged" for n in gm.graph.nodes)
         return {x.kind for x in collectives(gm, "")} | ({"ep_moe_ragged"} if ragged else set())
 
-    return {r["graph"]: sorted(set().union(*map(kinds, steps.backend(r["graph"]).graphs))) for r in steps.report()}
+    # a key whose model part another key compiled first (the same bucket, another sampler) has no graphs
+    graphs = {r["graph"]: steps.backend(r["graph"]).graphs for r in steps.report()}
+    return {name: sorted(set().union(*map(kinds, gms))) for name, gms in graphs.items() if gms}
 
 
 def outputs(outs: list) -> list:
