@@ -1,5 +1,6 @@
-"""Speculative decoding on meshes (gloo, CPU, fp32, tiny V4 and V4.1): n-gram, MTP-1 and DSpark
-drafts on ep2, dp2 and dp2 x ep2, eager and compiled, give one process's greedy tokens without speculation,
+"""Speculative decoding on meshes (gloo, CPU, fp32, tiny V4 and V4.1): n-gram and MTP-1 drafts on
+ep2, dp2 and dp2 x ep2, DSpark drafts on ep2 and dp2, eager and compiled, give one process's
+greedy tokens without speculation,
 token for token, with drafts accepted and rejected (so verify steps and rollback re-runs run)
 over requests of uneven work: some turns have one rank verifying while another prefills or
 idles, and a rank with nothing of its own to verify or re-run then runs padding steps of the
