@@ -84,12 +84,12 @@ def _print_kernels(kernels: list[dict], top: int = 12) -> None:
         print(f"   {r['us']:9.1f} us {r['launches']:5d}x {100 * r['share']:5.1f}%  {r['kernel'][:90]}")
 
 
-def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int) -> dict:
+def _decode_row(graphs: StepGraphs, hf, c, b: int, context: int, steps: int, ceil: roofline.Ceilings) -> dict:
     sl, starts = list(range(b)), [context] * b
     graphs.decode(sl, starts)
     ms = timed(lambda: graphs.decode(sl, starts), steps) * 1e3
     hf_ms = None if hf is None else hf_decode_ms(hf, b, context, min(steps, 10), c.vocab_size)
-    roof = roofline.decode(c, b, context)
+    roof = roofline.decode(c, b, context, ceil=ceil)
     row = {
         "batch": b,
         "context": context,
@@ -205,8 +205,10 @@ def main(argv: list[str] | None = None) -> dict:
         graphs=True,
         inductor=not args.no_inductor,
     )
+    ceil = roofline.measure_ceilings()  # the roofline of the GPU that runs, not the H200's
     result = {
         **run_info(argv),
+        "ceilings": ceil.as_dict(),
         "model": f"{args.config} ({c.num_hidden_layers} layers), bf16"
         + (", MXFP4 experts, " if c.held_experts == "fp4" else ", ")
         + ("our random init" if args.random_weights else "HF random init"),
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
             hf_ms = None
             if hf is not None:
                 hf_ms = timed(lambda: hf(input_ids=torch.tensor(chunk[0][2], device="cuda")[None]), 2) * 1e3
-            roof = roofline.prefill(c, n)
+            roof = roofline.prefill(c, n, ceil=ceil)
             row = {
                 "tokens": n,
                 "ours_ms": round(ms, 2),
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "decode" in segments:
         for context in contexts:
             for b in batches:
-                result["decode"].append(_decode_row(graphs, hf, c, b, context, args.steps))
+                result["decode"].append(_decode_row(graphs, hf, c, b, context, args.steps, ceil))
                 write_result(name, result, args.out)
     result["graphs"] = graphs.report()
     write_result(name, result, args.out)

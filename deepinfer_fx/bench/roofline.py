@@ -6,7 +6,9 @@ of ``k`` among ``E``), the LM head, and each request's cache entries that attent
 must do 2 FLOPs per weight element per token it multiplies plus the attention products. The
 roofline time is the larger of bytes / bandwidth and FLOPs / matmul rate. The ceilings default to
 what was measured on the H200 for this project (``spec/perf.md``: 4.26 TB/s copy, 785 TF/s
-dense bf16); prefill uses 80 % of the matmul ceiling, as the issue's anchor does.
+dense bf16); a bench on another GPU measures its own (``measure_ceilings``: the device tool
+lends H100s as often as H200s, and a ratio against another card's roofline means nothing).
+Prefill uses 80 % of the matmul ceiling, as the issue's anchor does.
 
 V4.1 (spec §7.2, §7.7): every compressed layer attends its window and the top-k of its KV
 source's entries (ratio 2 or 1), read from the source's shared cache once per layer that reads
@@ -19,7 +21,10 @@ each token of an Engram layer gathers ``(max_ngram - 1) * n_heads`` table rows o
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
+
+import torch
 
 from ..config import ModelConfig
 from ..graphs.params import param_specs
@@ -28,6 +33,52 @@ from ..vision.params import is_vision_path
 COPY_BYTES_PER_S = 4.26e12
 BF16_FLOPS = 785e12
 PREFILL_MFU = 0.8
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """A GPU's copy bandwidth (bytes read + written per second) and dense bf16 matmul rate."""
+
+    copy_bytes_per_s: float
+    bf16_flops: float
+    source: str
+
+    def as_dict(self) -> dict:
+        return {
+            "copy_tb_s": round(self.copy_bytes_per_s / 1e12, 3),
+            "bf16_tflops": round(self.bf16_flops / 1e12, 1),
+            "source": self.source,
+        }
+
+
+H200 = Ceilings(COPY_BYTES_PER_S, BF16_FLOPS, "H200, measured for spec/perf.md")
+
+
+def _best_seconds(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_ceilings(device: torch.device | str = "cuda", reps: int = 10) -> Ceilings:
+    """The ceilings of the GPU at hand, measured as ``spec/perf.md``'s were: a 1 GiB device copy
+    (read + write) and an 8192^3 bf16 matmul, best of ``reps`` (about a second in all)."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _best_seconds(lambda: dst.copy_(src), reps)
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    mm_s = _best_seconds(lambda: torch.mm(a, b), reps)
+    name = torch.cuda.get_device_name(device)
+    return Ceilings(2 * (1 << 30) / copy_s, 2 * n**3 / mm_s, f"{name}, measured in this run")
+
 
 _GATHERED = ("embed", "tid2eid")  # only the rows of the step's tokens are read (Engram tables' paths end so too)
 
@@ -100,7 +151,9 @@ def _engram_rows(c: ModelConfig) -> int:
     return len(c.engram_layer_ids) * (c.engram_max_ngram_size - 1) * c.engram_n_heads
 
 
-def decode(c: ModelConfig, batch: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2) -> Roofline:
+def decode(
+    c: ModelConfig, batch: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2, ceil: Ceilings = H200
+) -> Roofline:
     dense, expert, head = _weights(c)
     n_layers, k = c.num_hidden_layers, c.num_experts_per_tok
     active = expected_experts(c.n_routed_experts, k, batch)
@@ -111,11 +164,11 @@ def decode(c: ModelConfig, batch: int, context: int, weight_bytes: int = 2, cach
     flops = 2 * batch * (dense + n_layers * k * expert + head)
     flops += 2 * batch * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
     nbytes = weights + cache + engram
-    t_mem, t_flop = nbytes / COPY_BYTES_PER_S, flops / BF16_FLOPS
+    t_mem, t_flop = nbytes / ceil.copy_bytes_per_s, flops / ceil.bf16_flops
     return Roofline(nbytes, flops, max(t_mem, t_flop), "memory" if t_mem >= t_flop else "compute")
 
 
-def prefill(c: ModelConfig, tokens: int, weight_bytes: int = 2) -> Roofline:
+def prefill(c: ModelConfig, tokens: int, weight_bytes: int = 2, ceil: Ceilings = H200) -> Roofline:
     """One chunk of ``tokens`` from position 0: linear FLOPs of every token plus attention at
     the average position (half the chunk)."""
     dense, expert, head = _weights(c)
@@ -125,5 +178,5 @@ def prefill(c: ModelConfig, tokens: int, weight_bytes: int = 2) -> Roofline:
     flops += 2 * tokens * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
     nbytes = (dense + head) * weight_bytes + n_layers * c.n_routed_experts * expert * expert_bytes(c, weight_bytes)
     nbytes += tokens * _engram_rows(c) * c.engram_head_dim * weight_bytes
-    t_mem, t_flop = nbytes / COPY_BYTES_PER_S, flops / (BF16_FLOPS * PREFILL_MFU)
+    t_mem, t_flop = nbytes / ceil.copy_bytes_per_s, flops / (ceil.bf16_flops * PREFILL_MFU)
     return Roofline(nbytes, flops, max(t_mem, t_flop), "memory" if t_mem >= t_flop else "compute")

@@ -96,3 +96,20 @@ def test_v4_counts_every_compressed_key_of_a_csa_layer() -> None:
     c = config_from_dict(tiny_v4())
     assert roofline._attention(c, 64) == (8 + 2 * (8 + 3) + (8 + 8), 2 * 16)
     assert roofline._engram_rows(c) == 0
+
+
+def test_another_gpus_ceilings_scale_the_bound_they_limit() -> None:
+    """A bench on another GPU passes its own measured ceilings: half the bandwidth doubles a
+    memory-bound decode's time, half the matmul rate a compute-bound prefill's; the bytes and
+    FLOPs do not move."""
+    c = config_from_dict(tiny_v4())
+    h200 = roofline.H200
+    slow_copy = roofline.Ceilings(h200.copy_bytes_per_s / 2, h200.bf16_flops, "test")
+    slow_mm = roofline.Ceilings(h200.copy_bytes_per_s, h200.bf16_flops / 2, "test")
+    d, d2 = roofline.decode(c, 1, 64), roofline.decode(c, 1, 64, ceil=slow_copy)
+    assert d.bound == d2.bound == "memory" and d2.bytes == d.bytes
+    assert d2.seconds == pytest.approx(2 * d.seconds)
+    p, p2 = roofline.prefill(c, 1 << 20), roofline.prefill(c, 1 << 20, ceil=slow_mm)
+    assert p.bound == p2.bound == "compute" and p2.flops == p.flops
+    assert p2.seconds == pytest.approx(2 * p.seconds)
+    assert slow_copy.as_dict()["copy_tb_s"] == pytest.approx(h200.copy_bytes_per_s / 2e12, abs=1e-3)
