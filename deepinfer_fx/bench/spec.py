@@ -8,8 +8,8 @@
 Verify cost: for each draft count k (an engine built with ``num_speculative_tokens=k``, whose
 verify chunks are padded to k + 1 rows) and batch b, the captured verify step of b chunks of k + 1
 rows against the plain captured decode step of b requests and of b * (k + 1) requests, each its own
-text (the issue's target: verify <= 1.1x decode of b * (k + 1) rows), plus the rollback's parts (the slots'
-state snapshot, and the prompt-chunk re-run of 1 + accepted rows that a rejection costs).
+text (the issue's target: verify <= 1.1x decode of b * (k + 1) rows). A rejection costs nothing more: the
+state's rings keep room for the rejected rows (``graphs/state.py``), so there is no snapshot and no re-run.
 With ``--method ngram`` the drafter is not in these numbers (it runs on the host); with
 ``--method mtp`` (P8 with an MTP-1 block) or ``dspark`` (``bench/configs.py``'s V4.1 widths, its
 default compact prefill, or ``--yoco-mode off``) the verify step carries the model's drafter
@@ -39,8 +39,8 @@ from ..api import Model, random_model
 from ..engine.llm import LLM
 from ..engine.request import Sequence
 from ..engine.sampling import SamplingParams
-from ..engine.spec_decode import SpecStats, snapshot
-from ..engine.step_arena import DecodeRow, PrefillChunk, VerifyChunk
+from ..engine.spec_decode import SpecStats
+from ..engine.step_arena import DecodeRow, VerifyChunk
 from .configs import bench_config
 from .e2e import _model, _prompts
 from .p8 import run_info, write_result
@@ -110,10 +110,6 @@ def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> di
     verify = timed(lambda: steps.verify(chunks, "greedy"), iters) * 1e3
     bare = timed(lambda: steps.verify(chunks, "greedy", draft=False), iters) * 1e3 if steps.n_drafts else verify
     wide = decode(batch * (k + 1))
-    snap = timed(lambda: snapshot(llm.pool, list(range(batch))), iters) * 1e3
-    # a rejection's re-run: every request rejecting half-way (1 + k // 2 rows each)
-    rerun_chunks = [PrefillChunk(s, prompt_len, [5] * (1 + k // 2)) for s in range(batch)]
-    rerun = timed(lambda: steps.step((), rerun_chunks, "greedy", draft=False), iters) * 1e3
     row = {
         "batch": batch,
         "drafts": k,
@@ -122,8 +118,6 @@ def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> di
         "decode_wide_ms": round(wide, 3),
         "verify_over_decode_wide": round(verify / wide, 3),
         "verify_over_decode": round(verify / base, 3),
-        "snapshot_ms": round(snap, 3),
-        "rerun_ms": round(rerun, 3),
     }
     if steps.n_drafts:
         row["verify_no_drafter_ms"] = round(bare, 3)

@@ -14,7 +14,7 @@ than its kernels on an H200 (55.2 vs 51.3 ms).
 Every input of a step sits in one device arena (``step_arena``). A key's first step runs the compiled
 functions (compiling them: ``warm_up`` does it ahead of time on padding), then captures the graph.
 ``compile=False`` runs the same step functions eagerly at exact sizes (the CPU engine, the tests' eager
-twin). A rollback's replay of accepted drafts runs keys without the drafter (``draft=False``): it saw them.
+twin). ``draft=False`` runs keys without the drafter (the bench's baselines).
 
 A step with structured-output rows (``masked``) runs a sampler variant that reads a token bitmask
 per sampled row from a static device buffer (``StepArena.masks``), in two pieces (``graph_capture``):
@@ -152,7 +152,7 @@ class StepGraphs(GraphEntries, StepSizes):
         samples nothing writes its token to the scratch slot). With ``all_rows`` the prefill
         logits cover every row, chunk c's from ``c * layout.length``. ``min_*``: run buckets for
         at least that many (padded), as the ranks of a mesh agree. ``draft``: False runs the steps
-        without the drafter (a rollback's replay). ``masked``: whether the decode
+        without the drafter (the bench's plain baselines). ``masked``: whether the decode
         part and the prefill part run their masked sampler (structured output); ``masks`` then
         returns their host token bitmasks (int32 ``[rows, words]``, pinned on a GPU; the rows in
         order), called once the step's model parts are launched, since it may wait for the

@@ -140,11 +140,14 @@ class LLM:
         self.speculative = parse_speculative_config(speculative_config, self.settings, c, self.model.params)
         if self.speculative is not None and self.ranks.multi:
             check_mesh(self.speculative, self.ranks.spec)
+        max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
         budget = memory_budget if memory_budget is not None else default_budget(device)
-        self.plan = plan_capacity(c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs)
+        # rings with room for the longest draft: a rejection is rolled back by forgetting its positions
+        self.plan = plan_capacity(
+            c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs, spare=max_drafts
+        )
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
         cp_swap, context = self.ranks.cp_split()
-        max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
         method = None if self.speculative is None else self.speculative.method
         self.options = opts = llm_options(
             c,

@@ -158,24 +158,19 @@ class EngineLoop:
             self.stats.prefill_time += now - launched
         else:
             self.stats.decode_time += now - launched
-        rejected: list[tuple[int, int]] = []  # verify chunks whose state rolls back: (chunk, accepted)
         for i, ch in enumerate(s.chunks):
             seq = ch.seq
             seq.inflight -= 1
             if i in handle.prompt_lp and not seq.finished:
                 self._prompt_logprobs(seq, ch.start, handle.prompt_lp[i])
             if ch.drafts and not seq.finished:
-                n = self._verified(seq, ch, handle, i, now)
-                if n is not None and n < len(ch.drafts):
-                    rejected.append((i, n))
+                self._verified(seq, ch, handle, i, now)
             elif ch.sample and not seq.finished:
                 self._append(seq, handle.token(i), handle, i, now)
             if ch.sample and not seq.finished:
                 seq.model_drafts, seq.model_conf = handle.drafts(i)  # the model drafter's proposals for the next step
             if seq.finished:
                 self.scheduler.release(seq)
-        if rejected:
-            self.runner.rollback(handle, rejected)
         self.stats.host_read += time.perf_counter() - now
 
     def _prompt_logprobs(self, seq: Sequence, start: int, lp) -> None:
@@ -187,9 +182,10 @@ class EngineLoop:
             entry[int(target[j])] = float(tok_lp[j])
             seq.prompt_logprobs.append(entry)
 
-    def _verified(self, seq: Sequence, ch, handle: StepHandle, i: int, now: float) -> int | None:
+    def _verified(self, seq: Sequence, ch, handle: StepHandle, i: int, now: float) -> None:
         """A verify chunk's tokens, appended one by one (a stop ends it early); then the request's
-        positions move to what was accepted. Returns the accepted count (None: it finished)."""
+        positions move to what was accepted: that is the whole rollback of its rejected drafts (the
+        state's rings keep room for them, ``graphs/state.py``)."""
         tokens, n = handle.verified(i)
         self.scheduler.speculator.stats.record(len(ch.drafts), n)
         seq.num_draft_tokens += len(ch.drafts)
@@ -198,10 +194,9 @@ class EngineLoop:
             self.stats.decode_tokens += 1
             self._append(seq, tok, handle, i, now, at=j)
             if seq.finished:
-                return None
+                return
         seq.num_scheduled = ch.start + n + 1
         seq.num_sampled_scheduled += n
-        return n
 
     def _append(self, seq: Sequence, tok: int, handle: StepHandle, i: int, now: float, at: int = 0) -> None:
         """Append chunk i's token ``tok`` (a verify chunk's row ``at``) to ``seq`` and finish it where it stops."""

@@ -7,8 +7,8 @@ N+1 can be launched before the host has seen step N's tokens. Results come back 
 device-to-host copy per part, queued behind the step on its stream (the next step, which may
 replay the same graph over the same output buffers, is queued after the copies);
 ``StepHandle.wait`` is the only place the host waits for the device. Verify chunks
-(speculative decoding) run as a third part after decode and prefill; the slot state each one
-may overwrite is saved first, and ``rollback`` restores it after a rejected draft.
+(speculative decoding) run as a third part after decode and prefill; a rejected draft needs
+nothing undone on the device (the state's rings keep room for it, ``graphs/state.py``).
 
 Structured output: a step with constrained rows carries one token bitmask per sampled row
 (``grammar_masks``), filled once the step's model parts are launched and the loop has fed every
@@ -38,7 +38,6 @@ from .request import Sequence
 from .sampler import MODES
 from .sampling import MAX_LOGPROBS
 from .scheduler import SchedulerOutputs
-from .spec_decode import Reruns, restore, snapshot
 from .step_arena import DecodeRow, PrefillChunk, VerifyChunk
 from .step_handle import VERIFY, StepHandle, copy_back, prompt_logprobs
 from .steps import decode_logits
@@ -112,7 +111,6 @@ class ModelRunner:
         self.async_copy = self.device.type == "cuda"
         self.grammar_masks = GrammarMasks(model.config.vocab_size, pinned=self.async_copy)
         self.encode_images = request_encoder(options.compiled, options.inductor, options.batch_invariant)
-        self.reruns = Reruns()  # rollback re-runs for the next launch
 
     @torch.no_grad()
     def warm_up(self, keys: Seq[tuple], progress: Callable[[str], None] | None = None) -> float:
@@ -143,7 +141,6 @@ class ModelRunner:
         k = self.logprobs_k if any(s.params.logprobs is not None for s in sampled) else None
         with swapped(self.swaps):
             if self.split is not None or any(ch.seq.images is not None and not ch.from_device for ch in sched.chunks):
-                self.reruns.run(self.steps, self.reruns.due())  # unagreed: meshes refuse cp + speculation, images
                 handle = self._launch_host(sched, mode, k, before_masks)
                 handle.release = self.grammar_masks.lend()
                 return handle
@@ -184,11 +181,9 @@ class ModelRunner:
         wants_rows = sched is not None and any(
             ch.seq.params.prompt_logprobs is not None for ch in chunks if not ch.from_device
         )
-        rerun = self.reruns.due()
-        n_dec, n_pre, length, all_rows, n_re, re_len, n_ver, ver_len = self._plan(
-            [len(dec), len(pre), _longest(pre), int(wants_rows), len(rerun), _longest(rerun), len(ver), _longest(ver)]
+        n_dec, n_pre, length, all_rows, n_ver, ver_len = self._plan(
+            [len(dec), len(pre), _longest(pre), int(wants_rows), len(ver), _longest(ver)]
         )
-        self.reruns.run(self.steps, rerun, n_re, re_len)  # first: a request rolled back may be in this step
         # the decode and prefill parts' chunks in row order (a verify chunk's grammar masks: _verify_masks)
         parts = ([ch for ch in chunks if ch.from_device and not ch.drafts], [ch for ch in chunks if not ch.from_device])
         masked = tuple(any(ch.sample and ch.seq.grammar is not None for ch in part) for part in parts)
@@ -216,15 +211,13 @@ class ModelRunner:
             else 1
         )
         if not n_ver:
-            return [d, p], where, first_row, stride, ({}, None)
+            return [d, p], where, first_row, stride, {}
         spec = [ch for ch in chunks if ch.drafts]
         k_ver = self.logprobs_k if any(ch.seq.params.logprobs is not None for ch in spec) else None
         mask = self.grammar_masks.verify_rows(spec, self.steps.verify_layout(n_ver, ver_len).length)
-        # saved before the verify forward writes the rows a rejected draft must not leave behind
-        saved = snapshot(self.pool, [v.slot for v in ver]) if ver else None
         out = self.steps.verify(ver, mode, k=k_ver, mask=mask, min_chunks=n_ver, min_length=ver_len)
         verify = {i: (ver[w[1]], w[1]) for i, w in enumerate(where) if w is not None and w[0] == VERIFY}
-        return [d, p, out][: 3 if ver else 2], where, first_row, stride, (verify, saved)  # none here: padding
+        return [d, p, out][: 3 if ver else 2], where, first_row, stride, verify  # none here: padding
 
     def step_time(self, lengths: Seq[int]) -> float | None:
         """The measured seconds of a step whose requests verify ``lengths`` drafts each (0: a
@@ -242,15 +235,6 @@ class ModelRunner:
         return total
 
     @torch.no_grad()
-    def rollback(self, handle: StepHandle, rejected: Seq[tuple[int, int]]) -> None:
-        """Undo what the rejected drafts of verify chunks ``(i, accepted)`` wrote: restore their slots'
-        saved state now and queue each one's token and accepted drafts to run again first in the
-        next launch (``Reruns``); the bonus tokens in ``next_token`` stay."""
-        restore(self.pool, handle.saved, [handle.verify[i][1] for i, _ in rejected])
-        for i, n in rejected:
-            self.reruns.add(handle.sched.chunks[i].seq, handle.verify[i][0], n)
-
-    @torch.no_grad()
     def idle(self) -> None:
         """What a rank with nothing to launch runs while other ranks step, so that its EP group's
         all-to-alls complete: the turn's agreed steps on padding alone (eager context
@@ -263,8 +247,8 @@ class ModelRunner:
             decode_logits(params, self.pool.state, c, self.next_token, *idle_step(self.pool.state, self.device))
 
     def _plan(self, mine: list[int]) -> list[int]:
-        """This turn's steps: decode requests, prefill chunks and length, every row or not, rollback
-        re-runs and length, verify chunks and length. On a multi-rank mesh the max over ranks, so every
+        """This turn's steps: decode requests, prefill chunks and length, every row or not, verify
+        chunks and length. On a multi-rank mesh the max over ranks, so every
         rank runs the same steps at the same sizes (padded) and the EP all-to-alls inside them pair up."""
         return mine if self.lockstep is None else self.lockstep.agree(mine)
 

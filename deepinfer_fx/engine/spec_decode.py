@@ -7,37 +7,26 @@ its last token and up to k drafts at positions ``start .. start + m`` go through
 forward (``StepGraphs.verify``); the device accepts a prefix of the drafts and writes the bonus
 token to ``next_token[slot]``. A step with no drafts (nothing to look up) is a plain decode row.
 
-Rollback (spec §8.4). The forward wrote state for every row, rejected ones included: window
-ring rows (a draft at p + j overwrites position p + j - W, which later queries still need),
-compressor row rings (open groups, overlap halves), Engram history. Entries and index keys
-are not at risk: they are stored by position and a query reads only entries whose window
-closed at or before it, which a later real step writes again before anyone reads them. So
-before a verify step the runner snapshots the verify slots' fixed-size state (everything but
-``cache.GROWING_KEYS``); for the requests whose drafts were rejected it restores the snapshot
-and runs their accepted prefixes again as prompt chunks that sample nothing, all in one step.
-Its cost (``docs/decisions.md``): one copy of each verify slot's fixed state per verify step,
-and a prefill step of ``1 + accepted`` rows per rejecting request after a rejection. That re-run
-waits for the next launch and runs first in it (``Reruns``): on a mesh it is a step every rank
-takes together (its MoE is an all-to-all), agreed with the launch's other parts.
+Rollback (spec §8.4). The forward wrote state for every row, rejected ones included. What it
+wrote is keyed by position: window rings, compressor row rings and the Engram history hold
+``num_speculative_tokens`` spare rows (``graphs/state.py``), so a draft at ``p + j`` overwrites
+position ``p + j - ring``, older than anything a committed query reads; entries and index keys
+are read only once their window closed at or before the query, and a later real step writes
+them again first; the drafters' windows hold verified positions only. So rolling a rejection
+back is the host moving the request's position to what was accepted; the next step writes over
+the rejected rows. (Until session 35 the verify slots' state was snapshotted before every verify
+step and a rejection re-ran the accepted rows as a prefill step: ``docs/decisions.md``.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import torch
-
-from .cache import GROWING_KEYS, CachePool, iter_tensors
 from .drafters import NgramDrafter
 from .request import Sequence
 from .spec_config import SpeculativeConfig
 from .spec_schedule import plan_lengths
-from .step_arena import PrefillChunk, VerifyChunk
-
-if TYPE_CHECKING:
-    from .graph_runner import StepGraphs
 
 
 @dataclass
@@ -104,51 +93,3 @@ class Speculator:
         if self.drafter is None:
             return seq.model_drafts[: max(min(limit, self.lengths.get(seq.id, limit)), 0)]
         return tuple(self.drafter.propose(seq.prompt_ids + seq.output_ids, limit))
-
-
-def snapshot(pool: CachePool, slots: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Copies of ``slots``' fixed-size state, which a verify step's rejected rows may overwrite:
-    one gather per state tensor for all the step's verify slots (not one copy per slot). The
-    drafters' state (``mtp.*``, ``dspark.*``) is not among them: it holds verified positions only."""
-    index = torch.tensor(slots, device=pool.state["layers"][0]["window"].device)
-    return index, {
-        p: t[index]
-        for p, t in iter_tensors(pool.state)
-        if not p.endswith(GROWING_KEYS) and not p.startswith(("mtp.", "dspark."))
-    }
-
-
-def restore(pool: CachePool, saved: tuple[torch.Tensor, dict[str, torch.Tensor]], rows: list[int]) -> None:
-    """Put back the saved state of the snapshot's ``rows`` (positions in its slot list)."""
-    index, tensors = saved
-    pick = torch.tensor(rows, device=index.device)
-    for p, t in iter_tensors(pool.state):
-        if p in tensors:
-            t[index[pick]] = tensors[p][pick]
-
-
-class Reruns:
-    """Rollback re-runs waiting for the next launch (``ModelRunner._launch_steps`` runs them before
-    its other parts, which may hold the same requests): each one's token and accepted drafts as a
-    prompt chunk that samples nothing. Deferred, not run at once, because the loop reads a step at
-    different points of a turn on different ranks, while a mesh's steps must line up."""
-
-    def __init__(self) -> None:
-        self.queued: list[tuple[Sequence, PrefillChunk]] = []
-
-    def add(self, seq: Sequence, chunk: VerifyChunk, accepted: int) -> None:
-        self.queued.append((seq, PrefillChunk(chunk.slot, chunk.start, chunk.ids[: accepted + 1])))
-
-    def due(self) -> list[PrefillChunk]:
-        """The queued re-runs (emptying the queue) of requests still in their slots: an aborted
-        request's slot may be another's by now."""
-        due = [ch for seq, ch in self.queued if not seq.finished and seq.slot == ch.slot]
-        self.queued = []
-        return due
-
-    @staticmethod
-    def run(steps: StepGraphs, chunks: list[PrefillChunk], n: int = 0, length: int = 0) -> None:
-        """Launch re-runs ``chunks`` as one greedy prefill step without the drafter (it saw those
-        rows), padded to ``n`` chunks of ``length`` (a mesh's agreement: none of its own, padding alone)."""
-        if chunks or n:
-            steps.step((), chunks, "greedy", min_chunks=n, min_length=length, draft=False)

@@ -7,7 +7,10 @@ same state dtype) imports it into one of its own slots and continues decoding at
 ``state.safetensors``
     Every tensor of the slot, keyed by its path in the state tree (the slot dim dropped):
 
-    - ``layers.{i}.window`` ``[sliding_window, head_dim]``: the window ring.
+    - ``layers.{i}.window`` ``[sliding_window, head_dim]``: the window ring. Every ring is
+      stored at its width without spare rows (position p at ``p % width``), whatever spare rows
+      the exporting pool's rings held for speculative decoding; import puts each position back
+      where the importing pool keeps it, so engines with and without speculation trade states.
     - ``layers.{i}.comp.rows_kv`` / ``rows_gate`` (layers with a compressor): the fp32 ring
       of raw projected rows (the open window, plus the previous one where windows overlap).
     - ``layers.{i}.comp.entries`` ``[n_tokens // ratio, head_dim]``: only the live prefix of
@@ -49,7 +52,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from .cache import CachePool
+from ..graphs.state import init_state
+from .cache import CachePool, iter_tensors
 
 FORMAT = "deepinfer_fx.state"
 FORMAT_VERSION = 2  # 2: mtp.{j}.pending
@@ -71,9 +75,28 @@ def _live_rows(c: ModelConfig, path: str, n_tokens: int) -> int | None:
     return n_tokens // c.compress_ratios[layer]
 
 
-def _expected_shape(c: ModelConfig, path: str, full: torch.Size, n_tokens: int) -> tuple[int, ...]:
-    rows = _live_rows(c, path, n_tokens)
+def _expected_shape(c: ModelConfig, path: str, full: torch.Size, n_tokens: int, rings: dict) -> tuple[int, ...]:
+    rows = _live_rows(c, path, n_tokens) if path not in rings else rings[path]
     return tuple(full) if rows is None else (rows, *full[1:])
+
+
+def ring_widths(pool: CachePool) -> dict[str, int]:
+    """``{path: rows}`` of the pool's rings that hold spare rows: the rows they have without."""
+    plain = dict(iter_tensors(init_state(pool.config, 1, pool.dtype, "meta", mtp=True, slots=1)))
+    return {
+        p: plain[p].shape[1]
+        for p, t in iter_tensors(pool.state)
+        if not p.endswith((".entries", ".index_keys")) and t.shape[1] != plain[p].shape[1]
+    }
+
+
+def rekey_ring(ring: torch.Tensor, n_tokens: int, rows: int) -> torch.Tensor:
+    """A ring holding positions ``< n_tokens`` at ``p % len(ring)`` as a ring of ``rows``: each
+    of the last ``min`` positions moved to ``p % rows`` (older ones are read by nobody)."""
+    out = ring.new_zeros((rows, *ring.shape[1:]))
+    pos = torch.arange(max(0, n_tokens - min(rows, ring.shape[0])), n_tokens, device=ring.device)
+    out[pos % rows] = ring[pos % ring.shape[0]]
+    return out
 
 
 def export_slot(pool: CachePool, slot: int, path: str | os.PathLike, meta: dict) -> Path:
@@ -89,10 +112,11 @@ def export_slot(pool: CachePool, slot: int, path: str | os.PathLike, meta: dict)
     n_tokens = int(meta["n_tokens"])
     if not 0 <= n_tokens <= pool.max_len:
         raise ValueError(f"export_slot: n_tokens {n_tokens} is outside 0..{pool.max_len} (the pool's max_len)")
-    tensors = {}
+    tensors, rings = {}, ring_widths(pool)
     for name, t in pool.slot_tensors(slot).items():
         rows = _live_rows(c, name, n_tokens)
-        tensors[name] = (t if rows is None else t[:rows]).detach().to("cpu").contiguous()
+        t = rekey_ring(t, n_tokens, rings[name]) if name in rings else t if rows is None else t[:rows]
+        tensors[name] = t.detach().to("cpu").contiguous()
     full_meta = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -163,7 +187,7 @@ def import_slot(pool: CachePool, slot: int, path: str | os.PathLike, c: ModelCon
     _check_meta(d / META_FILE, meta, pool, c)
     n_tokens = meta["n_tokens"]
     f = d / STATE_FILE
-    targets = pool.slot_tensors(slot)
+    targets, rings = pool.slot_tensors(slot), ring_widths(pool)
     try:
         with safe_open(str(f), framework="pt") as sf:
             keys = set(sf.keys())
@@ -174,7 +198,7 @@ def import_slot(pool: CachePool, slot: int, path: str | os.PathLike, c: ModelCon
                 )
             for name, t in targets.items():
                 got = tuple(sf.get_slice(name).get_shape())
-                want = _expected_shape(c, name, t.shape, n_tokens)
+                want = _expected_shape(c, name, t.shape, n_tokens, rings)
                 if got != want:
                     raise ValueError(
                         f"{f}: tensor {name} has shape {list(got)}; expected {list(want)} for {n_tokens} tokens"
@@ -189,6 +213,8 @@ def import_slot(pool: CachePool, slot: int, path: str | os.PathLike, c: ModelCon
             raise ValueError(f"{f}: tensor {name} is {t.dtype}; the pool holds {targets[name].dtype}")
     pool.zero(slot)
     for name, t in loaded.items():
+        if name in rings:
+            t = rekey_ring(t, n_tokens, targets[name].shape[0])
         targets[name][: t.shape[0]].copy_(t)
     return meta
 

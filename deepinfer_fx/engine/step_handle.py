@@ -30,8 +30,7 @@ class StepHandle:
     done: torch.cuda.Event | None
     verify: dict[int, tuple[VerifyChunk, int]] = field(
         default_factory=dict
-    )  # chunk -> (its rows, its row of ``saved``)
-    saved: tuple | None = None  # the verify slots' state before the step (``spec_decode.snapshot``)
+    )  # chunk -> (its rows, its row in the verify part)
     part_drafts: list[tuple | None] = field(default_factory=list)  # per part: host copies of its drafts and confidences
     fed: set[int] = field(default_factory=set)  # chunks whose token the loop gave its grammar already
     gap: tuple | None = None  # CUDA timing events: model parts done -> masks copied (StepGraphs.step)
@@ -122,7 +121,7 @@ def copy_back(
     where: list,
     outs: list,
     prompt_lp: dict,
-    verify: tuple = ({}, None),
+    verify: dict | None = None,
     *,
     async_copy: bool,
     device: torch.device,
@@ -149,4 +148,4 @@ def copy_back(
     if async_copy:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
-    return StepHandle(sched, where, parts, lp, done, *verify, part_drafts=drafts)
+    return StepHandle(sched, where, parts, lp, done, verify or {}, part_drafts=drafts)

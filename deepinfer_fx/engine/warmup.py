@@ -66,8 +66,6 @@ def warm_up(runner: ModelRunner, opts: EngineOptions, show: bool = True) -> floa
     """Compile and capture the warm-up's steps; prints progress and the total on stderr."""
     steps = runner.steps
     keys = [(layout, mode) for layout in warmup_layouts(steps, opts) for mode in MODES]
-    if steps.n_drafts:  # a rollback replays accepted drafts as greedy prompt chunks without the drafter
-        keys += [(steps.prefill_layout(r, steps.verify_buckets[-1]), "greedy", False) for r in steps.request_buckets]
     t0 = time.perf_counter()
     bar = None
     if show:

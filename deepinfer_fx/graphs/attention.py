@@ -75,14 +75,15 @@ def mqa_ring(
     sink: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    window: int,
 ) -> torch.Tensor:
     """Decode attention read in place: chunk c's one query ``q[c]`` (``[C, 1, H, d]``, at
-    position ``pos[c]``) over its window ring ``ring[slots[c]]`` (``[S, W, d]``, this step's row
-    written), then, where given, its entries ``entries[slots[c]]`` (``[S, E, d]``), the rows
+    position ``pos[c]``) over the last ``window`` positions of its window ring ``ring[slots[c]]``
+    (``[S, R, d]``, position p at ``p % R``, this step's row written), then, where given, its entries ``entries[slots[c]]`` (``[S, E, d]``), the rows
     ``entry_rows[c]`` of them (``[C, K]``) if given, with their bias ``entry_bias`` ``[C, 1, K]``.
     ``mqa_with_sink`` over those keys; the kernel reads the pools where they lie, where this
     reference gathers (a copy of every key a step: 64 MiB at a 64-request P8 decode)."""
-    keys, _, bias = ring_keys(ring, slots, pos, entries, entry_rows, entry_bias)
+    keys, _, bias = ring_keys(ring, slots, pos, entries, entry_rows, entry_bias, window)
     return mqa_with_sink(q, keys, bias, sink, cos, sin)
 
 
@@ -93,12 +94,12 @@ def ring_keys(
     entries: Optional[torch.Tensor],
     entry_rows: Optional[torch.Tensor],
     entry_bias: Optional[torch.Tensor],
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``mqa_ring``'s keys gathered: the window ring's rows then the chosen entries ``[C, W + K, d]``,
-    the ring rows' positions ``[C, W]`` and the bias of every key."""
-    w = ring.shape[1]
-    keys, k_pos = ring[slots], ring_positions(pos, w)
-    bias = window_bias(pos[:, None], k_pos, w)
+    """``mqa_ring``'s keys gathered: the window ring's rows then the chosen entries ``[C, R + K, d]``,
+    the ring rows' positions ``[C, R]`` and the bias of every key."""
+    keys, k_pos = ring[slots], ring_positions(pos, ring.shape[1])
+    bias = window_bias(pos[:, None], k_pos, window)
     if entries is not None:
         chosen = entries[slots]
         if entry_rows is not None:
@@ -199,7 +200,7 @@ def attention(
         xg, kv_g = gather_rows(xk, g), gather_rows(kv, g)
         xq, q_rq, q_pos = gather_rows(x, qs), gather_rows(q_r, qs), qs.positions
         if (
-            reads_after_write(st["window"], kv_g)
+            reads_after_write(st["window"], kv_g, c.sliding_window)
             and q_pos.shape[-1] == 1
             and g.slots.shape[0] >= RING_MIN_CHUNKS
             and g.floor is None
@@ -229,7 +230,7 @@ def attention(
                 )
             )
             continue
-        keys, k_pos = window_keys(st["window"], kv_g, g)
+        keys, k_pos = window_keys(st["window"], kv_g, g, c.sliding_window)
         # every layer's ring holds the same positions, so every layer sees the same window
         bias = _per_forward(
             ctx, ("window bias", gi, k_pos.shape[-1]), qs, lambda: window_bias(q_pos, k_pos, c.sliding_window)
@@ -282,7 +283,7 @@ def _decode(
             rows, chosen = selected_rows(chosen, c.index_topk)
         bias = torch.zeros(chosen.shape, device=q.device).masked_fill(~chosen, float("-inf"))
     # a one-token chunk's position is its start, a step input (q_pos[:, 0] was a copy a layer)
-    return mqa_ring(q, st["window"], g.slots, g.starts, entries, rows, bias, p["attn_sink"], cos, sin)
+    return mqa_ring(q, st["window"], g.slots, g.starts, entries, rows, bias, p["attn_sink"], cos, sin, c.sliding_window)
 
 
 def _per_forward(ctx: dict, key: tuple, owner: object, build: Callable[[], Any]) -> Any:

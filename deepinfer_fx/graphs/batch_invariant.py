@@ -234,7 +234,8 @@ def mqa_ring(
     sink: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    window: int,
 ) -> torch.Tensor:
     """``attention.mqa_ring``'s gathered keys, attended by ``attend``."""
-    keys, k_pos, bias = ring_keys(ring, slots, pos, entries, entry_rows, entry_bias)
+    keys, k_pos, bias = ring_keys(ring, slots, pos, entries, entry_rows, entry_bias, window)
     return attend(q, keys, k_pos, bias, sink, cos, sin)

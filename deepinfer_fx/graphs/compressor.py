@@ -61,8 +61,10 @@ def pool_windows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pooling after the projections: the chunks' projected rows ``kv`` / ``gate``
     ``[C, L, width]`` (fp32; no gate: flat gates) go into the row ring ``rows_kv`` / ``rows_gate``
-    ``[slots + 1, ring, width]`` of each chunk's slot, after the windows have read the rows
-    from before the chunk. Returns ``new_latents``' ``(w, complete, latents)``. A swap place:
+    ``[slots + 1, ring, width]`` of each chunk's slot (position p at ``p % ring``; a window
+    pools ``span`` rows, ``ratio`` or ``2 * ratio`` where windows overlap, and the rest of the
+    ring is a speculating engine's spare rows), after the windows have read the rows from
+    before the chunk. Returns ``new_latents``' ``(w, complete, latents)``. A swap place:
     on NVIDIA two launches do all of it (``kernels/triton/compressor.py``: pooling over channel
     blocks, then the norm)."""
     if gate is None:
@@ -70,7 +72,7 @@ def pool_windows(
     L = kv.shape[1]
     pos = starts[:, None] + torch.arange(L, device=kv.device)
     valid = torch.arange(L, device=kv.device) < lens[:, None]
-    ring = rows_kv.shape[1]
+    ring, span = rows_kv.shape[1], ratio * (2 if overlap else 1)
     before_kv, before_gate = rows_kv[slots], rows_gate[slots]  # read before the write
     write = valid & (pos >= (starts + lens)[:, None] - ring)
     write_rows(rows_kv, slots, torch.remainder(pos, ring), kv, write)
@@ -83,7 +85,7 @@ def pool_windows(
     close = (ratio - 1 - torch.remainder(start, ratio)) + ratio * torch.arange(n, device=kv.device)  # [C, n]
     complete = close < lens[:, None]
     w = torch.div(start + close, ratio, rounding_mode="floor")
-    r = (w * ratio - (ratio if overlap else 0))[..., None] + torch.arange(ring, device=kv.device)  # [C, n, ring]
+    r = (w * ratio - (ratio if overlap else 0))[..., None] + torch.arange(span, device=kv.device)  # [C, n, span]
     src = torch.where(r >= start[..., None], ring + r - start[..., None], torch.remainder(r, ring))
     src = src.clamp(max=ring + L - 1)
     c_idx = torch.arange(kv.shape[0], device=kv.device)[:, None, None]

@@ -25,7 +25,7 @@ from .engram_hash import DEAD, EngramLayout, engram_hash, engram_layout
 from .mhc import hc_head, mhc_collapse, mhc_expand, mhc_site
 from .moe import moe
 from .norm import linear_fp32, rms_norm
-from .state import check_room
+from .state import check_room, write_rows
 from .yoco import Kept, Replay, kept_rows
 
 
@@ -107,20 +107,27 @@ def engram_hashes(params: dict, state: dict, c: ModelConfig, batch: Batch) -> li
         comp = params["engram_vocab"][torch.where(batch.image_rows, 0, batch.token_ids)]
         comp = torch.where(batch.image_rows, DEAD, comp)
     pad = params["engram_vocab"][c.engram_pad_token_id]
-    hist_pool = state["engram"]["history"]
-    n_hist = layout.max_ngram_size - 1
+    hist_pool = state["engram"]["history"]  # a ring: position p's id at p % ring
+    n_hist, ring = layout.max_ngram_size - 1, hist_pool.shape[1]
     out = [
         torch.zeros(comp.shape[0] + 1, layout.n_columns, dtype=torch.long, device=comp.device)
         for _ in c.engram_layer_ids
     ]
     for g in batch.groups:
         ids = gather_rows(comp, g)
-        hist = torch.where((g.starts > 0)[:, None], hist_pool[g.slots], pad)
+        before = g.starts[:, None] - n_hist + torch.arange(n_hist, device=ids.device)  # [C, n_hist]
+        held = hist_pool[g.slots[:, None], torch.remainder(before, ring)]
+        hist = torch.where(before >= 0, held, pad)
         for i in range(len(c.engram_layer_ids)):
             scatter_rows(out[i], g, engram_hash(ids, hist, layout, i, pad))
-        # the last n_hist ids before each chunk's end (the history the next chunk starts from)
-        seq = torch.cat([hist, ids], 1)
-        hist_pool[g.slots] = seq.gather(1, g.lens[:, None] + torch.arange(n_hist, device=seq.device))
+        # each chunk's last `ring` ids, for the chunks after it
+        write_rows(
+            hist_pool,
+            g.slots,
+            torch.remainder(g.positions, ring),
+            ids,
+            g.valid & (g.positions >= g.ends[:, None] - ring),
+        )
     return [h[:-1] for h in out]
 
 

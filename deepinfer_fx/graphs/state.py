@@ -11,15 +11,22 @@ the end, the *scratch slot*: rows that must not land anywhere (padding of compil
 compressor windows that did not complete) are written there, so every write is a static-shape
 scatter with no host decision. Nothing real ever reads the scratch slot.
 
-- ``window``: ring ``[sliding_window, head_dim]`` of this layer's kv; position p sits at slot
-  ``p % sliding_window``.
+- ``window``: ring ``[sliding_window + spare, head_dim]`` of this layer's kv; position p sits
+  at slot ``p % ring``.
 - ``comp`` (layers with a compressor): ``rows_kv`` / ``rows_gate`` ring of raw projected rows
   (fp32, ``ratio`` slots, or ``2 * ratio`` where windows overlap, so the previous window's
-  rows are still there), and ``entries`` ``[max_len // ratio, head_dim]`` of compressed kv.
+  rows are still there; plus ``spare``), and ``entries`` ``[max_len // ratio, head_dim]`` of
+  compressed kv.
+
+``spare`` rows (speculative decoding: the most drafts a verify chunk carries, spec §8.4 a) make
+every ring that a verify step writes hold that many positions more than its readers need: a
+verify chunk of ``k + 1`` rows then writes its rows before reading (no copy of the ring), and
+a rejected draft at ``p + j`` overwrites position ``p + j - ring``, older than anything a
+committed query still reads. Rolling a rejection back is then only forgetting its positions.
 - ``index`` (V4 CSA layers): the same for the indexer's own compressor (index keys).
 - V4.1: only KV-source layers hold ``comp`` (with ``index_keys`` beside ``entries``); the
-  other layers read their source's. ``engram.history`` holds, per slot, the compressed ids of
-  the last ``engram_max_ngram_size - 1`` tokens (pad class before the sequence start).
+  other layers read their source's. ``engram.history`` holds, per slot, a ring of the compressed
+  ids of the last ``engram_max_ngram_size - 1`` tokens (plus ``spare``), position p at ``p % ring``.
 - ``mtp`` (configs with MTP-1 blocks): the block's ``window`` ring, and ``pending``
   ``[hc, hidden]``: the target's final streams at the last position of the slot's latest
   chunk, which the drafter (``graphs/mtp.mtp_draft``) runs once the token after it is known.
@@ -37,10 +44,10 @@ from ..config import ModelConfig
 
 
 def _compressor_state(
-    slots: int, ratio: int, overlap: bool, dim: int, max_len: int, dtype: torch.dtype, device
+    slots: int, ratio: int, overlap: bool, dim: int, max_len: int, dtype: torch.dtype, device, spare: int
 ) -> dict:
     width = dim * (2 if overlap else 1)
-    ring = ratio * (2 if overlap else 1)
+    ring = ratio * (2 if overlap else 1) + spare
     return {
         "rows_kv": torch.zeros(slots, ring, width, dtype=torch.float32, device=device),
         "rows_gate": torch.zeros(slots, ring, width, dtype=torch.float32, device=device),
@@ -49,36 +56,52 @@ def _compressor_state(
 
 
 def layer_state(
-    c: ModelConfig, ratio: int, max_len: int, dtype: torch.dtype, device=None, slots: int = 1, layer: int | None = None
+    c: ModelConfig,
+    ratio: int,
+    max_len: int,
+    dtype: torch.dtype,
+    device=None,
+    slots: int = 1,
+    layer: int | None = None,
+    spare: int = 0,
 ) -> dict:
-    """One layer's state; ``layer`` is its backbone index (None for window-only draft blocks)."""
-    st = {"window": torch.zeros(slots, c.sliding_window, c.head_dim, dtype=dtype, device=device)}
+    """One layer's state; ``layer`` is its backbone index (None for window-only draft blocks);
+    ``spare``: the rings' rows past what their readers need (see the module docstring)."""
+    st = {"window": torch.zeros(slots, c.sliding_window + spare, c.head_dim, dtype=dtype, device=device)}
     if c.is_v41:
         if ratio and layer is not None and c.is_kv_source(layer):  # other layers read their source's
-            st["comp"] = _compressor_state(slots, ratio, False, c.head_dim, max_len, dtype, device)
+            st["comp"] = _compressor_state(slots, ratio, False, c.head_dim, max_len, dtype, device, spare)
             st["comp"]["index_keys"] = torch.zeros(
                 slots, max(max_len // ratio, 1), c.index_head_dim, dtype=dtype, device=device
             )
         return st
     overlap = ratio == c.csa_ratio
     if ratio:
-        st["comp"] = _compressor_state(slots, ratio, overlap, c.head_dim, max_len, dtype, device)
+        st["comp"] = _compressor_state(slots, ratio, overlap, c.head_dim, max_len, dtype, device, spare)
     if overlap:
-        st["index"] = _compressor_state(slots, ratio, True, c.index_head_dim, max_len, dtype, device)
+        st["index"] = _compressor_state(slots, ratio, True, c.index_head_dim, max_len, dtype, device, spare)
     return st
 
 
 def init_state(
-    c: ModelConfig, max_len: int, dtype: torch.dtype = torch.float32, device=None, mtp: bool = True, slots: int = 1
+    c: ModelConfig,
+    max_len: int,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    mtp: bool = True,
+    slots: int = 1,
+    spare: int = 0,
 ) -> dict:
     """State for ``slots`` sequences of up to ``max_len`` tokens each (backbone and draft model).
-    Every tensor has the slot as its leading dim; ``slot_view`` gives one sequence's part."""
+    Every tensor has the slot as its leading dim; ``slot_view`` gives one sequence's part.
+    ``spare``: the most drafts a verify chunk carries (0 without speculation). The drafters'
+    own windows hold verified positions only and get none."""
     n_mtp = c.num_nextn_predict_layers if mtp and not c.dspark_stages else 0
     rows = slots + 1  # the last row is the scratch slot
     state = {
         "max_len": max_len,
         "slots": slots,
-        "layers": [layer_state(c, r, max_len, dtype, device, rows, i) for i, r in enumerate(c.compress_ratios)],
+        "layers": [layer_state(c, r, max_len, dtype, device, rows, i, spare) for i, r in enumerate(c.compress_ratios)],
         "mtp": [
             {
                 **layer_state(c, 0, max_len, dtype, device, rows),
@@ -90,7 +113,8 @@ def init_state(
     if mtp and c.dspark_stages:  # the drafter's per-stage context windows (window-only blocks)
         state["dspark"] = [layer_state(c, 0, max_len, dtype, device, rows) for _ in range(c.dspark_stages)]
     if c.engram_layer_ids:  # compressed ids of the tokens before each slot's next position
-        state["engram"] = {"history": torch.zeros(rows, c.engram_max_ngram_size - 1, dtype=torch.long, device=device)}
+        hist = c.engram_max_ngram_size - 1 + spare
+        state["engram"] = {"history": torch.zeros(rows, hist, dtype=torch.long, device=device)}
     return state
 
 

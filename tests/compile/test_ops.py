@@ -54,8 +54,8 @@ def _mqa_args(g: torch.Generator) -> tuple:
 
 
 def _ring_args(g: torch.Generator) -> tuple:
-    """Two chunks of a 4-slot pool, an 8-row ring (one chunk before it fills), 10 entries a slot
-    read through 6 rows, a third of them hidden."""
+    """Two chunks of a 4-slot pool, an 8-row ring (one chunk before it fills) whose queries see
+    6 positions (2 spare rows), 10 entries a slot read through 6 rows, a third of them hidden."""
     c, h, d, w, e, k = 2, 4, 16, 8, 10, 6
     bias = torch.zeros(c, 1, k).masked_fill(torch.rand(c, 1, k, generator=g) < 0.3, float("-inf"))
     angles = torch.rand(c, 1, 2, generator=g) * 6.3
@@ -70,6 +70,7 @@ def _ring_args(g: torch.Generator) -> tuple:
         _randn(g, h),
         angles.cos(),
         angles.sin(),
+        w - 2,
     )
 
 
@@ -177,8 +178,8 @@ def test_sparse_mqa_matches_graphs(seed: int) -> None:
 def test_ring_mqa_matches_graphs(seed: int) -> None:
     args = _ring_args(_gen(seed))
     torch.testing.assert_close(ops.ring_mqa(*args), mqa_ring(*args), rtol=0, atol=0)
-    q, ring, slots, pos, *_, sink, cos, sin = args  # the window alone
-    window_only = (q, ring, slots, pos, None, None, None, sink, cos, sin)
+    q, ring, slots, pos, *_, sink, cos, sin, window = args  # the window alone
+    window_only = (q, ring, slots, pos, None, None, None, sink, cos, sin, window)
     torch.testing.assert_close(ops.ring_mqa(*window_only), mqa_ring(*window_only), rtol=0, atol=0)
 
 

@@ -2,9 +2,10 @@
 write (an ``index_put_`` on a step input) into a scatter into that input, unless the old ring
 is read before the write: then it copies the whole ring, writes the copy and copies it back,
 twice the ring's bytes per layer per step for one new row. ``window_keys`` reads a one-token
-chunk's window after its write; this checks the generated code allocates no ring-sized buffer
-for it, and (the search's control) does for a chunk of several tokens, which must read first.
-Both equal eager."""
+chunk's window after its write, and so a verify chunk's of ``k + 1`` rows in a ring of
+``window + k`` (a speculating engine's); this checks the generated code allocates no ring-sized
+buffer for them, and (the search's control) does for a chunk of several tokens in a ring without
+spare rows, which must read first. All equal eager."""
 
 from __future__ import annotations
 
@@ -29,22 +30,24 @@ def _group(length: int, starts: list[int]) -> Group:
     return Group(index, torch.arange(c), torch.tensor(starts), torch.full((c,), length))
 
 
-@pytest.mark.parametrize("length", [1, 3])
-def test_compiled_window_keys(length: int) -> None:
+@pytest.mark.parametrize("length, spare", [(1, 0), (3, 0), (3, 2), (4, 5)])
+def test_compiled_window_keys(length: int, spare: int) -> None:
     seed = int.from_bytes(os.urandom(4), "little") >> 1
     g = torch.Generator().manual_seed(seed)
-    ring = torch.randn(SLOTS + 1, W, D, generator=g)
+    ring = torch.randn(SLOTS + 1, W + spare, D, generator=g)
     kv = torch.randn(SLOTS, length, D, generator=g)
     group = _group(length, [5, 11, 30])
     eager_ring = ring.clone()
-    want = window_keys(eager_ring, kv, group)
-    fn = torch.compile(lambda r, x: window_keys(r, x, group), backend="inductor", fullgraph=True)
+    want = window_keys(eager_ring, kv, group, W)
+    fn = torch.compile(lambda r, x: window_keys(r, x, group, W), backend="inductor", fullgraph=True)
     got, codes = run_and_get_code(fn, ring, kv)
     for a, b in zip(got, want):
         assert torch.equal(a, b), f"seed={seed}"
     assert torch.equal(ring, eager_ring), f"seed={seed}"
-    ring_buffers = sum(len(re.findall(rf"empty_strided\w*\(\({SLOTS + 1}, {W}, {D}\)", code)) for code in codes)
-    # A chunk of several tokens must read the ring before writing it, and gets the copy: the
-    # control that the search below finds a ring-sized buffer where Inductor makes one (should
-    # a later Inductor write that case in place too, drop this half).
-    assert (ring_buffers == 0) == (length == 1), f"seed={seed}: {ring_buffers} ring-sized buffers\n{codes[-1]}"
+    rows = W + spare
+    ring_buffers = sum(len(re.findall(rf"empty_strided\w*\(\({SLOTS + 1}, {rows}, {D}\)", code)) for code in codes)
+    # A chunk longer than the spare rows allow must read the ring before writing it, and gets
+    # the copy: the control that the search below finds a ring-sized buffer where Inductor makes
+    # one (should a later Inductor write that case in place too, drop this half).
+    in_place = length <= spare + 1
+    assert (ring_buffers == 0) == in_place, f"seed={seed}: {ring_buffers} ring-sized buffers\n{codes[-1]}"

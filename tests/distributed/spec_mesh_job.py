@@ -30,28 +30,27 @@ from test_spec_decode import _tiny_model, oracle  # noqa: E402
 from test_spec_drafters import drafting  # noqa: E402
 
 from deepinfer_fx import LLM, SamplingParams  # noqa: E402
-from deepinfer_fx.engine.spec_decode import Reruns  # noqa: E402
 
 K = 3  # drafts a verify step carries
 MODELS = {"oracle": lambda: _tiny_model("v4"), "dspark": lambda: drafting("dspark-v41")}
 
 
 def counted(llm: LLM) -> dict[str, int]:
-    """Counters of ``llm``'s verify and rollback re-run steps, split into those carrying this
-    rank's own chunks and those of padding alone (another rank verifies or re-runs)."""
-    counts = {"verify": 0, "padding verify": 0, "rerun": 0, "padding rerun": 0}
-    steps, verify = llm.runner.steps, llm.runner.steps.verify
+    """Counters of ``llm``'s verify steps, split into those carrying this rank's own chunks and
+    those of padding alone (another rank verifies), and of its prefill steps without the
+    drafter (a rollback re-run until session 35: there must be none now)."""
+    counts = {"verify": 0, "padding verify": 0, "undrafted prefill": 0}
+    steps, verify, step = llm.runner.steps, llm.runner.steps.verify, llm.runner.steps.step
 
     def verify_counted(chunks, *args, **kw):
         counts["verify" if chunks else "padding verify"] += 1
         return verify(chunks, *args, **kw)
 
-    def run_counted(steps, chunks, n=0, length=0):
-        if chunks or n:
-            counts["rerun" if chunks else "padding rerun"] += 1
-        Reruns.run(steps, chunks, n, length)
+    def step_counted(dec, pre, *args, draft=True, **kw):
+        counts["undrafted prefill"] += int(not draft and (len(pre) > 0 or kw.get("min_chunks", 0) > 0))
+        return step(dec, pre, *args, draft=draft, **kw)
 
-    steps.verify, llm.runner.reruns.run = verify_counted, run_counted
+    steps.verify, steps.step = verify_counted, step_counted
     return counts
 
 

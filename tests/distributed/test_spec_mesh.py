@@ -75,14 +75,15 @@ def _launch(tmp_path: Path, plain: dict, runs: list[str], ranks: int = 2, **sett
 
 
 def _speculated(res: dict, ranks: int) -> None:
-    """Drafts accepted and rejected; every rank verified and re-ran; padding verify and re-run
-    steps ran where a rank had none of its own while another had."""
+    """Drafts accepted and rejected; every rank verified; padding verify steps ran where a rank
+    had none of its own while another had; no rank re-ran anything after a rejection (the rings
+    keep room for the rejected rows)."""
     drafted, accepted = (sum(d[j] for d in res["drafts"]) for j in (0, 1))
     assert 0 < accepted < drafted, res["drafts"]
     steps = res["steps"]
     assert len(steps) == ranks and all(s["verify"] > 0 for s in steps), steps
-    assert any(s["padding verify"] > 0 for s in steps) and any(s["padding rerun"] > 0 for s in steps), steps
-    assert sum(s["rerun"] for s in steps) > 0, steps
+    assert any(s["padding verify"] > 0 for s in steps), steps
+    assert all(s["undrafted prefill"] == 0 for s in steps), steps
 
 
 def test_ngram_and_mtp_on_ep2_and_dp2(tmp_path: Path, plain: dict) -> None:

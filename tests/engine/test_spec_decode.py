@@ -14,6 +14,7 @@ import deepinfer_fx
 from deepinfer_fx import LLM, SamplingParams
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.engine.cache import GROWING_KEYS
+from deepinfer_fx.engine.state_io import rekey_ring, ring_widths
 
 MAX_LEN = 96
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -153,12 +154,16 @@ def test_logprobs_requests_speculate(model) -> None:
 
 
 def _slot_state(llm: LLM, slot: int, length: int) -> dict[str, torch.Tensor]:
-    """A slot's state as a later query can see it: entries past ``length`` are never read."""
-    out = {}
+    """A slot's state as a later query can see it: entries past ``length`` are never read, and
+    a ring with spare rows (a speculating engine's) holds the last positions before ``length``
+    where a ring without them would (``state_io.rekey_ring``, as an export stores it)."""
+    out, rings = {}, ring_widths(llm.pool)
     for path, t in llm.pool.slot_tensors(slot).items():
         if path.endswith(GROWING_KEYS):
             ratio = llm.max_model_len // t.shape[0]
             t = t[: length // ratio]
+        elif path in rings:
+            t = rekey_ring(t, length, rings[path])
         out[path] = t.clone()
     return out
 

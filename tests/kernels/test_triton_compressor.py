@@ -64,10 +64,11 @@ class Case:
         norm_dtype: torch.dtype = torch.float32,
         strided: bool = False,
         n_slots: int | None = None,
+        spare: int = 0,
     ) -> None:
         g = torch.Generator().manual_seed(seed)
         halves = 2 if overlap else 1
-        width, ring, c = dim * halves, ratio * halves, len(starts)
+        width, ring, c = dim * halves, ratio * halves + spare, len(starts)
         self.n_slots = n_slots or c + 2
         self.ratio, self.overlap = ratio, overlap
 
@@ -147,6 +148,16 @@ def test_pooling_matches_reference(name: str, device: str) -> None:
     _check(case, f"seed={seed} {name}")
 
 
+@pytest.mark.parametrize("name", ["csa-decode", "csa-prefill", "hca-prefill", "v41-ratio2-prefill", "v41-ratio1"])
+def test_rings_with_spare_rows(name: str, device: str) -> None:
+    """A speculating engine's rings hold the longest draft more rows (``graphs/state.py``):
+    position p at ``p % ring``, a window still pooling its own span."""
+    seed = _fresh_seed()
+    ratio, overlap, gated, dim, length, starts, lens = CPU_CASES[name]
+    case = Case(seed, ratio, overlap, dim, length, starts, lens, gated=gated, device=device, spare=3)
+    _check(case, f"seed={seed} {name} spare 3")
+
+
 @pytest.mark.parametrize("name", ["csa-prefill", "hca-prefill"])
 def test_strided_rows_and_bf16_norm_weight(name: str, device: str) -> None:
     seed = _fresh_seed()
@@ -167,18 +178,25 @@ def test_strided_rows_and_bf16_norm_weight(name: str, device: str) -> None:
     _check(case, f"seed={seed} {name} strided")
 
 
+@pytest.mark.parametrize("spare", [0, 3], ids=["ring", "spare-rows"])
 @pytest.mark.parametrize("ratio,overlap,gated", [(4, True, True), (8, False, True), (1, False, False)])
 @pytest.mark.parametrize("chunking", ["decode", "prefill-then-decode"])
-def test_sequences_fed_in_chunks(ratio: int, overlap: bool, gated: bool, chunking: str, device: str) -> None:
+def test_sequences_fed_in_chunks(
+    ratio: int, overlap: bool, gated: bool, chunking: str, spare: int, device: str
+) -> None:
     """Three sequences of different lengths fed step by step, each side (kernel, reference)
-    carrying its own ring from step to step: equal latents at every step, equal rings after."""
+    carrying its own ring from step to step: equal latents at every step, equal rings after;
+    with spare ring rows, also the latents of the reference on a ring without them."""
     seed = _fresh_seed()
     g = torch.Generator().manual_seed(seed)
     dim, halves, n_seq = 8, 2 if overlap else 1, 3
     total = [3 * ratio + 2, 2 * ratio + 1, ratio + 3]
-    base = Case(seed, ratio, overlap, dim, 1, [0] * n_seq, [1] * n_seq, gated=gated, device=device, n_slots=n_seq)
+    base = Case(
+        seed, ratio, overlap, dim, 1, [0] * n_seq, [1] * n_seq, gated=gated, device=device, n_slots=n_seq, spare=spare
+    )
     ring_k = (torch.zeros_like(base.rows_kv), torch.zeros_like(base.rows_gate))
     ring_r = (torch.zeros_like(base.rows_kv), torch.zeros_like(base.rows_gate))
+    plain = tuple(torch.zeros_like(t[:, : ratio * halves]) for t in ring_r)  # no spare rows
     pos = [0] * n_seq
     first = [min(t, 2 * ratio + 1) for t in total] if chunking == "prefill-then-decode" else [1] * n_seq
     while any(p < t for p, t in zip(pos, total)):
@@ -198,9 +216,11 @@ def test_sequences_fed_in_chunks(ratio: int, overlap: bool, gated: bool, chunkin
         )
         got = compressor_pool_triton(kv, gate, *ring_k, *meta)
         want = pool_windows(kv, gate, *ring_r, *meta)
+        without = pool_windows(kv, gate, *plain, *meta)
         why = f"seed={seed} at positions {pos}"
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), why
         torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5, msg=lambda m: f"{why}\n{m}")
+        torch.testing.assert_close(want[2], without[2], rtol=0, atol=0, msg=lambda m: f"{why}: spare rows\n{m}")
         pos = [p + n for p, n in zip(pos, lens)]
     for a, b in zip(ring_k, ring_r):
         torch.testing.assert_close(a[:n_seq], b[:n_seq], rtol=0, atol=0, msg=lambda m: f"seed={seed} ring\n{m}")
@@ -383,7 +403,8 @@ def _compile_for_sm90(out_dir: str) -> None:
             "DIM": dim,
             "RATIO": ratio,
             "HALVES": halves,
-            "RING": ratio * halves,
+            "SPAN": ratio * halves,
+            "RING": ratio * halves + 5,  # a speculating engine's spare rows: the modulus alone
             "HAS_GATE": gated,
             **unit,
             **cfg,

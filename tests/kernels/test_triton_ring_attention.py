@@ -62,14 +62,19 @@ def _case(seed: int, c: int, h: int, d: int, w: int, e: int, k: int | None, dtyp
 CASES = [(3, 4, 32, 24, 0, None), (3, 4, 32, 24, 40, None), (4, 8, 64, 32, 50, 20), (2, 4, 48, 16, 30, 37)]
 
 
+@pytest.mark.parametrize("spare", [0, 5], ids=["ring-is-window", "spare-rows"])
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("c, h, d, w, e, k", CASES, ids=["window", "entries", "rows", "d48-rows"])
-def test_matches_reference(device: str, path: str, c: int, h: int, d: int, w: int, e: int, k: int | None) -> None:
+def test_matches_reference(
+    device: str, path: str, c: int, h: int, d: int, w: int, e: int, k: int | None, spare: int
+) -> None:
+    """A ring of ``w`` rows whose queries see the last ``w - spare`` positions (a speculating
+    engine's ring holds the longest draft more, ``graphs/state.py``)."""
     seed = _fresh_seed()
     args = _case(seed, c, h, d, w, e, k, torch.float32, device)
     out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
-    assert ring_mqa_triton(*args, out=out, **PATHS[path]) is out
-    want = mqa_ring(*args)
+    assert ring_mqa_triton(*args, window=w - spare, out=out, **PATHS[path]) is out
+    want = mqa_ring(*args, w - spare)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
 
 
@@ -142,7 +147,7 @@ def test_bf16_model_sizes(c: int, e: int, k: int | None) -> None:
         seed, c, 64, 512, 128, e, k, torch.bfloat16, "cuda"
     )
     out = ring_mqa_triton(q, ring, slots, pos, entries, rows, bias, sink, cos, sin)
-    want = mqa_ring(q, ring, slots, pos, entries, rows, bias, sink, cos, sin)
+    want = mqa_ring(q, ring, slots, pos, entries, rows, bias, sink, cos, sin, 128)
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed {seed}: {m}")
     keys, full_bias = ring[slots], window_bias(pos[:, None], ring_positions(pos, 128), 128)
     if e:

@@ -22,10 +22,11 @@ launch cannot gather across programs (without atomics, whose order would make la
 from run to run), so a second launch on the same stream (ordered after the first) takes one
 window per program: its id, whether it completed, and its pooled row normed in place.
 
-Read before write: only a chunk's first ``ring // ratio`` windows pool rows from the ring
-(later windows lie wholly inside the chunk), so program 0 of each chunk and channel block
-pools exactly those, then a block barrier, then writes the chunk's last ``ring`` rows into
-the ring, in the same channels (both halves where windows overlap: the channels its windows
+Read before write: a window pools ``span`` rows (``ratio``, or ``2 * ratio`` where windows
+overlap) and only a chunk's first ``span // ratio`` windows pool rows from the ring (later
+windows lie wholly inside the chunk), so program 0 of each chunk and channel block pools
+exactly those, then a block barrier, then writes the chunk's last ``ring`` rows into the ring
+(``ring >= span``: a speculating engine's rings hold the longest draft more), in the same channels (both halves where windows overlap: the channels its windows
 read). No other program reads or writes those ring elements of that slot, so no launch-wide
 ordering is needed. Rows that the reference redirects to the scratch slot are not written at
 all (nothing reads them).
@@ -62,7 +63,7 @@ _MIN_BLOCK_D = 32
 
 def pool_config(dim: int, ring: int) -> dict[str, int]:
     """The pooling launch's channels per program ``BLOCK_D``, rows per tile ``ROWS`` and warps for
-    latents of ``dim`` channels and windows of ``ring`` rows."""
+    latents of ``dim`` channels and windows of ``ring`` rows (a window's span, not its ring's)."""
     block_d = min(triton.next_power_of_2(dim), max(_MIN_BLOCK_D, triton.next_power_of_2(triton.cdiv(_SLICE, ring))))
     rows = min(_TILE // block_d, triton.next_power_of_2(ring))
     return {"BLOCK_D": block_d, "ROWS": rows, "num_warps": max(1, min(8, rows * block_d // 512))}
@@ -103,6 +104,7 @@ def _compressor_pool_kernel(
     BLOCK_D: tl.constexpr,
     RATIO: tl.constexpr,
     HALVES: tl.constexpr,
+    SPAN: tl.constexpr,
     RING: tl.constexpr,
     HAS_GATE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -118,23 +120,24 @@ def _compressor_pool_kernel(
     start = tl.load(starts_ptr + c).to(tl.int64)
     length = tl.load(lens_ptr + c).to(tl.int64)
     slot = tl.load(slots_ptr + c).to(tl.int64)
-    # Program 0 pools the chunk's first HALVES windows (ring // ratio), the ones that may pool
-    # rows from the ring; program b > 0 pools window HALVES + b - 1.
+    # Program 0 pools the chunk's first HALVES windows (SPAN // RATIO), the ones that may pool
+    # rows from the ring; program b > 0 pools window HALVES + b - 1. A window pools SPAN rows;
+    # the ring holds RING >= SPAN (a speculating engine's spare rows), position p at p % RING.
     j0 = tl.where(b == 0, 0, HALVES + b - 1)
     for j in range(j0, j0 + tl.where(b == 0, HALVES, 1)):
         exists = j < n_windows
         close = (RATIO - 1 - start % RATIO) + RATIO * j  # the chunk row that closes the window
         done = (close < length) & exists
         # the window's first pooled position (overlap: the previous window's)
-        first = (start + close) // RATIO * RATIO - (RING - RATIO)
+        first = (start + close) // RATIO * RATIO - (SPAN - RATIO)
         m = tl.full([BLOCK_D], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_D], tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for i0 in range(0, RING, ROWS):
+        for i0 in range(0, SPAN, ROWS):
             i = i0 + tl.arange(0, ROWS)
             r = first + i
             # Nothing before position 0; an incomplete window pools nothing (its latent is 0).
-            ok = (i < RING) & (r >= 0) & done
+            ok = (i < SPAN) & (r >= 0) & done
             in_chunk = r >= start
             col = d[None, :]
             if HALVES == 2:  # overlap: slots 0..ratio-1 take the A halves, the rest the B halves
@@ -245,7 +248,7 @@ def compressor_pool_triton(
     c, length, width = kv.shape
     dim = norm.shape[0]
     halves = 2 if overlap else 1
-    if rows_kv.shape[1] != ratio * halves or width != dim * halves or rows_gate.shape != rows_kv.shape:
+    if rows_kv.shape[1] < ratio * halves or width != dim * halves or rows_gate.shape != rows_kv.shape:
         raise ValueError(
             f"compressor_pool: ring {tuple(rows_kv.shape)} / {tuple(rows_gate.shape)} and rows of width {width} "
             f"do not fit ratio {ratio}, overlap {overlap}, dim {dim}"
@@ -265,8 +268,8 @@ def compressor_pool_triton(
     if c == 0:
         return out
     g = kv if gate is None else gate
-    ring = ratio * halves
-    cfg = pool_config(dim, ring)
+    span = ratio * halves
+    cfg = pool_config(dim, span)
     # program 0 of a chunk and channel block pools the chunk's first `halves` windows
     grid = (max(1, n - halves + 1), c, triton.cdiv(dim, cfg["BLOCK_D"]))
     _compressor_pool_kernel[grid](
@@ -286,7 +289,8 @@ def compressor_pool_triton(
         DIM=dim,
         RATIO=int(ratio),
         HALVES=halves,
-        RING=ring,
+        SPAN=span,
+        RING=rows_kv.shape[1],
         HAS_GATE=gate is not None,
         **cfg,
         **pdl_args(kv.device),

@@ -30,13 +30,14 @@ def ring_mqa_triton(
     sink: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    window: int | None = None,
     out: Optional[torch.Tensor] = None,
     **tiling: Any,
 ) -> torch.Tensor:
     """``graphs/attention.py::mqa_ring``: q ``[C, 1, H, d]``, ring ``[S, W, d]``, slots and
     pos ``[C]``, entries ``[S, E, d]`` (or None), entry_rows ``[C, K]`` (or None: all E),
-    entry_bias ``[C, 1, K]``, sink ``[H]``, cos / sin ``[C, 1, rd/2]``; ``tiling`` as
-    ``attention.launch_mqa``."""
+    entry_bias ``[C, 1, K]``, sink ``[H]``, cos / sin ``[C, 1, rd/2]``, ``window`` the
+    positions a query sees (None: the ring's width ``W``); ``tiling`` as ``attention.launch_mqa``."""
     c, t, h, d = q.shape
     _, w, _ = ring.shape
     k = 0 if entries is None else (entry_rows.shape[1] if entry_rows is not None else entries.shape[1])
@@ -50,6 +51,7 @@ def ring_mqa_triton(
         or list(cos.shape) != [c, 1, half]
         or sin.shape != cos.shape
         or not 0 < 2 * half <= d
+        or (window is not None and not 0 < window <= w)
     )
     if entries is not None:
         bad = bad or (
@@ -92,7 +94,7 @@ def ring_mqa_triton(
         pos,
         (ring.stride(0), ring.stride(1), pool.stride(0), pool.stride(1), rows.stride(0), rows.stride(-1)),
         w=w,
-        window=w,
+        window=w if window is None else window,
         ring=True,
         rows=entry_rows is not None,
     )
@@ -111,8 +113,8 @@ def ring_mqa_triton(
     return out
 
 
-def _ring_mqa_cuda(q, ring, slots, pos, entries, entry_rows, entry_bias, sink, cos, sin) -> torch.Tensor:
-    return ring_mqa_triton(q, ring, slots, pos, entries, entry_rows, entry_bias, sink, cos, sin)
+def _ring_mqa_cuda(q, ring, slots, pos, entries, entry_rows, entry_bias, sink, cos, sin, window) -> torch.Tensor:
+    return ring_mqa_triton(q, ring, slots, pos, entries, entry_rows, entry_bias, sink, cos, sin, window)
 
 
 torch.library.register_kernel("deepinfer::ring_mqa", "cuda", _ring_mqa_cuda)
