@@ -22,8 +22,9 @@ repeat themselves, so ``--workload cycling`` (the default) gives the model a hea
 each token t by 3 * (t // 3) + (t + 1) % 3 (its greedy text cycles, as in the tests), and the
 prompts a pattern that is not that cycle; for ``mtp`` the MTP block's next-token embedding
 path, for ``dspark`` the Markov head, is set to draft that cycle (``drafting``: a synthetic
-drafter, as in ``tests/engine/test_spec_drafters.py``); ``--model`` runs a real checkpoint on
-``--prompt`` text instead. Both DeepInfer's formula (steps/s x batch x (1 + nextn) / cp: full acceptance)
+drafter, as in ``tests/engine/test_spec_drafters.py``); ``--workload random`` runs the random model
+and its own drafter on random prompts instead, where nearly every draft is rejected: what
+speculation costs when it fails; ``--model`` runs a real checkpoint on ``--prompt`` text. Both DeepInfer's formula (steps/s x batch x (1 + nextn) / cp: full acceptance)
 and the measured rate are reported, named as such.
 """
 
@@ -193,7 +194,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--e2e-batches", default="1,8", help="end-to-end batches ('': the verify rows only)")
     ap.add_argument("--nextn", type=int, default=4, help="drafts per step end to end")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--workload", choices=["cycling"], default="cycling")
+    ap.add_argument(
+        "--workload",
+        choices=["cycling", "random"],
+        default="cycling",
+        help="cycling: drafts that follow the text; random: the random model's own drafts, nearly all rejected",
+    )
     ap.add_argument("--model", default=None, help="a checkpoint for the end-to-end part (default: P8 random, cycling)")
     ap.add_argument("--prompt", default="1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4,", help="with --model: the repeated prompt")
     ap.add_argument(
@@ -238,7 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
     if not e2e_batches:
         print(f"wrote {write_result(args.name, result, args.out)}")
         return result
-    if args.model is None:
+    if args.model is None and args.workload == "random":
+        e2e_model = model
+        prompts = _prompts(max(e2e_batches), 128, model.config.vocab_size, seed=1)
+        result["e2e_workload"] = result["model"] + ", its own drafter; random 128-token prompts"
+    elif args.model is None:
         e2e_model = cycling(model) if args.method == "ngram" else drafting(model)
         prompts = [([5, 6, 7, 8] * 32 + [7]) for _ in range(max(e2e_batches))]
         result["e2e_workload"] = (
