@@ -43,14 +43,17 @@ def load_model(
     fake_quant: bool | None = None,
     experts: Callable | None = None,
     expert_format: str | None = None,
+    dense_format: str | None = None,
 ) -> Model:
     """Load a checkpoint directory (or hub repo id; ``None`` reads ``DEEPINFER_HF_MODEL_DIR``).
     ``fake_quant`` switches the official fake-quant points (default: on). ``experts`` maps a
     stacked expert spec to the expert ids to load (an EP rank's share); default all.
     ``expert_format`` ("auto", "fp8", "fp4", "dequant"; None reads ``DEEPINFER_EXPERT_FORMAT``,
     default auto): whether routed experts stay as stored, block FP8 or MXFP4, or are dequantised
-    (``io.loader.held_experts``; auto: both kept on CUDA)."""
-    c, params, model_dir = load_checkpoint(path, dtype, device, fake_quant, experts, expert_format)
+    (``io.loader.held_experts``; auto: both kept on CUDA). ``dense_format`` ("auto", "fp8",
+    "dequant"; None reads ``DEEPINFER_DENSE_FORMAT``): whether block-FP8 dense projections stay
+    as stored (``io.loader.held_dense``; auto: dequantised)."""
+    c, params, model_dir = load_checkpoint(path, dtype, device, fake_quant, experts, expert_format, dense_format)
     return Model(c, params, model_dir)
 
 

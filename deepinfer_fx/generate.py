@@ -91,6 +91,7 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         num_threads=args.threads,
         fake_quant=False if args.no_fake_quant else None,
         expert_format=args.expert_format,
+        dense_format=args.dense_format,
         warmup=False if args.no_warmup else None,
         speculative_config=None
         if args.speculative_method is None

@@ -132,7 +132,16 @@ VARIABLES: dict[str, Var] = {
         "auto",
         "auto, fp8, fp4 or dequant",
         "routed experts of quantised checkpoints: fp8 (block FP8) and fp4 (MXFP4) keep them as stored, dequant "
-        "converts them to the model dtype on load, auto keeps block FP8 on CUDA only and dequantises MXFP4",
+        "converts them to the model dtype on load, auto keeps both as stored on CUDA and dequantises them elsewhere",
+    ),
+    f"{PREFIX}DENSE_FORMAT": Var(
+        "dense_format",
+        _choice("auto", "fp8", "dequant"),
+        "auto",
+        "auto, fp8 or dequant",
+        "block-FP8 dense projections of quantised checkpoints: fp8 keeps them as stored (half the bytes; each "
+        "projection dequantises its weight in the graph), dequant converts them to the model dtype on load, "
+        "auto dequantises (until a kernel reads fp8 weights as stored)",
     ),
     f"{PREFIX}ENGRAM_TABLES": Var(
         "engram_tables",
@@ -209,6 +218,7 @@ class EngineConfig:
     cache_dir: str | None = None
     demo_dir: str | None = None
     expert_format: str = "auto"
+    dense_format: str = "auto"
     pdl: bool = True
     dist_timeout: float = 300.0
     engram_tables: str = "auto"

@@ -94,21 +94,31 @@ class Roofline:
         return {**asdict(self), "ms": round(self.seconds * 1e3, 3)}
 
 
-def _weights(c: ModelConfig) -> tuple[float, float, float]:
-    """(dense weight elements, one routed expert's elements, head elements) of the backbone."""
-    dense = expert = head = 0.0
+def _weights(c: ModelConfig) -> tuple[float, float, float, float]:
+    """(dense weight elements in the model dtype, dense elements held in block FP8, one routed
+    expert's elements, head elements) of the backbone."""
+    dense = held = expert = head = 0.0
     for s in param_specs(c, mtp=False):
         if s.path.endswith(_GATHERED) or is_vision_path(s.path):  # the vision tower runs once per image, not per step
             continue
-        if s.held == "scale":  # held experts' scales: counted in expert_bytes
+        if s.held == "scale":  # held weights' scales: counted in expert_bytes / FP8_DENSE_BYTES
             continue
         if s.stacked:
             expert += s.numel / s.shape[0] / c.num_hidden_layers
         elif s.path == "head":
             head = s.numel
+        elif s.held == "fp8":
+            held += s.numel
         else:
             dense += s.numel
-    return dense, expert, head
+    return dense, held, expert, head
+
+
+def dense_bytes(c: ModelConfig, weight_bytes: int) -> float:
+    """Bytes of the dense weights (the head included) as held: block FP8 a byte plus an fp32
+    scale per block (``dense_format="fp8"``), the rest ``weight_bytes``."""
+    dense, held, _, head = _weights(c)
+    return (dense + head) * weight_bytes + held * (1 + 4 / (c.fp8_block or 1) ** 2)
 
 
 def expert_bytes(c: ModelConfig, weight_bytes: int) -> float:
@@ -154,11 +164,12 @@ def _engram_rows(c: ModelConfig) -> int:
 def decode(
     c: ModelConfig, batch: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2, ceil: Ceilings = H200
 ) -> Roofline:
-    dense, expert, head = _weights(c)
+    dense, held, expert, head = _weights(c)
+    dense += held
     n_layers, k = c.num_hidden_layers, c.num_experts_per_tok
     active = expected_experts(c.n_routed_experts, k, batch)
     entries, keys = _attention(c, context)
-    weights = (dense + head) * weight_bytes + n_layers * active * expert * expert_bytes(c, weight_bytes)
+    weights = dense_bytes(c, weight_bytes) + n_layers * active * expert * expert_bytes(c, weight_bytes)
     cache = batch * (entries * c.head_dim + keys * c.index_head_dim) * cache_bytes
     engram = batch * _engram_rows(c) * c.engram_head_dim * weight_bytes
     flops = 2 * batch * (dense + n_layers * k * expert + head)
@@ -171,12 +182,13 @@ def decode(
 def prefill(c: ModelConfig, tokens: int, weight_bytes: int = 2, ceil: Ceilings = H200) -> Roofline:
     """One chunk of ``tokens`` from position 0: linear FLOPs of every token plus attention at
     the average position (half the chunk)."""
-    dense, expert, head = _weights(c)
+    dense, held, expert, head = _weights(c)
+    dense += held
     entries, keys = _attention(c, tokens // 2)
     n_layers, k = c.num_hidden_layers, c.num_experts_per_tok
     flops = 2 * tokens * (dense + n_layers * k * expert)  # the head runs for the last row only
     flops += 2 * tokens * (2 * entries * c.head_dim * c.num_attention_heads + keys * c.index_head_dim * c.index_n_heads)
-    nbytes = (dense + head) * weight_bytes + n_layers * c.n_routed_experts * expert * expert_bytes(c, weight_bytes)
+    nbytes = dense_bytes(c, weight_bytes) + n_layers * c.n_routed_experts * expert * expert_bytes(c, weight_bytes)
     nbytes += tokens * _engram_rows(c) * c.engram_head_dim * weight_bytes
     t_mem, t_flop = nbytes / ceil.copy_bytes_per_s, flops / (ceil.bf16_flops * PREFILL_MFU)
     return Roofline(nbytes, flops, max(t_mem, t_flop), "memory" if t_mem >= t_flop else "compute")

@@ -212,7 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "fp8", "fp4", "dequant"],
         default=None,
         help="routed experts of quantised checkpoints: keep block FP8 (fp8) or MXFP4 (fp4) as stored, or "
-        "dequantise on load (default: DEEPINFER_EXPERT_FORMAT, auto = fp8 kept on CUDA, MXFP4 dequantised)",
+        "dequantise on load (default: DEEPINFER_EXPERT_FORMAT, auto = both kept as stored on CUDA)",
+    )
+    e.add_argument(
+        "--dense-format",
+        choices=["auto", "fp8", "dequant"],
+        default=None,
+        help="block-FP8 dense projections of quantised checkpoints: keep them as stored (fp8: half the bytes, "
+        "dequantised inside each projection) or dequantise on load (default: DEEPINFER_DENSE_FORMAT, auto = dequant)",
     )
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument(

@@ -79,6 +79,9 @@ class ModelConfig:
     # ue8m0 scales per 32; None: dequantised). The scales are ``*_scale`` params; load_model's
     # expert_format decides.
     held_experts: str | None = None
+    # Dense projections the checkpoint stores in block FP8 held so ("fp8": float8_e4m3fn with
+    # fp32 block scales at ``*_scale``) instead of dequantised (None); load_model's dense_format.
+    held_dense: str | None = None
 
     # ---- V4.1 only (spec §1.2). The defaults describe "absent", so V4 configs are unchanged.
     # CSA2 sharing: KV sources own a compressor + compressed cache (and the index keys); index

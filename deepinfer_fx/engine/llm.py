@@ -57,6 +57,7 @@ class LLM:
         dump_graphs: str | os.PathLike | None = None,
         disable_passes: str | Seq[str] | None = None,
         expert_format: str | None = None,
+        dense_format: str | None = None,
         num_threads: int | None = None,
         warmup: bool | None = None,
         speculative_config: dict | None = None,
@@ -72,7 +73,8 @@ class LLM:
         added to ``DEEPINFER_DISABLE_PASSES``); asking for any of these asks for compiled steps
         (on the CPU too), so with ``eager=True`` they are an error. ``expert_format``: as in
         ``load_model`` (default ``DEEPINFER_EXPERT_FORMAT``, auto: block-FP8 routed experts stay
-        fp8 on CUDA; fp4 keeps MXFP4 experts as stored). ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; default on
+        fp8 on CUDA; fp4 keeps MXFP4 experts as stored); ``dense_format``: as in ``load_model``
+        (default ``DEEPINFER_DENSE_FORMAT``: "fp8" keeps block-FP8 dense projections as stored). ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; default on
         the CPU: ``OMP_NUM_THREADS`` where set, as torchrun sets it, else the cores this process
         may use). ``warmup`` (default: on wherever steps are compiled): compile and capture every
         decode bucket and the prefill buckets up to ``max_num_batched_tokens`` now, with a
@@ -129,7 +131,7 @@ class LLM:
         # a multi-rank mesh joins the torchrun world first: the loader reads only this rank's experts
         self.ranks, device = Ranks.join(mesh, device, self.settings)
         # mesh_params (a multi-rank mesh): the rank's DTensors; the steps run on their local views
-        opt = {"fake_quant": fake_quant, "expert_format": expert_format}
+        opt = {"fake_quant": fake_quant, "expert_format": expert_format, "dense_format": dense_format}
         served = serve_model(model, self.ranks, self.settings, dtype=run_dtype(dtype, device), device=device, **opt)
         self.model, self.mesh_params = self.ranks.place(served)
         c = self.model.config

@@ -40,6 +40,7 @@ def serve_model(
     device: torch.device,
     fake_quant: bool | None,
     expert_format: str | None,
+    dense_format: str | None = None,
 ) -> Model:
     """This rank's share of the model: a ``Model`` sharded as given, else loaded (only this
     rank's experts) from ``model``, ``"demo"`` (the built-in tiny model) or ``DEEPINFER_HF_MODEL_DIR``."""
@@ -58,6 +59,7 @@ def serve_model(
         fake_quant=fake_quant,
         experts=ranks.experts(),
         expert_format=expert_format,
+        dense_format=dense_format,
     )
 
 

@@ -21,7 +21,7 @@ from .batch import Batch, Group, context_gather, gather_rows, rows_to_packed
 from .swap import swappable
 from .csa2 import csa2_entries
 from .entries import selected_entries, selected_rows, v4_entries
-from .norm import linear, project_blocks, rms_norm
+from .norm import dequant_dense, held, linear, project_blocks, rms_norm
 from .rope import apply_rope, cos_sin, inv_freq, norm_rope
 from .window import reads_after_write, ring_positions, window_bias, window_keys, write_window
 
@@ -135,10 +135,11 @@ def _mqa_rows(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: tor
     return torch.einsum("...thn,...nd->...thd", probs, keys.float()).to(q.dtype)
 
 
-def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_output(o: torch.Tensor, p: dict, groups: int) -> torch.Tensor:
     """o ``[T, H, d]`` -> heads split in ``groups`` contiguous groups, each projected by its own
-    block of ``wo_a`` ``[G * r, (H/G) * d]``, then mixed by ``wo_b``."""
-    return linear(project_blocks(o.flatten(-2), wo_a, groups), wo_b)
+    block of ``p["wo_a"]`` ``[G * r, (H/G) * d]``, then mixed by ``p["wo_b"]``."""
+    wo_a = dequant_dense(*held(p, "wo_a"), o.dtype)
+    return linear(project_blocks(o.flatten(-2), wo_a, groups), *held(p, "wo_b"))
 
 
 def query(
@@ -146,8 +147,8 @@ def query(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> ``q_r`` ``[N, q_lora_rank]`` (the indexer reads it too) and rotated heads ``q`` ``[N, H, d]``."""
     eps = c.rms_norm_eps
-    q_r = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
-    q = linear(q_r, p["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
+    q_r = rms_norm(linear(x, *held(p, "wq_a")), p["q_norm"], eps)
+    q = linear(q_r, *held(p, "wq_b")).unflatten(-1, (c.num_attention_heads, c.head_dim))
     if c.is_v41:
         return q_r, apply_rope(q, cos, sin)
     return q_r, norm_rope(q, None, eps, cos, sin)  # V4 normalises each query head
@@ -156,7 +157,7 @@ def query(
 def latent_kv(p: dict, c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The K = V latent of each token as its window ring stores it: normed, rotated, fake-quantised.
     The DSpark drafter builds its context windows with this same map from projected target states."""
-    return fq.window_kv(c, norm_rope(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps, cos, sin))
+    return fq.window_kv(c, norm_rope(linear(x, *held(p, "wkv")), p["kv_norm"], c.rms_norm_eps, cos, sin))
 
 
 def attention(
@@ -248,7 +249,7 @@ def attention(
             bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], -1)
         o = attend(gather_rows(q, qs), keys, k_pos, bias, p["attn_sink"], gather_rows(cos, qs), gather_rows(sin, qs))
         outs.append((qs, o))
-    return grouped_output(rows_to_packed(outs, q.shape[0]), p["wo_a"], p["wo_b"], c.o_groups)
+    return grouped_output(rows_to_packed(outs, q.shape[0]), p, c.o_groups)
 
 
 def _decode(

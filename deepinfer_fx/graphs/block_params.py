@@ -4,6 +4,8 @@ the blocks of the backbone and the draft model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import ModelConfig
 from ..io.quant import MXFP4_BLOCK
 from .param_spec import ParamSpec, scale_path
@@ -12,6 +14,36 @@ from .param_spec import ParamSpec, scale_path
 def linear_spec(path: str, out: int, inp: int, axes: tuple[str | None, str | None], quant: str | None) -> ParamSpec:
     """A projection's ``[out, inp]`` weight at ``path.weight``."""
     return ParamSpec(path, path + ".weight", (out, inp), axes, quant=quant)
+
+
+def hold_dense(specs: list[ParamSpec], c: ModelConfig) -> list[ParamSpec]:
+    """``specs`` with every block-FP8 dense projection held as stored where ``c.held_dense`` is
+    "fp8": the float8 weight, then its fp32 block scales at ``scale_path`` (``[cdiv(out, b),
+    cdiv(in, b)]``, replicated as the weight is). Routed experts keep ``held_experts``' say."""
+    if c.held_dense is None:
+        return specs
+    if c.held_dense != "fp8" or c.fp8_block is None:
+        raise ValueError(
+            f"held_dense={c.held_dense!r}: only block-FP8 dense weights (fp8_block set) are held as stored"
+        )
+    b, out = c.fp8_block, []
+    for s in specs:
+        if s.quant != "fp8" or s.stacked or s.held is not None:
+            out.append(s)
+            continue
+        grid = tuple(-(-n // b) for n in s.shape)
+        out.append(replace(s, held="fp8"))
+        out.append(
+            ParamSpec(
+                scale_path(s.path),
+                s.key.removesuffix(".weight") + ".scale",
+                grid,
+                (None, None),
+                fp32=True,
+                held="scale",
+            )
+        )
+    return out
 
 
 def norm_spec(path: str, dim: int) -> ParamSpec:

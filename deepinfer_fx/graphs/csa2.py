@@ -17,7 +17,7 @@ from . import fake_quant as fq
 from .batch import Group
 from .compressor import entry_rope, new_latents, store_entries, visible_entries
 from .indexer import index_scores, top_k_mask
-from .norm import linear, linear_fp32, rms_norm
+from .norm import held, linear, linear_fp32, rms_norm
 from .rope import apply_rope, cos_sin
 
 
@@ -64,7 +64,7 @@ def _select(
     """An index source's selection: ``[C, L, n_entries]`` bool. ``keys``: each chunk's index keys
     ``[C, n, di]``, or the pool ``[S, n, di]`` that ``key_slots`` reads."""
     ip = p["indexer"]
-    q = linear(q_r, ip["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
+    q = linear(q_r, *held(ip, "wq_b")).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = fq.index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(x, ip["weights_proj"]) * c.index_n_heads**-0.5
     n = keys.shape[-2]

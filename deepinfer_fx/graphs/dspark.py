@@ -101,7 +101,7 @@ def _stage_attention(
         cos.view(C, k, -1),
         sin.view(C, k, -1),
     )
-    return grouped_output(o.reshape(q.shape), p["wo_a"], p["wo_b"], c.o_groups)
+    return grouped_output(o.reshape(q.shape), p, c.o_groups)
 
 
 def _temperature_sampler(temperature: float, generator: torch.Generator | None) -> Sampler:

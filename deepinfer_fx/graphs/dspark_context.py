@@ -17,7 +17,7 @@ import torch
 from ..config import ModelConfig
 from .attention import latent_kv
 from .batch import Batch, Group
-from .norm import linear, rms_norm
+from .norm import held, linear, rms_norm
 from .rope import cos_sin, inv_freq
 from .state import write_rows
 
@@ -93,7 +93,7 @@ def context_rows(
     dtype = captured[c.dspark_target_layer_ids[0]].dtype
     h = torch.cat([captured[layer][idx].float().mean(-2) for layer in c.dspark_target_layer_ids], dim=-1).to(dtype)
     m0 = params["mtp"][0]
-    main_x = rms_norm(linear(h, m0["main_proj"]), m0["main_norm"], c.rms_norm_eps)
+    main_x = rms_norm(linear(h, *held(m0, "main_proj")), m0["main_norm"], c.rms_norm_eps)
     positions = group.starts[:, None] + j
     cos, sin = cos_sin(positions, window_freq(c))
     for s in range(c.dspark_stages):

@@ -257,7 +257,9 @@ def engram_apply(
             raise ValueError(f"engram: {k} is {tuple(p[k].shape)}; expected {(hc, d)}")
 
     rows = table.lookup(hash_ids).to(X.device).reshape(n, n_cols * table.head_dim)
-    kv = linear(rows.to(X.dtype), wkv)  # the projection runs in the activations' dtype, like any linear
+    kv = linear(
+        rows.to(X.dtype), wkv, p.get("wkv_scale")
+    )  # the projection runs in the activations' dtype, like any linear
     key = kv[:, : hc * d].view(n, hc, d).float()
     value = kv[:, hc * d :].float()  # one value shared by all streams
 

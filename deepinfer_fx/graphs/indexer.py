@@ -12,7 +12,7 @@ from ..config import ModelConfig
 from .batch import Group
 from .compressor import compress, visible_entries
 from .fake_quant import index_vector
-from .norm import linear, linear_fp32
+from .norm import held, linear, linear_fp32
 from .rope import apply_rope, cos_sin
 from .swap import swappable
 
@@ -36,7 +36,7 @@ def select_entries(
     pool = compress(
         p["compressor"], st, xg, g, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k), gather=False
     )
-    q = linear(q_r, p["wq_b"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
+    q = linear(q_r, *held(p, "wq_b")).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(xq, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
     return score_topk(q, pool, head_w, visible_entries(q_pos, pool.shape[-2], ratio), c.index_topk, g.slots)

@@ -12,7 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..io.quant import dequant_fp8_block, dequant_mxfp4, fp8_block_of
-from .norm import linear, linear_fp32
+from .norm import held, linear, linear_fp32
 from .param_spec import scale_path
 from .pointwise import sigmoid, silu, softmax, softplus
 from .swap import swappable
@@ -107,8 +107,16 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tens
     return silu(g) * u
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
-    return swiglu_act(linear(x, w1), linear(x, w3), limit)
+def swiglu(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float,
+    s1: torch.Tensor | None = None,
+    s3: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``swiglu_act`` of x's two projections; ``s1`` / ``s3``: block scales of weights held in FP8."""
+    return swiglu_act(linear(x, w1, s1), linear(x, w3, s3), limit)
 
 
 @swappable
@@ -168,7 +176,8 @@ def expert_parallel(
 def shared_expert(p: dict, limit: float, x: torch.Tensor) -> torch.Tensor:
     """The always-on shared expert (dense weights ``[I, D]``, ``[I, D]``, ``[D, I]``), in x's
     dtype: the same SwiGLU-with-clamp as a routed expert with routing weight 1."""
-    return linear(swiglu(x, p["w1"], p["w3"], limit).to(x.dtype), p["w2"])
+    h = swiglu(x, p["w1"], p["w3"], limit, p.get("w1_scale"), p.get("w3_scale"))
+    return linear(h.to(x.dtype), *held(p, "w2"))
 
 
 @swappable

@@ -21,7 +21,7 @@ from ..config import ModelConfig
 from .argmax import first_argmax
 from .batch import Batch, Group, make_batch
 from .model import block, head
-from .norm import linear, rms_norm
+from .norm import held, linear, rms_norm
 
 
 def mtp_forward_batch(
@@ -39,7 +39,7 @@ def mtp_forward_batch(
     mp, ms = params["mtp"][stage], state["mtp"][stage]
     eps = c.rms_norm_eps
     e = rms_norm(params["embed"][batch.token_ids].to(X.dtype), mp["enorm"], eps)
-    Y = linear(rms_norm(X, mp["hnorm"], eps), mp["h_proj"]) + linear(e, mp["e_proj"])[:, None, :]
+    Y = linear(rms_norm(X, mp["hnorm"], eps), *held(mp, "h_proj")) + linear(e, *held(mp, "e_proj"))[:, None, :]
     Y, _ = block(mp, [ms], c, Y, batch, 0, 0)
     return head(params, c, Y if rows is None else Y[rows], head_prefix=mp), Y
 

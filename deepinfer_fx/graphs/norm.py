@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..io.quant import dequant_fp8_block, fp8_block_of
 from .swap import swappable
 
 
@@ -36,15 +37,38 @@ def project(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
     return x.float() @ w.float().T
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` in x's dtype."""
-    return project(x, w, False)
+def dequant_dense(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A dense weight as the model multiplies it: ``w`` itself, or (``scale`` given: block FP8
+    held as stored, ``load_model(dense_format="fp8")``) ``w.float() * scale`` over each block,
+    rounded to ``dtype``, the value the loader would have dequantised it to."""
+    if scale is None:
+        return w
+    return dequant_fp8_block(w, scale, fp8_block_of(w.shape, scale.shape), dtype)
 
 
-def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+@swappable
+def project_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    """``project`` for a block-FP8 weight held as stored (float8_e4m3fn ``[out, in]`` and fp32
+    block scales): dequantised to x's dtype, then the same product, so a model held in fp8 gives
+    the bits of the one dequantised on load. A place of its own, where a kernel that reads the
+    fp8 weight as stored can stand in."""
+    return project(x, dequant_dense(w, scale, x.dtype), out_fp32)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T`` in x's dtype; ``scale``: w's block scales where it is held in block FP8."""
+    return project(x, w, False) if scale is None else project_fp8(x, w, scale, False)
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T`` accumulated and returned in fp32: the router, compressor and indexer-weight
-    projections and the LM head."""
-    return project(x, w, True)
+    projections and the LM head; ``scale`` as in ``linear``."""
+    return project(x, w, True) if scale is None else project_fp8(x, w, scale, True)
+
+
+def held(p: dict, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A projection's weight and its block scales (None unless held in block FP8)."""
+    return p[name], p.get(f"{name}_scale")
 
 
 @swappable

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..vision.params import is_vision_path, vision_specs
-from .block_params import block_specs, hc_head_specs, linear_spec, norm_spec
+from .block_params import block_specs, hc_head_specs, hold_dense, linear_spec, norm_spec
 from .param_spec import ParamSpec
 
 
@@ -28,7 +28,7 @@ def backbone_specs(c: ModelConfig) -> list[ParamSpec]:
         specs += hc_head_specs("", c)
     for layer, ratio in enumerate(c.compress_ratios):
         specs += block_specs(f"layers.{layer}", c, ratio, layer < c.num_hash_layers, layer)
-    return specs
+    return hold_dense(specs, c)
 
 
 def engram_specs(c: ModelConfig) -> list[ParamSpec]:
@@ -39,7 +39,7 @@ def mtp_specs(c: ModelConfig) -> list[ParamSpec]:
     """Everything under ``mtp.*``: the DSpark drafter when the config has one, else the MTP-1
     blocks. Loading, writing and counting treat both alike as "the draft model"."""
     if c.dspark_stages:
-        return dspark_specs(c)
+        return hold_dense(dspark_specs(c), c)
     specs: list[ParamSpec] = []
     d = c.hidden_size
     for s in range(c.num_nextn_predict_layers):
@@ -52,7 +52,7 @@ def mtp_specs(c: ModelConfig) -> list[ParamSpec]:
             norm_spec(f"{p}.hnorm", d),
             norm_spec(f"{p}.norm", d),
         ] + hc_head_specs(p, c)
-    return specs
+    return hold_dense(specs, c)
 
 
 def dspark_stage_config(c: ModelConfig) -> ModelConfig:

@@ -26,6 +26,7 @@ from .quant import ue8m0_to_float
 from .tokenizer import load_tokenizer
 
 EXPERT_FORMAT = "DEEPINFER_EXPERT_FORMAT"
+DENSE_FORMAT = "DEEPINFER_DENSE_FORMAT"
 ExpertIds = Callable[[ParamSpec], Sequence[int]]
 
 
@@ -64,6 +65,8 @@ def _load_one(
         w, s = torch.stack(weights).to(device), torch.stack(scales).to(device)
         _check_values(reader, spec, keys, w)
         _check_values(reader, spec, keys, s if spec.held == "fp8" else ue8m0_to_float(s), "the block scales of tensor")
+        if not spec.stacked:  # a dense projection (dense_format="fp8"): one weight, no expert dim
+            w, s = w[0], s[0]
         return {spec.path: w, scale_path(spec.path): s}
     target = spec.dtype(dtype)
     parts = [reader.get(key, dtype=target) for key in keys]
@@ -203,6 +206,21 @@ def held_experts(c: ModelConfig, expert_format: str | None, device=None) -> str 
     return None if fmt == "dequant" else stored
 
 
+def held_dense(c: ModelConfig, dense_format: str | None) -> str | None:
+    """How the block-FP8 dense projections of checkpoint config ``c`` are held: "fp8" (float8_e4m3fn
+    + fp32 block scales, dequantised inside each projection) or None (dequantised to the model
+    dtype on load). ``dense_format`` (None: ``DEEPINFER_DENSE_FORMAT``): "fp8" keeps them (an
+    unquantised checkpoint is an error), "dequant" converts them, "auto" converts them for now:
+    the projections dequantise the fp8 weight in the graph until a kernel reads it as stored, so
+    fp8 saves memory but not yet time (docs/decisions.md)."""
+    fmt = argument(DENSE_FORMAT, dense_format)
+    if fmt == "fp8" and c.fp8_block is None:
+        raise CheckpointError(
+            "dense_format='fp8' keeps block-FP8 dense weights, but this checkpoint's are unquantised; use 'auto' or 'dequant'"
+        )
+    return "fp8" if fmt == "fp8" else None
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     dtype: torch.dtype,
@@ -210,14 +228,16 @@ def load_checkpoint(
     fake_quant: bool | None = None,
     experts: ExpertIds | None = None,
     expert_format: str | None = None,
+    dense_format: str | None = None,
 ):
     """-> (config, params, model_dir). ``fake_quant`` overrides the config's switch; ``experts``
-    as in ``load_params``; ``expert_format`` as in ``held_experts``."""
+    as in ``load_params``; ``expert_format`` as in ``held_experts``, ``dense_format`` as in
+    ``held_dense``."""
     model_dir = resolve_model_dir(path)
     c = load_config(model_dir)
     if fake_quant is not None:
         c = c.replace(fake_quant=fake_quant)
-    c = c.replace(held_experts=held_experts(c, expert_format, device))
+    c = c.replace(held_experts=held_experts(c, expert_format, device), held_dense=held_dense(c, dense_format))
     reader = CheckpointReader(model_dir, fp8_block=c.fp8_block)
     try:
         params = load_params(reader, c, dtype, device, experts=experts)

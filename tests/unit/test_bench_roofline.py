@@ -113,3 +113,16 @@ def test_another_gpus_ceilings_scale_the_bound_they_limit() -> None:
     assert p.bound == p2.bound == "compute" and p2.flops == p.flops
     assert p2.seconds == pytest.approx(2 * p.seconds)
     assert slow_copy.as_dict()["copy_tb_s"] == pytest.approx(h200.copy_bytes_per_s / 2e12, abs=1e-3)
+
+
+def test_dense_weights_held_in_fp8_count_a_byte_and_their_scales() -> None:
+    """``dense_format="fp8"``: every block-FP8 dense projection reads a byte an element plus an fp32
+    scale a 32 x 32 block instead of two bytes; the FLOPs stay."""
+    c = config_from_dict(tiny_v4()).replace(fp8_block=32)
+    held = c.replace(held_dense="fp8")
+    fp8 = sum(s.numel for s in roofline.param_specs(held, mtp=False) if s.held == "fp8" and not s.stacked)
+    assert fp8 > 0
+    a, b = roofline.decode(c, 4, 64), roofline.decode(held, 4, 64)
+    assert a.bytes - b.bytes == pytest.approx(fp8 * (2 - (1 + 4 / 32**2)), rel=1e-12)
+    assert a.flops == b.flops
+    assert roofline.prefill(c, 64).flops == roofline.prefill(held, 64).flops

@@ -32,6 +32,7 @@ def test_defaults_and_overrides() -> None:
         ("DEEPINFER_ACCELERATOR", "tpu"),
         ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mask"),
         ("DEEPINFER_EXPERT_FORMAT", "int8"),
+        ("DEEPINFER_DENSE_FORMAT", "fp4"),
         ("DEEPINFER_DIST_TIMEOUT", "0"),
         ("DEEPINFER_DIST_TIMEOUT", "-5"),
         ("DEEPINFER_DIST_TIMEOUT", "inf"),
