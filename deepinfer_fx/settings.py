@@ -139,9 +139,9 @@ VARIABLES: dict[str, Var] = {
         _choice("auto", "fp8", "dequant"),
         "auto",
         "auto, fp8 or dequant",
-        "block-FP8 dense projections of quantised checkpoints: fp8 keeps them as stored (half the bytes; each "
-        "projection dequantises its weight in the graph), dequant converts them to the model dtype on load, "
-        "auto dequantises (until a kernel reads fp8 weights as stored)",
+        "block-FP8 dense projections of quantised checkpoints: fp8 keeps them as stored (half the bytes; decode "
+        "steps of <= 16 rows read them so on CUDA, larger steps dequantise them in the graph), dequant converts "
+        "them to the model dtype on load, auto dequantises (until fp8 is measured)",
     ),
     f"{PREFIX}ENGRAM_TABLES": Var(
         "engram_tables",

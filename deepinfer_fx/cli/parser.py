@@ -218,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dense-format",
         choices=["auto", "fp8", "dequant"],
         default=None,
-        help="block-FP8 dense projections of quantised checkpoints: keep them as stored (fp8: half the bytes, "
-        "dequantised inside each projection) or dequantise on load (default: DEEPINFER_DENSE_FORMAT, auto = dequant)",
+        help="block-FP8 dense projections of quantised checkpoints: keep them as stored (fp8: half the bytes) "
+        "or dequantise on load (default: DEEPINFER_DENSE_FORMAT, auto = dequant)",
     )
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument(

@@ -211,8 +211,8 @@ def held_dense(c: ModelConfig, dense_format: str | None) -> str | None:
     + fp32 block scales, dequantised inside each projection) or None (dequantised to the model
     dtype on load). ``dense_format`` (None: ``DEEPINFER_DENSE_FORMAT``): "fp8" keeps them (an
     unquantised checkpoint is an error), "dequant" converts them, "auto" converts them for now:
-    the projections dequantise the fp8 weight in the graph until a kernel reads it as stored, so
-    fp8 saves memory but not yet time (docs/decisions.md)."""
+    only decode-sized calls on CUDA read the fp8 weight as stored (``skinny_linear_fp8``), the
+    rest dequantise it in the graph, and none of it is measured yet (docs/decisions.md)."""
     fmt = argument(DENSE_FORMAT, dense_format)
     if fmt == "fp8" and c.fp8_block is None:
         raise CheckpointError(

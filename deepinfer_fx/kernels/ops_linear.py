@@ -13,9 +13,13 @@ weight stored as its stacked blocks: the grouped output projection ``wo_a``) on 
 kernel, each column tile reading its block's slice of x: at decode the batched matmul it
 replaces is a cuBLAS launch that PDL cannot chain to.
 
-``decode_sized`` is the domain the kernels are built for; the ``skinny_linear_kernel`` swap
-(``passes/swap_calls.py``) routes only such calls through the op and leaves the rest to the
-reference's GEMM.
+``deepinfer::skinny_linear_fp8`` is ``graphs/norm.py::project_fp8``: the same kernel streaming a
+block-FP8 weight as stored (a byte an element) and dequantising each tile in registers
+(``dense_format="fp8"``).
+
+``decode_sized`` (``fp8_decode_sized``) is the domain the kernels are built for; the
+``skinny_linear_kernel`` (``skinny_linear_fp8_kernel``) swap (``passes/swap_calls.py``) routes
+only such calls through the op and leaves the rest to the reference's GEMM.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import math
 import torch
 
 from ..graphs.batch_invariant import fixed_order_matmul
-from ..graphs.norm import project, project_blocks
+from ..graphs.norm import project, project_blocks, project_fp8
+from ..io.quant import fp8_block_of
 from .declare import declare_op
 
 # Rows up to which a call counts as decode-sized. Measured on the H200 at P8 widths
@@ -52,6 +57,19 @@ def decode_sized(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
+def fp8_decode_sized(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> bool:
+    """``decode_sized`` for ``project_fp8(x, w, scale, ...)``: a bf16 x of 1..MAX_ROWS rows, a
+    float8_e4m3fn weight with aligned dims and fp32 scales of a block whose power-of-two part is a
+    k tile (>= 16). Shapes and dtypes only (decided once per trace)."""
+    rows = math.prod(x.shape[:-1])
+    if not (0 < rows <= MAX_ROWS and x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn and w.dim() == 2):
+        return False
+    block = fp8_block_of(w.shape, scale.shape)
+    return (
+        scale.dtype == torch.float32 and w.shape[0] % ALIGN == 0 and w.shape[1] % ALIGN == 0 and (block & -block) >= 16
+    )
+
+
 def _rows_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool, **_: object) -> torch.Tensor:
     """``[M, N]`` for x ``[M, K]`` and w ``[N, K]``, in x's dtype or fp32."""
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype)
@@ -59,6 +77,8 @@ def _rows_fake(x: torch.Tensor, w: torch.Tensor, out_fp32: bool, **_: object) ->
 
 # x ``[M, K]``, w ``[N, K]`` -> ``x @ w.T`` ``[M, N]`` in x's dtype, or fp32 (``out_fp32``).
 skinny_linear = declare_op("skinny_linear", project, _rows_fake)
+# The same for a float8_e4m3fn w ``[N, K]`` with fp32 block scales (``project_fp8``).
+skinny_linear_fp8 = declare_op("skinny_linear_fp8", project_fp8, _rows_fake)
 
 
 def _skinny_linear_group(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:

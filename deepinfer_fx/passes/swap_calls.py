@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..graphs.moe import EXPERT_WEIGHTS, expert_parallel, experts_with_shared, held_format
-from ..graphs.norm import project, project_blocks
+from ..graphs.norm import project, project_blocks, project_fp8
 from ..graphs.param_spec import scale_path
 from ..graphs.rope import apply_rope, cos_sin
 from ..graphs.swap import active
@@ -18,7 +18,7 @@ from ..io.quant import fp8_block_of
 from ..kernels.ops import route_unserved
 from ..kernels.ops_compressor import compressor_unserved
 from ..kernels.ops_fp8 import fp8_block_unserved
-from ..kernels.ops_linear import ALIGN, decode_sized
+from ..kernels.ops_linear import ALIGN, decode_sized, fp8_decode_sized
 from ..kernels.ops_mhc import streams_unserved
 from ..kernels.ops_rope import norm_rope_unserved as rows_unserved
 
@@ -79,6 +79,13 @@ def project_call(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tens
     if not decode_sized(x, w):  # prefill-sized or unaligned: the reference's GEMM serves it
         return project.reference(x, w, out_fp32)  # type: ignore[attr-defined]
     y = torch.ops.deepinfer.skinny_linear(x.reshape(-1, x.shape[-1]), w, out_fp32)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def project_fp8_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    if not fp8_decode_sized(x, w, scale):
+        return project_fp8.reference(x, w, scale, out_fp32)  # type: ignore[attr-defined]
+    y = torch.ops.deepinfer.skinny_linear_fp8(x.reshape(-1, x.shape[-1]), w, scale, out_fp32)
     return y.view(*x.shape[:-1], w.shape[0])
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..kernels.ops import route_unserved, topk_mask_unserved
 from ..kernels.ops_compressor import compressor_unserved
 from ..kernels.ops_fp8 import fp8_block_unserved
-from ..kernels.ops_linear import decode_sized
+from ..kernels.ops_linear import decode_sized, fp8_decode_sized
 from ..kernels.ops_mhc import streams_unserved
 from ..kernels.ops_rope import norm_rope_unserved
 from . import swap_calls as c
@@ -43,6 +43,16 @@ SWAPS: tuple[SwapRow, ...] = (
     # aligned weight): a GEMM that streams the weight at close to HBM bandwidth; the rest trace the
     # reference. The choice reads static shapes only, so it is made once per traced bucket.
     SwapRow("skinny_linear_kernel", "norm.project", "skinny_linear", c.project_call, sources=(decode_sized,)),
+    # The same for block-FP8 weights held as stored (dense_format="fp8"): the weight streams at a
+    # byte an element, each tile dequantised in registers; elsewhere (prefill) the reference
+    # dequantises the whole weight and the GEMM (or skinny_linear_kernel) runs on that.
+    SwapRow(
+        "skinny_linear_fp8_kernel",
+        "norm.project_fp8",
+        "skinny_linear_fp8",
+        c.project_fp8_call,
+        sources=(fp8_decode_sized,),
+    ),
     # The grouped wo_a, decode-sized: the skinny GEMV over the stacked blocks, where the reference's
     # batched matmul was a cuBLAS launch that ends the PDL chain before and after it (twice a layer).
     SwapRow(

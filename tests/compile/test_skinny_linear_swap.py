@@ -10,6 +10,7 @@ import torch
 
 from deepinfer_fx.graphs.norm import linear, linear_fp32, project, project_blocks
 from deepinfer_fx.graphs.swap import swapped
+from deepinfer_fx.io.quant import quant_fp8_block, ue8m0_to_float
 from deepinfer_fx.kernels.ops_linear import MAX_ROWS, decode_sized
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
 from deepinfer_fx.passes.manager import registered_passes
@@ -132,3 +133,32 @@ def test_blocks_swap_compiled_equals_eager(enabled: bool) -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed} output {i}: {m}")
     assert len(be.graphs) == 1 and be.rewrites().get(BLOCKS, 0) == 2 * int(enabled), f"seed={seed} {be.rewrites()}"
     assert project_blocks.place == BLOCKS_SWAP.place  # type: ignore[attr-defined]
+
+
+FP8 = registered_passes()["skinny_linear_fp8_kernel"]
+
+
+def fp8_block(x: torch.Tensor, w8: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Block-FP8 weights held as stored: two decode-sized calls (bf16 out, fp32 out) and one with
+    too many rows, which keeps the reference (the weight dequantised, then the GEMM)."""
+    return linear(x[:4], w8, s), linear_fp32(x[:2], w8, s), linear(x, w8, s)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_compiled_fp8_swap_equals_eager(enabled: bool) -> None:
+    """``skinny_linear_fp8_kernel``: compiled == eager, bit for bit on the CPU (the op runs its
+    reference there), and the pass counts the two decode-sized calls when enabled."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(MAX_ROWS + 3, 64, generator=g).to(BF16)
+    w8, scale = quant_fp8_block(torch.randn(96, 64, generator=g) * 0.125, 32)
+    s = ue8m0_to_float(scale)
+    be = make_backend("cpu", disabled=() if enabled else (FP8.name,), environ={})
+    compiled = compile_graph(fp8_block, be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()):
+        got = compiled(x, w8, s)
+    want = fp8_block(x, w8, s)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype, f"seed={seed} output {i}"
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"seed={seed} output {i}: {m}")
+    assert be.rewrites().get(FP8.name, 0) == 2 * int(enabled), f"seed={seed} {be.rewrites()}"

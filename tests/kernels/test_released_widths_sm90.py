@@ -8,8 +8,9 @@ as a real launch would be), in bf16:
 
 - ``steps``: the nvidia pipeline as the engine runs it, decode batches of 1, 16, 64 and 256 and a
   4096-token prefill chunk;
-- ``fp8-experts``: the routed experts held in block fp8 (``expert_format="fp8"``, a ``-Base``
-  checkpoint's), decode 1 and 64 and the prefill chunk;
+- ``fp8``: the routed experts held in block fp8 (``expert_format="fp8"``, a ``-Base``
+  checkpoint's) and the dense projections too (``dense_format="fp8"``: the skinny GEMV reading
+  fp8 tiles at decode), decode 1 and 64 and the prefill chunk;
 - ``mhc-off``: ``DEEPINFER_DISABLE_PASSES=mhc_site_kernel,mhc_head_kernel`` (the Sinkhorn kernel
   and the reference's GEMMs instead; the Sinkhorn tiling reads the stream count only), decode 1.
 
@@ -37,7 +38,7 @@ P8_SPILLS: dict[str, int] = {"mqa_sequential": 8}
 
 VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool]] = {
     "steps": (CASES, (), False),
-    "fp8-experts": ((("decode", 1), ("decode", 64), ("prefill", 4096)), (), True),
+    "fp8": ((("decode", 1), ("decode", 64), ("prefill", 4096)), (), True),
     "mhc-off": ((("decode", 1),), ("mhc_site_kernel", "mhc_head_kernel"), False),
 }
 
@@ -55,7 +56,7 @@ def _compile_for_sm90(out_dir: str, *names: str) -> None:
     done: dict[tuple, dict] = {}
     rows, declined = [], {}
     for variant, (cases, disabled, fp8) in VARIANTS.items():
-        c = base.replace(expert_dtype="fp8", held_experts="fp8") if fp8 else base
+        c = base.replace(expert_dtype="fp8", held_experts="fp8", held_dense="fp8") if fp8 else base
         found = model_launches(c, cases, disabled)
         declined.update({f"{variant}: {swap}": whys for swap, whys in found.declined.items()})
         for key, (launch, case, op) in found.launches.items():

@@ -284,6 +284,11 @@ SM90_CASES = (
 )
 
 
+# Block-FP8 weights held as stored (``skinny_linear_fp8``): V4.1's wq_a, wq_b, wo_b (32-blocks)
+# and V4's wq_b (128-blocks), as (N, K, block).
+SM90_FP8_CASES = [(1280, 5120, 32), (32768, 1280, 32), (5120, 8192, 32), (32768, 1024, 128)]
+
+
 def _case_name(ns: tuple[int, ...], k: int, x_block_n: int) -> str:
     return f"{'+'.join(map(str, ns))}x{k}" + (f"-blocks{x_block_n}" if x_block_n else "")
 
@@ -323,6 +328,7 @@ def _compile_for_sm90(out_dir: str) -> None:
         }
         if len(bounds) == 2:
             consts |= {"ws_ptr": None, "count_ptr": None}
+        consts |= {"scale_ptr": None, "stride_sn": 0, "stride_sk": 0, "SB": 0}
         for out in ("bf16", "fp32"):
             pointers = {
                 "x_ptr": "*bf16",
@@ -346,6 +352,46 @@ def _compile_for_sm90(out_dir: str) -> None:
                     fn, pointers | desc, consts, ["stride_xm", "stride_wn"], num_warps=t.warps, num_stages=t.stages
                 )
                 Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").write_text(kernel.asm["ptx"])
+    for n, k, block in SM90_FP8_CASES:
+        t = choose_tiles(n, k, max_bk=min(128, block))
+        bounds = _split_bounds(k, t)
+        consts = {
+            "stride_xk": 1,
+            "stride_wk": 1,
+            "stride_sk": 1,
+            "K": k,
+            "K_SPLIT": bounds[1],
+            "SPLITS": len(bounds) - 1,
+            "BM": BM,
+            "BN": t.bn,
+            "BK": t.bk,
+            "EVEN": n % t.bn == 0,
+            "PREC": "tf32",
+            "NS": (n,),
+            "TILE0": (0,),
+            "COL0": (0,),
+            "N_ALL": n,
+            "X_BLOCK_N": 0,
+            "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // 128)),
+            "LINE": 128,
+            "PDL": True,
+            "SB": block,
+            "w_desc": None,
+        }
+        if len(bounds) == 2:
+            consts |= {"ws_ptr": None, "count_ptr": None}
+        pointers = {
+            "x_ptr": "*bf16",
+            "w_ptrs": ("*fp8e4nv",),
+            "out_ptrs": ("*bf16",),
+            "ws_ptr": "*fp32",
+            "count_ptr": "*i32",
+            "scale_ptr": "*fp32",
+        }
+        kernel = compile_sm90(
+            fn, pointers, consts, ["stride_xm", "stride_wn", "stride_sn"], num_warps=t.warps, num_stages=t.stages
+        )
+        Path(out_dir, f"fp8-{n}x{k}-b{block}.ptx").write_text(kernel.asm["ptx"])
 
 
 @pytest.fixture(scope="module")
@@ -384,6 +430,20 @@ def test_compiles_for_sm90_without_spills(
         "no barrier between the partial stores and the atomic"
     )
     assert any("ld.global.cg" in line for line in lines[atoms[0] :]), "partials must be read through L2"
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("n,k,block", SM90_FP8_CASES, ids=str)
+def test_fp8_variant_compiles_for_sm90_without_spills(n: int, k: int, block: int, sm90_ptx: Path) -> None:
+    """The block-FP8 variant (tiles dequantised in registers): no spills, at most 128 registers,
+    its weight read a byte an element (8-bit loads or vectors of them), the PDL wait before any load."""
+    ptx = (sm90_ptx / f"fp8-{n}x{k}-b{block}.ptx").read_text()
+    spills, registers, log = ptxas_report(ptx)
+    assert spills == [0, 0] and registers <= 128, log
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
+    assert not any(("ld.global" in line or "cp.async" in line) for line in lines[:wait]), "a load before the wait"
+    assert any("cvt" in line and "e4m3" in line for line in lines), "fp8 values converted in registers"
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")

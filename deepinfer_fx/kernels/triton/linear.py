@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..ops_linear import MAX_GROUP  # (importing it declares deepinfer::skinny_linear before we register for it)
+from ...io.quant import fp8_block_of
 from .pdl import pdl_args, prefetch_l2, release_next, wait_only
 
 BM = 16  # rows per block: fixed, never chosen from M (batch invariance)
@@ -59,7 +60,7 @@ class Tiles(NamedTuple):
     tma: bool = False
 
 
-def choose_tiles(n: int, k: int) -> Tiles:
+def choose_tiles(n: int, k: int, max_bk: int = 128) -> Tiles:
     """The tiling for a weight ``[n, k]``; never a function of the row count.
 
     Wide weights (the head, ``wq_b``) fill the GPU with column tiles alone: the widest tile
@@ -67,8 +68,9 @@ def choose_tiles(n: int, k: int) -> Tiles:
     take 64- or 32-column tiles and split K until they do, each split keeping at least two k
     tiles; fewer splits where possible, since the partials cost traffic that grows with M.
     Weight tiles come through TMA where the weight allows (measured on the H200, s13: 0.3-0.9
-    us faster per wo_b / wq_b call at M = 1 and 8, ``skinny_tma_sweep_s13.json``)."""
-    bk = min(128, max(16, triton.next_power_of_2(k)))
+    us faster per wo_b / wq_b call at M = 1 and 8, ``skinny_tma_sweep_s13.json``). ``max_bk``
+    caps the k tile (a block-FP8 weight's tiles lie in one scale block)."""
+    bk = min(max_bk, max(16, triton.next_power_of_2(k)))
     for bn, stages in ((128, 3), (64, 4), (32, 4)):
         if triton.cdiv(n, bn) >= _MIN_PROGRAMS:
             return Tiles(bn, bk, 1, 4, stages, tma=True)
@@ -86,11 +88,14 @@ def _skinny_kernel(
     out_ptrs,
     ws_ptr,
     count_ptr,
+    scale_ptr,
     M,
     stride_xm,
     stride_xk,
     stride_wn,
     stride_wk,
+    stride_sn,
+    stride_sk,
     K: tl.constexpr,
     K_SPLIT: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -107,6 +112,7 @@ def _skinny_kernel(
     PREFETCH_LINES: tl.constexpr,
     LINE: tl.constexpr,
     PDL: tl.constexpr,
+    SB: tl.constexpr = 0,
     w_desc=None,
 ):
     """out_g[rows, cols] = x[rows, :] @ w_g[cols, :].T with fp32 accumulation, stored in out's
@@ -124,7 +130,11 @@ def _skinny_kernel(
     (single) weight is the stack of a block-diagonal one's blocks, ``X_BLOCK_N`` rows each, and
     column tiles of block b read x's columns ``[b*K, (b+1)*K)``; BN divides ``X_BLOCK_N``. With
     ``w_desc`` (a tensor descriptor of the single weight, blocks ``[BN, BK]``) the weight tiles
-    come through it: out-of-range rows and k read zeros, as the masks give."""
+    come through it: out-of-range rows and k read zeros, as the masks give. With ``SB`` > 0 the
+    (single) weight is block FP8 with fp32 scales ``[cdiv(N, SB), cdiv(K, SB)]`` at
+    ``scale_ptr``: each tile is dequantised as it is loaded, ``(w.float() * scale)`` rounded to
+    x's dtype (the reference's value, ``norm.dequant_dense``); BK divides SB, so a tile's k lie
+    in one scale block."""
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,6 +181,10 @@ def _skinny_kernel(
             kmask = offs_k < K - k0
             a = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(w_tile, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if SB > 0:
+            kb = (split * K_SPLIT + k0) // SB
+            s = tl.load(scale_ptr + (cols // SB).to(tl.int64) * stride_sn + kb * stride_sk, mask=nmask, other=0.0)
+            b = b.to(tl.float32) * s[None, :]
         acc = tl.dot(a, b.to(dtype), acc, input_precision=PREC)
         x_ptrs += BK * stride_xk
         w_tile += BK * stride_wk
@@ -274,12 +288,44 @@ def skinny_linear_blocks_triton(
     return _launch(x, [w], False, t._replace(bn=bn), x_block_n=r)[0]
 
 
+def skinny_linear_fp8_triton(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_fp32: bool, tiles: Tiles | None = None
+) -> torch.Tensor:
+    """``deepinfer::skinny_linear_fp8``: x ``[M, K]`` times a block-FP8 weight held as stored, w
+    float8_e4m3fn ``[N, K]`` with fp32 scales ``[cdiv(N, b), cdiv(K, b)]`` (``norm.project_fp8``),
+    -> ``[M, N]`` in x's dtype or fp32. The weight streams at a byte an element; each tile is
+    dequantised in registers to the value the reference dequantises it to. The k tile is the
+    largest power of two dividing the block, at most 128 (16 at least: ``tl.dot``'s)."""
+    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"skinny_linear_fp8: x [M, K] and a float8_e4m3fn w [N, K] expected, got {tuple(x.shape)} and "
+            f"{tuple(w.shape)} {w.dtype}"
+        )
+    block = fp8_block_of(w.shape, scale.shape)
+    step = block & -block
+    if step < 16 or scale.dtype != torch.float32:
+        raise ValueError(
+            f"skinny_linear_fp8: fp32 scales of a block with a power-of-two part >= 16, got block {block}, {scale.dtype}"
+        )
+    t = tiles or choose_tiles(w.shape[0], w.shape[1], max_bk=min(128, step))
+    return _launch(x, [w], out_fp32, t, scale=scale, block=block)[0]
+
+
 def _launch(
-    x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, t: Tiles, x_block_n: int = 0
+    x: torch.Tensor,
+    ws: Sequence[torch.Tensor],
+    out_fp32: bool,
+    t: Tiles,
+    x_block_n: int = 0,
+    scale: torch.Tensor | None = None,
+    block: int = 0,
 ) -> list[torch.Tensor]:
     """One ``_skinny_kernel`` launch over the weights ``ws`` (shapes checked by the caller), each
-    reading x's first K columns, or with ``x_block_n`` its block's (``skinny_linear_blocks``)."""
-    if any(w.dtype != x.dtype for w in ws):
+    reading x's first K columns, or with ``x_block_n`` its block's (``skinny_linear_blocks``);
+    with ``scale`` the one weight is block FP8 of ``block`` (``skinny_linear_fp8``)."""
+    if scale is not None and (block % t.bk or len(ws) != 1 or x_block_n):
+        raise ValueError(f"skinny_linear_fp8: the k tile {t.bk} must divide the scale block {block}, one weight")
+    if scale is None and any(w.dtype != x.dtype for w in ws):
         raise ValueError(f"skinny_linear: x and w must share a dtype, got {x.dtype} and {[w.dtype for w in ws]}")
     if any(w.stride() != ws[0].stride() for w in ws):
         raise ValueError(
@@ -299,12 +345,13 @@ def _launch(
     # One split needs neither workspace nor counters: None makes them constexpr, never read.
     ws_buf = torch.empty(splits, m, sum(ns), dtype=torch.float32, device=x.device) if splits > 1 else None
     counts = _counters(x.device, grid[0] * grid[1]) if splits > 1 else None
-    line = _LINE_BYTES // x.element_size()
+    line = _LINE_BYTES // ws[0].element_size()
     # Lines along k: only where a weight row is contiguous in k; at most the program's k range.
     lines = triton.next_power_of_2(triton.cdiv(min(t.prefetch * t.bk, k_split), line)) if t.prefetch else 0
     # The descriptor's rows must start 16-byte aligned; a group's weights keep pointer loads.
     tma = (
         t.tma
+        and scale is None  # fp8 tiles load through pointers (a descriptor of them: not measured)
         and len(ws) == 1
         and ws[0].stride(1) == 1
         and (ws[0].stride(0) * ws[0].element_size()) % 16 == 0
@@ -318,11 +365,14 @@ def _launch(
         tuple(outs),
         ws_buf,
         counts,
+        scale,
         m,
         x.stride(0),
         x.stride(1),
         ws[0].stride(0),
         ws[0].stride(1),
+        0 if scale is None else scale.stride(0),
+        0 if scale is None else scale.stride(1),
         K=k,
         K_SPLIT=k_split,
         SPLITS=splits,
@@ -341,6 +391,7 @@ def _launch(
         num_warps=t.warps,
         num_stages=t.stages,
         **pdl_args(x.device),
+        SB=block if scale is not None else 0,
         w_desc=w_desc,
     )
     return outs
@@ -348,6 +399,10 @@ def _launch(
 
 def _skinny_linear_cuda(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
     return skinny_linear_triton(x, w, out_fp32)
+
+
+def _skinny_linear_fp8_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    return skinny_linear_fp8_triton(x, w, scale, out_fp32)
 
 
 def _skinny_linear_blocks_cuda(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -359,5 +414,6 @@ def _skinny_linear_group_cuda(x: torch.Tensor, ws: list[torch.Tensor], out_fp32:
 
 
 torch.library.register_kernel("deepinfer::skinny_linear", "cuda", _skinny_linear_cuda)
+torch.library.register_kernel("deepinfer::skinny_linear_fp8", "cuda", _skinny_linear_fp8_cuda)
 torch.library.register_kernel("deepinfer::skinny_linear_group", "cuda", _skinny_linear_group_cuda)
 torch.library.register_kernel("deepinfer::skinny_linear_blocks", "cuda", _skinny_linear_blocks_cuda)

@@ -1,0 +1,84 @@
+"""The skinny GEMM over a block-FP8 weight held as stored (``skinny_linear_fp8_triton``,
+``deepinfer::skinny_linear_fp8``) against ``graphs/norm.py::project_fp8``: the weight dequantised
+tile by tile to x's dtype must give the product of the weight the reference dequantises, within
+fp32 accumulation error (bf16: one rounding more), for both released block sizes (32: V4.1,
+128: V4), K split or not, N off the tiles; a row's result is the same bits alone or in a batch.
+CPU: the interpreter with fp32 operands; a GPU adds bf16 at the V4.1 projections' widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linear_helpers import DTYPES, assert_close, cuda_only, fresh_seed
+
+from deepinfer_fx.graphs.norm import dequant_dense, project_fp8
+from deepinfer_fx.io.quant import quant_fp8_block, ue8m0_to_float
+from deepinfer_fx.kernels import ops_linear
+from deepinfer_fx.kernels.triton.linear import Tiles, skinny_linear_fp8_triton
+
+# (M, N, K, block, tiles): None is the shape rule (k tile = the block's, at most 128).
+CASES = [
+    (1, 96, 64, 32, None),
+    (5, 64, 128, 32, None),
+    (16, 80, 96, 32, Tiles(32, 32, 3, 4, 3)),  # three splits, N off the column tile
+    (3, 128, 256, 128, None),
+    (7, 160, 384, 128, Tiles(32, 64, 2, 4, 3)),  # 64-deep k tiles inside 128 blocks, two splits
+]
+
+
+def _operands(seed: int, m: int, n: int, k: int, block: int, dtype: torch.dtype, device: str):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+    w8, scale = quant_fp8_block(torch.randn(n, k, generator=g) * k**-0.5, block)
+    return x, w8.to(device), ue8m0_to_float(scale).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_fp32", [False, True])
+@pytest.mark.parametrize("m, n, k, block, tiles", CASES)
+def test_matches_the_dequantised_product(
+    device: str, dtype: torch.dtype, out_fp32: bool, m: int, n: int, k: int, block: int, tiles
+) -> None:
+    seed = fresh_seed()
+    x, w8, scale = _operands(seed, m, n, k, block, dtype, device)
+    got = skinny_linear_fp8_triton(x, w8, scale, out_fp32, tiles)
+    w = dequant_dense(w8, scale, dtype)  # what the reference multiplies
+    assert_close(got, x, w, out_fp32, f"seed {seed}")
+    want = project_fp8.reference(x, w8, scale, out_fp32)  # type: ignore[attr-defined]
+    assert got.dtype == want.dtype and got.shape == want.shape
+
+
+def test_a_row_alone_is_the_same_bits_as_in_a_batch(device: str) -> None:
+    seed = fresh_seed()
+    x, w8, scale = _operands(seed, 16, 96, 128, 32, torch.float32, device)
+    batch = skinny_linear_fp8_triton(x, w8, scale, False)
+    for i in (0, 7, 15):
+        assert torch.equal(skinny_linear_fp8_triton(x[i : i + 1], w8, scale, False)[0], batch[i]), (
+            f"seed {seed}: row {i}"
+        )
+
+
+def test_the_swap_domain_and_bad_inputs() -> None:
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    w8, scale = quant_fp8_block(torch.randn(96, 64), 32)
+    s = ue8m0_to_float(scale)
+    assert ops_linear.fp8_decode_sized(x, w8, s)
+    assert not ops_linear.fp8_decode_sized(torch.zeros(17, 64, dtype=torch.bfloat16), w8, s)  # prefill-sized
+    assert not ops_linear.fp8_decode_sized(x.float(), w8, s)  # fp32 activations: the reference
+    w8b, scale8 = quant_fp8_block(torch.randn(96, 64), 8)  # 8-blocks: no k tile fits one
+    assert not ops_linear.fp8_decode_sized(x, w8b, ue8m0_to_float(scale8))
+    with pytest.raises(ValueError, match="float8_e4m3fn w"):
+        skinny_linear_fp8_triton(x.float(), w8.float(), s, False)
+    with pytest.raises(ValueError, match="power-of-two part >= 16"):
+        skinny_linear_fp8_triton(x.float(), w8b, ue8m0_to_float(scale8), False)
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("n, k", [(1280, 5120), (32768, 1280), (512, 5120), (5120, 8192)])  # V4.1 wq_a, wq_b, wkv, wo_b
+def test_v41_widths_in_bf16_on_cuda(m: int, n: int, k: int) -> None:
+    seed = fresh_seed()
+    x, w8, scale = _operands(seed, m, n, k, 32, torch.bfloat16, "cuda")
+    got = ops_linear.skinny_linear_fp8(x, w8, scale, False)
+    assert_close(got, x, dequant_dense(w8, scale, torch.bfloat16), False, f"seed {seed}")
