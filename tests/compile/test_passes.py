@@ -30,6 +30,7 @@ SWAPS = (
     "moe_shared_fused_kernel",
     "mhc_sinkhorn_kernel",
     "skinny_linear_kernel",
+    "skinny_linear_fp8_kernel",
     "skinny_linear_blocks_kernel",
     "mhc_site_kernel",
     "mhc_head_kernel",
