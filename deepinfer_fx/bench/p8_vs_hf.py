@@ -143,6 +143,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="fp4: routed experts held as MXFP4 (the released format; with --random-weights), read by the fp4 kernels",
     )
     ap.add_argument(
+        "--dense-format",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="fp8: dense projections held in block FP8 (128 x 128 blocks unless the config has its own; with "
+        "--random-weights), read by the fp8 GEMV at decode",
+    )
+    ap.add_argument(
         "--check-fp32", action="store_true", help="also compare both engines with HF run in fp32 (the bf16 noise floor)"
     )
     ap.add_argument("--out", default="bench/results/latest")
@@ -155,12 +162,18 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--config v41 has no HF peer (transformers has no DeepSeek-V4.1): add --random-weights")
     if args.expert_format == "fp4" and not args.random_weights:
         ap.error("--expert-format fp4 needs --random-weights (the HF peer's experts are bf16)")
+    if args.dense_format == "fp8" and not args.random_weights:
+        ap.error("--dense-format fp8 needs --random-weights (the HF peer's weights are bf16)")
     try:
         config = bench_config(args.config, args.layers)
     except ValueError as e:
         ap.error(str(e))
     if args.expert_format == "fp4":  # the values drawn in bf16, then quantised as the checkpoints store them
         config = config.replace(fp8_block=config.fp8_block or 128, expert_dtype="fp4", held_experts="fp4")
+    if args.dense_format == "fp8":  # drawn in bf16, then quantised to block FP8 as the checkpoints store them
+        config = config.replace(fp8_block=config.fp8_block or 128, held_dense="fp8")
+        if config.expert_dtype is None:  # the experts stay bf16 (unquantised), as before
+            config = config.replace(expert_dtype="bf16")
 
     t0 = time.perf_counter()
     hf, check = None, None
@@ -211,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ceilings": ceil.as_dict(),
         "model": f"{args.config} ({c.num_hidden_layers} layers), bf16"
         + (", MXFP4 experts, " if c.held_experts == "fp4" else ", ")
+        + ("block-FP8 dense weights, " if c.held_dense == "fp8" else "")
         + ("our random init" if args.random_weights else "HF random init"),
         "inductor": not args.no_inductor,
         "check_vs_hf": check,
@@ -222,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     name = f"{args.config}_vs_hf_" + "_".join(sorted(segments)) + ("_aot_eager" if args.no_inductor else "")
     name += "_fp4" if c.held_experts == "fp4" else ""
+    name += "_fp8dense" if c.held_dense == "fp8" else ""
 
     if "prefill" in segments:
         for n in chunk_sizes:
