@@ -11,11 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dspark import v41_dspark
 from tiny import FP8_EXPERTS, tiny_v4, tiny_v41
 
 import deepinfer_fx
 from deepinfer_fx import LLM, SamplingParams
-from deepinfer_fx.graphs.param_spec import iter_tree
+from deepinfer_fx.api import Model, random_model
+from deepinfer_fx.config import config_from_dict
+from deepinfer_fx.graphs.norm import dequant_dense
+from deepinfer_fx.graphs.param_spec import build_tree, iter_tree
 from deepinfer_fx.io.checkpoint import CheckpointError
 
 SEED = 11
@@ -97,3 +101,33 @@ def test_an_unquantised_checkpoint_refuses_fp8(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("DEEPINFER_DENSE_FORMAT", "fp4")
     with pytest.raises(ValueError, match="DEEPINFER_DENSE_FORMAT"):
         deepinfer_fx.load_model(tmp_path)
+
+
+def _dequantised(model: Model) -> Model:
+    """``model`` with every weight held in block FP8 dequantised to its dtype, as a load would."""
+    flat = dict(iter_tree(model.params))
+    for path in [p for p in flat if p + "_scale" in flat]:
+        flat[path] = dequant_dense(flat[path], flat.pop(path + "_scale"), model.dtype)
+    return Model(model.config.replace(held_dense=None), build_tree(flat))
+
+
+def test_dspark_drafts_through_held_dense_weights() -> None:
+    """A tiny V4.1 with its DSpark drafter, every block-FP8 projection held as stored (the stages'
+    and ``main_proj`` too): the engine's greedy text and drafts are those of the model dequantised,
+    with speculation on (eager: the compiled steps are the V4 test's)."""
+    c = config_from_dict(v41_dspark()).replace(fp8_block=32, held_dense="fp8", expert_dtype="bf16")
+    held = random_model(c, seed=SEED)
+    assert held.params["mtp"][0]["main_proj"].dtype == torch.float8_e4m3fn
+    prompts = [[5, 9, 2, 7, 11, 3, 4, 8], [8, 1, 4]]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for name, model in (("held", held), ("dequantised", _dequantised(held))):
+        llm = LLM(
+            model,
+            eager=True,
+            max_model_len=64,
+            max_num_seqs=2,
+            speculative_config={"method": "dspark", "num_speculative_tokens": 3},
+        )
+        runs[name] = ([o.outputs[0].token_ids for o in llm.generate(prompts, sp)], llm.speculator.stats.draft_tokens)
+    assert runs["held"] == runs["dequantised"] and runs["held"][1] > 0
