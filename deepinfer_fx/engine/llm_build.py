@@ -45,6 +45,13 @@ def serve_model(
     """This rank's share of the model: a ``Model`` sharded as given, else loaded (only this
     rank's experts) from ``model``, ``"demo"`` (the built-in tiny model) or ``DEEPINFER_HF_MODEL_DIR``."""
     if isinstance(model, Model):
+        given = [n for n, v in (("expert_format", expert_format), ("dense_format", dense_format)) if v is not None]
+        if given:  # a Model's weights are served as its config says they are held
+            raise ValueError(
+                f"{' and '.join(given)} apply when a checkpoint is loaded; this Model is served as it is held "
+                f"(held_experts={model.config.held_experts!r}, held_dense={model.config.held_dense!r}): drop "
+                f"{' and '.join(given)} or pass a checkpoint path"
+            )
         return ranks.shard(model)
     if model == "demo":
         from ..demo import demo_model_dir

@@ -103,6 +103,14 @@ def test_an_unquantised_checkpoint_refuses_fp8(tmp_path: Path, monkeypatch: pyte
         deepinfer_fx.load_model(tmp_path)
 
 
+def test_a_model_object_refuses_a_storage_format() -> None:
+    """``LLM(model=Model, dense_format=...)`` would have nothing to load: refused, not ignored."""
+    model = random_model(tiny_v4(), seed=SEED)
+    for kw in ({"dense_format": "fp8"}, {"expert_format": "dequant"}):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))} apply when a checkpoint is loaded"):
+            LLM(model, eager=True, max_model_len=32, **kw)
+
+
 def _dequantised(model: Model) -> Model:
     """``model`` with every weight held in block FP8 dequantised to its dtype, as a load would."""
     flat = dict(iter_tree(model.params))
