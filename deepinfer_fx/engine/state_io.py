@@ -18,6 +18,8 @@ same state dtype) imports it into one of its own slots and continues decoding at
       before a later step writes them, so they are not stored (and import zeroes them).
     - ``layers.{i}.index.*`` (CSA layers): the indexer compressor, the same three tensors with
       ``index_head_dim`` (entries again ``n_tokens // ratio`` rows).
+    - ``engram.history`` (V4.1 with Engram): the compressed ids of the last
+      ``engram_max_ngram_size - 1`` positions, a ring (position p at ``p % width``).
     - ``mtp.{j}.window``: the MTP blocks' window rings; ``mtp.{j}.pending`` ``[hc, hidden]``: the
       target's streams that wait for the drafter's next row (``graphs/mtp.py``).
 
@@ -56,7 +58,7 @@ from ..graphs.state import init_state
 from .cache import CachePool, iter_tensors
 
 FORMAT = "deepinfer_fx.state"
-FORMAT_VERSION = 2  # 2: mtp.{j}.pending
+FORMAT_VERSION = 3  # 2: mtp.{j}.pending; 3: engram.history a ring keyed by position (was oldest first)
 STATE_FILE = "state.safetensors"
 META_FILE = "meta.json"
 _OWN_KEYS = ("format", "version", "model_type", "config_fingerprint", "dtype")
