@@ -201,7 +201,8 @@ def attention(
         xg, kv_g = gather_rows(xk, g), gather_rows(kv, g)
         xq, q_rq, q_pos = gather_rows(x, qs), gather_rows(q_r, qs), qs.positions
         if (
-            reads_after_write(st["window"], kv_g, c.sliding_window)
+            kv_g.shape[1] == 1  # one-token chunks: mqa_ring takes each chunk's start as its query's position
+            and reads_after_write(st["window"], kv_g, c.sliding_window)
             and q_pos.shape[-1] == 1
             and g.slots.shape[0] >= RING_MIN_CHUNKS
             and g.floor is None
