@@ -293,6 +293,38 @@ def _case_name(ns: tuple[int, ...], k: int, x_block_n: int) -> str:
     return f"{'+'.join(map(str, ns))}x{k}" + (f"-blocks{x_block_n}" if x_block_n else "")
 
 
+def _consts(ns: tuple[int, ...], k: int, t: Tiles, x_block_n: int, line: int) -> dict:
+    """The constants a launch over weights ``ns`` x ``k`` with tiles ``t`` specialises on
+    (``line``: elements of a 128-byte cache line of the weight)."""
+    bounds = _split_bounds(k, t)
+    tile0 = [0]
+    for n in ns:
+        tile0.append(tile0[-1] + -(-n // t.bn))
+    consts = {
+        "stride_xk": 1,
+        "stride_wk": 1,
+        "K": k,
+        "K_SPLIT": bounds[1],
+        "SPLITS": len(bounds) - 1,
+        "BM": BM,
+        "BN": t.bn,
+        "BK": t.bk,
+        "EVEN": all(n % t.bn == 0 for n in ns),
+        "PREC": "tf32",
+        "NS": ns,
+        "TILE0": tuple(tile0[:-1]),
+        "COL0": tuple(sum(ns[:g]) for g in range(len(ns))),
+        "N_ALL": sum(ns),
+        "X_BLOCK_N": x_block_n,
+        "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // line)),
+        "LINE": line,
+        "PDL": True,
+    }
+    if len(bounds) == 2:
+        consts |= {"ws_ptr": None, "count_ptr": None}
+    return consts
+
+
 def _compile_for_sm90(out_dir: str) -> None:
     """PTX for sm_90 of the kernel at every MODEL_WEIGHTS size, bf16 and fp32 results, into
     ``out_dir``. Runs in a child process without the interpreter, under which Triton's compiler
@@ -302,32 +334,7 @@ def _compile_for_sm90(out_dir: str) -> None:
     fn = linear._skinny_kernel
     for ns, k, x_block_n in SM90_CASES:
         t = choose_tiles(sum(ns), k)
-        bounds = _split_bounds(k, t)
-        tile0 = [0]
-        for n in ns:
-            tile0.append(tile0[-1] + -(-n // t.bn))
-        consts = {
-            "stride_xk": 1,
-            "stride_wk": 1,
-            "K": k,
-            "K_SPLIT": bounds[1],
-            "SPLITS": len(bounds) - 1,
-            "BM": BM,
-            "BN": t.bn,
-            "BK": t.bk,
-            "EVEN": all(n % t.bn == 0 for n in ns),
-            "PREC": "tf32",
-            "NS": ns,
-            "TILE0": tuple(tile0[:-1]),
-            "COL0": tuple(sum(ns[:g]) for g in range(len(ns))),
-            "N_ALL": sum(ns),
-            "X_BLOCK_N": x_block_n,
-            "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // 64)),
-            "LINE": 64,
-            "PDL": True,
-        }
-        if len(bounds) == 2:
-            consts |= {"ws_ptr": None, "count_ptr": None}
+        consts = _consts(ns, k, t, x_block_n, 64)
         consts |= {"scale_ptr": None, "stride_sn": 0, "stride_sk": 0, "SB": 0}
         for out in ("bf16", "fp32"):
             pointers = {
@@ -354,32 +361,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                 Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").write_text(kernel.asm["ptx"])
     for n, k, block in SM90_FP8_CASES:
         t = choose_tiles(n, k, max_bk=min(128, block))
-        bounds = _split_bounds(k, t)
-        consts = {
-            "stride_xk": 1,
-            "stride_wk": 1,
-            "stride_sk": 1,
-            "K": k,
-            "K_SPLIT": bounds[1],
-            "SPLITS": len(bounds) - 1,
-            "BM": BM,
-            "BN": t.bn,
-            "BK": t.bk,
-            "EVEN": n % t.bn == 0,
-            "PREC": "tf32",
-            "NS": (n,),
-            "TILE0": (0,),
-            "COL0": (0,),
-            "N_ALL": n,
-            "X_BLOCK_N": 0,
-            "PREFETCH_LINES": triton.next_power_of_2(-(-min(t.prefetch * t.bk, bounds[1]) // 128)),
-            "LINE": 128,
-            "PDL": True,
-            "SB": block,
-            "w_desc": None,
-        }
-        if len(bounds) == 2:
-            consts |= {"ws_ptr": None, "count_ptr": None}
+        consts = _consts((n,), k, t, 0, 128) | {"stride_sk": 1, "SB": block, "w_desc": None}
         pointers = {
             "x_ptr": "*bf16",
             "w_ptrs": ("*fp8e4nv",),
