@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 eager=args.eager,
                 expert_format=args.expert_format,
+                dense_format=args.dense_format,
+                kv_format=args.kv_format,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -92,6 +94,7 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         fake_quant=False if args.no_fake_quant else None,
         expert_format=args.expert_format,
         dense_format=args.dense_format,
+        kv_format=args.kv_format,
         warmup=False if args.no_warmup else None,
         speculative_config=None
         if args.speculative_method is None

@@ -143,6 +143,15 @@ VARIABLES: dict[str, Var] = {
         "steps of <= 16 rows read them so on CUDA, larger steps dequantise them in the graph), dequant converts "
         "them to the model dtype on load, auto dequantises (until fp8 is measured)",
     ),
+    f"{PREFIX}KV_FORMAT": Var(
+        "kv_format",
+        _choice("auto", "model", "trained"),
+        "auto",
+        "auto, model or trained",
+        "how the cache state holds window kv, compressed entries and index keys: trained keeps the fp8 / fp4 "
+        "codes and scales the model's fake-quant points produce (2-4x fewer bytes, the same values), model keeps "
+        "the values in the model dtype, auto = model (until kernels read the trained format)",
+    ),
     f"{PREFIX}ENGRAM_TABLES": Var(
         "engram_tables",
         _choice("auto", "device", "host"),
@@ -219,6 +228,7 @@ class EngineConfig:
     demo_dir: str | None = None
     expert_format: str = "auto"
     dense_format: str = "auto"
+    kv_format: str = "auto"
     pdl: bool = True
     dist_timeout: float = 300.0
     engram_tables: str = "auto"

@@ -150,6 +150,18 @@ def main(argv: list[str] | None = None) -> dict:
         "--random-weights), read by the fp8 GEMV at decode",
     )
     ap.add_argument(
+        "--kv-format",
+        choices=["model", "trained"],
+        default="model",
+        help="trained: the state holds window kv, compressed entries and index keys as fp8 / fp4 bytes "
+        "(graphs/state.py; the roofline still counts bf16 state reads); needs --fake-quant",
+    )
+    ap.add_argument(
+        "--fake-quant",
+        action="store_true",
+        help="run the official fake-quant points (the bench configs skip them, as HF V4 does)",
+    )
+    ap.add_argument(
         "--check-fp32", action="store_true", help="also compare both engines with HF run in fp32 (the bf16 noise floor)"
     )
     ap.add_argument("--out", default="bench/results/latest")
@@ -162,6 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--config v41 has no HF peer (transformers has no DeepSeek-V4.1): add --random-weights")
     if args.expert_format == "fp4" and not args.random_weights:
         ap.error("--expert-format fp4 needs --random-weights (the HF peer's experts are bf16)")
+    if args.kv_format == "trained" and not args.fake_quant:
+        ap.error("--kv-format trained holds what the fake-quant points produce: add --fake-quant")
+    if args.fake_quant and not args.random_weights:
+        ap.error("--fake-quant needs --random-weights (the HF peer has no fake-quant points)")
     if args.dense_format == "fp8" and not args.random_weights:
         ap.error("--dense-format fp8 needs --random-weights (the HF peer's weights are bf16)")
     try:
@@ -170,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(str(e))
     if args.expert_format == "fp4":  # the values drawn in bf16, then quantised as the checkpoints store them
         config = config.replace(fp8_block=config.fp8_block or 128, expert_dtype="fp4", held_experts="fp4")
+    if args.fake_quant:
+        config = config.replace(fake_quant=True)
     if args.dense_format == "fp8":  # drawn in bf16, then quantised to block FP8 as the checkpoints store them
         config = config.replace(fp8_block=config.fp8_block or 128, held_dense="fp8")
         if config.expert_dtype is None:  # the experts stay bf16 (unquantised), as before
@@ -207,7 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     slots = max(batches)
-    state = init_state(c, max(*contexts, *chunk_sizes) + 64, torch.bfloat16, "cuda", mtp=False, slots=slots)
+    state = init_state(
+        c, max(*contexts, *chunk_sizes) + 64, torch.bfloat16, "cuda", mtp=False, slots=slots, kv_format=args.kv_format
+    )
     next_token = torch.randint(3, c.vocab_size, (slots + 1,), device="cuda")
     graphs = StepGraphs(
         model,
@@ -225,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
         "model": f"{args.config} ({c.num_hidden_layers} layers), bf16"
         + (", MXFP4 experts, " if c.held_experts == "fp4" else ", ")
         + ("block-FP8 dense weights, " if c.held_dense == "fp8" else "")
+        + ("fake-quant points on, " if c.fake_quant else "")
+        + ("state as trained (fp8 / fp4), " if args.kv_format == "trained" else "")
         + ("our random init" if args.random_weights else "HF random init"),
         "inductor": not args.no_inductor,
         "check_vs_hf": check,
@@ -237,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     name = f"{args.config}_vs_hf_" + "_".join(sorted(segments)) + ("_aot_eager" if args.no_inductor else "")
     name += "_fp4" if c.held_experts == "fp4" else ""
     name += "_fp8dense" if c.held_dense == "fp8" else ""
+    name += "_fq" if c.fake_quant else ""
+    name += "_trainedkv" if args.kv_format == "trained" else ""
 
     if "prefill" in segments:
         for n in chunk_sizes:

@@ -18,6 +18,8 @@ PLAN_OPTIONS = {
     "dtype",
     "eager",
     "expert_format",
+    "dense_format",
+    "kv_format",
     "max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",

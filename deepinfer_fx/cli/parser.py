@@ -221,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="block-FP8 dense projections of quantised checkpoints: keep them as stored (fp8: half the bytes) "
         "or dequantise on load (default: DEEPINFER_DENSE_FORMAT, auto = dequant)",
     )
+    e.add_argument(
+        "--kv-format",
+        choices=["auto", "model", "trained"],
+        default=None,
+        help="how the cache holds window kv, compressed entries and index keys: trained = the fp8 / fp4 codes "
+        "and scales of the model's fake-quant points (the same values, 2-4x fewer bytes), model = values in "
+        "the model dtype (default: DEEPINFER_KV_FORMAT, auto = model)",
+    )
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument(
         "--speculative-method",

@@ -54,16 +54,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()  # works on the meta device, where nothing is allocated
 
 
-def state_bytes_per_slot(c: ModelConfig, max_len: int, dtype: torch.dtype, mtp: bool = True, spare: int = 0) -> dict:
+def state_bytes_per_slot(
+    c: ModelConfig, max_len: int, dtype: torch.dtype, mtp: bool = True, spare: int = 0, kv_format: str = "model"
+) -> dict:
     """Bytes of one sequence slot, measured on a ``meta`` state (nothing is allocated);
-    ``spare``: the rings' rows for the longest draft (``graphs/state.py``).
+    ``spare``: the rings' rows for the longest draft, ``kv_format`` how rows are held (``graphs/state.py``).
 
     Returns ``fixed`` (window rings and compressor row rings; independent of ``max_len``),
     ``growing`` (compressed entries and index keys at this ``max_len``), ``total``
     (fixed + growing) and ``per_token`` (growing / max_len: bytes per cached token)."""
     if max_len < 1:
         raise ValueError(f"max_len must be at least 1 token, got {max_len}")
-    state = init_state(c, max_len, dtype, device="meta", mtp=mtp, slots=1, spare=spare)
+    state = init_state(c, max_len, dtype, device="meta", mtp=mtp, slots=1, spare=spare, kv_format=kv_format)
     fixed = growing = 0
     for path, t in iter_tensors(state):
         one = t[0]  # the state also holds the scratch slot
@@ -84,6 +86,7 @@ class CapacityPlan:
     fixed_bytes_per_slot: int  # window and compressor rings: paid once per slot
     tokens_capacity: int  # slots * max_len
     spare: int = 0  # ring rows past what readers need: the longest draft (graphs/state.py)
+    kv_format: str = "model"  # "trained": windows, entries and index keys as fp8 / fp4 bytes
 
 
 def plan_capacity(
@@ -93,12 +96,14 @@ def plan_capacity(
     dtype: torch.dtype,
     max_slots: int | None = None,
     spare: int = 0,
+    kv_format: str = "model",
 ) -> CapacityPlan:
     """As many slots of ``max_len`` tokens as ``budget_bytes`` holds (at most ``max_slots``),
-    their rings ``spare`` rows longer (speculative decoding's longest draft)."""
+    their rings ``spare`` rows longer (speculative decoding's longest draft), their rows held
+    as ``kv_format`` says (``graphs/state.py``)."""
     if max_slots is not None and max_slots < 1:
         raise ValueError(f"max_slots must be at least 1, got {max_slots}")
-    b = state_bytes_per_slot(c, max_len, dtype, spare=spare)
+    b = state_bytes_per_slot(c, max_len, dtype, spare=spare, kv_format=kv_format)
     per_slot = b["total"]
     slots = max(budget_bytes, 0) // per_slot - 1  # one slot's worth goes to the scratch slot
     if slots < 1:
@@ -119,6 +124,7 @@ def plan_capacity(
         fixed_bytes_per_slot=b["fixed"],
         tokens_capacity=slots * max_len,
         spare=spare,
+        kv_format=kv_format,
     )
 
 
@@ -151,7 +157,9 @@ class CachePool:
         if num_pages is not None and not 1 <= num_pages <= full:
             raise ValueError(f"num_pages must be in 1..{full} (slots * ceil(max_len / page_size)), got {num_pages}")
         self.num_pages = full if num_pages is None else num_pages
-        self.state = init_state(c, plan.max_len, dtype, device, mtp=True, slots=plan.slots, spare=plan.spare)
+        self.state = init_state(
+            c, plan.max_len, dtype, device, mtp=True, slots=plan.slots, spare=plan.spare, kv_format=plan.kv_format
+        )
         self._free_slots = list(range(plan.slots))  # a heap: the lowest free slot goes first
         self._pages: dict[int, int] = {}  # slot in use -> pages reserved for it
         self._used_pages = 0

@@ -18,7 +18,7 @@ from ..kernels.launch_options import use_pdl
 from ..settings import EngineConfig, usable_cores
 from . import inputs
 from .cache import CachePool, plan_capacity, state_bytes_per_slot
-from .llm_build import default_budget, model_len, model_tokenizer, run_dtype, serve_model
+from .llm_build import default_budget, model_len, model_tokenizer, run_dtype, serve_model, state_format
 from .llm_requests import imported_seqs, make_seq, sampling_list, serve
 from .loop import EngineLoop, LoopStats
 from .options import llm_options
@@ -58,6 +58,7 @@ class LLM:
         disable_passes: str | Seq[str] | None = None,
         expert_format: str | None = None,
         dense_format: str | None = None,
+        kv_format: str | None = None,
         num_threads: int | None = None,
         warmup: bool | None = None,
         speculative_config: dict | None = None,
@@ -74,7 +75,10 @@ class LLM:
         (on the CPU too), so with ``eager=True`` they are an error. ``expert_format``: as in
         ``load_model`` (default ``DEEPINFER_EXPERT_FORMAT``, auto: block-FP8 routed experts stay
         fp8 on CUDA; fp4 keeps MXFP4 experts as stored); ``dense_format``: as in ``load_model``
-        (default ``DEEPINFER_DENSE_FORMAT``: "fp8" keeps block-FP8 dense projections as stored). ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; default on
+        (default ``DEEPINFER_DENSE_FORMAT``: "fp8" keeps block-FP8 dense projections as stored).
+        ``kv_format`` (default ``DEEPINFER_KV_FORMAT``, auto = model): "trained" holds the cache's
+        window kv, compressed entries and index keys as the fp8 / fp4 codes and scales of the
+        model's fake-quant points (the same values, 2-4x fewer bytes; ``graphs/state.py``). ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; default on
         the CPU: ``OMP_NUM_THREADS`` where set, as torchrun sets it, else the cores this process
         may use). ``warmup`` (default: on wherever steps are compiled): compile and capture every
         decode bucket and the prefill buckets up to ``max_num_batched_tokens`` now, with a
@@ -146,7 +150,13 @@ class LLM:
         budget = memory_budget if memory_budget is not None else default_budget(device)
         # rings with room for the longest draft: a rejection is rolled back by forgetting its positions
         self.plan = plan_capacity(
-            c, budget, self.max_model_len, self.model.dtype, max_slots=max_num_seqs, spare=max_drafts
+            c,
+            budget,
+            self.max_model_len,
+            self.model.dtype,
+            max_slots=max_num_seqs,
+            spare=max_drafts,
+            kv_format=state_format(c, kv_format, self.settings),
         )
         self.pool = CachePool(c, self.plan, self.model.dtype, self.model.device)
         cp_swap, context = self.ranks.cp_split()

@@ -14,7 +14,8 @@ from ..api import Model, load_model
 from ..config import ModelConfig
 from ..io.checkpoint import ENV_MODEL_DIR
 from ..io.tokenizer import load_tokenizer
-from ..settings import EngineConfig
+from ..graphs import fake_quant as fq
+from ..settings import PREFIX, EngineConfig, argument
 from .ranks import Ranks
 
 DEFAULT_CPU_BUDGET = 2 << 30
@@ -52,6 +53,8 @@ def serve_model(
                 f"(held_experts={model.config.held_experts!r}, held_dense={model.config.held_dense!r}): drop "
                 f"{' and '.join(given)} or pass a checkpoint path"
             )
+        if fake_quant is not None:  # a switch of the forward, not of the weights: it applies here too
+            model = Model(model.config.replace(fake_quant=fake_quant), model.params, model.path)
         return ranks.shard(model)
     if model == "demo":
         from ..demo import demo_model_dir
@@ -68,6 +71,17 @@ def serve_model(
         expert_format=expert_format,
         dense_format=dense_format,
     )
+
+
+def state_format(c: ModelConfig, kv_format: str | None, settings: EngineConfig) -> str:
+    """How the cache holds window kv, compressed entries and index keys: ``kv_format`` (None:
+    ``DEEPINFER_KV_FORMAT``) "model", "trained" (refused for a model without fake-quant), or
+    "auto": "model" until kernels read the trained format (on the CPU and CUDA alike)."""
+    fmt = settings.kv_format if kv_format is None else argument(f"{PREFIX}KV_FORMAT", kv_format)
+    if fmt == "trained":
+        fq.check_trained(c)
+        return fmt
+    return "model"
 
 
 def model_tokenizer(model: Model) -> Any:

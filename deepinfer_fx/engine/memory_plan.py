@@ -10,7 +10,8 @@ Formats, as ``io/loader.py`` loads a checkpoint today:
   when ``expert_format`` keeps them (``held_experts``), else they are
   dequantised too. A GPU holds its EP rank's expert slots (``start_expert_ids``: on a multi-rank
   mesh the routed count plus ``DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS``, rounded up to the EP size);
-- dense weights: FP8 dense weights are dequantised to the run dtype; mHC, sinks, biases and
+- dense weights: FP8 dense weights are dequantised to the run dtype, or held as stored
+  (float8_e4m3fn + fp32 block scales) with ``dense_format="fp8"``; mHC, sinks, biases and
   the like are fp32; all of it is replicated on every GPU;
 - the draft model (``mtp.*``: MTP-1 or DSpark) is loaded when the checkpoint carries it, as the
   released ones do; its experts shard like the trunk's;
@@ -19,7 +20,8 @@ Formats, as ``io/loader.py`` loads a checkpoint today:
   fit its budget (an eighth of the GPU's memory), the rest in pinned host memory; eager steps
   read them memory-mapped from the checkpoint (host memory, nothing on the GPU);
 - state (``engine/cache.py``): a fixed part per sequence (window and compressor rings) and a part
-  per cached token (compressed entries, index keys), in the run dtype; the pool holds
+  per cached token (compressed entries, index keys), in the run dtype, or with
+  ``kv_format="trained"`` as fp8 / fp4 codes and scales (``graphs/state.py``); the pool holds
   ``max_num_seqs`` sequences of ``max_model_len`` tokens plus one scratch slot, or fewer: the
   engine gives the pool 80 % of the memory left after the weights
   (``engine/llm_build.default_budget``) and leaves the rest to the CUDA graph pool;
@@ -39,11 +41,12 @@ import torch
 from ..config import ModelConfig
 from ..graphs.param_spec import ParamSpec
 from ..graphs.params import param_specs
-from ..io.loader import held_experts
+from ..io.loader import held_dense, held_experts
 from ..settings import DEFAULTS, EngineConfig
 from ..sharding.mesh import MeshSpec
 from ..sharding.parallel import start_expert_ids
 from .cache import state_bytes_per_slot
+from .llm_build import state_format
 from .engram_tables import DEVICE_SHARE
 
 GiB = 2**30
@@ -72,6 +75,7 @@ class MemoryPlan:
     host: tuple[Category, ...]
     state_per_token: float
     state_per_sequence: int
+    kv_format: str
     max_model_len: int
     max_num_seqs: int
     graph_pool: int
@@ -114,7 +118,8 @@ class MemoryPlan:
             lines.append(f"  {c.name + ' (host)':<24} {c.bytes / GiB:10.2f} GiB  {c.note}")
         pool = (self.max_num_seqs + 1) * self.sequence_bytes
         lines += [
-            f"  {'state per token':<24} {self.state_per_token / 2**10:10.2f} KiB  compressed entries and index keys",
+            f"  {'state per token':<24} {self.state_per_token / 2**10:10.2f} KiB  compressed entries and index keys"
+            + (", fp8 / fp4 as trained" if self.kv_format == "trained" else ""),
             f"  {'state per sequence':<24} {self.state_per_sequence / 2**20:10.2f} MiB  window and compressor rings (fixed)",
             f"  {'state pool':<24} {pool / GiB:10.2f} GiB  {self.max_num_seqs} sequences x {self.max_model_len} tokens + 1 scratch slot",
             f"  {'graph pool (estimate)':<24} {self.graph_pool / GiB:10.2f} GiB  activations of the largest prefill graph",
@@ -183,6 +188,8 @@ def memory_plan(
     dtype: torch.dtype = torch.bfloat16,
     compiled: bool = True,
     expert_format: str | None = None,
+    dense_format: str | None = None,
+    kv_format: str = "model",
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
@@ -194,10 +201,11 @@ def memory_plan(
     """The plan of config ``c`` (a checkpoint's config, nothing else read) on one GPU of ``mesh``
     with the engine's settings: ``max_model_len`` (None: the engine's default,
     ``min(max_position_embeddings, 8192)``), ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``expert_format`` (as ``load_model`` takes it), ``compiled`` (Engram tables on the device),
+    ``expert_format`` and ``dense_format`` (as ``load_model`` takes them), ``kv_format`` ("model"
+    or "trained", as ``init_state`` takes it), ``compiled`` (Engram tables on the device),
     ``draft`` (the checkpoint carries ``mtp.*``) and the settings ``extra_experts`` (multi-rank
     meshes only), ``engram_tables`` and ``engram_device_gib`` (``EngineConfig``'s fields)."""
-    c = c.replace(held_experts=held_experts(c, expert_format, "cuda"))
+    c = c.replace(held_experts=held_experts(c, expert_format, "cuda"), held_dense=held_dense(c, dense_format))
     max_len = min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
     sums = {"routed": 0, "dense": 0, "draft": 0, "engram": 0, "engram_host": 0, "released": 0}
     # as engram_tables.place_engram_tables places them; eager steps read them memory-mapped
@@ -233,7 +241,14 @@ def memory_plan(
             f"{slots} of {c.n_routed_experts} experts a layer, {held}; "
             f"{sums['released'] / GiB:.2f} GiB as released ({released})",
         ),
-        Category("dense weights", sums["dense"], ("FP8 dequantised; " if c.fp8_block else "") + dense_note),
+        Category(
+            "dense weights",
+            sums["dense"],
+            {"fp8": "block FP8 + fp32 scales as stored; ", None: "FP8 dequantised; " if c.fp8_block else ""}[
+                c.held_dense
+            ]
+            + dense_note,
+        ),
     ]
     if draft and sums["draft"]:
         device.append(Category("draft model (mtp.*)", sums["draft"], "MTP-1 / DSpark, when the checkpoint has it"))
@@ -243,7 +258,7 @@ def memory_plan(
     if sums["engram_host"]:
         note = "pinned host memory, the GPU reads a step's rows" if compiled else "memory-mapped (eager steps)"
         host.append(Category("Engram tables", sums["engram_host"], f"fp8 rows + ue8m0 scales, {note}"))
-    state = state_bytes_per_slot(c, max_len, dtype)
+    state = state_bytes_per_slot(c, max_len, dtype, kv_format=kv_format)
     return MemoryPlan(
         mesh=mesh,
         dtype=dtype,
@@ -253,6 +268,7 @@ def memory_plan(
         host=tuple(host),
         state_per_token=state["per_token"],
         state_per_sequence=state["fixed"],
+        kv_format=kv_format,
         max_model_len=max_len,
         max_num_seqs=max_num_seqs,
         graph_pool=_graph_pool(c, max_num_batched_tokens, max_len, dtype),
@@ -268,6 +284,8 @@ def cli(
     dtype: str = "auto",
     eager: bool = False,
     expert_format: str | None = None,
+    dense_format: str | None = None,
+    kv_format: str | None = None,
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
@@ -282,13 +300,16 @@ def cli(
     if not path:
         raise ValueError("--plan needs --model: a checkpoint directory or a config.json (only the config is read)")
     run = torch.float32 if dtype == "float32" else torch.bfloat16  # auto: the engine's dtype on a GPU
+    c = load_config(path)
     plan = memory_plan(
-        load_config(path),
+        c,
         parse_mesh(mesh or "1"),
         gpu_memory_gib=gpu_memory_gib,
         dtype=run,
         compiled=not eager,
         expert_format=expert_format,
+        dense_format=dense_format,
+        kv_format=state_format(c, kv_format, settings),
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

@@ -32,6 +32,8 @@ same state dtype) imports it into one of its own slots and continues decoding at
       wrote it.
     - ``dtype``: the state dtype, e.g. ``"bfloat16"``; the importing pool must use the same
       (a silent cast would change the continuation's numerics).
+    - ``kv_format``: ``"model"`` or ``"trained"`` (windows, entries and index keys as fp8 / fp4
+      bytes, ``graphs/state.py``); the importing pool must hold the same (absent: ``"model"``).
     - ``n_tokens``: positions processed so far; the next step runs at ``start = n_tokens``.
     - ``prompt_token_ids``: the request's prompt (list of ints).
     - ``last_token``: the last sampled token not yet fed to the model, or ``null``.
@@ -61,7 +63,7 @@ FORMAT = "deepinfer_fx.state"
 FORMAT_VERSION = 3  # 2: mtp.{j}.pending; 3: engram.history a ring keyed by position (was oldest first)
 STATE_FILE = "state.safetensors"
 META_FILE = "meta.json"
-_OWN_KEYS = ("format", "version", "model_type", "config_fingerprint", "dtype")
+_OWN_KEYS = ("format", "version", "model_type", "config_fingerprint", "dtype", "kv_format")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
@@ -84,7 +86,8 @@ def _expected_shape(c: ModelConfig, path: str, full: torch.Size, n_tokens: int, 
 
 def ring_widths(pool: CachePool) -> dict[str, int]:
     """``{path: rows}`` of the pool's rings that hold spare rows: the rows they have without."""
-    plain = dict(iter_tensors(init_state(pool.config, 1, pool.dtype, "meta", mtp=True, slots=1)))
+    plain = init_state(pool.config, 1, pool.dtype, "meta", mtp=True, slots=1, kv_format=pool.plan.kv_format)
+    plain = dict(iter_tensors(plain))
     return {
         p: plain[p].shape[1]
         for p, t in iter_tensors(pool.state)
@@ -125,6 +128,7 @@ def export_slot(pool: CachePool, slot: int, path: str | os.PathLike, meta: dict)
         "model_type": c.model_type,
         "config_fingerprint": config_fingerprint(c),
         "dtype": str(pool.dtype).removeprefix("torch."),
+        "kv_format": pool.plan.kv_format,
         "last_token": None,
         "seed": None,
         **meta,
@@ -173,6 +177,12 @@ def _check_meta(f: Path, meta: dict, pool: CachePool, c: ModelConfig) -> None:
         )
     if _DTYPES.get(meta["dtype"]) != pool.dtype:
         raise ValueError(f"{f}: state dtype is {meta['dtype']}; this pool holds {pool.dtype} (use the same dtype)")
+    held = meta.get("kv_format", "model")
+    if held != pool.plan.kv_format:
+        raise ValueError(
+            f"{f}: the state holds kv_format {held!r}; this engine's cache holds {pool.plan.kv_format!r} "
+            f"(build the COMPLETION engine with kv_format={held!r})"
+        )
     if meta["n_tokens"] > pool.max_len:
         raise ValueError(f"{f}: {meta['n_tokens']} tokens do not fit this pool's max_len {pool.max_len}")
 

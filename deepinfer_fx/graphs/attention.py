@@ -200,8 +200,10 @@ def attention(
     for gi, (g, qs) in enumerate(zip(keys_batch.groups, batch.queries)):
         xg, kv_g = gather_rows(xk, g), gather_rows(kv, g)
         xq, q_rq, q_pos = gather_rows(x, qs), gather_rows(q_r, qs), qs.positions
+        packed = fq.is_packed(st["window"])  # a trained-format state: rows are read through fq.read
         if (
-            kv_g.shape[1] == 1  # one-token chunks: mqa_ring takes each chunk's start as its query's position
+            not packed
+            and kv_g.shape[1] == 1  # one-token chunks: mqa_ring takes each chunk's start as its query's position
             and reads_after_write(st["window"], kv_g, c.sliding_window)
             and q_pos.shape[-1] == 1
             and g.slots.shape[0] >= RING_MIN_CHUNKS
@@ -232,7 +234,8 @@ def attention(
                 )
             )
             continue
-        keys, k_pos = window_keys(st["window"], kv_g, g, c.sliding_window)
+        keys, k_pos = window_keys(st["window"], fq.window_kv(c, kv_g, packed) if packed else kv_g, g, c.sliding_window)
+        keys = fq.read(c, "window", keys, kv.dtype)
         # every layer's ring holds the same positions, so every layer sees the same window
         bias = _per_forward(
             ctx, ("window bias", gi, k_pos.shape[-1]), qs, lambda: window_bias(q_pos, k_pos, c.sliding_window)
@@ -246,7 +249,7 @@ def attention(
                 entries, chosen = v4_entries(p, st, c, xg, g, xq, q_rq, q_pos, ratio, freq)
             if (c.is_v41 or ratio == c.csa_ratio) and chosen.shape[-2] == 1 and entries.shape[1] > c.index_topk:
                 entries, chosen = selected_entries(entries, chosen, c.index_topk)
-            keys = torch.cat([keys, entries.to(keys.dtype)], 1)
+            keys = torch.cat([keys, fq.read(c, "entry", entries, keys.dtype)], 1)
             bias = torch.cat([bias, torch.zeros(chosen.shape, device=x.device).masked_fill(~chosen, float("-inf"))], -1)
         o = attend(gather_rows(q, qs), keys, k_pos, bias, p["attn_sink"], gather_rows(cos, qs), gather_rows(sin, qs))
         outs.append((qs, o))

@@ -29,8 +29,9 @@ def _publish(
     Returns ``[C]`` bool: whether any group closed in each chunk."""
     w, complete, lat = new_latents(p["compressor"], st, x, g, ratio, False, c.rms_norm_eps)
     keys = rms_norm(linear(lat, p["indexer"]["wk"]), p["indexer"]["k_norm"], c.rms_norm_eps)
-    store_entries(st["index_keys"], g, w, complete, fq.index_vector(c, entry_rope(keys, w, ratio, freq)))
-    store_entries(st["entries"], g, w, complete, fq.compressed_entry(c, entry_rope(lat, w, ratio, freq)))
+    packed = fq.is_packed(st["entries"])
+    store_entries(st["index_keys"], g, w, complete, fq.index_vector(c, entry_rope(keys, w, ratio, freq), packed))
+    store_entries(st["entries"], g, w, complete, fq.compressed_entry(c, entry_rope(lat, w, ratio, freq), packed))
     return complete.any(-1)
 
 
@@ -108,5 +109,8 @@ def csa2_entries(
             # (ratio 1, written every token by the previous step). Spec §11.1.
             last = states[c.kv_source_layer_ids[-1]]["comp"]["index_keys"][g.slots]
             keys, key_slots = torch.where(closed[:, None, None], keys[g.slots], last[:, : keys.shape[1]]), None
+        if fq.is_packed(keys):  # the kernels read values: this group's keys, unpacked
+            keys = fq.read(c, "index", keys if key_slots is None else keys[key_slots], xq.dtype)
+            key_slots = None
         group_ctx["selection"] = _select(p, c, keys, key_slots, xq, q_r, q_pos, layer, ratio, freq, group_ctx)
     return entries, group_ctx["selection"]

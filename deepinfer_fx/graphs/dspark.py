@@ -53,6 +53,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import ModelConfig
+from . import fake_quant as fq
 from .argmax import first_argmax
 from .attention import grouped_output, latent_kv, mqa_with_sink, query
 from .batch import Batch, Group
@@ -87,7 +88,7 @@ def _stage_attention(
     cos, sin = cos_sin(batch.positions, window_freq(c))
     _, q = query(p, c, x, cos, sin)
     kv = latent_kv(p, c, x, cos, sin).view(C, k, -1)
-    ring = states[layer]["window"][g.slots].to(kv.dtype)  # [C, w, d]
+    ring = fq.read(c, "window", states[layer]["window"][g.slots], kv.dtype)  # [C, w, d]
     w = ring.shape[1]
     last = (g.starts - 1)[:, None]
     held = last - torch.remainder(last - torch.arange(w, device=kv.device), w)  # the position each ring slot holds

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from ..config import ModelConfig
+from . import fake_quant as fq
 from .attention import latent_kv
 from .batch import Batch, Group
 from .norm import held, linear, rms_norm
@@ -99,4 +100,4 @@ def context_rows(
     for s in range(c.dspark_stages):
         ring = state["dspark"][s]["window"]
         kv = latent_kv(params["mtp"][s]["attn"], c, main_x, cos, sin)
-        write_rows(ring, group.slots, torch.remainder(positions, w), kv, real)
+        write_rows(ring, group.slots, torch.remainder(positions, w), fq.window_kv(c, kv, fq.is_packed(ring)), real)

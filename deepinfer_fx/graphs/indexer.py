@@ -11,7 +11,7 @@ import torch
 from ..config import ModelConfig
 from .batch import Group
 from .compressor import compress, visible_entries
-from .fake_quant import index_vector
+from . import fake_quant as fq
 from .norm import held, linear, linear_fp32
 from .rope import apply_rope, cos_sin
 from .swap import swappable
@@ -33,13 +33,26 @@ def select_entries(
     (the group's own rows, or a context-parallel rank's share of them)."""
     ratio = c.csa_ratio
     # the whole pool, read by slot: a gathered copy per chunk would move every slot's index keys
+    packed = fq.is_packed(st["entries"])
     pool = compress(
-        p["compressor"], st, xg, g, ratio, True, freq, c.rms_norm_eps, lambda k: index_vector(c, k), gather=False
+        p["compressor"],
+        st,
+        xg,
+        g,
+        ratio,
+        True,
+        freq,
+        c.rms_norm_eps,
+        lambda k: fq.index_vector(c, k, packed),
+        gather=False,
     )
     q = linear(q_r, *held(p, "wq_b")).unflatten(-1, (c.index_n_heads, c.index_head_dim))
-    q = index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
+    q = fq.index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(xq, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
-    return score_topk(q, pool, head_w, visible_entries(q_pos, pool.shape[-2], ratio), c.index_topk, g.slots)
+    visible = visible_entries(q_pos, pool.shape[-2], ratio)
+    if packed:  # the kernels read values: this chunk's keys, unpacked
+        return score_topk(q, fq.read(c, "index", pool[g.slots], q.dtype), head_w, visible, c.index_topk)
+    return score_topk(q, pool, head_w, visible, c.index_topk, g.slots)
 
 
 @swappable

@@ -34,6 +34,10 @@ committed query still reads. Rolling a rejection back is then only forgetting it
   per stage. It holds context derived from the target's states at verified positions only
   (``graphs/dspark.py``): drafting reads it and never writes it, so a rejected draft leaves
   nothing to roll back there.
+
+``kv_format="trained"`` holds every window ring, compressed entries and index keys as the bytes
+of their fake-quantised values (uint8 rows, ``io/state_rows.py``; ``fake_quant.read`` gives the
+values back); ``"model"`` holds the values in the state dtype.
 """
 
 from __future__ import annotations
@@ -41,17 +45,30 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from . import fake_quant as fq
+
+KV_FORMATS = ("model", "trained")
+
+
+def _rows(c: ModelConfig, kind: str, slots: int, n: int, dtype: torch.dtype, device, kv_format: str) -> torch.Tensor:
+    """``[slots, n, row]`` of ``kind`` rows: values in ``dtype``, or their trained-format bytes."""
+    if kv_format == "trained":
+        return torch.zeros(slots, n, fq.codec(c, kind).nbytes(dtype), dtype=torch.uint8, device=device)
+    dim = c.index_head_dim if kind == "index" else c.head_dim
+    return torch.zeros(slots, n, dim, dtype=dtype, device=device)
 
 
 def _compressor_state(
-    slots: int, ratio: int, overlap: bool, dim: int, max_len: int, dtype: torch.dtype, device, spare: int
+    c: ModelConfig, slots: int, ratio: int, index: bool, max_len: int, dtype: torch.dtype, device, spare: int, fmt: str
 ) -> dict:
-    width = dim * (2 if overlap else 1)
+    """V4's overlapping compressors are CSA ones (the layer's and its indexer's, ``index``)."""
+    overlap = not c.is_v41 and ratio == c.csa_ratio
+    width = (c.index_head_dim if index else c.head_dim) * (2 if overlap else 1)
     ring = ratio * (2 if overlap else 1) + spare
     return {
         "rows_kv": torch.zeros(slots, ring, width, dtype=torch.float32, device=device),
         "rows_gate": torch.zeros(slots, ring, width, dtype=torch.float32, device=device),
-        "entries": torch.zeros(slots, max(max_len // ratio, 1), dim, dtype=dtype, device=device),
+        "entries": _rows(c, "index" if index else "entry", slots, max(max_len // ratio, 1), dtype, device, fmt),
     }
 
 
@@ -64,22 +81,20 @@ def layer_state(
     slots: int = 1,
     layer: int | None = None,
     spare: int = 0,
+    kv_format: str = "model",
 ) -> dict:
     """One layer's state; ``layer`` is its backbone index (None for window-only draft blocks);
     ``spare``: the rings' rows past what their readers need (see the module docstring)."""
-    st = {"window": torch.zeros(slots, c.sliding_window + spare, c.head_dim, dtype=dtype, device=device)}
+    st = {"window": _rows(c, "window", slots, c.sliding_window + spare, dtype, device, kv_format)}
     if c.is_v41:
         if ratio and layer is not None and c.is_kv_source(layer):  # other layers read their source's
-            st["comp"] = _compressor_state(slots, ratio, False, c.head_dim, max_len, dtype, device, spare)
-            st["comp"]["index_keys"] = torch.zeros(
-                slots, max(max_len // ratio, 1), c.index_head_dim, dtype=dtype, device=device
-            )
+            st["comp"] = _compressor_state(c, slots, ratio, False, max_len, dtype, device, spare, kv_format)
+            st["comp"]["index_keys"] = _rows(c, "index", slots, max(max_len // ratio, 1), dtype, device, kv_format)
         return st
-    overlap = ratio == c.csa_ratio
     if ratio:
-        st["comp"] = _compressor_state(slots, ratio, overlap, c.head_dim, max_len, dtype, device, spare)
-    if overlap:
-        st["index"] = _compressor_state(slots, ratio, True, c.index_head_dim, max_len, dtype, device, spare)
+        st["comp"] = _compressor_state(c, slots, ratio, False, max_len, dtype, device, spare, kv_format)
+    if ratio == c.csa_ratio:
+        st["index"] = _compressor_state(c, slots, ratio, True, max_len, dtype, device, spare, kv_format)
     return st
 
 
@@ -91,27 +106,38 @@ def init_state(
     mtp: bool = True,
     slots: int = 1,
     spare: int = 0,
+    kv_format: str = "model",
 ) -> dict:
     """State for ``slots`` sequences of up to ``max_len`` tokens each (backbone and draft model).
     Every tensor has the slot as its leading dim; ``slot_view`` gives one sequence's part.
     ``spare``: the most drafts a verify chunk carries (0 without speculation). The drafters'
-    own windows hold verified positions only and get none."""
+    own windows hold verified positions only and get none. ``kv_format``: "model" or "trained"
+    (see the module docstring)."""
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format={kv_format!r} is not one of {KV_FORMATS}")
+    if kv_format == "trained":
+        fq.check_trained(c)
     n_mtp = c.num_nextn_predict_layers if mtp and not c.dspark_stages else 0
     rows = slots + 1  # the last row is the scratch slot
     state = {
         "max_len": max_len,
         "slots": slots,
-        "layers": [layer_state(c, r, max_len, dtype, device, rows, i, spare) for i, r in enumerate(c.compress_ratios)],
+        "layers": [
+            layer_state(c, r, max_len, dtype, device, rows, i, spare, kv_format)
+            for i, r in enumerate(c.compress_ratios)
+        ],
         "mtp": [
             {
-                **layer_state(c, 0, max_len, dtype, device, rows),
+                **layer_state(c, 0, max_len, dtype, device, rows, kv_format=kv_format),
                 "pending": torch.zeros(rows, c.hc_mult, c.hidden_size, dtype=dtype, device=device),
             }
             for _ in range(n_mtp)
         ],
     }
     if mtp and c.dspark_stages:  # the drafter's per-stage context windows (window-only blocks)
-        state["dspark"] = [layer_state(c, 0, max_len, dtype, device, rows) for _ in range(c.dspark_stages)]
+        state["dspark"] = [
+            layer_state(c, 0, max_len, dtype, device, rows, kv_format=kv_format) for _ in range(c.dspark_stages)
+        ]
     if c.engram_layer_ids:  # compressed ids of the tokens before each slot's next position
         hist = c.engram_max_ngram_size - 1 + spare
         state["engram"] = {"history": torch.zeros(rows, hist, dtype=torch.long, device=device)}

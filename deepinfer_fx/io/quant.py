@@ -43,10 +43,6 @@ _FP4_UE8M0_AMAX_FLOOR = E2M1_MAX * 2.0**-126
 # 2^-9 is the smallest e4m3 subnormal, so the e4m3 scale can never round to 0.
 _FP4_E4M3_AMAX_FLOOR = E2M1_MAX * 2.0**-9
 
-# Code -> value for e2m1; index bit 3 is the sign.
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_TABLE = _E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES)
-
 
 def ue8m0_to_float(s: Tensor) -> Tensor:
     """Decode ue8m0 scales (float8_e8m0fnu or raw uint8 bytes) to float32."""
@@ -108,9 +104,11 @@ def _round_e2m1(v: Tensor) -> Tensor:
 
 
 def _e2m1_codes(q: Tensor) -> Tensor:
-    """4-bit codes (uint8) for values already on the e2m1 grid."""
-    grid = torch.tensor(_E2M1_MAGNITUDES, dtype=q.dtype, device=q.device)
-    mag = torch.searchsorted(grid, q.abs().contiguous()).to(torch.uint8)
+    """4-bit codes (uint8) for values already on the e2m1 grid: magnitudes 0, .5, 1, 1.5 are
+    codes 0-3 (2a), 2 and 3 are 4 and 5 (a + 2), 4 and 6 are 6 and 7 (a / 2 + 4); bit 3 is the
+    sign. Arithmetic, not a table, so a compiled step builds no constant tensor per call."""
+    a = q.abs()
+    mag = torch.where(a < 2.0, 2.0 * a, torch.where(a < 4.0, a + 2.0, 0.5 * a + 4.0)).to(torch.uint8)
     # -0.0 deliberately encodes as +0 (code 0): the sign of zero carries nothing.
     return torch.where(q < 0, mag | 8, mag)
 
@@ -196,10 +194,7 @@ def dequant_mxfp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.floa
             f"scale shape {tuple(scale.shape)} does not match expected {expected} "
             f"for packed shape {tuple(packed.shape)}"
         )
-    b = packed.view(torch.uint8)
-    codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*packed.shape[:-1], k)
-    table = torch.tensor(_E2M1_TABLE, dtype=torch.float32, device=packed.device)
-    vals = _split_blocks(table[codes.long()], MXFP4_BLOCK)
+    vals = _split_blocks(e2m1_unpack(packed.view(torch.uint8)), MXFP4_BLOCK)
     out = vals * ue8m0_to_float(scale).unsqueeze(-1)
     return out.reshape(*packed.shape[:-1], k).to(dtype)
 
@@ -210,29 +205,49 @@ def _mxfp4_scale_exponent(blocks: Tensor) -> Tensor:
 
 def quant_mxfp4(w: Tensor) -> tuple[Tensor, Tensor]:
     """Quantize [..., K] to (int8 packed e2m1 [..., K/2], float8_e8m0fnu scales [..., K/32])."""
-    blocks = _split_blocks(w.to(torch.float32), MXFP4_BLOCK)
-    e = _mxfp4_scale_exponent(blocks)
-    q = _round_e2m1(blocks / torch.exp2(e.to(torch.float32)))
-    codes = _e2m1_codes(q).reshape(*w.shape[:-1], w.shape[-1] // 2, 2)
-    packed = (codes[..., 0] | (codes[..., 1] << 4)).view(torch.int8)
+    q, e = fp4_ue8m0_blocks(w)
+    packed = e2m1_pack(q.reshape(w.shape)).view(torch.int8)
     return packed, _exponent_to_ue8m0(e.squeeze(-1))
+
+
+def fp8_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """``fq8``'s parts: e4m3 values ``[..., K / block, block]`` and each block's scale exponent
+    ``[..., K / block, 1]`` (int; the scale is ``2 ** e``)."""
+    blocks = _split_blocks(x.to(torch.float32), block)
+    e = _pow2_ceil_exponent(_block_amax(blocks, _FP8_AMAX_FLOOR) / E4M3_MAX)
+    # Clamp first: older torch turns out-of-range values into NaN on this cast.
+    q = (blocks / torch.exp2(e.to(torch.float32))).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, e
 
 
 def fq8(x: Tensor, block: int) -> Tensor:
     """Fake-quantize to e4m3 with a power-of-two scale per block of the last dim."""
+    q, e = fp8_blocks(x, block)
+    return (q.to(torch.float32) * torch.exp2(e.to(torch.float32))).reshape(x.shape).to(x.dtype)
+
+
+def fp4_ue8m0_blocks(x: Tensor, block: int = MXFP4_BLOCK) -> tuple[Tensor, Tensor]:
+    """``fq4_ue8m0``'s parts: e2m1 values (float32) ``[..., K / block, block]`` and each block's
+    scale exponent ``[..., K / block, 1]``."""
     blocks = _split_blocks(x.to(torch.float32), block)
-    e = _pow2_ceil_exponent(_block_amax(blocks, _FP8_AMAX_FLOOR) / E4M3_MAX)
-    scale = torch.exp2(e.to(torch.float32))
-    # Clamp first: older torch turns out-of-range values into NaN on this cast.
-    q = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    e = _mxfp4_scale_exponent(blocks)
+    return _round_e2m1(blocks / torch.exp2(e.to(torch.float32))), e
 
 
 def fq4_ue8m0(x: Tensor, block: int = MXFP4_BLOCK) -> Tensor:
     """Fake-quantize to e2m1 with a power-of-two (ue8m0) scale per block (MXFP4 style)."""
+    q, e = fp4_ue8m0_blocks(x, block)
+    return (q * torch.exp2(e.to(torch.float32))).reshape(x.shape).to(x.dtype)
+
+
+def fp4_e4m3_blocks(x: Tensor, block: int = 16) -> tuple[Tensor, Tensor]:
+    """``fq4_e4m3``'s parts: e2m1 values (float32) ``[..., K / block, block]`` and each block's
+    e4m3 scale ``[..., K / block, 1]`` (float8_e4m3fn)."""
     blocks = _split_blocks(x.to(torch.float32), block)
-    scale = torch.exp2(_mxfp4_scale_exponent(blocks).to(torch.float32))
-    return (_round_e2m1(blocks / scale) * scale).reshape(x.shape).to(x.dtype)
+    raw = _block_amax(blocks, _FP4_E4M3_AMAX_FLOOR) / E2M1_MAX
+    # The scale is rounded to e4m3, so x/scale can slightly exceed 6; _round_e2m1 clamps it.
+    scale = raw.clamp_max(E4M3_MAX).to(torch.float8_e4m3fn)
+    return _round_e2m1(blocks / scale.to(torch.float32)), scale
 
 
 def fq4_e4m3(x: Tensor, block: int = 16) -> Tensor:
@@ -242,11 +257,24 @@ def fq4_e4m3(x: Tensor, block: int = 16) -> Tensor:
     scale; those are coarse enough that re-quantizing the output may pick a
     different scale, so idempotence only holds above that range.
     """
-    blocks = _split_blocks(x.to(torch.float32), block)
-    raw = _block_amax(blocks, _FP4_E4M3_AMAX_FLOOR) / E2M1_MAX
-    # The scale is rounded to e4m3, so x/scale can slightly exceed 6; _round_e2m1 clamps it.
-    scale = raw.clamp_max(E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    return (_round_e2m1(blocks / scale) * scale).reshape(x.shape).to(x.dtype)
+    q, scale = fp4_e4m3_blocks(x, block)
+    return (q * scale.to(torch.float32)).reshape(x.shape).to(x.dtype)
+
+
+def e2m1_pack(q: Tensor) -> Tensor:
+    """Values on the e2m1 grid ``[..., K]`` (K even) -> uint8 ``[..., K / 2]``, low nibble = even k."""
+    codes = _e2m1_codes(q)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def e2m1_unpack(b: Tensor) -> Tensor:
+    """``e2m1_pack``'s inverse: uint8 ``[..., K / 2]`` -> float32 values ``[..., K]``: exponent
+    bits e and mantissa bit m give m / 2 (e = 0) or (1 + m / 2) * 2^(e - 1), exact in float32."""
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+    e = ((codes >> 1) & 3).to(torch.float32)
+    m = (codes & 1).to(torch.float32)
+    mag = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * torch.exp2(e - 1.0))
+    return torch.where((codes & 8) != 0, -mag, mag)
 
 
 def _sylvester_sign_matrix(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -117,6 +117,24 @@ def test_released_v4_flash_and_pro() -> None:
     )
 
 
+def test_native_formats() -> None:
+    """Everything as the checkpoints store it (MXFP4 experts, block-FP8 dense weights, the state
+    as trained): V4.1-Flash's state per token is the spec's 890 B (§8.1: NVFP4 entries of 288 B,
+    MXFP4 index keys of 68 B); V4-Flash's 21 CSA layers keep (584 + 68) / 4 B and 20 HCA layers
+    584 / 128 B; fp8 dense weights take 0.6 of the dequantised bytes; V4-Pro then fits ep8 (16 sequences)."""
+    native = {"expert_format": "fp4", "dense_format": "fp8", "kv_format": "trained"}
+    v41 = released_config("v41-flash")
+    assert memory_plan(v41, **native).state_per_token == 3 * (288 + 68) / 2 + 288 + 68 == 890
+    flash = released_config("v4-flash")
+    assert memory_plan(flash, **native).state_per_token == 21 * (584 + 68) / 4 + 20 * 584 / 128
+    bf16, fp8 = (_category(memory_plan(flash, dense_format=f), "dense weights") for f in ("dequant", "fp8"))
+    assert 0.55 < fp8 / bf16 < 0.65  # the projections halve; embeddings and head stay bf16
+    pro = released_config("v4-pro")
+    assert not memory_plan(pro, MeshSpec(ep=8), expert_format="fp4").fits
+    assert memory_plan(pro, MeshSpec(ep=8), max_num_seqs=16, **native).fits
+    assert "fp8 / fp4 as trained" in memory_plan(pro, **native).format()
+
+
 def test_cli_reads_only_the_config(tmp_path, capsys) -> None:
     (tmp_path / "config.json").write_text(released_path("v4-flash").read_text())
     assert generate.main(["--plan", "--model", str(tmp_path), "--mesh", "ep8"]) == 0
