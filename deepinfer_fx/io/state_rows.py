@@ -76,7 +76,7 @@ class RowCodec:
             codes, scales = e2m1_pack(q.reshape(*lead, n)), s.squeeze(-1).view(torch.uint8)
         parts = [codes, scales]
         if self.tail:
-            parts.insert(0, x[..., n:].contiguous().view(torch.uint8))
+            parts.insert(0, _to_bytes(x[..., n:]))
         pad = self.nbytes(x.dtype) - sum(t.shape[-1] for t in parts)
         if pad:
             parts.append(torch.zeros(*lead, pad, dtype=torch.uint8, device=x.device))
@@ -99,4 +99,24 @@ class RowCodec:
         values = (q.unflatten(-1, (-1, self.block)) * s[..., None]).flatten(-2).to(dtype)
         if not self.tail:
             return values
-        return torch.cat([values, t[..., :tb].contiguous().view(dtype)], -1)
+        return torch.cat([values, _from_bytes(t[..., :tb], dtype)], -1)
+
+
+# Bit patterns through same-size integer views and shifts: Inductor (torch 2.11, CUDA) fails to
+# lower a view between dtypes of different sizes (uint8 <-> bf16) inside a step.
+_INT = {2: torch.int16, 4: torch.int32}
+
+
+def _to_bytes(x: Tensor) -> Tensor:
+    """``[..., n]`` of a 2- or 4-byte dtype -> its little-endian bytes, uint8 ``[..., n * size]``."""
+    bits = x.view(_INT[x.dtype.itemsize]).to(torch.int64)
+    return torch.stack([(bits >> (8 * i)) & 0xFF for i in range(x.dtype.itemsize)], -1).flatten(-2).to(torch.uint8)
+
+
+def _from_bytes(b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``_to_bytes``' inverse."""
+    size = dtype.itemsize
+    parts = b.unflatten(-1, (-1, size)).to(torch.int64)
+    bits = sum(parts[..., i] << (8 * i) for i in range(size))
+    bits = torch.where(bits >= 1 << (8 * size - 1), bits - (1 << (8 * size)), bits)  # two's complement
+    return bits.to(_INT[size]).view(dtype)
