@@ -21,7 +21,7 @@ from .batch import Batch, Group, context_gather, gather_rows, rows_to_packed
 from .swap import swappable
 from .csa2 import csa2_entries
 from .entries import selected_entries, selected_rows, v4_entries
-from .norm import dequant_dense, held, linear, project_blocks, rms_norm
+from .norm import held, linear, project_blocks, rms_norm
 from .rope import apply_rope, cos_sin, inv_freq, norm_rope
 from .window import reads_after_write, ring_positions, window_bias, window_keys, write_window
 
@@ -138,8 +138,8 @@ def _mqa_rows(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: tor
 def grouped_output(o: torch.Tensor, p: dict, groups: int) -> torch.Tensor:
     """o ``[T, H, d]`` -> heads split in ``groups`` contiguous groups, each projected by its own
     block of ``p["wo_a"]`` ``[G * r, (H/G) * d]``, then mixed by ``p["wo_b"]``."""
-    wo_a = dequant_dense(*held(p, "wo_a"), o.dtype)
-    return linear(project_blocks(o.flatten(-2), wo_a, groups), *held(p, "wo_b"))
+    wo_a, scale = held(p, "wo_a")
+    return linear(project_blocks(o.flatten(-2), wo_a, groups, scale), *held(p, "wo_b"))
 
 
 def query(

@@ -26,7 +26,7 @@ import torch
 
 from .attention import ring_keys
 from .moe import _score, dequant_experts, held_format, swiglu_act
-from .norm import project
+from .norm import dequant_dense, project
 from .rope import apply_rope
 
 # Elements of an fp32 product materialised at once (4 MiB: it stays in cache, where 256 MiB blocks
@@ -62,9 +62,10 @@ def fixed_order_matmul(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torc
     return y if out_fp32 else y.to(x.dtype)
 
 
-def project_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+def project_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``norm.project_blocks`` as one projection per block, each through ``norm.project``
     (the table puts the fixed-order matmul there)."""
+    w = dequant_dense(w, scale, x.dtype)
     return torch.cat([project(a, b, False) for a, b in zip(x.chunk(blocks, -1), w.chunk(blocks, 0))], -1)
 
 

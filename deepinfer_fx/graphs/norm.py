@@ -72,12 +72,13 @@ def held(p: dict, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 @swappable
-def project_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+def project_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[..., G*K]`` times a block-diagonal weight, in x's dtype: its ``G`` blocks are the
     row blocks of ``w`` ``[G*R, K]``, so output block g ``[..., R]`` is input block g times
     ``w[g*R:(g+1)*R].T``. The grouped output projection ``wo_a`` (each group of heads has its
     own low-rank map); one place (``norm.project_blocks``) where a decode GEMV stands in for
-    the batched matmul (``passes/swaps.py``)."""
+    the batched matmul (``passes/swaps.py``). ``scale``: w's block scales where it is held in
+    block FP8 (dequantised to x's dtype first, as ``project_fp8`` does)."""
     xb = x.unflatten(-1, (blocks, -1))
-    wb = w.to(x.dtype).unflatten(0, (blocks, -1))
+    wb = dequant_dense(w, scale, x.dtype).to(x.dtype).unflatten(0, (blocks, -1))
     return torch.einsum("...gi,gri->...gr", xb, wb).flatten(-2)

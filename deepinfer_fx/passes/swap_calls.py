@@ -89,11 +89,14 @@ def project_fp8_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def project_blocks_call(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+def project_blocks_call(
+    x: torch.Tensor, w: torch.Tensor, blocks: int, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     # each block's rows aligned as well, so that a column tile never straddles two blocks
-    if not decode_sized(x, w) or (w.shape[0] // blocks) % ALIGN:
-        return project_blocks.reference(x, w, blocks)  # type: ignore[attr-defined]
-    y = torch.ops.deepinfer.skinny_linear_blocks(x.reshape(-1, x.shape[-1]), w, blocks)
+    sized = decode_sized(x, w) if scale is None else fp8_decode_sized(x, w, scale)
+    if not sized or (w.shape[0] // blocks) % ALIGN:
+        return project_blocks.reference(x, w, blocks, scale)  # type: ignore[attr-defined]
+    y = torch.ops.deepinfer.skinny_linear_blocks(x.reshape(-1, x.shape[-1]), w, blocks, scale)
     return y.view(*x.shape[:-1], w.shape[0])
 
 

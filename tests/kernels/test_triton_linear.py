@@ -285,8 +285,16 @@ SM90_CASES = (
 
 
 # Block-FP8 weights held as stored (``skinny_linear_fp8``): V4.1's wq_a, wq_b, wo_b (32-blocks)
-# and V4's wq_b (128-blocks), as (N, K, block).
-SM90_FP8_CASES = [(1280, 5120, 32), (32768, 1280, 32), (5120, 8192, 32), (32768, 1024, 128)]
+# and V4's wq_b (128-blocks), and the grouped wo_a of both (``skinny_linear_blocks``), as
+# (N, K, block, X_BLOCK_N).
+SM90_FP8_CASES = [
+    (1280, 5120, 32, 0),
+    (32768, 1280, 32, 0),
+    (5120, 8192, 32, 0),
+    (32768, 1024, 128, 0),
+    (16384, 4096, 32, 1024),
+    (8192, 4096, 128, 1024),
+]
 
 
 def _case_name(ns: tuple[int, ...], k: int, x_block_n: int) -> str:
@@ -359,9 +367,9 @@ def _compile_for_sm90(out_dir: str) -> None:
                     fn, pointers | desc, consts, ["stride_xm", "stride_wn"], num_warps=t.warps, num_stages=t.stages
                 )
                 Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").write_text(kernel.asm["ptx"])
-    for n, k, block in SM90_FP8_CASES:
+    for n, k, block, x_block_n in SM90_FP8_CASES:
         t = choose_tiles(n, k, max_bk=min(128, block))
-        consts = _consts((n,), k, t, 0, 128) | {"stride_sk": 1, "SB": block, "w_desc": None}
+        consts = _consts((n,), k, t, x_block_n, 128) | {"stride_sk": 1, "SB": block}
         pointers = {
             "x_ptr": "*bf16",
             "w_ptrs": ("*fp8e4nv",),
@@ -370,10 +378,17 @@ def _compile_for_sm90(out_dir: str) -> None:
             "count_ptr": "*i32",
             "scale_ptr": "*fp32",
         }
-        kernel = compile_sm90(
-            fn, pointers, consts, ["stride_xm", "stride_wn", "stride_sn"], num_warps=t.warps, num_stages=t.stages
-        )
-        Path(out_dir, f"fp8-{n}x{k}-b{block}.ptx").write_text(kernel.asm["ptx"])
+        for desc in (None, f"tensordesc<fp8e4nv[{t.bn}, {t.bk}]>"):  # pointer loads, then tensor copies
+            kernel = compile_sm90(
+                fn,
+                pointers | ({"w_desc": desc} if desc else {}),
+                consts | ({} if desc else {"w_desc": None}),
+                ["stride_xm", "stride_wn", "stride_sn"],
+                num_warps=t.warps,
+                num_stages=t.stages,
+            )
+            name = f"fp8-{_case_name((n,), k, x_block_n)}-b{block}" + ("-tma" if desc else "")
+            Path(out_dir, f"{name}.ptx").write_text(kernel.asm["ptx"])
 
 
 @pytest.fixture(scope="module")
@@ -415,11 +430,14 @@ def test_compiles_for_sm90_without_spills(
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("n,k,block", SM90_FP8_CASES, ids=str)
-def test_fp8_variant_compiles_for_sm90_without_spills(n: int, k: int, block: int, sm90_ptx: Path) -> None:
-    """The block-FP8 variant (tiles dequantised in registers): no spills, at most 128 registers,
-    its weight read a byte an element (8-bit loads or vectors of them), the PDL wait before any load."""
-    ptx = (sm90_ptx / f"fp8-{n}x{k}-b{block}.ptx").read_text()
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
+@pytest.mark.parametrize("n,k,block,x_block_n", SM90_FP8_CASES, ids=str)
+def test_fp8_variant_compiles_for_sm90_without_spills(
+    n: int, k: int, block: int, x_block_n: int, tma: bool, sm90_ptx: Path
+) -> None:
+    """The block-FP8 variant (tiles dequantised in registers), its weight through pointer loads or
+    tensor copies: no spills, at most 128 registers, the PDL wait before any load."""
+    ptx = (sm90_ptx / (f"fp8-{_case_name((n,), k, x_block_n)}-b{block}" + ("-tma.ptx" if tma else ".ptx"))).read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, log
     lines = [line.strip() for line in ptx.splitlines()]

@@ -51,7 +51,7 @@ def test_matches_block_diagonal_product(
     seed = fresh_seed()
     x, w = _operands(seed, m, g, r, k, dtype, device)
     why = f"seed={seed} M={m} G={g} R={r} K={k} tiles={tiles} {dtype}"
-    got = skinny_linear_blocks_triton(x, w, g, tiles)
+    got = skinny_linear_blocks_triton(x, w, g, tiles=tiles)
     assert_close(got, x, _dense(w, g), False, why)
     want = project_blocks.reference(x, w, g)
     assert got.dtype == want.dtype and got.shape == want.shape, why
@@ -67,7 +67,7 @@ def test_each_block_is_a_plain_call_on_its_slice(
     x, w = _operands(seed, m, g, r, k, torch.float32, device)
     t = tiles or choose_tiles(g * r, k)
     t = t._replace(bn=min(t.bn, r & -r))
-    got = skinny_linear_blocks_triton(x, w, g, t)
+    got = skinny_linear_blocks_triton(x, w, g, tiles=t)
     for b in range(g):
         want = skinny_linear_triton(x[:, b * k : (b + 1) * k], w[b * r : (b + 1) * r], False, t)
         assert torch.equal(got[:, b * r : (b + 1) * r], want), f"seed={seed} block {b} tiles={t}"

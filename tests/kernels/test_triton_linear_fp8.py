@@ -15,7 +15,8 @@ from linear_helpers import DTYPES, assert_close, cuda_only, fresh_seed
 from deepinfer_fx.graphs.norm import dequant_dense, project_fp8
 from deepinfer_fx.io.quant import quant_fp8_block, ue8m0_to_float
 from deepinfer_fx.kernels import ops_linear
-from deepinfer_fx.kernels.triton.linear import Tiles, skinny_linear_fp8_triton
+from deepinfer_fx.graphs.norm import project_blocks
+from deepinfer_fx.kernels.triton.linear import Tiles, skinny_linear_blocks_triton, skinny_linear_fp8_triton
 
 # (M, N, K, block, tiles): None is the shape rule (k tile = the block's, at most 128).
 CASES = [
@@ -57,6 +58,30 @@ def test_a_row_alone_is_the_same_bits_as_in_a_batch(device: str) -> None:
         assert torch.equal(skinny_linear_fp8_triton(x[i : i + 1], w8, scale, False)[0], batch[i]), (
             f"seed {seed}: row {i}"
         )
+
+
+# (M, G, R, K, block, tiles): the grouped wo_a held in block FP8 (V4.1's 32 blocks: several in a
+# block's rows; V4's 128: R = 32 rows of one scale block, K off it).
+BLOCKS = [(1, 2, 32, 64, 32, None), (9, 4, 48, 96, 32, None), (3, 2, 32, 160, 128, Tiles(32, 32, 2, 4, 3))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, g, r, k, block, tiles", BLOCKS)
+def test_blocks_match_the_dequantised_block_diagonal_product(
+    device: str, dtype: torch.dtype, m: int, g: int, r: int, k: int, block: int, tiles
+) -> None:
+    """``skinny_linear_blocks`` over a block-FP8 ``wo_a`` == the block-diagonal product of the
+    weight the reference (``norm.project_blocks`` with scales) dequantises."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, g * k, generator=gen).to(device=device, dtype=dtype)
+    w8, s8 = quant_fp8_block(torch.randn(g * r, k, generator=gen) * k**-0.5, block)  # the stacked blocks
+    w8, scale = w8.to(device), ue8m0_to_float(s8).to(device)
+    got = skinny_linear_blocks_triton(x, w8, g, scale, tiles)
+    w = dequant_dense(w8, scale, dtype)
+    assert_close(got, x, torch.block_diag(*w.unflatten(0, (g, -1))), False, f"seed {seed}")
+    want = project_blocks.reference(x, w8, g, scale)  # type: ignore[attr-defined]
+    assert got.dtype == want.dtype and got.shape == want.shape
 
 
 def test_the_swap_domain_and_bad_inputs() -> None:

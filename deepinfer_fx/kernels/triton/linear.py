@@ -267,25 +267,39 @@ def skinny_linear_group_triton(
 
 
 def skinny_linear_blocks_triton(
-    x: torch.Tensor, w: torch.Tensor, blocks: int, tiles: Tiles | None = None
+    x: torch.Tensor, w: torch.Tensor, blocks: int, scale: torch.Tensor | None = None, tiles: Tiles | None = None
 ) -> torch.Tensor:
     """``deepinfer::skinny_linear_blocks``: x ``[M, G*K]`` times the block-diagonal weight whose
     G blocks are the row blocks of w ``[G*R, K]`` -> ``[M, G*R]`` in x's dtype
     (``graphs/norm.py::project_blocks``), in one launch: the whole of w streams as one weight,
-    each column tile reading its block's slice of x. The column tile is narrowed to divide R."""
+    each column tile reading its block's slice of x. The column tile is narrowed to divide R.
+    With ``scale`` w is block FP8 held as stored, as in ``skinny_linear_fp8_triton``."""
     if x.dim() != 2 or w.dim() != 2 or blocks < 1 or w.shape[0] % blocks or x.shape[1] != blocks * w.shape[1]:
         raise ValueError(
             f"skinny_linear_blocks: x [M, G*K] and w [G*R, K] with G = {blocks} expected, "
             f"got {tuple(x.shape)} and {tuple(w.shape)}"
         )
     r, k = w.shape[0] // blocks, w.shape[1]
-    t = tiles or choose_tiles(w.shape[0], k)
+    block = 0 if scale is None else _fp8_block(w, scale, "skinny_linear_blocks")
+    t = tiles or choose_tiles(w.shape[0], k, max_bk=min(128, block & -block) if block else 128)
     bn = min(t.bn, r & -r)  # the largest power of two dividing R: no tile straddles two blocks
     if bn < 16:
         raise ValueError(
             f"skinny_linear_blocks: {r} rows a block; a multiple of 16 is needed (the smallest column tile)"
         )
-    return _launch(x, [w], False, t._replace(bn=bn), x_block_n=r)[0]
+    return _launch(x, [w], False, t._replace(bn=bn), x_block_n=r, scale=scale, block=block)[0]
+
+
+def _fp8_block(w: torch.Tensor, scale: torch.Tensor, op: str) -> int:
+    """The block of a float8_e4m3fn weight's fp32 scales; its power-of-two part is the k tile's bound."""
+    if w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{op}: a float8_e4m3fn w expected with scales, got {w.dtype}")
+    block = fp8_block_of(w.shape, scale.shape)
+    if (block & -block) < 16 or scale.dtype != torch.float32:
+        raise ValueError(
+            f"{op}: fp32 scales of a block with a power-of-two part >= 16, got block {block}, {scale.dtype}"
+        )
+    return block
 
 
 def skinny_linear_fp8_triton(
@@ -301,13 +315,8 @@ def skinny_linear_fp8_triton(
             f"skinny_linear_fp8: x [M, K] and a float8_e4m3fn w [N, K] expected, got {tuple(x.shape)} and "
             f"{tuple(w.shape)} {w.dtype}"
         )
-    block = fp8_block_of(w.shape, scale.shape)
-    step = block & -block
-    if step < 16 or scale.dtype != torch.float32:
-        raise ValueError(
-            f"skinny_linear_fp8: fp32 scales of a block with a power-of-two part >= 16, got block {block}, {scale.dtype}"
-        )
-    t = tiles or choose_tiles(w.shape[0], w.shape[1], max_bk=min(128, step))
+    block = _fp8_block(w, scale, "skinny_linear_fp8")
+    t = tiles or choose_tiles(w.shape[0], w.shape[1], max_bk=min(128, block & -block))
     return _launch(x, [w], out_fp32, t, scale=scale, block=block)[0]
 
 
@@ -323,7 +332,7 @@ def _launch(
     """One ``_skinny_kernel`` launch over the weights ``ws`` (shapes checked by the caller), each
     reading x's first K columns, or with ``x_block_n`` its block's (``skinny_linear_blocks``);
     with ``scale`` the one weight is block FP8 of ``block`` (``skinny_linear_fp8``)."""
-    if scale is not None and (block % t.bk or len(ws) != 1 or x_block_n):
+    if scale is not None and (block % t.bk or len(ws) != 1):
         raise ValueError(f"skinny_linear_fp8: the k tile {t.bk} must divide the scale block {block}, one weight")
     if scale is None and any(w.dtype != x.dtype for w in ws):
         raise ValueError(f"skinny_linear: x and w must share a dtype, got {x.dtype} and {[w.dtype for w in ws]}")
@@ -351,7 +360,6 @@ def _launch(
     # The descriptor's rows must start 16-byte aligned; a group's weights keep pointer loads.
     tma = (
         t.tma
-        and scale is None  # fp8 tiles load through pointers (a descriptor of them: not measured)
         and len(ws) == 1
         and ws[0].stride(1) == 1
         and (ws[0].stride(0) * ws[0].element_size()) % 16 == 0
@@ -405,8 +413,10 @@ def _skinny_linear_fp8_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tenso
     return skinny_linear_fp8_triton(x, w, scale, out_fp32)
 
 
-def _skinny_linear_blocks_cuda(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
-    return skinny_linear_blocks_triton(x, w, blocks)
+def _skinny_linear_blocks_cuda(
+    x: torch.Tensor, w: torch.Tensor, blocks: int, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    return skinny_linear_blocks_triton(x, w, blocks, scale)
 
 
 def _skinny_linear_group_cuda(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
