@@ -33,7 +33,6 @@ def select_entries(
     (the group's own rows, or a context-parallel rank's share of them)."""
     ratio = c.csa_ratio
     # the whole pool, read by slot: a gathered copy per chunk would move every slot's index keys
-    packed = fq.is_packed(st["entries"])
     pool = compress(
         p["compressor"],
         st,
@@ -43,14 +42,14 @@ def select_entries(
         True,
         freq,
         c.rms_norm_eps,
-        lambda k: fq.index_vector(c, k, packed),
+        lambda k: fq.index_vector(c, k, fq.is_packed(st["entries"])),
         gather=False,
     )
     q = linear(q_r, *held(p, "wq_b")).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = fq.index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(xq, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
     visible = visible_entries(q_pos, pool.shape[-2], ratio)
-    if packed:  # the kernels read values: this chunk's keys, unpacked
+    if fq.is_packed(pool):  # the kernels read values: this chunk's keys, unpacked
         return score_topk(q, fq.read(c, "index", pool[g.slots], q.dtype), head_w, visible, c.index_topk)
     return score_topk(q, pool, head_w, visible, c.index_topk, g.slots)
 

@@ -2,7 +2,9 @@
 fp8 / fp4 codes and scales, and ``generate`` returns what a model-format cache returns, bit for
 bit in fp32 (tokens and logprobs): V4 with MTP-1 drafting and V4.1 with DSpark drafting, chunked
 prefill, greedy and sampled requests in one batch, eager and compiled steps. Its slots take less
-than half the bytes. PROMPT / COMPLETION engines trade trained states; a COMPLETION engine that
+than half the bytes. A checkpoint stored as released, run with every format native (fp4 experts,
+fp8 dense weights, trained state), gives what it gives converted. PROMPT / COMPLETION engines
+trade trained states; a COMPLETION engine that
 holds the other format refuses the state by name, and so do a model without fake-quant and an
 unknown ``DEEPINFER_KV_FORMAT``."""
 
@@ -14,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+import deepinfer_fx
 from deepinfer_fx import LLM, SamplingParams, random_model
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from test_dspark import v41_dspark  # noqa: E402
-from tiny import tiny_v4  # noqa: E402
+from tiny import FP8_EXPERTS, tiny_v4, tiny_v41  # noqa: E402
 
 MODELS = {
     "v4-mtp": (tiny_v4, {"method": "mtp", "num_speculative_tokens": 2}),
@@ -76,6 +79,29 @@ def test_prompt_and_completion_engines_trade_trained_states(tmp_path: Path) -> N
         LLM(model, engine_type="completion", **kw).generate(None, greedy)
     done = LLM(model, kv_format="trained", engine_type="completion", **kw).generate(None, greedy)
     assert [o.outputs[0].token_ids for o in done] == want
+
+
+def test_every_format_native_equals_every_format_converted(tmp_path: Path) -> None:
+    """A tiny V4.1 checkpoint stored as released (MXFP4 experts, 32 x 32 block-FP8 dense weights)
+    run with everything kept as stored (experts fp4, dense fp8, the state as trained) gives the
+    tokens and logprobs of the same checkpoint with everything converted (dequantised weights, a
+    model-format state): every native path reproduces its conversion's values (fp32, eager)."""
+    cfg = tiny_v41(quantization_config=FP8_EXPERTS["quantization_config"], expert_dtype="fp4")
+    del cfg["engram_compressed_vocab_size"], cfg["engram_num_embeddings"]  # the writer derives them
+    seed = random.randrange(1 << 30)
+    deepinfer_fx.write_random_checkpoint(
+        tmp_path, {"model_type": "deepseek_v41", "text_config": cfg, "eos_token_id": [1, 2]}, seed=seed
+    )
+    runs = {}
+    for name, kw in {
+        "native": {"expert_format": "fp4", "dense_format": "fp8", "kv_format": "trained"},
+        "converted": {"expert_format": "dequant", "dense_format": "dequant", "kv_format": "model"},
+    }.items():
+        llm = LLM(str(tmp_path), dtype="float32", eager=True, max_num_batched_tokens=16, memory_budget=1 << 26, **kw)
+        prompts, params = _requests(seed, llm.model.config.vocab_size)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        runs[name] = [(o.token_ids, [sorted(d.items()) for d in o.logprobs]) for o in outs]
+    assert runs["native"] == runs["converted"], f"seed {seed}"
 
 
 def test_refusals(monkeypatch) -> None:
