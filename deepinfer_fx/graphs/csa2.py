@@ -31,7 +31,9 @@ def _publish(
     keys = rms_norm(linear(lat, p["indexer"]["wk"]), p["indexer"]["k_norm"], c.rms_norm_eps)
     packed = fq.is_packed(st["entries"])
     store_entries(st["index_keys"], g, w, complete, fq.index_vector(c, entry_rope(keys, w, ratio, freq), packed))
-    store_entries(st["entries"], g, w, complete, fq.compressed_entry(c, entry_rope(lat, w, ratio, freq), packed))
+    store_entries(
+        st["entries"], g, w, complete, fq.compressed_entry(c, entry_rope(lat, w, ratio, freq), packed, x.dtype)
+    )
     return complete.any(-1)
 
 

@@ -29,7 +29,7 @@ def v4_entries(
         overlap,
         freq,
         c.rms_norm_eps,
-        lambda e: fq.compressed_entry(c, e, fq.is_packed(st["comp"]["entries"])),
+        lambda e: fq.compressed_entry(c, e, fq.is_packed(st["comp"]["entries"]), xg.dtype),
         gather=gather,
     )
     if overlap:

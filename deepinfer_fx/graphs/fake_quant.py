@@ -69,17 +69,20 @@ def read(c: ModelConfig, kind: str, t: torch.Tensor, dtype: torch.dtype) -> torc
     return codec(c, kind).unpack(t, dtype) if is_packed(t) else t.to(dtype)
 
 
-def _packed(c: ModelConfig, kind: str, x: torch.Tensor) -> torch.Tensor:
+def _packed(c: ModelConfig, kind: str, x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if not c.fake_quant:
         check_trained(c)
-    return codec(c, kind).pack(x)
+    return codec(c, kind).pack(x, dtype)
 
 
-def window_kv(c: ModelConfig, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
-    """``packed``: the bytes a trained-format ring holds for ``x`` (already fake-quantised or not:
-    fq8 maps its own results to themselves)."""
+# ``packed`` (below): the bytes a trained-format state holds for x's fake-quantised values, with
+# ``dtype`` the state's value dtype (None: x's), which the rows' unquantised tail is rounded to.
+
+
+def window_kv(c: ModelConfig, x: torch.Tensor, packed: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``packed``: x may be fake-quantised already (fq8 maps its own results to themselves)."""
     if packed:
-        return _packed(c, "window", x)
+        return _packed(c, "window", x, dtype)
     if not c.fake_quant:
         return x
     if c.is_v41:
@@ -88,11 +91,13 @@ def window_kv(c: ModelConfig, x: torch.Tensor, packed: bool = False) -> torch.Te
     return torch.cat([fq8(x[..., :nope], V4_KV_FP8_BLOCK), x[..., nope:]], dim=-1)
 
 
-def compressed_entry(c: ModelConfig, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
-    """``packed``: the bytes for ``x`` before its fake-quant (V4.1's fp4 with e4m3 scales does not
-    map every result to itself)."""
+def compressed_entry(
+    c: ModelConfig, x: torch.Tensor, packed: bool = False, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``packed``: x before its fake-quant (V4.1's fp4 with e4m3 scales does not map every result
+    to itself)."""
     if packed:
-        return _packed(c, "entry", x)
+        return _packed(c, "entry", x, dtype)
     if not c.fake_quant:
         return x
     if c.is_v41:
@@ -100,10 +105,12 @@ def compressed_entry(c: ModelConfig, x: torch.Tensor, packed: bool = False) -> t
     return window_kv(c, x)
 
 
-def index_vector(c: ModelConfig, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
-    """Index keys and queries; ``packed``: an index key's bytes."""
+def index_vector(
+    c: ModelConfig, x: torch.Tensor, packed: bool = False, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Index keys and queries; ``packed``: an index key's bytes (no tail: any dtype)."""
     if packed:
-        return _packed(c, "index", x if c.is_v41 else hadamard(x))
+        return _packed(c, "index", x if c.is_v41 else hadamard(x), dtype)
     if not c.fake_quant:
         return x
     return fq4_ue8m0(x if c.is_v41 else hadamard(x), INDEX_FP4_BLOCK)

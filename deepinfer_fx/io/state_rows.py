@@ -62,9 +62,11 @@ class RowCodec:
         raw = self.tail * dtype.itemsize + self._code_bytes() + self.coded // self.block
         return -(-raw // 4) * 4
 
-    def pack(self, x: Tensor) -> Tensor:
-        """``x`` ``[..., dim]`` (its dtype is the tail's) -> uint8 ``[..., nbytes(x.dtype)]``."""
-        lead, n = x.shape[:-1], self.coded
+    def pack(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``x`` ``[..., dim]`` -> uint8 ``[..., nbytes(dtype)]``: codes and scales from x's values
+        (fp32 compressor latents, say), the tail rounded to ``dtype`` (None: x's), the state's
+        value dtype, as a model-format state would store it."""
+        lead, n, dtype = x.shape[:-1], self.coded, dtype or x.dtype
         if self.fmt == "fp8":
             q, e = fp8_blocks(x[..., :n], self.block)
             codes, scales = q.reshape(*lead, n).view(torch.uint8), (e.squeeze(-1) + 127).to(torch.uint8)
@@ -76,8 +78,8 @@ class RowCodec:
             codes, scales = e2m1_pack(q.reshape(*lead, n)), s.squeeze(-1).view(torch.uint8)
         parts = [codes, scales]
         if self.tail:
-            parts.insert(0, _to_bytes(x[..., n:]))
-        pad = self.nbytes(x.dtype) - sum(t.shape[-1] for t in parts)
+            parts.insert(0, _to_bytes(x[..., n:].to(dtype)))
+        pad = self.nbytes(dtype) - sum(t.shape[-1] for t in parts)
         if pad:
             parts.append(torch.zeros(*lead, pad, dtype=torch.uint8, device=x.device))
         return torch.cat(parts, -1)

@@ -110,8 +110,9 @@ def _check_mesh(model: Model, work: Workload, want: dict, spec: MeshSpec, rank: 
     got = _serve(Model(c, rank_params(params, c, rank_expert_ids(spec, rank, pl))), work, mine, grp)
     assert set(got) == {k for k in want if k[0] in mine}, where
     for key, value in got.items():
+        # fp32 sums in another order (other row counts per rank): 1.33e-5 seen on a logit near 0 (V4.1, ep4)
         torch.testing.assert_close(
-            value, want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} request/step {key}: {m}"
+            value, want[key], rtol=1e-5, atol=3e-5, msg=lambda m: f"{where} request/step {key}: {m}"
         )
     check_overflow(grp)
     return grp

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import deepinfer_fx
 from deepinfer_fx import LLM, SamplingParams, random_model
@@ -60,8 +61,9 @@ def test_trained_cache_generates_what_the_model_format_does(name: str) -> None:
 
 
 def test_trained_cache_in_compiled_steps() -> None:
+    """bf16, as on a GPU: the compressors' fp32 entries go into bf16-sized rows."""
     seed = random.randrange(1 << 30)
-    model = random_model(tiny_v4(), seed=seed)
+    model = random_model(tiny_v4(), seed=seed, dtype=torch.bfloat16)
     want, _ = _generate(model, "model", seed, eager=False)
     got, _ = _generate(model, "trained", seed, eager=False)
     assert got == want, f"seed {seed}"

@@ -6,7 +6,7 @@ compressed entries and index keys held as fp8 / fp4 codes and scales. What users
   gives for the released widths (V4: 584 B a window row at bf16; V4.1: 528 B window, 288 B entry,
   68 B index key);
 - a model run on a trained-format state gives the logits of the same run on a model-format state,
-  bit for bit in fp32, whatever the chunking; and every state tensor it wrote holds the values
+  bit for bit in fp32 and bf16, whatever the chunking; and every state tensor it wrote holds the values
   the model-format state holds (stored == fake-quantised);
 - a model without fake-quant, or an unknown format, is refused in one line.
 """
@@ -55,6 +55,9 @@ def test_rows_give_back_the_fake_quantised_values(family: str, dtype: torch.dtyp
         rows = point(c, x, packed=True)
         assert rows.dtype == torch.uint8 and rows.shape == (3, 16, fq.codec(c, kind).nbytes(dtype))
         assert torch.equal(fq.read(c, kind, rows, dtype), point(c, x)), kind
+        if dtype == torch.bfloat16:  # fp32 compressor latents into a bf16 state: the tail rounds to bf16
+            x32 = x.float() * 1.001
+            assert torch.equal(fq.read(c, kind, point(c, x32, True, dtype), dtype), point(c, x32).to(dtype)), kind
         if kind == "window":  # a ring stores rows its fake-quant point already rounded
             once = point(c, x)
             assert torch.equal(fq.read(c, kind, point(c, once, packed=True), dtype), once)
@@ -77,7 +80,7 @@ def test_released_row_bytes(name: str, bytes_: dict) -> None:
 def _run(model, ids: torch.Tensor, chunks: list[int], kv_format: str) -> tuple[torch.Tensor, dict]:
     """Feed ``ids`` but the last in ``chunks`` (the last id is the MTP block's next token)."""
     c, params = model
-    state = init_state(c, ids.numel(), torch.float32, kv_format=kv_format)
+    state = init_state(c, ids.numel(), model.dtype, kv_format=kv_format)
     outs, start = [], 0
     with torch.no_grad():
         for n in chunks:
@@ -89,10 +92,13 @@ def _run(model, ids: torch.Tensor, chunks: list[int], kv_format: str) -> tuple[t
     return torch.cat(outs), state
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_trained_state_gives_the_model_format_logits(family: str) -> None:
+def test_trained_state_gives_the_model_format_logits(family: str, dtype: torch.dtype) -> None:
+    """bf16 too: the compressors pool in fp32, and a bf16 state rounds what they store (V4's
+    rotary tail) to bf16 either way."""
     seed = random.randrange(1 << 30)
-    model = random_model(CONFIGS[family](), seed=seed)
+    model = random_model(CONFIGS[family](), seed=seed, dtype=dtype)
     c = model.config
     assert c.fake_quant
     rng = random.Random(seed)
@@ -117,7 +123,7 @@ def test_trained_state_gives_the_model_format_logits(family: str) -> None:
         if path.startswith("layers.") and ".index." in path:
             kind = "index"  # V4's indexer compressor holds index keys as its entries
         assert fq.is_packed(t), path
-        assert torch.equal(fq.read(c, kind, t, torch.float32), values[path]), f"seed {seed}: {path}"
+        assert torch.equal(fq.read(c, kind, t, dtype), values[path]), f"seed {seed}: {path}"
         checked += 1
     assert checked >= c.num_hidden_layers
 
