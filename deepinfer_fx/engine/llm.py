@@ -17,7 +17,7 @@ from ..io.tokenizer import decode
 from ..kernels.launch_options import use_pdl
 from ..settings import EngineConfig, usable_cores
 from . import inputs
-from .cache import CachePool, plan_capacity, state_bytes_per_slot
+from .cache import CachePool, plan_capacity
 from .llm_build import default_budget, model_len, model_tokenizer, run_dtype, serve_model, state_format
 from .llm_requests import imported_seqs, make_seq, sampling_list, serve
 from .loop import EngineLoop, LoopStats
@@ -221,7 +221,8 @@ class LLM:
 
     # --- per-token memory, for the CLI summary
     def bytes_per_token(self) -> float:
-        return state_bytes_per_slot(self.model.config, self.max_model_len, self.model.dtype)["per_token"]
+        """Cache bytes per cached token (compressed entries and index keys, as ``kv_format`` holds them)."""
+        return self.plan.per_token_bytes
 
     def generate(
         self,

@@ -58,6 +58,7 @@ def test_trained_cache_generates_what_the_model_format_does(name: str) -> None:
         assert got == want, f"seed {seed}, speculative {speculative}"
         assert held.plan.kv_format == "trained" and plain.plan.kv_format == "model"
         assert held.plan.bytes_per_slot < 0.6 * plain.plan.bytes_per_slot
+        assert held.bytes_per_token() < 0.6 * plain.bytes_per_token()  # what the CLI prints
 
 
 def test_trained_cache_in_compiled_steps() -> None:
