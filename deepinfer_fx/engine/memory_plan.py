@@ -180,6 +180,12 @@ def _graph_pool(c: ModelConfig, tokens: int, max_len: int, dtype: torch.dtype) -
     return streams + max(attention, moe) + c.vocab_size * 4
 
 
+def _dense_format_note(c: ModelConfig) -> str:
+    if c.held_dense == "fp8":
+        return "block FP8 + fp32 scales as stored; "
+    return "FP8 dequantised; " if c.fp8_block else ""
+
+
 def memory_plan(
     c: ModelConfig,
     mesh: MeshSpec = ONE_GPU,
@@ -241,14 +247,7 @@ def memory_plan(
             f"{slots} of {c.n_routed_experts} experts a layer, {held}; "
             f"{sums['released'] / GiB:.2f} GiB as released ({released})",
         ),
-        Category(
-            "dense weights",
-            sums["dense"],
-            {"fp8": "block FP8 + fp32 scales as stored; ", None: "FP8 dequantised; " if c.fp8_block else ""}[
-                c.held_dense
-            ]
-            + dense_note,
-        ),
+        Category("dense weights", sums["dense"], _dense_format_note(c) + dense_note),
     ]
     if draft and sums["draft"]:
         device.append(Category("draft model (mtp.*)", sums["draft"], "MTP-1 / DSpark, when the checkpoint has it"))

@@ -175,9 +175,7 @@ def quant_fp8_block(w: Tensor, block: int) -> tuple[Tensor, Tensor]:
 def quant_fp8_rows(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     """Quantize [..., K] to (float8_e4m3fn, float8_e8m0fnu scales [..., K/block]): one scale per
     ``block`` channels of each row, the layout of V4.1's Engram table rows."""
-    blocks = _split_blocks(w.to(torch.float32), block)
-    e = _pow2_ceil_exponent(_block_amax(blocks, _FP8_AMAX_FLOOR) / E4M3_MAX)
-    w8 = (blocks / torch.exp2(e.to(torch.float32))).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    w8, e = fp8_blocks(w, block)
     return w8.reshape(w.shape).contiguous(), _exponent_to_ue8m0(e.squeeze(-1))
 
 
