@@ -51,6 +51,20 @@ class RowCodec:
             )
 
     @property
+    def spec(self) -> str:
+        """The row layout as a string ops take as an argument: ``fmt/block/tail`` (the width is the op's)."""
+        return f"{self.fmt}/{self.block}/{self.tail}"
+
+    @classmethod
+    def from_spec(cls, spec: str, dim: int) -> "RowCodec":
+        """``spec``'s inverse for rows of ``dim`` values."""
+        try:
+            fmt, block, tail = spec.split("/")
+            return cls(fmt, dim, int(block), int(tail))
+        except ValueError as e:
+            raise ValueError(f"state row spec {spec!r} is not fmt/block/tail for rows of {dim} values: {e}") from None
+
+    @property
     def coded(self) -> int:
         return self.dim - self.tail
 

@@ -1,0 +1,74 @@
+"""``kernels/triton/state_rows.load_values`` against ``RowCodec.unpack``, bit for bit, for every
+trained-format row kind of the released models (fp32 and bf16 tails), values from 1e-12 to 1e3,
+zero rows and blocks, on fresh seeds; on CPU under Triton's interpreter."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_fx.io.state_rows import RowCodec
+from deepinfer_fx.kernels.triton.state_rows import format_args, load_values
+
+
+@triton.jit
+def _unpack_kernel(
+    src,
+    dst,
+    nbytes,
+    n_rows,
+    FMT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
+    D: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)[None, :]
+    mask = (offs_n[:, None] < n_rows) & (offs_d < D)
+    rows = src + offs_n[:, None].to(tl.int64) * nbytes
+    vals = load_values(rows, offs_d, mask, FMT, BLOCK, TAIL, D, VALUE_BYTES)
+    tl.store(dst + offs_n[:, None] * D + offs_d, vals, mask=mask)
+
+
+def _unpack(t: torch.Tensor, codec: RowCodec, dtype: torch.dtype) -> torch.Tensor:
+    n = t.shape[0]
+    out = torch.empty(n, codec.dim, dtype=torch.float32, device=t.device)
+    fmt, block, tail = format_args(codec)
+    bn = 8
+    _unpack_kernel[(triton.cdiv(n, bn),)](
+        t, out, t.shape[1], n, fmt, block, tail, codec.dim, dtype.itemsize, bn, triton.next_power_of_2(codec.dim)
+    )
+    return out
+
+
+CODECS = [
+    RowCodec("fp8", 512, 64, 64),  # V4 window / entries
+    RowCodec("fp8", 512, 32),  # V4.1 window
+    RowCodec("nvfp4", 512, 16),  # V4.1 entries
+    RowCodec("mxfp4", 128, 32),  # index keys
+    RowCodec("fp8", 96, 32, 32),  # a tail that is not a power of two from the codes' end
+]
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.fmt}-{c.dim}-{c.block}-{c.tail}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_values_equals_unpack(codec: RowCodec, dtype: torch.dtype, device: str) -> None:
+    seed = random.randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    n = 13
+    mag = torch.exp(torch.empty(n, 1).uniform_(-27.6, 6.9, generator=g))  # 1e-12 .. 1e3 a row
+    x = torch.randn(n, codec.dim, generator=g) * mag
+    x[3] = 0.0  # a zero row
+    x[5, : codec.block] = 0.0  # a zero block
+    x[7, ::3] *= 1e-6  # blocks with a wide spread
+    t = codec.pack(x.to(dtype))
+    want = codec.unpack(t, dtype).float()
+    got = _unpack(t.to(device), codec, dtype).cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"seed {seed}"
