@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .attention import ring_keys
+from .indexer import read_keys
 from .moe import _score, dequant_experts, held_format, swiglu_act
 from .norm import dequant_dense, project
 from .rope import apply_rope
@@ -155,10 +156,11 @@ def index_scores(
     visible: torch.Tensor,
     dot_scale: float,
     slots: torch.Tensor | None = None,
+    key_rows: str | None = None,
 ) -> torch.Tensor:
-    """``indexer.index_scores`` with each dot product a fixed-order sum over the head dim."""
-    if slots is not None:
-        keys = keys[slots]
+    """``indexer.index_scores`` with each dot product a fixed-order sum over the head dim (packed
+    keys read as the reference reads them: only the rows scored, unpacked)."""
+    keys = read_keys(q, keys, slots, key_rows)
     dots = torch.relu((q.float()[..., :, :, None, :] * keys.float()[..., None, None, :, :]).sum(-1)) * dot_scale
     return (dots * head_w.float()[..., None]).sum(-2).masked_fill(~visible, float("-inf"))
 
@@ -176,12 +178,13 @@ def score_topk(
     visible: torch.Tensor,
     k: int,
     slots: torch.Tensor | None = None,
+    key_rows: str | None = None,
 ) -> torch.Tensor:
     """``indexer.score_topk`` with ties to the lower entry (entries keep their index in every layout)."""
     n = visible.shape[-1]
     if n == 0 or k <= 0:
         return torch.zeros_like(visible)
-    top = _top_k(index_scores(q, keys, head_w, visible, 1.0, slots), min(k, n))
+    top = _top_k(index_scores(q, keys, head_w, visible, 1.0, slots, key_rows), min(k, n))
     return torch.zeros_like(visible).scatter_(-1, top, True) & visible
 
 

@@ -56,6 +56,7 @@ def _select(
     c: ModelConfig,
     keys: torch.Tensor,
     key_slots: torch.Tensor | None,
+    key_rows: str | None,
     x,
     q_r,
     q_pos,
@@ -65,14 +66,15 @@ def _select(
     group_ctx: dict,
 ) -> torch.Tensor:
     """An index source's selection: ``[C, L, n_entries]`` bool. ``keys``: each chunk's index keys
-    ``[C, n, di]``, or the pool ``[S, n, di]`` that ``key_slots`` reads."""
+    ``[C, n, di]``, or the pool ``[S, n, di]`` that ``key_slots`` reads; a trained-format state's
+    rows ``[..., n, nbytes]`` of the layout ``key_rows`` (``indexer.index_scores``)."""
     ip = p["indexer"]
     q = linear(q_r, *held(ip, "wq_b")).unflatten(-1, (c.index_n_heads, c.index_head_dim))
     q = fq.index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(x, ip["weights_proj"]) * c.index_n_heads**-0.5
     n = keys.shape[-2]
     visible = visible_entries(q_pos, n, ratio)
-    scores = index_scores(q, keys, head_w, visible, c.index_head_dim**-0.5, key_slots)
+    scores = index_scores(q, keys, head_w, visible, c.index_head_dim**-0.5, key_slots, key_rows)
     if c.is_candidate_source(layer):
         n_vis = torch.div(q_pos + 1, ratio, rounding_mode="floor").clamp(max=n)
         group_ctx["candidates"] = candidate_blocks(scores, n_vis, c.candidate_topk_blocks, c.candidate_block_size)
@@ -108,11 +110,11 @@ def csa2_entries(
         if c.index_key_quirk and layer == src and ratio > 1:
             # The official reference republishes an owner's keys only when it closes a group; in
             # between, the owner scores against the last keys published, the last KV source's
-            # (ratio 1, written every token by the previous step). Spec §11.1.
+            # (ratio 1, written every token by the previous step). Spec §11.1. Whole rows are
+            # chosen, so this holds for a trained-format state's bytes as for values.
             last = states[c.kv_source_layer_ids[-1]]["comp"]["index_keys"][g.slots]
             keys, key_slots = torch.where(closed[:, None, None], keys[g.slots], last[:, : keys.shape[1]]), None
-        if fq.is_packed(keys):  # the kernels read values: this group's keys, unpacked
-            keys = fq.read(c, "index", keys if key_slots is None else keys[key_slots], xq.dtype)
-            key_slots = None
-        group_ctx["selection"] = _select(p, c, keys, key_slots, xq, q_r, q_pos, layer, ratio, freq, group_ctx)
+        # a trained-format state's keys are scored as they lie: the kernel decodes the tiles it reads
+        key_rows = fq.codec(c, "index").spec if fq.is_packed(keys) else None
+        group_ctx["selection"] = _select(p, c, keys, key_slots, key_rows, xq, q_r, q_pos, layer, ratio, freq, group_ctx)
     return entries, group_ctx["selection"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..io.state_rows import RowCodec
 from .batch import Group
 from .compressor import compress, visible_entries
 from . import fake_quant as fq
@@ -49,9 +50,20 @@ def select_entries(
     q = fq.index_vector(c, apply_rope(q, *cos_sin(q_pos, freq)))
     head_w = linear_fp32(xq, p["weights_proj"]) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
     visible = visible_entries(q_pos, pool.shape[-2], ratio)
-    if fq.is_packed(pool):  # the kernels read values: this chunk's keys, unpacked
-        return score_topk(q, fq.read(c, "index", pool[g.slots], q.dtype), head_w, visible, c.index_topk)
-    return score_topk(q, pool, head_w, visible, c.index_topk, g.slots)
+    # a trained-format pool is scored as it lies: the kernel decodes the tiles it reads
+    key_rows = fq.codec(c, "index").spec if fq.is_packed(pool) else None
+    return score_topk(q, pool, head_w, visible, c.index_topk, g.slots, key_rows)
+
+
+def read_keys(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor | None, key_rows: str | None) -> torch.Tensor:
+    """The index keys a scoring of ``q`` reads, as values: ``keys[slots]`` (with slots), unpacked
+    into q's dtype from rows of the layout ``key_rows`` (a ``RowCodec.spec``; None: already
+    values). Only the rows read are unpacked, never the whole pool."""
+    if slots is not None:
+        keys = keys[slots]
+    if key_rows is not None:
+        keys = RowCodec.from_spec(key_rows, q.shape[-1]).unpack(keys, q.dtype)
+    return keys
 
 
 @swappable
@@ -62,14 +74,15 @@ def score_topk(
     visible: torch.Tensor,
     k: int,
     slots: torch.Tensor | None = None,
+    key_rows: str | None = None,
 ) -> torch.Tensor:
     """Per query the ``k`` visible entries with the highest ``sum_h head_w[t,h] relu(q[t,h] . keys[n])``
-    (q ``[..., T, Hi, di]``, keys ``[..., N, di]`` or a pool read by ``slots``, see
-    ``index_scores``; head_w ``[..., T, Hi]``): a bool ``[..., T, N]``."""
+    (q ``[..., T, Hi, di]``, keys ``[..., N, di]`` or a pool read by ``slots``, values or packed
+    rows, see ``index_scores``; head_w ``[..., T, Hi]``): a bool ``[..., T, N]``."""
     n = visible.shape[-1]
     if n == 0 or k <= 0:
         return torch.zeros_like(visible)
-    scores = index_scores(q, keys, head_w, visible, 1.0, slots)
+    scores = index_scores(q, keys, head_w, visible, 1.0, slots, key_rows)
     top = scores.topk(min(k, n), dim=-1, sorted=False).indices  # a set: unsorted skips a sort kernel
     # fewer than k visible: topk also returns masked entries; drop them
     return torch.zeros_like(visible).scatter_(-1, top, True) & visible
@@ -83,14 +96,17 @@ def index_scores(
     visible: torch.Tensor,
     dot_scale: float,
     slots: torch.Tensor | None = None,
+    key_rows: str | None = None,
 ) -> torch.Tensor:
     """fp32 ``[..., T, N]``: ``sum_h head_w[t,h] * dot_scale * relu(q[t,h] . keys[n])`` where
     ``visible``, -inf elsewhere. V4 folds its whole scale into ``head_w`` (``dot_scale`` 1);
     V4.1 (``csa2.py``) applies ``index_head_dim**-0.5`` after the ReLU, in this order. With
     ``slots`` ``[C]`` (q ``[C, T, Hi, di]``), keys is the state's pool ``[S, N, di]`` and chunk c
-    scores ``keys[slots[c]]``: the kernel reads the pool in place (the visible tiles only)."""
-    if slots is not None:
-        keys = keys[slots]
+    scores ``keys[slots[c]]``: the kernel reads the pool in place (the visible tiles only).
+    ``key_rows``: keys are a trained-format state's uint8 rows ``[..., N, nbytes]`` of that
+    ``RowCodec.spec``, scored as the values they unpack to in q's dtype (``read_keys``); the
+    kernel decodes each tile it loads, so no unpacked copy of the pool is made."""
+    keys = read_keys(q, keys, slots, key_rows)
     dots = torch.relu(torch.einsum("...thd,...nd->...thn", q.float(), keys.float())) * dot_scale
     return (dots * head_w.float()[..., None]).sum(-2).masked_fill(~visible, float("-inf"))
 

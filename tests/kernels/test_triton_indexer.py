@@ -5,7 +5,9 @@ kernels run under Triton's interpreter in fp32 at small sizes; with CUDA, bf16 c
 model's sizes (Hi 64, di 128, k 512) run too. The kernel's scores differ from the reference's
 by rounding, so a selection may differ only at a near-tie: the checks demand the reference's
 exact set wherever its k-th and (k+1)-th scores are apart by more than a tolerance, and
-everywhere what is well defined (the count, visibility, chosen >= unchosen).
+everywhere what is well defined (the count, visibility, chosen >= unchosen). Keys held as a
+trained-format state's MXFP4 rows score bit for bit as their unpacked values do, and the packed
+variant compiles for sm_90 at V4's and V4.1's index widths.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.compressor import visible_entries
 from deepinfer_fx.graphs.indexer import index_scores, score_topk, top_k_mask
+from deepinfer_fx.io.state_rows import RowCodec
 from deepinfer_fx.kernels.triton.indexer import indexer_scores_triton, indexer_topk_triton, topk_mask_triton
 
 CUDA = torch.cuda.is_available()
@@ -213,6 +216,77 @@ def test_keys_read_from_a_pool_by_slot(dtype: torch.dtype, device: str) -> None:
         indexer_scores_triton(q, pool, head_w, visible, 1.0, slots[:2])
 
 
+# Index keys as a trained-format state holds them (``graphs/fake_quant.codec(c, "index")``).
+INDEX_ROWS = RowCodec("mxfp4", 128, 32)
+
+
+def _packed_case(seed: int, c: int, s: int, t: int, h: int, n: int, dtype: torch.dtype, device: str):
+    """``_case``'s q, head weights and visibility for ``c`` chunks, with a pool of ``s`` slots of
+    ``n`` index keys (di 128) packed as MXFP4 rows: magnitudes from 1e-6 to 1e2 a key, one zero
+    key and one zero block. Returns (q, rows, their values in q's dtype, head_w, visible)."""
+    q, _, head_w, visible = _case(seed, (c,), t, h, 128, n, dtype, device)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(s, n, 128, generator=g) * torch.exp(torch.empty(s, n, 1).uniform_(-13.8, 4.6, generator=g))
+    x[0, 0] = 0.0
+    x[-1, n // 2, :32] = 0.0
+    rows = INDEX_ROWS.pack(x.to(dtype)).to(device)
+    return q, rows, INDEX_ROWS.unpack(rows, dtype), head_w, visible
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_cuda)])
+@pytest.mark.parametrize("n", [1, 64, 70, 200])  # one key, one tile, a partial tile, several tiles
+@pytest.mark.parametrize("by_slot", [True, False], ids=["pool", "gathered"])
+def test_packed_keys_score_as_their_values(by_slot: bool, n: int, dtype: torch.dtype, device: str) -> None:
+    """Keys held as a trained-format state's MXFP4 rows (``key_rows``), read in place: the kernel's
+    scores and selections equal, bit for bit, the kernel's on the unpacked values, and the
+    reference's (``index_scores`` / ``score_topk``, which unpack only what they read); the ops
+    take the layout too."""
+    seed = _fresh_seed()
+    c, t, h, k, spec = 3, 5, 8, 16, INDEX_ROWS.spec
+    q, rows, values, head_w, visible = _packed_case(seed, c, 5 if by_slot else c, t, h, n, dtype, device)
+    slots = torch.tensor([4, 1, 4], device=device) if by_slot else None
+    out = torch.full(visible.shape, float("nan"), device=device)  # poisoned
+    assert indexer_scores_triton(q, rows, head_w, visible, 0.125, slots, spec, out=out) is out
+    plain = indexer_scores_triton(q, values, head_w, visible, 0.125, slots)
+    assert torch.equal(out.view(torch.int32), plain.view(torch.int32)), f"seed {seed}"
+    ref = index_scores(q, rows, head_w, visible, 0.125, slots, spec)
+    assert torch.equal(ref, index_scores(q, values, head_w, visible, 0.125, slots)), f"seed {seed}"
+    assert torch.equal(out == -INF, ~visible), f"seed {seed}"
+    # keys span 1e-6 .. 1e2: the sums' rounding against the largest score (the order of the fp32 sums differs)
+    scale = ref.abs().masked_fill(~visible, 0).amax().clamp(min=1e-30)
+    torch.testing.assert_close(
+        out[visible] / scale, ref[visible] / scale, rtol=0, atol=1e-5, msg=lambda m: f"seed {seed}: {m}"
+    )
+    mask = indexer_topk_triton(q, rows, head_w, visible, k, slots, spec)
+    assert torch.equal(mask, indexer_topk_triton(q, values, head_w, visible, k, slots)), f"seed {seed}"
+    _check_selection(mask, ref / 0.125, visible, k, 1e-5 * float(scale) / 0.125, seed)
+    assert torch.equal(
+        score_topk(q, rows, head_w, visible, k, slots, spec), score_topk(q, values, head_w, visible, k, slots)
+    ), f"seed {seed}"
+    op_scores = torch.ops.deepinfer.indexer_scores(q, rows, head_w, visible, 0.125, slots, spec)
+    assert torch.equal(op_scores, out if device == "cuda" else ref), f"seed {seed}"
+    op_mask = torch.ops.deepinfer.indexer_topk(q, rows, head_w, visible, k, slots, spec)
+    want = mask if device == "cuda" else score_topk(q, rows, head_w, visible, k, slots, spec)
+    assert torch.equal(op_mask, want), f"seed {seed}"
+
+
+def test_packed_keys_refused_unless_they_fit(device: str) -> None:
+    """Rows of another width or dtype than the layout's, or a layout that is no spec, in one line."""
+    seed = _fresh_seed()
+    q, rows, values, head_w, visible = _packed_case(seed, 2, 2, 3, 4, 40, torch.float32, device)
+    spec = INDEX_ROWS.spec
+    with pytest.raises(ValueError, match=r"uint8 \[\.\.\., N, 68\].*got torch.uint8 \(2, 40, 64\)"):
+        indexer_scores_triton(q, rows[..., :64], head_w, visible, 1.0, None, spec)
+    with pytest.raises(ValueError, match=r"uint8 \[\.\.\., N, 68\].*got torch.float32"):
+        indexer_scores_triton(q, values, head_w, visible, 1.0, None, spec)
+    with pytest.raises(ValueError, match="not fmt/block/tail"):
+        indexer_topk_triton(q, rows, head_w, visible, 4, None, "mxfp4")
+    with pytest.raises(ValueError, match="mismatched shapes"):
+        indexer_scores_triton(q, rows[:, :30], head_w, visible, 1.0, None, spec)
+    torch.library.opcheck(torch.ops.deepinfer.indexer_scores.default, (q, rows, head_w, visible, 1.0, None, spec))
+    torch.library.opcheck(torch.ops.deepinfer.indexer_topk.default, (q, rows, head_w, visible, 4, None, spec))
+
+
 def _batch_invariance(
     seed: int, c: int, t: int, h: int, d: int, n: int, k: int, dtype: torch.dtype, device: str
 ) -> None:
@@ -309,36 +383,48 @@ def test_op_replays_in_a_cuda_graph() -> None:
 # --- offline compile for the H200 --------------------------------------------------------------
 
 
-def _compile_for_sm90(out_dir: str) -> None:
-    """PTX of the scoring kernel for sm_90 at the model's sizes (Hi 64, di 128, bf16), keys
-    gathered per chunk and read from a pool by slot, into ``out_dir`` (run in a child process
-    without the interpreter, see ``sm90_ptxas.compile_in_subprocess``)."""
-    from deepinfer_fx.kernels.triton.indexer import _BLOCK_M, _BLOCK_N, _NUM_WARPS, _scores_kernel
+# The scoring kernel's sm_90 variants: name -> (index heads, keys packed as INDEX_ROWS). V4's
+# indexer has 64 heads, V4.1's 32 (di 128 both).
+SM90_VARIANTS = {"v4": (64, False), "v4-packed": (64, True), "v41-packed": (32, True)}
 
-    types = {
-        "q_ptr": "*bf16",
-        "k_ptr": "*bf16",
-        "slot_ptr": "*i64",
-        "w_ptr": "*fp32",
-        "v_ptr": "*u8",
-        "out_ptr": "*fp32",
-        "dot_scale": "fp32",
-    }
-    for has_slots in (False, True):
-        consts = {
-            "BLOCK_Q": _BLOCK_M // 64,
-            "BLOCK_H": 64,
-            "BLOCK_N": _BLOCK_N,
-            "BLOCK_D": 128,
-            "D": 128,
-            "DOT_FP32": False,
-            "HAS_SLOTS": has_slots,
-            "PDL": True,
+
+def _compile_for_sm90(out_dir: str) -> None:
+    """PTX of the scoring kernel for sm_90 at the model's sizes (di 128, bf16) of each of
+    ``SM90_VARIANTS``, keys gathered per chunk and read from a pool by slot, into ``out_dir``
+    (run in a child process without the interpreter, see ``sm90_ptxas.compile_in_subprocess``)."""
+    from deepinfer_fx.kernels.triton.indexer import _BLOCK_M, _BLOCK_N, _NUM_WARPS, _scores_kernel
+    from deepinfer_fx.kernels.triton.state_rows import format_args
+
+    for name, (heads, packed) in SM90_VARIANTS.items():
+        types = {
+            "q_ptr": "*bf16",
+            "k_ptr": "*u8" if packed else "*bf16",
+            "slot_ptr": "*i64",
+            "w_ptr": "*fp32",
+            "v_ptr": "*u8",
+            "out_ptr": "*fp32",
+            "dot_scale": "fp32",
         }
-        if not has_slots:
-            consts["slot_ptr"] = None
-        kernel = compile_sm90(_scores_kernel, types, consts, align_pointers=False, num_warps=_NUM_WARPS)
-        Path(out_dir, f"scores-{has_slots}.ptx").write_text(kernel.asm["ptx"])
+        fmt, block, tail = format_args(INDEX_ROWS if packed else None)
+        for has_slots in (False, True):
+            consts = {
+                "BLOCK_Q": _BLOCK_M // heads,
+                "BLOCK_H": heads,
+                "BLOCK_N": _BLOCK_N,
+                "BLOCK_D": 128,
+                "D": 128,
+                "DOT_FP32": False,
+                "HAS_SLOTS": has_slots,
+                "KEY_FMT": fmt,
+                "KEY_BLOCK": block,
+                "KEY_TAIL": tail,
+                "VALUE_BYTES": 2,
+                "PDL": True,
+            }
+            if not has_slots:
+                consts["slot_ptr"] = None
+            kernel = compile_sm90(_scores_kernel, types, consts, align_pointers=False, num_warps=_NUM_WARPS)
+            Path(out_dir, f"scores-{name}-{has_slots}.ptx").write_text(kernel.asm["ptx"])
 
 
 @pytest.fixture(scope="module")
@@ -347,10 +433,12 @@ def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("variant", list(SM90_VARIANTS))
 @pytest.mark.parametrize("has_slots", [False, True], ids=["gathered", "pool"])
-def test_scores_compile_for_sm90(has_slots: bool, sm90_ptx: Path) -> None:
-    """Both key layouts compile for the H200 with tensor-core dots and no spills."""
-    ptx = (sm90_ptx / f"scores-{has_slots}.ptx").read_text()
+def test_scores_compile_for_sm90(variant: str, has_slots: bool, sm90_ptx: Path) -> None:
+    """Both key layouts, values or packed rows decoded in the kernel, compile for the H200 with
+    tensor-core dots and no spills."""
+    ptx = (sm90_ptx / f"scores-{variant}-{has_slots}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 255, log
     assert "mma" in ptx

@@ -31,10 +31,9 @@ def _unpack_kernel(
 ):
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)[None, :]
-    mask = (offs_n[:, None] < n_rows) & (offs_d < D)
-    rows = src + offs_n[:, None].to(tl.int64) * nbytes
-    vals = load_values(rows, offs_d, mask, FMT, BLOCK, TAIL, D, VALUE_BYTES)
-    tl.store(dst + offs_n[:, None] * D + offs_d, vals, mask=mask)
+    live = offs_n < n_rows
+    vals = load_values(src + offs_n.to(tl.int64) * nbytes, live, FMT, BLOCK, TAIL, D, BD, VALUE_BYTES)
+    tl.store(dst + offs_n[:, None] * D + offs_d, vals, mask=live[:, None] & (offs_d < D))
 
 
 def _unpack(t: torch.Tensor, codec: RowCodec, dtype: torch.dtype) -> torch.Tensor:

@@ -8,11 +8,15 @@ compressed entries and index keys held as fp8 / fp4 codes and scales. What users
 - a model run on a trained-format state gives the logits of the same run on a model-format state,
   bit for bit in fp32 and bf16, whatever the chunking; and every state tensor it wrote holds the values
   the model-format state holds (stored == fake-quantised);
+- the indexer scores a trained-format state's index keys where they lie: its places get the packed
+  rows and their layout (the CUDA kernel decodes the tiles it reads), eagerly and in the compiled
+  graph, and no index key is read through ``fake_quant.read``;
 - a model without fake-quant, or an unknown format, is refused in one line.
 """
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -23,10 +27,14 @@ from tiny import tiny_v4, tiny_v41
 from deepinfer_fx import random_model
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.engine.cache import iter_tensors, state_bytes_per_slot
+from deepinfer_fx.engine.steps import decode_logits
 from deepinfer_fx.graphs import fake_quant as fq
 from deepinfer_fx.graphs.model import forward
 from deepinfer_fx.graphs.mtp import mtp_forward
 from deepinfer_fx.graphs.state import init_state
+from deepinfer_fx.graphs.swap import reference, swapped
+from deepinfer_fx.kernels.ops import OPS
+from deepinfer_fx.passes.compiler import compile_graph, make_backend
 
 CONFIGS = {"v4": tiny_v4, "v41": tiny_v41}
 POINTS = {"window": fq.window_kv, "entry": fq.compressed_entry, "index": fq.index_vector}
@@ -126,6 +134,74 @@ def test_trained_state_gives_the_model_format_logits(family: str, dtype: torch.d
         assert torch.equal(fq.read(c, kind, t, dtype), values[path]), f"seed {seed}: {path}"
         checked += 1
     assert checked >= c.num_hidden_layers
+
+
+SCORING = ("indexer.score_topk", "indexer.index_scores")
+
+
+@pytest.mark.parametrize("quirk", [False, True], ids=["", "index-key-quirk"])
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_index_keys_are_scored_where_they_lie(family: str, quirk: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a trained-format state every call of the scoring places (V4's ``select_entries``,
+    V4.1's selections, the index-key quirk's gathered keys too) gets the uint8 rows and the index
+    layout's spec, the pool read by slot where it is the pool, and the logits stay the model
+    format's; no index key goes through ``fake_quant.read`` (the whole-pool unpack it replaced).
+    A compiled decode step (aot_eager, the cpu pipeline's kernel swaps): its indexer ops read the
+    packed rows."""
+    if quirk and family == "v4":
+        pytest.skip("the index-key quirk is V4.1's")
+    seed = random.randrange(1 << 30)
+    model = random_model(CONFIGS[family](), seed=seed)
+    model.config = c = model.config.replace(index_key_quirk=quirk)
+    spec = fq.codec(c, "index").spec
+    T = 13
+    ids = torch.randint(0, c.vocab_size, (T + 1,), generator=torch.Generator().manual_seed(seed))
+    calls: list[tuple[str, torch.dtype, int, bool, str | None]] = []
+
+    def spy(place: str):
+        ref = reference(place)
+        sig = inspect.signature(ref)
+
+        def call(*args, **kwargs):
+            a = sig.bind(*args, **kwargs)
+            a.apply_defaults()
+            keys = a.arguments["keys"]
+            calls.append((place, keys.dtype, keys.shape[-1], a.arguments["slots"] is not None, a.arguments["key_rows"]))
+            return ref(*args, **kwargs)
+
+        return call
+
+    read = fq.read
+
+    def no_index_read(cfg, kind, t, dtype):
+        assert kind != "index", "index keys unpacked before scoring"
+        return read(cfg, kind, t, dtype)
+
+    monkeypatch.setattr(fq, "read", no_index_read)
+    split = [4] + [1] * (T - 4)  # token by token after a prefill: the quirk's open groups
+    with swapped({place: spy(place) for place in SCORING}):
+        got, _ = _run(model, ids, split, "trained")
+    want, _ = _run(model, ids, split, "model")
+    assert torch.equal(got, want), f"seed {seed}"
+    row = (torch.uint8, fq.codec(c, "index").nbytes(model.dtype))
+    assert calls and all(call[1:3] == row and call[4] == spec for call in calls), f"seed {seed}: {calls}"
+    assert any(call[3] for call in calls), f"seed {seed}: the pool is read by slot"
+    if quirk:
+        assert any(not call[3] for call in calls), f"seed {seed}: the quirk's gathered keys"
+
+    torch._dynamo.reset()
+    be = make_backend("cpu")
+    state = init_state(c, T, model.dtype, mtp=False, kv_format="trained")
+    step = compile_graph(lambda *a: decode_logits(model.params, state, c, *a), be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()), torch._functorch.config.patch(enable_autograd_cache=False):
+        step(ids[:2], *torch.tensor([[0], [T - 1], [1]]))  # a decode step at the last position
+    torch._dynamo.reset()
+    ops = (OPS["indexer_topk"], OPS["indexer_scores"])
+    nodes = [n for gm in be.graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
+    assert nodes, "no indexer op in the compiled graph"
+    for n in nodes:
+        args = dict(zip((a.name for a in n.target._schema.arguments), n.args)) | n.kwargs
+        assert args["keys"].meta["val"].dtype == torch.uint8 and args.get("key_rows") == spec, n.format_node()
 
 
 def test_trained_state_bytes_per_token() -> None:

@@ -6,7 +6,10 @@ heads are the rows of one ``tl.dot`` (``[BLOCK_Q * Hi, di] x [di, BLOCK_N]``, fp
 accumulation), so decode (one query per row of the batch) still fills a tensor-core tile;
 ReLU, the head weights and the sum over heads follow in registers. A tile with no visible
 entry stores -inf without loading its keys: the entry buffer spans the slot's whole context,
-of which a short sequence sees only the start.
+of which a short sequence sees only the start. Keys held in a trained-format state (uint8 rows
+of MXFP4 codes and scales, ``io/state_rows.py``) are decoded tile by tile as they are loaded
+(``state_rows.load_values``: the values ``RowCodec.unpack`` gives), so the dot runs on exactly
+the values it would read from the unpacked keys and the pool is never unpacked whole.
 
 Top-k: one program per query finds the k-th largest score by bisection on an integer image of
 the fp32 bits whose order is the float order, counting the entries at or above each candidate
@@ -31,8 +34,10 @@ import triton
 import triton.language as tl
 
 from .. import ops  # noqa: F401  (declares the deepinfer ops before the registrations below)
+from ...io.state_rows import RowCodec
 from .buffers import out_buffer
 from .pdl import pdl_args, wait_previous
+from .state_rows import FMT_VALUES, format_args, load_values
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -78,6 +83,10 @@ def _scores_kernel(
     D: tl.constexpr,
     DOT_FP32: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
+    KEY_FMT: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    KEY_TAIL: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
@@ -109,11 +118,13 @@ def _scores_kernel(
             other=0.0,
         )
         kc = tl.load(slot_ptr + c).to(tl.int64) if HAS_SLOTS else c  # the chunk's keys: its pool slot
-        keys = tl.load(
-            k_ptr + kc * stride_kc + offs_n[:, None] * stride_kn + offs_d[None, :],
-            mask=(offs_n < N)[:, None] & in_d[None, :],
-            other=0.0,
-        )
+        key_rows = k_ptr + kc * stride_kc + offs_n * stride_kn
+        if KEY_FMT == FMT_VALUES:
+            keys = tl.load(key_rows[:, None] + offs_d[None, :], mask=(offs_n < N)[:, None] & in_d[None, :], other=0.0)
+        else:  # uint8 rows: their values in fp32 (exact), in q's dtype as unpacked ones would be
+            keys = load_values(key_rows, offs_n < N, KEY_FMT, KEY_BLOCK, KEY_TAIL, D, BLOCK_D, VALUE_BYTES)
+            if not DOT_FP32:
+                keys = keys.to(q.dtype)
         if DOT_FP32:
             dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
         else:
@@ -188,18 +199,32 @@ def indexer_scores_triton(
     visible: torch.Tensor,
     dot_scale: float = 1.0,
     slots: Optional[torch.Tensor] = None,
+    key_rows: Optional[str] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``graphs/indexer.py::index_scores`` for q ``[..., T, Hi, di]``, keys ``[..., N, di]``,
     head_w ``[..., T, Hi]``, visible bool ``[..., T, N]``: fp32 ``[..., T, N]``, -inf where not
     visible, written into ``out`` (contiguous fp32) if given. With ``slots`` ``[C]`` (q
-    ``[C, T, Hi, di]``) keys is a pool ``[S, N, di]``, chunk c reading slot ``slots[c]``."""
+    ``[C, T, Hi, di]``) keys is a pool ``[S, N, di]``, chunk c reading slot ``slots[c]``. With
+    ``key_rows`` (a ``RowCodec.spec``) keys are uint8 rows ``[..., N, nbytes]`` of that layout,
+    decoded as they are loaded: the scores of their unpacked values in q's dtype, bit for bit."""
     *lead, t, h, d = q.shape
     n = keys.shape[-2]
+    codec = None if key_rows is None else RowCodec.from_spec(key_rows, d)
+    width = d if codec is None else codec.nbytes(q.dtype)
+    if codec is not None and (keys.dtype != torch.uint8 or keys.shape[-1] != width):
+        raise ValueError(
+            f"indexer: keys held as {key_rows!r} rows of {d} values are uint8 [..., N, {width}] "
+            f"(at q's {q.dtype}), got {keys.dtype} {tuple(keys.shape)}"
+        )
+    if codec is not None and codec.tail and q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"indexer: rows {key_rows!r} keep a tail, which the kernel reads in bf16 or fp32, not {q.dtype}"
+        )
     key_lead = lead if slots is None else [keys.shape[0]]
     bad_slots = slots is not None and (len(lead) != 1 or list(slots.shape) != lead or slots.dtype.is_floating_point)
     if (
-        list(keys.shape) != [*key_lead, n, d]
+        list(keys.shape) != [*key_lead, n, width]
         or list(head_w.shape) != [*lead, t, h]
         or list(visible.shape) != [*lead, t, n]
         or bad_slots
@@ -215,7 +240,7 @@ def indexer_scores_triton(
     chunks = rows // t
     slots = None if slots is None else slots.contiguous()
     q2 = _last_dim_contiguous(q.reshape(rows, h, d))
-    k2 = _last_dim_contiguous(keys.reshape(-1, n, d))
+    k2 = _last_dim_contiguous(keys.reshape(-1, n, width))
     w2 = head_w.reshape(rows, h)
     v2 = visible.reshape(rows, n).view(torch.uint8)
     o2 = out.view(rows, n)
@@ -223,8 +248,10 @@ def indexer_scores_triton(
     block_q = max(1, _BLOCK_M // block_h)
     n_tiles = triton.cdiv(n, _BLOCK_N)
     q_blocks = triton.cdiv(t, block_q)
-    # fp32 operands take the exact (non-tf32) dot; the interpreter has no bf16 dot at all
-    dot_fp32 = _INTERPRET or q.dtype != keys.dtype or q.dtype == torch.float32
+    # fp32 operands take the exact (non-tf32) dot; the interpreter has no bf16 dot at all. Packed
+    # keys are decoded into q's dtype: the dot of their unpacked values.
+    dot_fp32 = _INTERPRET or q.dtype == torch.float32 or (codec is None and q.dtype != keys.dtype)
+    key_fmt, key_block, key_tail = format_args(codec)
     _scores_kernel[(chunks * q_blocks * n_tiles,)](
         q2,
         k2,
@@ -254,6 +281,10 @@ def indexer_scores_triton(
         D=d,
         DOT_FP32=dot_fp32,
         HAS_SLOTS=slots is not None,
+        KEY_FMT=key_fmt,
+        KEY_BLOCK=key_block,
+        KEY_TAIL=key_tail,
+        VALUE_BYTES=q.dtype.itemsize,
         num_warps=_NUM_WARPS,
         **pdl_args(q.device),
     )
@@ -301,11 +332,12 @@ def indexer_topk_triton(
     visible: torch.Tensor,
     k: int,
     slots: Optional[torch.Tensor] = None,
+    key_rows: Optional[str] = None,
 ) -> torch.Tensor:
     """``graphs/indexer.py::score_topk``: the scoring kernel, then the top-k kernel on its scores."""
     if k <= 0 or visible.shape[-1] == 0:
         return torch.zeros_like(visible)
-    return topk_mask_triton(indexer_scores_triton(q, keys, head_w, visible, 1.0, slots), k)
+    return topk_mask_triton(indexer_scores_triton(q, keys, head_w, visible, 1.0, slots, key_rows), k)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,15 @@ channels it loads the codes and their blocks' scales and returns ``code * scale`
 values ``RowCodec.unpack`` gives (every value is exact in fp32), so a kernel reading packed
 rows runs the same arithmetic on the same values as one reading the unpacked state.
 
-Decoding is integer arithmetic into fp32 bit patterns (no fp8 casts), so the interpreter and
-every GPU produce the same bits. Formats are constexpr ids: ``FMT_VALUES`` (plain rows in the
-value dtype), ``FMT_FP8``, ``FMT_MXFP4``, ``FMT_NVFP4``.
+e4m3 bytes go through the hardware's exact conversion (the interpreter's too), e2m1 nibbles and
+ue8m0 scales through integer arithmetic into fp32 bit patterns, so the interpreter and every GPU
+produce the same bits. Formats are constexpr ids: ``FMT_VALUES`` (plain rows in the value dtype),
+``FMT_FP8``, ``FMT_MXFP4``, ``FMT_NVFP4``.
+
+Only the indexer reads packed rows in place so far (its tiles are [64 entries, 128 dims]). The
+attention kernels' tiles ([64 keys, 512 dims] beside a 16-head fp32 accumulator) sit at 220-255
+registers already, and decoding there spilled 0.2-4 KB on sm_90 in every variant tried
+(``docs/decisions.md``, session 37).
 """
 
 from __future__ import annotations
@@ -18,29 +24,30 @@ import triton.language as tl
 
 from ...io.state_rows import RowCodec
 
-FMT_VALUES = 0
-FMT_FP8 = 1
-FMT_MXFP4 = 2
-FMT_NVFP4 = 3
-_IDS = {"fp8": FMT_FP8, "mxfp4": FMT_MXFP4, "nvfp4": FMT_NVFP4}
+FMT_VALUES = tl.constexpr(0)
+FMT_FP8 = tl.constexpr(1)
+FMT_MXFP4 = tl.constexpr(2)
+FMT_NVFP4 = tl.constexpr(3)
+_IDS = {"fp8": 1, "mxfp4": 2, "nvfp4": 3}
 
 
 def format_args(codec: RowCodec | None) -> tuple[int, int, int]:
     """(format id, block, tail) for a kernel's constexprs; ``None``: plain value rows."""
     if codec is None:
-        return FMT_VALUES, 1, 0
+        return 0, 1, 0
     return _IDS[codec.fmt], codec.block, codec.tail
 
 
 @triton.jit
+def _ue8m0(b):
+    """ue8m0 bytes (int32) -> fp32 2^(b-127) (byte 0: the subnormal 2^-127, as ``io.quant.ue8m0_to_float``)."""
+    return tl.where(b == 0, 1 << 22, b << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e4m3(b):
-    """e4m3fn bytes (int32 0..255) -> fp32: 2^(e-7) (1 + m/8), or m 2^-9 for e = 0. The sign goes
-    in as a bit: Triton negates as ``0 - x``, which turns -0 into +0."""
-    e = (b >> 3) & 15
-    m = b & 7
-    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
-    mag = tl.where(e == 0, sub, ((e + 120) << 23) | (m << 20))
-    return (mag | ((b & 128) << 24)).to(tl.float32, bitcast=True)
+    """e4m3fn bytes (uint8) -> fp32, by the hardware's conversion (exact; the interpreter's too)."""
+    return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -53,48 +60,47 @@ def _e2m1(n):
 
 
 @triton.jit
-def _ue8m0(b):
-    """ue8m0 bytes -> fp32 2^(b-127) (byte 0: the subnormal 2^-127, as ``io.quant.ue8m0_to_float``)."""
-    return tl.where(b == 0, 1 << 22, b << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def load_values(
     rows,
-    offs_d,
-    mask,
+    live,
     FMT: tl.constexpr,
     BLOCK: tl.constexpr,
     TAIL: tl.constexpr,
     D: tl.constexpr,
+    BD: tl.constexpr,
     VALUE_BYTES: tl.constexpr,
 ):
-    """Channels ``offs_d`` ``[1, BD]`` of the rows at ``rows`` ``[BN, 1]`` (uint8 pointers), where
-    ``mask``: fp32 ``[BN, BD]`` (0 elsewhere). FMT_FP8 rows: the ``TAIL`` trailing channels in the
-    value dtype (``VALUE_BYTES`` each: 2 bf16 / fp16, 4 fp32), then ``D - TAIL`` codes, then a ue8m0
-    scale per ``BLOCK``; fp4 rows: ``D / 2`` bytes of nibbles (low = even channel), then a scale
-    (ue8m0 for MXFP4, e4m3 for NVFP4) per ``BLOCK``."""
+    """The values ``[BN, BD]`` (fp32; 0 past ``D`` and in rows not ``live``) of the rows at
+    ``rows`` ``[BN]`` (uint8 pointers, each at a row's first byte). FMT_FP8 rows: the ``TAIL``
+    trailing channels in the value dtype (``VALUE_BYTES`` each: 2 bf16, 4 fp32), then ``D - TAIL``
+    codes, then a ue8m0 scale per ``BLOCK``; fp4 rows: ``D / 2`` bytes of nibbles (low = even
+    channel), then a scale (ue8m0 for MXFP4, e4m3 for NVFP4) per ``BLOCK``."""
+    offs_d = tl.arange(0, BD)[None, :]
+    r2 = rows[:, None]
+    live2 = live[:, None]
     if FMT == FMT_FP8:
-        coded = D - TAIL
-        lead = TAIL * VALUE_BYTES
-        in_c = mask & (offs_d < coded)
-        code = tl.load(rows + lead + offs_d, mask=in_c, other=0).to(tl.int32)
-        scale = tl.load(rows + lead + coded + offs_d // BLOCK, mask=in_c, other=127).to(tl.int32)
-        vals = _e4m3(code) * _ue8m0(scale)
+        coded: tl.constexpr = D - TAIL
+        lead: tl.constexpr = TAIL * VALUE_BYTES
+        in_c = live2 & (offs_d < coded)
+        code = tl.load(r2 + lead + offs_d, mask=in_c, other=0)
+        scale = _ue8m0(tl.load(r2 + lead + coded + offs_d // BLOCK, mask=in_c, other=127).to(tl.int32))
+        vals = _e4m3(code) * scale
         if TAIL > 0:
-            in_t = mask & (offs_d >= coded)
+            in_t = live2 & (offs_d >= coded) & (offs_d < D)
             t_off = tl.maximum(offs_d - coded, 0)
             if VALUE_BYTES == 2:
-                tail = tl.load(rows.to(tl.pointer_type(tl.bfloat16)) + t_off, mask=in_t, other=0.0)
+                tail = tl.load(r2.to(tl.pointer_type(tl.bfloat16)) + t_off, mask=in_t, other=0.0)
             else:
-                tail = tl.load(rows.to(tl.pointer_type(tl.float32)) + t_off, mask=in_t, other=0.0)
+                tail = tl.load(r2.to(tl.pointer_type(tl.float32)) + t_off, mask=in_t, other=0.0)
             vals = tl.where(offs_d < coded, vals, tail.to(tl.float32))
     else:
-        byte = tl.load(rows + offs_d // 2, mask=mask, other=0).to(tl.int32)
+        in_d = live2 & (offs_d < D)
+        byte = tl.load(r2 + offs_d // 2, mask=in_d, other=0).to(tl.int32)
         nib = (byte >> ((offs_d & 1) * 4)) & 15
-        sb = tl.load(rows + D // 2 + offs_d // BLOCK, mask=mask, other=127).to(tl.int32)
+        s_ptrs = r2 + D // 2 + offs_d // BLOCK
         if FMT == FMT_MXFP4:
-            vals = _e2m1(nib) * _ue8m0(sb)
-        else:
-            vals = _e2m1(nib) * _e4m3(sb)
-    return tl.where(mask, vals, 0.0)
+            scale = _ue8m0(tl.load(s_ptrs, mask=in_d, other=127).to(tl.int32))
+        else:  # masked scales read 0x38, e4m3's 1 (its 0x7F is NaN)
+            scale = _e4m3(tl.load(s_ptrs, mask=in_d, other=56))
+        vals = _e2m1(nib) * scale
+    return vals
