@@ -17,6 +17,9 @@ replaces is a cuBLAS launch that PDL cannot chain to.
 block-FP8 weight as stored (a byte an element) and dequantising each tile in registers
 (``dense_format="fp8"``).
 
+``deepinfer::skinny_linear_group`` (``skinny_linear_fp8_group``) takes several weights (fp8
+weights of one scale block) that project one input, in one launch (``passes/grouping.py``).
+
 ``decode_sized`` (``fp8_decode_sized``) is the domain the kernels are built for; the
 ``skinny_linear_kernel`` (``skinny_linear_fp8_kernel``) swap (``passes/swap_calls.py``) routes
 only such calls through the op and leaves the rest to the reference's GEMM.
@@ -91,6 +94,21 @@ skinny_linear_group = declare_op(
     "skinny_linear_group",
     _skinny_linear_group,
     lambda x, ws, out_fp32: [_rows_fake(x, w, out_fp32) for w in ws],
+)
+
+
+def _skinny_linear_fp8_group(
+    x: torch.Tensor, ws: list[torch.Tensor], scales: list[torch.Tensor], out_fp32: bool
+) -> list[torch.Tensor]:
+    """``[skinny_linear_fp8(x, w, s, out_fp32) for w, s in zip(ws, scales)]``: the fp8 form of
+    ``skinny_linear_group`` (weights of one scale block)."""
+    return [project_fp8.reference(x, w, s, out_fp32) for w, s in zip(ws, scales)]  # type: ignore[attr-defined]
+
+
+skinny_linear_fp8_group = declare_op(
+    "skinny_linear_fp8_group",
+    _skinny_linear_fp8_group,
+    lambda x, ws, scales, out_fp32: [_rows_fake(x, w, out_fp32) for w in ws],
 )
 
 # x ``[M, G*K]`` times the block-diagonal weight of w's ``G`` row blocks (w ``[G*R, K]``) ->

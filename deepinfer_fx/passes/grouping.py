@@ -1,5 +1,7 @@
 """Decode projections of one input in one launch: ``deepinfer.skinny_linear`` nodes that read
-the same rows => one ``deepinfer.skinny_linear_group`` node and a ``getitem`` per projection.
+the same rows => one ``deepinfer.skinny_linear_group`` node and a ``getitem`` per projection;
+``deepinfer.skinny_linear_fp8`` nodes (block-FP8 weights held as stored) of one scale block =>
+one ``deepinfer.skinny_linear_fp8_group``.
 
 At decode a layer projects its normed input through ``wq_a`` and ``wkv`` (bf16 results) and, in
 compressed layers, through the compressors' and the indexer's weights (fp32 results); its query
@@ -28,6 +30,7 @@ import torch
 import torch.fx
 
 from .. import kernels  # noqa: F401  (registers torch.ops.deepinfer.*, which this pass inserts)
+from ..io.quant import fp8_block_of
 from ..kernels.ops_linear import MAX_GROUP
 from .manager import GraphPass, register_pass
 
@@ -43,9 +46,17 @@ def _rows_key(x: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, ...]]:
     return root, shape
 
 
+# each projection op (args x, w[, scale], out_fp32) and its group op
+_GROUPED = {
+    torch.ops.deepinfer.skinny_linear.default: torch.ops.deepinfer.skinny_linear_group.default,
+    torch.ops.deepinfer.skinny_linear_fp8.default: torch.ops.deepinfer.skinny_linear_fp8_group.default,
+}
+
+
 @register_pass
 class SkinnyLinearGroup(GraphPass):
-    """``deepinfer.skinny_linear`` x N on one input => ``deepinfer.skinny_linear_group``."""
+    """``deepinfer.skinny_linear`` x N on one input => ``deepinfer.skinny_linear_group`` (and the
+    same for ``skinny_linear_fp8`` of one scale block)."""
 
     name: ClassVar[str] = "skinny_linear_group"
     accelerators: ClassVar[frozenset[str]] = frozenset({"cpu", "nvidia"})
@@ -55,14 +66,20 @@ class SkinnyLinearGroup(GraphPass):
         order = {node: i for i, node in enumerate(graph.nodes)}
         groups: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
         for node in graph.nodes:
-            if node.op == "call_function" and node.target is torch.ops.deepinfer.skinny_linear.default:
-                x, w, out_fp32 = node.args
-                wv = w.meta["val"]
-                groups[(*_rows_key(x), bool(out_fp32), wv.shape[1], wv.stride(), wv.dtype)].append(node)
+            if node.op != "call_function" or node.target not in _GROUPED:
+                continue
+            x, w, *scale, out_fp32 = node.args
+            wv = w.meta["val"]
+            held = (
+                () if not scale else (fp8_block_of(wv.shape, scale[0].meta["val"].shape), scale[0].meta["val"].stride())
+            )
+            groups[(*_rows_key(x), bool(out_fp32), wv.shape[1], wv.stride(), wv.dtype, held)].append(node)
         rewrites = 0
         for members in groups.values():
             first = members[0]
-            members = [first] + [n for n in members[1:] if order.get(n.args[1], len(order)) < order[first]]
+            members = [first] + [
+                n for n in members[1:] if all(order.get(a, len(order)) < order[first] for a in n.args[1:-1])
+            ]
             for start in range(0, len(members), MAX_GROUP):
                 chunk = members[start : start + MAX_GROUP]
                 if len(chunk) > 1:
@@ -72,11 +89,13 @@ class SkinnyLinearGroup(GraphPass):
 
     @staticmethod
     def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
-        x, _, out_fp32 = members[0].args
-        with graph.inserting_before(members[0]):
-            group = graph.call_function(
-                torch.ops.deepinfer.skinny_linear_group.default, (x, [n.args[1] for n in members], out_fp32)
-            )
+        first = members[0]
+        x, out_fp32 = first.args[0], first.args[-1]
+        weights = [[n.args[1] for n in members]]
+        if len(first.args) == 4:  # fp8: the scales beside the weights
+            weights.append([n.args[2] for n in members])
+        with graph.inserting_before(first):
+            group = graph.call_function(_GROUPED[first.target], (x, *weights, out_fp32))
             group.meta["val"] = [n.meta["val"] for n in members]
             for i, node in enumerate(members):
                 with graph.inserting_after(group):

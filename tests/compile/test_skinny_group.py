@@ -99,3 +99,36 @@ def test_groups_hold_at_most_max_group_weights() -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     sizes = sorted(len(n.args[1]) for n in be.graphs[-1].graph.nodes if n.target is GROUP)
     assert sizes == [2, MAX_GROUP]
+
+
+def test_fp8_projections_of_one_input_group_by_block() -> None:
+    """Block-FP8 weights held as stored: two 32-block projections of x group into one
+    ``skinny_linear_fp8_group``; a 128-block one of the same x stays alone (one scale block a
+    group), and the bf16 projection beside them joins the bf16 group only; compiled == eager."""
+    from deepinfer_fx.io.quant import quant_fp8_block, ue8m0_to_float
+
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 128, generator=g).to(torch.bfloat16)
+
+    def fp8(n: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w, s = quant_fp8_block(torch.randn(n, 128, generator=g) * 128**-0.5, block)
+        return w, ue8m0_to_float(s)
+
+    (wa, sa), (wb, sb), (wc, sc) = fp8(64, 32), fp8(32, 32), fp8(128, 128)
+    wd = (torch.randn(16, 128, generator=g) * 128**-0.5).to(torch.bfloat16)
+
+    def step(x, wa, sa, wb, sb, wc, sc, wd):
+        return linear(x, wa, sa), linear(x, wb, sb), linear(x, wc, sc), linear(x, wd)
+
+    args = (x, wa, sa, wb, sb, wc, sc, wd)
+    be = make_backend("cpu", environ={})
+    compiled = compile_graph(step, be)
+    with torch.no_grad(), swapped(be.pipeline.swaps()):
+        got = compiled(*args)
+    for i, (a, b) in enumerate(zip(got, step(*args))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"seed={seed} output {i}: {m}")
+    targets = _targets(be.graphs[-1])
+    groups = [n for n in be.graphs[-1].graph.nodes if n.target is torch.ops.deepinfer.skinny_linear_fp8_group.default]
+    assert len(groups) == 1 and len(groups[0].args[1]) == 2 and len(groups[0].args[2]) == 2, f"seed={seed}"
+    assert targets.count(torch.ops.deepinfer.skinny_linear_fp8.default) == 1 and targets.count(SINGLE) == 1

@@ -112,6 +112,15 @@ def test_every_kernel_compiles_at_the_released_width(name: str, sm90_results: Pa
     assert result["declined"] == {}, f"kernel swaps that decline calls at a released width: {result['declined']}"
 
 
+@pytest.mark.parametrize("name", list(RELEASED))
+def test_fp8_projections_of_one_input_launch_as_groups(name: str, sm90_results: Path) -> None:
+    """With dense weights held in fp8, decode projections of one input (wq_a with wkv, ...) go
+    through ``skinny_linear_fp8_group`` as the bf16 ones go through ``skinny_linear_group``."""
+    released_path(name)
+    rows = json.loads((sm90_results / f"{name}.json").read_text())["launches"]
+    assert any(r["where"].startswith("fp8 decode") and r["where"].endswith("skinny_linear_fp8_group") for r in rows)
+
+
 # Kernels no step of a released config launches yet, and why.
 OUTSIDE_STEPS = {
     "_bi_matmul_kernel": "batch-invariant steps are refused on CUDA until attention and the experts have such kernels",

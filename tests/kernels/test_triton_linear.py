@@ -297,6 +297,11 @@ SM90_FP8_CASES = [
 ]
 
 
+# fp8 groups (``skinny_linear_fp8_group``): wq_a + wkv of V4.1 (32-blocks) and V4 (128-blocks),
+# as (weights' N, K, block).
+SM90_FP8_GROUPS = [((1280, 512), 5120, 32), ((1024, 512), 4096, 128)]
+
+
 def _case_name(ns: tuple[int, ...], k: int, x_block_n: int) -> str:
     return f"{'+'.join(map(str, ns))}x{k}" + (f"-blocks{x_block_n}" if x_block_n else "")
 
@@ -343,7 +348,7 @@ def _compile_for_sm90(out_dir: str) -> None:
     for ns, k, x_block_n in SM90_CASES:
         t = choose_tiles(sum(ns), k)
         consts = _consts(ns, k, t, x_block_n, 64)
-        consts |= {"scale_ptr": None, "stride_sn": 0, "stride_sk": 0, "SB": 0}
+        consts |= {"stride_sn": 0, "stride_sk": 0, "SB": 0}
         for out in ("bf16", "fp32"):
             pointers = {
                 "x_ptr": "*bf16",
@@ -351,6 +356,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                 "out_ptrs": (f"*{out}",) * len(ns),
                 "ws_ptr": "*fp32",
                 "count_ptr": "*i32",
+                "scale_ptrs": ("*bf16",) * len(ns),  # the launcher's stand-in: unscaled, never read
             }
             kernel = compile_sm90(
                 fn,
@@ -367,18 +373,20 @@ def _compile_for_sm90(out_dir: str) -> None:
                     fn, pointers | desc, consts, ["stride_xm", "stride_wn"], num_warps=t.warps, num_stages=t.stages
                 )
                 Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").write_text(kernel.asm["ptx"])
-    for n, k, block, x_block_n in SM90_FP8_CASES:
-        t = choose_tiles(n, k, max_bk=min(128, block))
-        consts = _consts((n,), k, t, x_block_n, 128) | {"stride_sk": 1, "SB": block}
+    fp8_cases = [((n,), k, block, x_block_n) for n, k, block, x_block_n in SM90_FP8_CASES]
+    for ns, k, block, x_block_n in fp8_cases + [(ns, k, block, 0) for ns, k, block in SM90_FP8_GROUPS]:
+        t = choose_tiles(sum(ns), k, max_bk=min(128, block))
+        consts = _consts(ns, k, t, x_block_n, 128) | {"stride_sk": 1, "SB": block}
         pointers = {
             "x_ptr": "*bf16",
-            "w_ptrs": ("*fp8e4nv",),
-            "out_ptrs": ("*bf16",),
+            "w_ptrs": ("*fp8e4nv",) * len(ns),
+            "out_ptrs": ("*bf16",) * len(ns),
             "ws_ptr": "*fp32",
             "count_ptr": "*i32",
-            "scale_ptr": "*fp32",
+            "scale_ptrs": ("*fp32",) * len(ns),
         }
-        for desc in (None, f"tensordesc<fp8e4nv[{t.bn}, {t.bk}]>"):  # pointer loads, then tensor copies
+        # pointer loads, then tensor copies (single weights only)
+        for desc in (None, f"tensordesc<fp8e4nv[{t.bn}, {t.bk}]>") if len(ns) == 1 else (None,):
             kernel = compile_sm90(
                 fn,
                 pointers | ({"w_desc": desc} if desc else {}),
@@ -387,7 +395,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                 num_warps=t.warps,
                 num_stages=t.stages,
             )
-            name = f"fp8-{_case_name((n,), k, x_block_n)}-b{block}" + ("-tma" if desc else "")
+            name = f"fp8-{_case_name(ns, k, x_block_n)}-b{block}" + ("-tma" if desc else "")
             Path(out_dir, f"{name}.ptx").write_text(kernel.asm["ptx"])
 
 
@@ -430,14 +438,19 @@ def test_compiles_for_sm90_without_spills(
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
-@pytest.mark.parametrize("n,k,block,x_block_n", SM90_FP8_CASES, ids=str)
+@pytest.mark.parametrize(
+    "ns,k,block,x_block_n,tma",
+    [((n,), k, b, x, tma) for n, k, b, x in SM90_FP8_CASES for tma in (False, True)]
+    + [(ns, k, b, 0, False) for ns, k, b in SM90_FP8_GROUPS],
+    ids=str,
+)
 def test_fp8_variant_compiles_for_sm90_without_spills(
-    n: int, k: int, block: int, x_block_n: int, tma: bool, sm90_ptx: Path
+    ns: tuple[int, ...], k: int, block: int, x_block_n: int, tma: bool, sm90_ptx: Path
 ) -> None:
-    """The block-FP8 variant (tiles dequantised in registers), its weight through pointer loads or
-    tensor copies: no spills, at most 128 registers, the PDL wait before any load."""
-    ptx = (sm90_ptx / (f"fp8-{_case_name((n,), k, x_block_n)}-b{block}" + ("-tma.ptx" if tma else ".ptx"))).read_text()
+    """The block-FP8 variant (tiles dequantised in registers), one weight through pointer loads or
+    tensor copies, or a group (each weight its own scales): no spills, at most 128 registers, the
+    PDL wait before any load."""
+    ptx = (sm90_ptx / (f"fp8-{_case_name(ns, k, x_block_n)}-b{block}" + ("-tma.ptx" if tma else ".ptx"))).read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, log
     lines = [line.strip() for line in ptx.splitlines()]

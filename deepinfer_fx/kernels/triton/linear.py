@@ -88,7 +88,7 @@ def _skinny_kernel(
     out_ptrs,
     ws_ptr,
     count_ptr,
-    scale_ptr,
+    scale_ptrs,
     M,
     stride_xm,
     stride_xk,
@@ -131,24 +131,24 @@ def _skinny_kernel(
     column tiles of block b read x's columns ``[b*K, (b+1)*K)``; BN divides ``X_BLOCK_N``. With
     ``w_desc`` (a tensor descriptor of the single weight, blocks ``[BN, BK]``) the weight tiles
     come through it: out-of-range rows and k read zeros, as the masks give. With ``SB`` > 0 the
-    (single) weight is block FP8 with fp32 scales ``[cdiv(N, SB), cdiv(K, SB)]`` at
-    ``scale_ptr``: each tile is dequantised as it is loaded, ``(w.float() * scale)`` rounded to
-    x's dtype (the reference's value, ``norm.dequant_dense``); BK divides SB, so a tile's k lie
-    in one scale block."""
+    weights are block FP8, weight g with fp32 scales ``[cdiv(N_g, SB), cdiv(K, SB)]`` at
+    ``scale_ptrs[g]``: each tile is dequantised as it is loaded, ``(w.float() * scale)`` rounded
+    to x's dtype (the reference's value, ``norm.dequant_dense``); BK divides SB, so a tile's k
+    lie in one scale block."""
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     split = tl.program_id(2)
     # The weight this column tile belongs to (a static chain: the group is a few weights).
     if len(NS) == 1:  # N stays a constant: the compiler knows the output rows' alignment
-        w_ptr, out_ptr, n, first, col0 = w_ptrs[0], out_ptrs[0], NS[0], 0, 0
+        w_ptr, out_ptr, scale_ptr, n, first, col0 = w_ptrs[0], out_ptrs[0], scale_ptrs[0], NS[0], 0, 0
     else:
-        w_ptr, out_ptr = w_ptrs[0], out_ptrs[0]
+        w_ptr, out_ptr, scale_ptr = w_ptrs[0], out_ptrs[0], scale_ptrs[0]
         n = tile_n * 0 + NS[0]
         first = tile_n * 0
         col0 = tile_n * 0
         for g in tl.static_range(1, len(NS)):
             if tile_n >= TILE0[g]:
-                w_ptr, out_ptr = w_ptrs[g], out_ptrs[g]
+                w_ptr, out_ptr, scale_ptr = w_ptrs[g], out_ptrs[g], scale_ptrs[g]
                 n = tile_n * 0 + NS[g]
                 first = tile_n * 0 + TILE0[g]
                 col0 = tile_n * 0 + COL0[g]
@@ -251,19 +251,34 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool, tiles
 
 
 def skinny_linear_group_triton(
-    x: torch.Tensor, ws: Sequence[torch.Tensor], out_fp32: bool, tiles: Tiles | None = None
+    x: torch.Tensor,
+    ws: Sequence[torch.Tensor],
+    out_fp32: bool,
+    tiles: Tiles | None = None,
+    scales: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """``deepinfer::skinny_linear_group``: ``[x @ w.T for w in ws]`` in one launch, the weights
     (``[N_g, K]``, x's dtype, one layout: equal strides) taken one after another by the column
     tiles of one tiling, ``choose_tiles(sum N_g, K)``. At decode the small projections of one
     input (``wq_a`` and ``wkv``; the compressors' and indexer's) are each too small to fill the
-    GPU alone and cost a launch each; as a group they stream as one weight."""
-    if not ws or len(ws) > MAX_GROUP:
-        raise ValueError(f"skinny_linear_group: 1 to {MAX_GROUP} weights, got {len(ws)}")
+    GPU alone and cost a launch each; as a group they stream as one weight. With ``scales``
+    (``deepinfer::skinny_linear_fp8_group``) the weights are block FP8 held as stored, all of one
+    scale block, as in ``skinny_linear_fp8_triton``."""
+    op = "skinny_linear_group" if scales is None else "skinny_linear_fp8_group"
+    if not ws or len(ws) > MAX_GROUP or (scales is not None and len(scales) != len(ws)):
+        raise ValueError(f"{op}: 1 to {MAX_GROUP} weights (and a scale each), got {len(ws)}")
     if x.dim() != 2 or any(w.dim() != 2 or w.shape[1] != x.shape[1] for w in ws):
         shapes = ", ".join(str(tuple(w.shape)) for w in ws)
-        raise ValueError(f"skinny_linear: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {shapes}")
-    return _launch(x, ws, out_fp32, tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1]))
+        raise ValueError(f"{op}: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {shapes}")
+    block = 0
+    if scales is not None:
+        blocks = {_fp8_block(w, s, op) for w, s in zip(ws, scales)}
+        if len(blocks) != 1:
+            raise ValueError(f"{op}: the weights' scale blocks differ ({sorted(blocks)}); one block a group")
+        block = blocks.pop()
+    max_bk = min(128, block & -block) if block else 128
+    t = tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1], max_bk=max_bk)
+    return _launch(x, ws, out_fp32, t, scales=scales, block=block)
 
 
 def skinny_linear_blocks_triton(
@@ -287,7 +302,8 @@ def skinny_linear_blocks_triton(
         raise ValueError(
             f"skinny_linear_blocks: {r} rows a block; a multiple of 16 is needed (the smallest column tile)"
         )
-    return _launch(x, [w], False, t._replace(bn=bn), x_block_n=r, scale=scale, block=block)[0]
+    scales = None if scale is None else [scale]
+    return _launch(x, [w], False, t._replace(bn=bn), x_block_n=r, scales=scales, block=block)[0]
 
 
 def _fp8_block(w: torch.Tensor, scale: torch.Tensor, op: str) -> int:
@@ -315,9 +331,7 @@ def skinny_linear_fp8_triton(
             f"skinny_linear_fp8: x [M, K] and a float8_e4m3fn w [N, K] expected, got {tuple(x.shape)} and "
             f"{tuple(w.shape)} {w.dtype}"
         )
-    block = _fp8_block(w, scale, "skinny_linear_fp8")
-    t = tiles or choose_tiles(w.shape[0], w.shape[1], max_bk=min(128, block & -block))
-    return _launch(x, [w], out_fp32, t, scale=scale, block=block)[0]
+    return skinny_linear_group_triton(x, [w], out_fp32, tiles, [scale])[0]
 
 
 def _launch(
@@ -326,19 +340,22 @@ def _launch(
     out_fp32: bool,
     t: Tiles,
     x_block_n: int = 0,
-    scale: torch.Tensor | None = None,
+    scales: Sequence[torch.Tensor] | None = None,
     block: int = 0,
 ) -> list[torch.Tensor]:
     """One ``_skinny_kernel`` launch over the weights ``ws`` (shapes checked by the caller), each
     reading x's first K columns, or with ``x_block_n`` its block's (``skinny_linear_blocks``);
-    with ``scale`` the one weight is block FP8 of ``block`` (``skinny_linear_fp8``)."""
-    if scale is not None and (block % t.bk or len(ws) != 1):
-        raise ValueError(f"skinny_linear_fp8: the k tile {t.bk} must divide the scale block {block}, one weight")
-    if scale is None and any(w.dtype != x.dtype for w in ws):
+    with ``scales`` the weights are block FP8 of ``block`` (``skinny_linear_fp8``)."""
+    if scales is not None and block % t.bk:
+        raise ValueError(f"skinny_linear_fp8: the k tile {t.bk} must divide the scale block {block}")
+    if scales is None and any(w.dtype != x.dtype for w in ws):
         raise ValueError(f"skinny_linear: x and w must share a dtype, got {x.dtype} and {[w.dtype for w in ws]}")
-    if any(w.stride() != ws[0].stride() for w in ws):
+    if any(w.stride() != ws[0].stride() for w in ws) or (
+        scales is not None and any(s.stride() != scales[0].stride() for s in scales)
+    ):
         raise ValueError(
-            f"skinny_linear_group: the weights must share a layout, got strides {[w.stride() for w in ws]}"
+            f"skinny_linear_group: the weights (and scales) must share a layout, got strides {[w.stride() for w in ws]}"
+            + ("" if scales is None else f" and {[s.stride() for s in scales]}")
         )
     m, k = x.shape[0], ws[0].shape[1]
     ns = tuple(w.shape[0] for w in ws)
@@ -373,14 +390,14 @@ def _launch(
         tuple(outs),
         ws_buf,
         counts,
-        scale,
+        tuple(ws) if scales is None else tuple(scales),  # unscaled (SB = 0): never read
         m,
         x.stride(0),
         x.stride(1),
         ws[0].stride(0),
         ws[0].stride(1),
-        0 if scale is None else scale.stride(0),
-        0 if scale is None else scale.stride(1),
+        0 if scales is None else scales[0].stride(0),
+        0 if scales is None else scales[0].stride(1),
         K=k,
         K_SPLIT=k_split,
         SPLITS=splits,
@@ -399,7 +416,7 @@ def _launch(
         num_warps=t.warps,
         num_stages=t.stages,
         **pdl_args(x.device),
-        SB=block if scale is not None else 0,
+        SB=block if scales is not None else 0,
         w_desc=w_desc,
     )
     return outs
@@ -423,7 +440,14 @@ def _skinny_linear_group_cuda(x: torch.Tensor, ws: list[torch.Tensor], out_fp32:
     return skinny_linear_group_triton(x, ws, out_fp32)
 
 
+def _skinny_linear_fp8_group_cuda(
+    x: torch.Tensor, ws: list[torch.Tensor], scales: list[torch.Tensor], out_fp32: bool
+) -> list[torch.Tensor]:
+    return skinny_linear_group_triton(x, ws, out_fp32, scales=scales)
+
+
 torch.library.register_kernel("deepinfer::skinny_linear", "cuda", _skinny_linear_cuda)
 torch.library.register_kernel("deepinfer::skinny_linear_fp8", "cuda", _skinny_linear_fp8_cuda)
 torch.library.register_kernel("deepinfer::skinny_linear_group", "cuda", _skinny_linear_group_cuda)
+torch.library.register_kernel("deepinfer::skinny_linear_fp8_group", "cuda", _skinny_linear_fp8_group_cuda)
 torch.library.register_kernel("deepinfer::skinny_linear_blocks", "cuda", _skinny_linear_blocks_cuda)
