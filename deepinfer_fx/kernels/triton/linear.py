@@ -264,7 +264,7 @@ def skinny_linear_group_triton(
     GPU alone and cost a launch each; as a group they stream as one weight. With ``scales``
     (``deepinfer::skinny_linear_fp8_group``) the weights are block FP8 held as stored, all of one
     scale block, as in ``skinny_linear_fp8_triton``."""
-    op = "skinny_linear_group" if scales is None else "skinny_linear_fp8_group"
+    op = "skinny_linear_group" if scales is None else "skinny_linear_fp8" + ("_group" if len(ws) > 1 else "")
     if not ws or len(ws) > MAX_GROUP or (scales is not None and len(scales) != len(ws)):
         raise ValueError(f"{op}: 1 to {MAX_GROUP} weights (and a scale each), got {len(ws)}")
     if x.dim() != 2 or any(w.dim() != 2 or w.shape[1] != x.shape[1] for w in ws):

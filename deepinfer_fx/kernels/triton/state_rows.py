@@ -28,13 +28,13 @@ FMT_VALUES = tl.constexpr(0)
 FMT_FP8 = tl.constexpr(1)
 FMT_MXFP4 = tl.constexpr(2)
 FMT_NVFP4 = tl.constexpr(3)
-_IDS = {"fp8": 1, "mxfp4": 2, "nvfp4": 3}
+_IDS = {"fp8": FMT_FP8.value, "mxfp4": FMT_MXFP4.value, "nvfp4": FMT_NVFP4.value}
 
 
 def format_args(codec: RowCodec | None) -> tuple[int, int, int]:
     """(format id, block, tail) for a kernel's constexprs; ``None``: plain value rows."""
     if codec is None:
-        return 0, 1, 0
+        return FMT_VALUES.value, 1, 0
     return _IDS[codec.fmt], codec.block, codec.tail
 
 
