@@ -40,6 +40,11 @@ from .declare import declare_op
 # (bench/results/skinny_linear_p8.json): the kernel matches or beats cuBLAS by 1-14 % at 1 and
 # 8 rows, and loses 30-40 % at 64 rows, where cuBLAS's tiles reuse the weight better.
 MAX_ROWS = 16
+# The same for a block-FP8 weight held as stored: there the alternative above MAX_ROWS is not
+# cuBLAS on the stored weight but the reference dequantising the whole weight in the graph first
+# (a byte read and two written per element, then two read again), so the kernel serves every
+# decode bucket (docs/decisions.md, "fp8 projections up to 64 rows").
+FP8_MAX_ROWS = 64
 # Both weight dims must be multiples of this (full k steps and aligned rows for the kernel).
 ALIGN = 16
 # Weights one ``skinny_linear_group`` call takes (a V4 CSA layer's fp32 projections of x are five).
@@ -61,11 +66,11 @@ def decode_sized(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def fp8_decode_sized(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> bool:
-    """``decode_sized`` for ``project_fp8(x, w, scale, ...)``: a bf16 x of 1..MAX_ROWS rows, a
+    """``decode_sized`` for ``project_fp8(x, w, scale, ...)``: a bf16 x of 1..FP8_MAX_ROWS rows, a
     float8_e4m3fn weight with aligned dims and fp32 scales of a block whose power-of-two part is a
     k tile (>= 16). Shapes and dtypes only (decided once per trace)."""
     rows = math.prod(x.shape[:-1])
-    if not (0 < rows <= MAX_ROWS and x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn and w.dim() == 2):
+    if not (0 < rows <= FP8_MAX_ROWS and x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn and w.dim() == 2):
         return False
     block = fp8_block_of(w.shape, scale.shape)
     return (

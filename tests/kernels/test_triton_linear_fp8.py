@@ -31,6 +31,7 @@ CASES = [
     (16, 80, 96, 32, Tiles(32, 32, 3, 4, 3)),  # three splits, N off the column tile
     (3, 128, 256, 128, None),
     (7, 160, 384, 128, Tiles(32, 64, 2, 4, 3)),  # 64-deep k tiles inside 128 blocks, two splits
+    (64, 48, 64, 32, None),  # the largest decode bucket: four 16-row blocks over each weight tile
 ]
 
 
@@ -58,9 +59,9 @@ def test_matches_the_dequantised_product(
 
 def test_a_row_alone_is_the_same_bits_as_in_a_batch(device: str) -> None:
     seed = fresh_seed()
-    x, w8, scale = _operands(seed, 16, 96, 128, 32, torch.float32, device)
+    x, w8, scale = _operands(seed, ops_linear.FP8_MAX_ROWS, 96, 128, 32, torch.float32, device)
     batch = skinny_linear_fp8_triton(x, w8, scale, False)
-    for i in (0, 7, 15):
+    for i in (0, 7, 15, 40, ops_linear.FP8_MAX_ROWS - 1):
         assert torch.equal(skinny_linear_fp8_triton(x[i : i + 1], w8, scale, False)[0], batch[i]), (
             f"seed {seed}: row {i}"
         )
@@ -95,7 +96,9 @@ def test_the_swap_domain_and_bad_inputs() -> None:
     w8, scale = quant_fp8_block(torch.randn(96, 64), 32)
     s = ue8m0_to_float(scale)
     assert ops_linear.fp8_decode_sized(x, w8, s)
-    assert not ops_linear.fp8_decode_sized(torch.zeros(17, 64, dtype=torch.bfloat16), w8, s)  # prefill-sized
+    bound = ops_linear.FP8_MAX_ROWS
+    assert ops_linear.fp8_decode_sized(torch.zeros(bound, 64, dtype=torch.bfloat16), w8, s)  # decode b64
+    assert not ops_linear.fp8_decode_sized(torch.zeros(bound + 1, 64, dtype=torch.bfloat16), w8, s)  # prefill-sized
     assert not ops_linear.fp8_decode_sized(x.float(), w8, s)  # fp32 activations: the reference
     w8b, scale8 = quant_fp8_block(torch.randn(96, 64), 8)  # 8-blocks: no k tile fits one
     assert not ops_linear.fp8_decode_sized(x, w8b, ue8m0_to_float(scale8))
@@ -106,7 +109,7 @@ def test_the_swap_domain_and_bad_inputs() -> None:
 
 
 @cuda_only
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 64])
 @pytest.mark.parametrize("n, k", [(1280, 5120), (32768, 1280), (512, 5120), (5120, 8192)])  # V4.1 wq_a, wq_b, wkv, wo_b
 def test_v41_widths_in_bf16_on_cuda(m: int, n: int, k: int) -> None:
     seed = fresh_seed()
