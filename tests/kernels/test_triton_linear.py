@@ -36,7 +36,7 @@ from linear_helpers import (
 from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.kernels.triton import linear
-from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
+from deepinfer_fx.kernels.triton.linear import _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
 
 # (M, N, K, tiles): None is the shape rule; explicit tiles reach the split-K and masked paths
 # on shapes the interpreter can afford.
@@ -319,7 +319,7 @@ def _consts(ns: tuple[int, ...], k: int, t: Tiles, x_block_n: int, line: int) ->
         "K": k,
         "K_SPLIT": bounds[1],
         "SPLITS": len(bounds) - 1,
-        "BM": BM,
+        "BM": t.bm,
         "BN": t.bn,
         "BK": t.bk,
         "EVEN": all(n % t.bn == 0 for n in ns),
@@ -375,7 +375,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                 Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").write_text(kernel.asm["ptx"])
     fp8_cases = [((n,), k, block, x_block_n) for n, k, block, x_block_n in SM90_FP8_CASES]
     for ns, k, block, x_block_n in fp8_cases + [(ns, k, block, 0) for ns, k, block in SM90_FP8_GROUPS]:
-        t = choose_tiles(sum(ns), k, max_bk=min(128, block))
+        t = choose_tiles(sum(ns), k, max_bk=min(128, block), bm=linear.FP8_BM)
         consts = _consts(ns, k, t, x_block_n, 128) | {"stride_sk": 1, "SB": block}
         pointers = {
             "x_ptr": "*bf16",

@@ -32,6 +32,7 @@ CASES = [
     (3, 128, 256, 128, None),
     (7, 160, 384, 128, Tiles(32, 64, 2, 4, 3)),  # 64-deep k tiles inside 128 blocks, two splits
     (64, 48, 64, 32, None),  # the largest decode bucket: four 16-row blocks over each weight tile
+    (40, 64, 256, 128, Tiles(32, 64, 2, 4, 3, bm=64)),  # one 64-row block, rows off it, two splits
 ]
 
 

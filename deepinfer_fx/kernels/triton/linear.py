@@ -34,6 +34,9 @@ from ...io.quant import fp8_block_of
 from .pdl import pdl_args, prefetch_l2, release_next, wait_only
 
 BM = 16  # rows per block: fixed, never chosen from M (batch invariance)
+# Rows per block over a block-FP8 weight: each program dequantises its weight tiles, so fewer
+# row blocks a tile mean less of that work repeated (docs/decisions.md, "fp8 projections up to 64 rows").
+FP8_BM = 16
 # About two programs per SM of an H200 (132 SMs), as the MoE decode tiles aim for.
 _MIN_PROGRAMS = 256
 _MAX_SPLIT = 16
@@ -49,7 +52,8 @@ class Tiles(NamedTuple):
     tiles of weight prefetched into L2 before the PDL wait (``kernels/triton/pdl.py``), and
     whether the weight tiles stream through the Hopper tensor-memory accelerator (``tma``: a
     host tensor descriptor, one asynchronous copy per tile instead of per-thread loads) where
-    it applies (one weight, rows 16-byte aligned, sm_90+)."""
+    it applies (one weight, rows 16-byte aligned, sm_90+), and the rows a program takes (``bm``:
+    a function of the weight's format, never of M)."""
 
     bn: int
     bk: int
@@ -58,9 +62,10 @@ class Tiles(NamedTuple):
     stages: int
     prefetch: int = _PREFETCH_TILES
     tma: bool = False
+    bm: int = BM
 
 
-def choose_tiles(n: int, k: int, max_bk: int = 128) -> Tiles:
+def choose_tiles(n: int, k: int, max_bk: int = 128, bm: int = BM) -> Tiles:
     """The tiling for a weight ``[n, k]``; never a function of the row count.
 
     Wide weights (the head, ``wq_b``) fill the GPU with column tiles alone: the widest tile
@@ -73,12 +78,12 @@ def choose_tiles(n: int, k: int, max_bk: int = 128) -> Tiles:
     bk = min(max_bk, max(16, triton.next_power_of_2(k)))
     for bn, stages in ((128, 3), (64, 4), (32, 4)):
         if triton.cdiv(n, bn) >= _MIN_PROGRAMS:
-            return Tiles(bn, bk, 1, 4, stages, tma=True)
+            return Tiles(bn, bk, 1, 4, stages, tma=True, bm=bm)
     bn = 64 if triton.cdiv(n, 64) >= 64 else 32
     split = 1
     while triton.cdiv(n, bn) * split < _MIN_PROGRAMS and split < _MAX_SPLIT and k >= 4 * split * bk:
         split *= 2
-    return Tiles(bn, bk, split, 4, 4, tma=True)
+    return Tiles(bn, bk, split, 4, 4, tma=True, bm=bm)
 
 
 @triton.jit(do_not_specialize=["M"])  # M-dependent: one binary for every M
@@ -277,7 +282,7 @@ def skinny_linear_group_triton(
             raise ValueError(f"{op}: the weights' scale blocks differ ({sorted(blocks)}); one block a group")
         block = blocks.pop()
     max_bk = min(128, block & -block) if block else 128
-    t = tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1], max_bk=max_bk)
+    t = tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1], max_bk=max_bk, bm=FP8_BM if block else BM)
     return _launch(x, ws, out_fp32, t, scales=scales, block=block)
 
 
@@ -296,7 +301,9 @@ def skinny_linear_blocks_triton(
         )
     r, k = w.shape[0] // blocks, w.shape[1]
     block = 0 if scale is None else _fp8_block(w, scale, "skinny_linear_blocks")
-    t = tiles or choose_tiles(w.shape[0], k, max_bk=min(128, block & -block) if block else 128)
+    t = tiles or choose_tiles(
+        w.shape[0], k, max_bk=min(128, block & -block) if block else 128, bm=FP8_BM if block else BM
+    )
     bn = min(t.bn, r & -r)  # the largest power of two dividing R: no tile straddles two blocks
     if bn < 16:
         raise ValueError(
@@ -367,7 +374,7 @@ def _launch(
     k_split = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
     splits = triton.cdiv(k, k_split)
     tile0 = tuple(itertools.accumulate((triton.cdiv(n, t.bn) for n in ns), initial=0))
-    grid = (triton.cdiv(m, BM), tile0[-1], splits)
+    grid = (triton.cdiv(m, t.bm), tile0[-1], splits)
     # One split needs neither workspace nor counters: None makes them constexpr, never read.
     ws_buf = torch.empty(splits, m, sum(ns), dtype=torch.float32, device=x.device) if splits > 1 else None
     counts = _counters(x.device, grid[0] * grid[1]) if splits > 1 else None
@@ -401,7 +408,7 @@ def _launch(
         K=k,
         K_SPLIT=k_split,
         SPLITS=splits,
-        BM=BM,
+        BM=t.bm,
         BN=t.bn,
         BK=t.bk,
         EVEN=all(n % t.bn == 0 for n in ns) and k % k_split == 0,
