@@ -11,7 +11,7 @@ import torch
 from deepinfer_fx.graphs.norm import linear, linear_fp32, project, project_blocks
 from deepinfer_fx.graphs.swap import swapped
 from deepinfer_fx.io.quant import quant_fp8_block, ue8m0_to_float
-from deepinfer_fx.kernels.ops_linear import MAX_ROWS, decode_sized
+from deepinfer_fx.kernels.ops_linear import FP8_MAX_ROWS, MAX_ROWS, decode_sized
 from deepinfer_fx.passes.compiler import compile_graph, make_backend
 from deepinfer_fx.passes.manager import registered_passes
 
@@ -150,7 +150,7 @@ def test_compiled_fp8_swap_equals_eager(enabled: bool) -> None:
     reference there), and the pass counts the two decode-sized calls when enabled."""
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(MAX_ROWS + 3, 64, generator=g).to(BF16)
+    x = torch.randn(FP8_MAX_ROWS + 3, 64, generator=g).to(BF16)
     w8, scale = quant_fp8_block(torch.randn(96, 64, generator=g) * 0.125, 32)
     s = ue8m0_to_float(scale)
     be = make_backend("cpu", disabled=() if enabled else (FP8.name,), environ={})

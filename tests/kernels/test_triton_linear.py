@@ -16,6 +16,7 @@ for sm_90 offline and must not spill.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ from linear_helpers import (
 from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.kernels.triton import linear
-from deepinfer_fx.kernels.triton.linear import _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
+from deepinfer_fx.kernels.triton.linear import BM, _MAX_SPLIT, Tiles, choose_tiles, skinny_linear_triton
 
 # (M, N, K, tiles): None is the shape rule; explicit tiles reach the split-K and masked paths
 # on shapes the interpreter can afford.
@@ -374,8 +375,9 @@ def _compile_for_sm90(out_dir: str) -> None:
                 )
                 Path(out_dir, f"{_case_name(ns, k, x_block_n)}-{out}-tma.ptx").write_text(kernel.asm["ptx"])
     fp8_cases = [((n,), k, block, x_block_n) for n, k, block, x_block_n in SM90_FP8_CASES]
-    for ns, k, block, x_block_n in fp8_cases + [(ns, k, block, 0) for ns, k, block in SM90_FP8_GROUPS]:
-        t = choose_tiles(sum(ns), k, max_bk=min(128, block), bm=linear.FP8_BM)
+    cases = fp8_cases + [(ns, k, block, 0) for ns, k, block in SM90_FP8_GROUPS]
+    for (ns, k, block, x_block_n), bm in itertools.product(cases, (BM, linear.FP8_BM)):
+        t = choose_tiles(sum(ns), k, max_bk=min(128, block), bm=bm)
         consts = _consts(ns, k, t, x_block_n, 128) | {"stride_sk": 1, "SB": block}
         pointers = {
             "x_ptr": "*bf16",
@@ -395,7 +397,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                 num_warps=t.warps,
                 num_stages=t.stages,
             )
-            name = f"fp8-{_case_name(ns, k, x_block_n)}-b{block}" + ("-tma" if desc else "")
+            name = f"fp8-{_case_name(ns, k, x_block_n)}-b{block}-m{bm}" + ("-tma" if desc else "")
             Path(out_dir, f"{name}.ptx").write_text(kernel.asm["ptx"])
 
 
@@ -438,6 +440,7 @@ def test_compiles_for_sm90_without_spills(
 
 
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("bm", [BM, linear.FP8_BM])
 @pytest.mark.parametrize(
     "ns,k,block,x_block_n,tma",
     [((n,), k, b, x, tma) for n, k, b, x in SM90_FP8_CASES for tma in (False, True)]
@@ -445,15 +448,16 @@ def test_compiles_for_sm90_without_spills(
     ids=str,
 )
 def test_fp8_variant_compiles_for_sm90_without_spills(
-    ns: tuple[int, ...], k: int, block: int, x_block_n: int, tma: bool, sm90_ptx: Path
+    ns: tuple[int, ...], k: int, block: int, x_block_n: int, tma: bool, bm: int, sm90_ptx: Path
 ) -> None:
     """The block-FP8 variant (tiles dequantised in registers), one weight through pointer loads or
-    tensor copies, or a group (each weight its own scales): no spills, at most 128 registers, the
+    tensor copies, or a group (each weight its own scales), in 16- and 64-row blocks: no spills,
+    at most 128 registers (64-row blocks: 192, a 64 x 128 fp32 accumulator is 64 of them), the
     PDL wait before any load."""
-    ptx = (sm90_ptx / (f"fp8-{_case_name(ns, k, x_block_n)}-b{block}" + ("-tma.ptx" if tma else ".ptx"))).read_text()
-    spills, registers, log = ptxas_report(ptx)
-    assert spills == [0, 0] and registers <= 128, log
-    lines = [line.strip() for line in ptx.splitlines()]
+    name = f"fp8-{_case_name(ns, k, x_block_n)}-b{block}-m{bm}" + ("-tma.ptx" if tma else ".ptx")
+    spills, registers, log = ptxas_report((sm90_ptx / name).read_text())
+    assert spills == [0, 0] and registers <= (128 if bm == BM else 192), log
+    lines = [line.strip() for line in (sm90_ptx / name).read_text().splitlines()]
     wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait;"))
     assert not any(("ld.global" in line or "cp.async" in line) for line in lines[:wait]), "a load before the wait"
     assert any("cvt" in line and "e4m3" in line for line in lines), "fp8 values converted in registers"

@@ -15,7 +15,8 @@ every row's dot products run the same k order in every 16-row block, whatever M 
 rows are; partials are summed in split order, read back from memory whichever split arrives
 last (the atomics only elect the summing program, they add no data). So row m's result is the
 same bits alone or inside a batch, which decode needs (a request must not change with its
-company), and the same bits from run to run.
+company), and the same bits from run to run. Over a block-FP8 weight, calls of more than 16 rows
+take 64-row blocks (``FP8_BM``): there rows 1..16 and rows 17..64 are each invariant.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from ...io.quant import fp8_block_of
 from .pdl import pdl_args, prefetch_l2, release_next, wait_only
 
 BM = 16  # rows per block: fixed, never chosen from M (batch invariance)
-# Rows per block over a block-FP8 weight: each program dequantises its weight tiles, so fewer
-# row blocks a tile mean less of that work repeated (docs/decisions.md, "fp8 projections up to 64 rows").
-FP8_BM = 16
+# Rows per block over a block-FP8 weight for more than BM rows: each program dequantises its
+# weight tiles, so one 64-row block a tile does that work once where four 16-row blocks did it
+# four times (1.4-1.8x faster at 64 rows, 1.3-1.6x slower at 1-8 on the H100: docs/decisions.md,
+# "fp8 projections up to 64 rows"). Rows 1..BM and rows BM+1..64 are each batch-invariant.
+FP8_BM = 64
 # About two programs per SM of an H200 (132 SMs), as the MoE decode tiles aim for.
 _MIN_PROGRAMS = 256
 _MAX_SPLIT = 16
@@ -66,7 +69,7 @@ class Tiles(NamedTuple):
 
 
 def choose_tiles(n: int, k: int, max_bk: int = 128, bm: int = BM) -> Tiles:
-    """The tiling for a weight ``[n, k]``; never a function of the row count.
+    """The tiling for a weight ``[n, k]``; never a function of the row count (``bm`` is the caller's).
 
     Wide weights (the head, ``wq_b``) fill the GPU with column tiles alone: the widest tile
     that still gives ``_MIN_PROGRAMS`` programs. Narrower ones (``wo_b``, ``wq_a``, ``wkv``)
@@ -282,7 +285,7 @@ def skinny_linear_group_triton(
             raise ValueError(f"{op}: the weights' scale blocks differ ({sorted(blocks)}); one block a group")
         block = blocks.pop()
     max_bk = min(128, block & -block) if block else 128
-    t = tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1], max_bk=max_bk, bm=FP8_BM if block else BM)
+    t = tiles or choose_tiles(sum(w.shape[0] for w in ws), x.shape[1], max_bk=max_bk, bm=_rows_block(x, block))
     return _launch(x, ws, out_fp32, t, scales=scales, block=block)
 
 
@@ -302,7 +305,7 @@ def skinny_linear_blocks_triton(
     r, k = w.shape[0] // blocks, w.shape[1]
     block = 0 if scale is None else _fp8_block(w, scale, "skinny_linear_blocks")
     t = tiles or choose_tiles(
-        w.shape[0], k, max_bk=min(128, block & -block) if block else 128, bm=FP8_BM if block else BM
+        w.shape[0], k, max_bk=min(128, block & -block) if block else 128, bm=_rows_block(x, block)
     )
     bn = min(t.bn, r & -r)  # the largest power of two dividing R: no tile straddles two blocks
     if bn < 16:
@@ -311,6 +314,11 @@ def skinny_linear_blocks_triton(
         )
     scales = None if scale is None else [scale]
     return _launch(x, [w], False, t._replace(bn=bn), x_block_n=r, scales=scales, block=block)[0]
+
+
+def _rows_block(x: torch.Tensor, block: int) -> int:
+    """Rows a program takes: BM, or FP8_BM over a block-FP8 weight (``block`` > 0) above BM rows."""
+    return FP8_BM if block and x.shape[0] > BM else BM
 
 
 def _fp8_block(w: torch.Tensor, scale: torch.Tensor, op: str) -> int:
