@@ -52,7 +52,7 @@ def load_model(
     default auto): whether routed experts stay as stored, block FP8 or MXFP4, or are dequantised
     (``io.loader.held_experts``; auto: both kept on CUDA). ``dense_format`` ("auto", "fp8",
     "dequant"; None reads ``DEEPINFER_DENSE_FORMAT``): whether block-FP8 dense projections stay
-    as stored (``io.loader.held_dense``; auto: dequantised)."""
+    as stored (``io.loader.held_dense``; auto: kept on CUDA with bf16 activations)."""
     c, params, model_dir = load_checkpoint(path, dtype, device, fake_quant, experts, expert_format, dense_format)
     return Model(c, params, model_dir)
 

@@ -140,8 +140,8 @@ VARIABLES: dict[str, Var] = {
         "auto",
         "auto, fp8 or dequant",
         "block-FP8 dense projections of quantised checkpoints: fp8 keeps them as stored (half the bytes; decode "
-        "steps of <= 16 rows read them so on CUDA, larger steps dequantise them in the graph), dequant converts "
-        "them to the model dtype on load, auto dequantises (until fp8 is measured)",
+        "steps of <= 64 rows read them so on CUDA, larger steps dequantise them in the graph), dequant converts "
+        "them to the model dtype on load, auto keeps them on CUDA with bf16 activations and converts them elsewhere",
     ),
     f"{PREFIX}KV_FORMAT": Var(
         "kv_format",

@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "fp8", "dequant"],
         default=None,
         help="block-FP8 dense projections of quantised checkpoints: keep them as stored (fp8: half the bytes) "
-        "or dequantise on load (default: DEEPINFER_DENSE_FORMAT, auto = dequant)",
+        "or dequantise on load (default: DEEPINFER_DENSE_FORMAT, auto = kept as stored on CUDA in bf16)",
     )
     e.add_argument(
         "--kv-format",

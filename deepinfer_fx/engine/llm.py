@@ -75,7 +75,7 @@ class LLM:
         (on the CPU too), so with ``eager=True`` they are an error. ``expert_format``: as in
         ``load_model`` (default ``DEEPINFER_EXPERT_FORMAT``, auto: block-FP8 routed experts stay
         fp8 on CUDA; fp4 keeps MXFP4 experts as stored); ``dense_format``: as in ``load_model``
-        (default ``DEEPINFER_DENSE_FORMAT``: "fp8" keeps block-FP8 dense projections as stored).
+        (default ``DEEPINFER_DENSE_FORMAT``, auto: block-FP8 dense projections stay fp8 on CUDA in bf16).
         ``kv_format`` (default ``DEEPINFER_KV_FORMAT``, auto = model): "trained" holds the cache's
         window kv, compressed entries and index keys as the fp8 / fp4 codes and scales of the
         model's fake-quant points (the same values, 2-4x fewer bytes; ``graphs/state.py``). ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; default on

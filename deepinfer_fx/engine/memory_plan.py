@@ -211,7 +211,9 @@ def memory_plan(
     or "trained", as ``init_state`` takes it), ``compiled`` (Engram tables on the device),
     ``draft`` (the checkpoint carries ``mtp.*``) and the settings ``extra_experts`` (multi-rank
     meshes only), ``engram_tables`` and ``engram_device_gib`` (``EngineConfig``'s fields)."""
-    c = c.replace(held_experts=held_experts(c, expert_format, "cuda"), held_dense=held_dense(c, dense_format))
+    c = c.replace(
+        held_experts=held_experts(c, expert_format, "cuda"), held_dense=held_dense(c, dense_format, "cuda", dtype)
+    )
     max_len = min(max_model_len or min(c.max_position_embeddings, 8192), c.max_position_embeddings)
     sums = {"routed": 0, "dense": 0, "draft": 0, "engram": 0, "engram_host": 0, "released": 0}
     # as engram_tables.place_engram_tables places them; eager steps read them memory-mapped

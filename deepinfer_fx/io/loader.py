@@ -206,18 +206,25 @@ def held_experts(c: ModelConfig, expert_format: str | None, device=None) -> str 
     return None if fmt == "dequant" else stored
 
 
-def held_dense(c: ModelConfig, dense_format: str | None) -> str | None:
+def held_dense(
+    c: ModelConfig, dense_format: str | None, device=None, dtype: torch.dtype = torch.bfloat16
+) -> str | None:
     """How the block-FP8 dense projections of checkpoint config ``c`` are held: "fp8" (float8_e4m3fn
-    + fp32 block scales, dequantised inside each projection) or None (dequantised to the model
-    dtype on load). ``dense_format`` (None: ``DEEPINFER_DENSE_FORMAT``): "fp8" keeps them (an
-    unquantised checkpoint is an error), "dequant" converts them, "auto" converts them for now:
-    only decode-sized calls on CUDA read the fp8 weight as stored (``skinny_linear_fp8``), the
-    rest dequantise it in the graph, and none of it is measured yet (docs/decisions.md)."""
+    + fp32 block scales, dequantised inside each projection) or None (dequantised to ``dtype`` on
+    load). ``dense_format`` (None: ``DEEPINFER_DENSE_FORMAT``): "fp8" keeps them (an unquantised
+    checkpoint is an error), "dequant" converts them, "auto" keeps them on CUDA with bf16
+    activations, where decode steps read them as stored (``skinny_linear_fp8``, up to 64 rows;
+    P8 decode on the H100 as fast or faster than bf16 weights at 1, 8 and 64 rows, prefill the
+    same: docs/decisions.md), and converts them elsewhere (every other call dequantises the
+    whole weight again)."""
     fmt = argument(DENSE_FORMAT, dense_format)
     if fmt == "fp8" and c.fp8_block is None:
         raise CheckpointError(
             "dense_format='fp8' keeps block-FP8 dense weights, but this checkpoint's are unquantised; use 'auto' or 'dequant'"
         )
+    if fmt == "auto":
+        on_cuda = torch.device(device or "cpu").type == "cuda"
+        return "fp8" if c.fp8_block is not None and on_cuda and dtype == torch.bfloat16 else None
     return "fp8" if fmt == "fp8" else None
 
 
@@ -237,7 +244,9 @@ def load_checkpoint(
     c = load_config(model_dir)
     if fake_quant is not None:
         c = c.replace(fake_quant=fake_quant)
-    c = c.replace(held_experts=held_experts(c, expert_format, device), held_dense=held_dense(c, dense_format))
+    c = c.replace(
+        held_experts=held_experts(c, expert_format, device), held_dense=held_dense(c, dense_format, device, dtype)
+    )
     reader = CheckpointReader(model_dir, fp8_block=c.fp8_block)
     try:
         params = load_params(reader, c, dtype, device, experts=experts)

@@ -4,7 +4,8 @@ logits of one process holding everything, within 1e-5 (fp32, fake-quant off), fo
 requests of different lengths and then decode steps in which requests drop out, so ranks step
 different batch sizes and some step none (they run a padding request and still join every
 all-to-all). A spawn costs ~20 s here, so one spawned job runs every check of its world size;
-one more (ep2) runs a model whose routed experts are held in fp8 with their block scales."""
+one more (ep2) runs a model whose routed experts and dense projections are held in fp8 with their
+block scales."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def _workload(seed: int, n_requests: int, vocab: int) -> Workload:
 
 def _model(which: str, seed: int) -> Model:
     c = config_from_dict(CONFIGS[which]()).replace(fake_quant=False)
-    return random_model(c.replace(held_experts="fp8" if c.expert_dtype == "fp8" else None), seed=seed)
+    fp8 = "fp8" if c.expert_dtype == "fp8" else None  # experts and dense projections held as stored
+    return random_model(c.replace(held_experts=fp8, held_dense=fp8), seed=seed)
 
 
 @torch.no_grad()
@@ -167,7 +169,7 @@ def _seed() -> int:
         (4, ("ep4", "dp2,ep2"), ("v4", "v41")),
         (2, ("ep2",), ("v4-fp8",)),
     ],
-    ids=["ep2", "ep4", "ep2-fp8-experts"],
+    ids=["ep2", "ep4", "ep2-fp8-held"],
 )
 def test_mesh_logits_equal_one_process(tmp_path, world: int, meshes: tuple[str, ...], models: tuple[str, ...]) -> None:
     seed = _seed()

@@ -21,6 +21,7 @@ from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.graphs.norm import dequant_dense
 from deepinfer_fx.graphs.param_spec import build_tree, iter_tree
 from deepinfer_fx.io.checkpoint import CheckpointError
+from deepinfer_fx.io.loader import held_dense
 
 SEED = 11
 
@@ -91,6 +92,19 @@ def test_generate_with_held_dense_weights(tmp_path: Path, eager: bool) -> None:
         assert llm.model.config.held_dense == (None if fmt == "dequant" else "fp8")
         out[fmt] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert out["fp8"] == out["dequant"]
+
+
+def test_auto_keeps_fp8_on_cuda_in_bf16(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` (the default): fp8 on CUDA with bf16 activations, where decode reads the weight as
+    stored; converted on the CPU and in fp32 (each call would dequantise the whole weight again)."""
+    c = deepinfer_fx.load_model(ckpt, dtype=torch.float32, expert_format="dequant").config
+    assert c.held_dense is None
+    assert held_dense(c, "auto", "cuda") == held_dense(c, None, torch.device("cuda", 1)) == "fp8"
+    assert held_dense(c, "auto", "cuda", torch.float32) is None and held_dense(c, "auto", "cpu") is None
+    assert held_dense(c, "dequant", "cuda") is None and held_dense(c, "fp8", "cpu") == "fp8"
+    assert held_dense(c.replace(fp8_block=None), "auto", "cuda") is None  # nothing stored in fp8
+    monkeypatch.setenv("DEEPINFER_DENSE_FORMAT", "dequant")
+    assert held_dense(c, None, "cuda") is None
 
 
 def test_an_unquantised_checkpoint_refuses_fp8(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

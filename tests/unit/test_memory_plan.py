@@ -100,17 +100,20 @@ def test_released_v41_flash() -> None:
 def test_released_v4_flash_and_pro() -> None:
     """V4-Flash: state per token by hand (21 CSA layers keep (512 + 128) / 4 channels, 20 HCA
     layers 512 / 128, bf16); with MXFP4 experts as stored it does not fit one H200 and fits each GPU
-    of ep2 (ep8 dequantised); V4-Pro needs ep16 (ep64 dequantised)."""
+    of ep2 (ep8 dequantised); V4-Pro needs ep8 with its dense projections in block FP8 too (auto on
+    CUDA), ep16 with them dequantised, ep64 with everything dequantised."""
     flash = released_config("v4-flash")
     assert memory_plan(flash).state_per_token == 21 * (512 + 128) / 4 * 2 + 20 * 512 / 128 * 2
     assert not memory_plan(flash).fits and memory_plan(flash, MeshSpec(ep=2)).fits
     assert not memory_plan(flash, MeshSpec(ep=4), expert_format="dequant").fits
     assert memory_plan(flash, MeshSpec(ep=8), expert_format="dequant").fits
     pro = released_config("v4-pro")
-    assert not memory_plan(pro, MeshSpec(ep=8)).fits and memory_plan(pro, MeshSpec(ep=16)).fits
-    bf16 = "dequant"
-    assert not memory_plan(pro, MeshSpec(ep=32), expert_format=bf16).fits
-    assert memory_plan(pro, MeshSpec(ep=64), expert_format=bf16).fits
+    assert not memory_plan(pro, MeshSpec(ep=4)).fits and memory_plan(pro, MeshSpec(ep=8)).fits
+    assert not memory_plan(pro, MeshSpec(ep=8), dense_format="dequant").fits
+    assert memory_plan(pro, MeshSpec(ep=16), dense_format="dequant").fits
+    bf16 = {"expert_format": "dequant", "dense_format": "dequant"}
+    assert not memory_plan(pro, MeshSpec(ep=32), **bf16).fits
+    assert memory_plan(pro, MeshSpec(ep=64), **bf16).fits
     # 256 + 32 redundant experts over ep8: 36 slots a GPU
     assert "36 of 256 experts a layer" in next(
         x.note for x in memory_plan(flash, MeshSpec(ep=8)).device if x.name == "routed experts"
@@ -121,7 +124,8 @@ def test_native_formats() -> None:
     """Everything as the checkpoints store it (MXFP4 experts, block-FP8 dense weights, the state
     as trained): V4.1-Flash's state per token is the spec's 890 B (§8.1: NVFP4 entries of 288 B,
     MXFP4 index keys of 68 B); V4-Flash's 21 CSA layers keep (584 + 68) / 4 B and 20 HCA layers
-    584 / 128 B; fp8 dense weights take 0.6 of the dequantised bytes; V4-Pro then fits ep8 (16 sequences)."""
+    584 / 128 B; fp8 dense weights take 0.6 of the dequantised bytes; V4-Pro then fits ep8 (16 sequences), which
+    it does not with its dense weights dequantised."""
     native = {"expert_format": "fp4", "dense_format": "fp8", "kv_format": "trained"}
     v41 = released_config("v41-flash")
     assert memory_plan(v41, **native).state_per_token == 3 * (288 + 68) / 2 + 288 + 68 == 890
@@ -130,7 +134,7 @@ def test_native_formats() -> None:
     bf16, fp8 = (_category(memory_plan(flash, dense_format=f), "dense weights") for f in ("dequant", "fp8"))
     assert 0.55 < fp8 / bf16 < 0.65  # the projections halve; embeddings and head stay bf16
     pro = released_config("v4-pro")
-    assert not memory_plan(pro, MeshSpec(ep=8), expert_format="fp4").fits
+    assert not memory_plan(pro, MeshSpec(ep=8), expert_format="fp4", dense_format="dequant").fits
     assert memory_plan(pro, MeshSpec(ep=8), max_num_seqs=16, **native).fits
     assert "fp8 / fp4 as trained" in memory_plan(pro, **native).format()
 
