@@ -155,8 +155,10 @@ def dspark_drafts(
     verified = lens if accepted is None else torch.minimum(accepted + 1, lens)
     context_rows(params, state, c, dict(zip(c.dspark_target_layer_ids, captured)), group, verified)
     newest = tokens if accepted is None else tokens.gather(1, accepted[:, None]).squeeze(1)
-    draft = draft_blocks(params, state, c, newest.clamp(min=0), starts + verified, slots, verified > 0, first_argmax)
-    return draft.tokens[:, :n_drafts], draft.confidences[:, :n_drafts]
+    draft = draft_blocks(
+        params, state, c, newest.clamp(min=0), starts + verified, slots, verified > 0, first_argmax, n_drafts
+    )
+    return draft.tokens, draft.confidences
 
 
 def mtp_drafts(

@@ -70,9 +70,9 @@ Sampler = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Draft:
-    tokens: torch.Tensor  # [B, block] long: y_1 .. y_block
-    confidences: torch.Tensor  # [B, block] fp32 in [0, 1]: c_k scores tokens[:, k]
-    logits: torch.Tensor  # [B, block, vocab] fp32: U_k + b_k, the distribution tokens[:, k] was picked from
+    tokens: torch.Tensor  # [B, used] long: y_1 .. y_used (used: the block unless fewer were asked)
+    confidences: torch.Tensor  # [B, used] fp32 in [0, 1]: c_k scores tokens[:, k]
+    logits: torch.Tensor  # [B, used, vocab] fp32: U_k + b_k, the distribution tokens[:, k] was picked from
 
 
 def _stage_attention(
@@ -167,11 +167,18 @@ def draft_blocks(
     slots: torch.Tensor,
     live: torch.Tensor,
     pick: Sampler,
+    used: int | None = None,
 ) -> Draft:
     """``dspark_propose`` on tensors (the engine's steps call it inside their graphs): one block
     ``[x_{p+1}, noise, ...]`` per slot at ``positions``; ``live`` False for padding blocks
-    (their rows are no chunk's tokens)."""
-    k, vocab = c.dspark_block_size, c.vocab_size
+    (their rows are no chunk's tokens). ``used`` (default the block): the drafted tokens wanted,
+    the first ones of the block. The stages still run the whole block (its queries see every
+    block token), but the vocabulary head, the Markov steps and the confidence head run for the
+    used positions only, whose values do not depend on the rest."""
+    k = c.dspark_block_size
+    used = k if used is None else used
+    if not 0 < used <= k:
+        raise ValueError(f"DSpark drafts 1 to {k} tokens of a block, {used} asked")
     n = last_token.shape[0]
     device = last_token.device
     ids = torch.cat(
@@ -197,13 +204,13 @@ def draft_blocks(
         h = mhc_collapse(X, pre)
     else:
         h = hc_head(X, last["hc_head_fn"], last["hc_head_base"], last["hc_head_scale"], c.rms_norm_eps, c.hc_eps)
-    base = linear_fp32(rms_norm(h, last["norm"], c.rms_norm_eps), params["head"]).view(n, k, vocab)
-    h = h.view(n, k, -1)
+    h = h.view(n, k, -1)[:, :used]
+    base = linear_fp32(rms_norm(h, last["norm"], c.rms_norm_eps), params["head"])  # [n, used, vocab]
 
     markov = last["markov_head"]
     y = last_token
     tokens, embeds, logits = [], [], []
-    for j in range(k):  # sequential: each step's bias depends on the token picked before it
+    for j in range(used):  # sequential: each step's bias depends on the token picked before it
         e = markov["embed"][y]  # in the weights' dtype, so the head's GEMV reads it as stored
         z = base[:, j] + linear_fp32(e, markov["head"])
         y = pick(z).long()

@@ -18,7 +18,8 @@ from deepinfer_fx.config import load_config
 from deepinfer_fx.config import released_config
 from deepinfer_fx.graphs import fake_quant as fq
 from deepinfer_fx.graphs.batch import make_batch
-from deepinfer_fx.graphs.dspark import dspark_draft, dspark_propose
+from deepinfer_fx.graphs.argmax import first_argmax
+from deepinfer_fx.graphs.dspark import draft_blocks, dspark_draft, dspark_propose
 from deepinfer_fx.graphs.dspark_context import dspark_capture, dspark_context
 from deepinfer_fx.graphs.moe import _score, route_weights
 from deepinfer_fx.graphs.model import forward_batch
@@ -319,6 +320,30 @@ def test_markov_and_confidence_heads(family: str) -> None:
         markov["head"] = head
     assert short.shape[0] == 2
     assert not torch.allclose(short[0], base[0], rtol=1e-4, atol=1e-4), f"seed={seed}"
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_fewer_drafts_are_the_first_of_the_block(family: str) -> None:
+    """``draft_blocks(..., used=m)`` (the engine asks for its nextn): the first m tokens,
+    confidences and logits of the whole block's draft, the stages still run over the whole
+    block (its queries see every block token). Out of range refuses."""
+    seed = _seed()
+    model = _model(family, seed)
+    c, params = model
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, c.vocab_size, (n,), generator=gen) for n in (11, 6)]
+    state = init_state(c, 32, slots=2)
+    nxt = _prefill(model, state, seqs, [0, 1])
+    args = (params, state, c, nxt, torch.tensor([11, 6]), torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool))
+    whole = draft_blocks(*args, first_argmax)
+    for m in range(1, BLOCK):
+        part = draft_blocks(*args, first_argmax, m)
+        assert torch.equal(part.tokens, whole.tokens[:, :m]), f"seed={seed} m={m}"
+        for got, want in ((part.confidences, whole.confidences), (part.logits, whole.logits)):
+            torch.testing.assert_close(got, want[:, :m], rtol=1e-5, atol=1e-5, msg=f"seed={seed} m={m}")
+    for bad in (0, BLOCK + 1):
+        with pytest.raises(ValueError, match=f"1 to {BLOCK} tokens"):
+            draft_blocks(*args, first_argmax, bad)
 
 
 def _quantised(family: str) -> dict:
