@@ -383,9 +383,14 @@ def test_op_replays_in_a_cuda_graph() -> None:
 # --- offline compile for the H200 --------------------------------------------------------------
 
 
-# The scoring kernel's sm_90 variants: name -> (index heads, keys packed as INDEX_ROWS). V4's
-# indexer has 64 heads, V4.1's 32 (di 128 both).
-SM90_VARIANTS = {"v4": (64, False), "v4-packed": (64, True), "v41-packed": (32, True)}
+# The scoring kernel's sm_90 variants: name -> (index heads, keys packed as INDEX_ROWS, read by
+# words). V4's indexer has 64 heads, V4.1's 32 (di 128 both).
+SM90_VARIANTS = {
+    "v4": (64, False, False),
+    "v4-packed": (64, True, False),
+    "v4-words": (64, True, True),
+    "v41-words": (32, True, True),
+}
 
 
 def _compile_for_sm90(out_dir: str) -> None:
@@ -395,7 +400,7 @@ def _compile_for_sm90(out_dir: str) -> None:
     from deepinfer_fx.kernels.triton.indexer import _BLOCK_M, _BLOCK_N, _NUM_WARPS, _scores_kernel
     from deepinfer_fx.kernels.triton.state_rows import format_args
 
-    for name, (heads, packed) in SM90_VARIANTS.items():
+    for name, (heads, packed, words) in SM90_VARIANTS.items():
         types = {
             "q_ptr": "*bf16",
             "k_ptr": "*u8" if packed else "*bf16",
@@ -419,6 +424,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                 "KEY_BLOCK": block,
                 "KEY_TAIL": tail,
                 "VALUE_BYTES": 2,
+                "KEY_WORDS": words,
                 "PDL": True,
             }
             if not has_slots:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_fx.io.state_rows import RowCodec
-from deepinfer_fx.kernels.triton.state_rows import format_args, load_values
+from deepinfer_fx.kernels.triton.state_rows import format_args, load_values, words_fit
 
 
 @triton.jit
@@ -28,21 +28,23 @@ def _unpack_kernel(
     VALUE_BYTES: tl.constexpr,
     BN: tl.constexpr,
     BD: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)[None, :]
     live = offs_n < n_rows
-    vals = load_values(src + offs_n.to(tl.int64) * nbytes, live, FMT, BLOCK, TAIL, D, BD, VALUE_BYTES)
+    vals = load_values(src + offs_n.to(tl.int64) * nbytes, live, FMT, BLOCK, TAIL, D, BD, VALUE_BYTES, WORDS)
     tl.store(dst + offs_n[:, None] * D + offs_d, vals, mask=live[:, None] & (offs_d < D))
 
 
-def _unpack(t: torch.Tensor, codec: RowCodec, dtype: torch.dtype) -> torch.Tensor:
+def _unpack(t: torch.Tensor, codec: RowCodec, dtype: torch.dtype, words: bool) -> torch.Tensor:
     n = t.shape[0]
     out = torch.empty(n, codec.dim, dtype=torch.float32, device=t.device)
     fmt, block, tail = format_args(codec)
     bn = 8
+    bd = triton.next_power_of_2(codec.dim)
     _unpack_kernel[(triton.cdiv(n, bn),)](
-        t, out, t.shape[1], n, fmt, block, tail, codec.dim, dtype.itemsize, bn, triton.next_power_of_2(codec.dim)
+        t, out, t.shape[1], n, fmt, block, tail, codec.dim, dtype.itemsize, bn, bd, words
     )
     return out
 
@@ -69,5 +71,19 @@ def test_load_values_equals_unpack(codec: RowCodec, dtype: torch.dtype, device: 
     x[7, ::3] *= 1e-6  # blocks with a wide spread
     t = codec.pack(x.to(dtype))
     want = codec.unpack(t, dtype).float()
-    got = _unpack(t.to(device), codec, dtype).cpu()
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"seed {seed}"
+    rows = t.to(device)
+    # fp4 rows by words where they fit (every released fp4 row: 68 and 288 bytes), and by bytes
+    for words in sorted({False, words_fit(codec, rows)}):
+        got = _unpack(rows, codec, dtype, words).cpu()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"seed {seed} words={words}"
+
+
+def test_words_fit_only_aligned_fp4_rows() -> None:
+    index, entries = RowCodec("mxfp4", 128, 32), RowCodec("nvfp4", 512, 16)
+    nb, ne = index.nbytes(torch.bfloat16), entries.nbytes(torch.bfloat16)
+    assert (nb, ne) == (68, 288)
+    rows = torch.zeros(4, nb, dtype=torch.uint8)
+    assert words_fit(index, rows) and words_fit(entries, torch.zeros(2, ne, dtype=torch.uint8))
+    assert not words_fit(index, torch.zeros(4 * nb + 1, dtype=torch.uint8)[1:].view(4, -1))  # base
+    assert not words_fit(index, torch.zeros(4, nb + 2, dtype=torch.uint8)[:, :nb])  # row stride 70
+    assert not words_fit(RowCodec("fp8", 512, 64, 64), rows) and not words_fit(None, rows)

@@ -37,7 +37,7 @@ from .. import ops  # noqa: F401  (declares the deepinfer ops before the registr
 from ...io.state_rows import RowCodec
 from .buffers import out_buffer
 from .pdl import pdl_args, wait_previous
-from .state_rows import FMT_VALUES, format_args, load_values
+from .state_rows import FMT_VALUES, format_args, load_values, words_fit
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -87,6 +87,7 @@ def _scores_kernel(
     KEY_BLOCK: tl.constexpr,
     KEY_TAIL: tl.constexpr,
     VALUE_BYTES: tl.constexpr,
+    KEY_WORDS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
@@ -122,7 +123,7 @@ def _scores_kernel(
         if KEY_FMT == FMT_VALUES:
             keys = tl.load(key_rows[:, None] + offs_d[None, :], mask=(offs_n < N)[:, None] & in_d[None, :], other=0.0)
         else:  # uint8 rows: their values in fp32 (exact), in q's dtype as unpacked ones would be
-            keys = load_values(key_rows, offs_n < N, KEY_FMT, KEY_BLOCK, KEY_TAIL, D, BLOCK_D, VALUE_BYTES)
+            keys = load_values(key_rows, offs_n < N, KEY_FMT, KEY_BLOCK, KEY_TAIL, D, BLOCK_D, VALUE_BYTES, KEY_WORDS)
             if not DOT_FP32:
                 keys = keys.to(q.dtype)
         if DOT_FP32:
@@ -285,6 +286,7 @@ def indexer_scores_triton(
         KEY_BLOCK=key_block,
         KEY_TAIL=key_tail,
         VALUE_BYTES=q.dtype.itemsize,
+        KEY_WORDS=words_fit(codec, k2),
         num_warps=_NUM_WARPS,
         **pdl_args(q.device),
     )

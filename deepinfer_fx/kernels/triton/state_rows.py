@@ -19,6 +19,7 @@ registers already, and decoding there spilled 0.2-4 KB on sm_90 in every variant
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -69,12 +70,15 @@ def load_values(
     D: tl.constexpr,
     BD: tl.constexpr,
     VALUE_BYTES: tl.constexpr,
+    WORDS: tl.constexpr = False,
 ):
     """The values ``[BN, BD]`` (fp32; 0 past ``D`` and in rows not ``live``) of the rows at
     ``rows`` ``[BN]`` (uint8 pointers, each at a row's first byte). FMT_FP8 rows: the ``TAIL``
     trailing channels in the value dtype (``VALUE_BYTES`` each: 2 bf16, 4 fp32), then ``D - TAIL``
     codes, then a ue8m0 scale per ``BLOCK``; fp4 rows: ``D / 2`` bytes of nibbles (low = even
-    channel), then a scale (ue8m0 for MXFP4, e4m3 for NVFP4) per ``BLOCK``."""
+    channel), then a scale (ue8m0 for MXFP4, e4m3 for NVFP4) per ``BLOCK``. ``WORDS`` (fp4 rows
+    starting 4-byte aligned, ``words_fit``): the nibbles load as int32 words of eight, a load
+    a word instead of one a value (the same values)."""
     offs_d = tl.arange(0, BD)[None, :]
     r2 = rows[:, None]
     live2 = live[:, None]
@@ -93,14 +97,38 @@ def load_values(
             else:
                 tail = tl.load(r2.to(tl.pointer_type(tl.float32)) + t_off, mask=in_t, other=0.0)
             vals = tl.where(offs_d < coded, vals, tail.to(tl.float32))
+    elif WORDS:
+        BN: tl.constexpr = rows.shape[0]
+        NB: tl.constexpr = BD // BLOCK
+        offs_w = tl.arange(0, BD // 8)[None, :]
+        words = tl.load(r2.to(tl.pointer_type(tl.int32)) + offs_w, mask=live2 & (offs_w < D // 8), other=0)
+        # nibble j of word w is channel 8 w + j (little-endian bytes, the low nibble first)
+        nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
+        offs_b = tl.arange(0, NB)[None, :]
+        scale = _fp4_scales(r2 + D // 2 + offs_b, live2 & (offs_b < D // BLOCK), FMT)
+        vals = tl.reshape(tl.reshape(_e2m1(nib), [BN, NB, BLOCK]) * scale[:, :, None], [BN, BD])
     else:
         in_d = live2 & (offs_d < D)
         byte = tl.load(r2 + offs_d // 2, mask=in_d, other=0).to(tl.int32)
         nib = (byte >> ((offs_d & 1) * 4)) & 15
-        s_ptrs = r2 + D // 2 + offs_d // BLOCK
-        if FMT == FMT_MXFP4:
-            scale = _ue8m0(tl.load(s_ptrs, mask=in_d, other=127).to(tl.int32))
-        else:  # masked scales read 0x38, e4m3's 1 (its 0x7F is NaN)
-            scale = _e4m3(tl.load(s_ptrs, mask=in_d, other=56))
-        vals = _e2m1(nib) * scale
+        vals = _e2m1(nib) * _fp4_scales(r2 + D // 2 + offs_d // BLOCK, in_d, FMT)
     return vals
+
+
+@triton.jit
+def _fp4_scales(ptrs, mask, FMT: tl.constexpr):
+    """fp4 blocks' scales in fp32: ue8m0 (MXFP4) or e4m3 (NVFP4) bytes; masked ones are 1."""
+    if FMT == FMT_MXFP4:
+        return _ue8m0(tl.load(ptrs, mask=mask, other=127).to(tl.int32))
+    return _e4m3(tl.load(ptrs, mask=mask, other=56))  # 0x38 is e4m3's 1 (its 0x7F is NaN)
+
+
+def words_fit(codec: RowCodec | None, rows: torch.Tensor) -> bool:
+    """Whether ``load_values`` may read ``rows`` (uint8, last dim a row) by words: fp4 rows, every
+    row starting 4-byte aligned (the base and every stride but the last dim's), and blocks of a
+    power of two of at least 8 channels that tile ``D`` (whole words of nibbles a block)."""
+    if codec is None or codec.fmt not in ("mxfp4", "nvfp4"):
+        return False
+    aligned = rows.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in rows.stride()[:-1])
+    pow2 = codec.block & (codec.block - 1) == 0  # a power of two: it divides the tile's channels
+    return aligned and pow2 and codec.block >= 8 and codec.dim % codec.block == 0
