@@ -2,6 +2,7 @@
 
     python -m deepinfer_fx.bench.skinny_linear --rows 1,8,64 --out bench/results
     python -m deepinfer_fx.bench.skinny_linear --sweep --out bench/results
+    python -m deepinfer_fx.bench.skinny_linear --fp8 128 --rows 1,8,16,17,64
 
 Weights: P8's wq_b [32768, 1024], wo_b [4096, 8192], wq_a [1024, 4096], wkv [512, 4096]
 (``--head`` adds the LM head [129280, 4096]), bf16. Per weight and row count it times
@@ -11,6 +12,12 @@ does), each captured in a CUDA graph whose calls cycle through enough copies of 
 (>= 256 MiB in all) that no call finds its weight in L2, as in a decode step. Reported: us per
 call, weight bandwidth (weight bytes / time: the figure that matters here), the speedup and the
 max difference from cuBLAS relative to its max.
+
+``--fp8 BLOCK``: the weights in block FP8 as the checkpoints store them (``dense_format="fp8"``),
+timed through ``skinny_linear_fp8_triton`` with the rule's row block (``linear.FP8_BM`` above 16
+rows) and with 16-row blocks throughout, against cuBLAS on the dequantised bf16 weight and the
+reference's dequantise-then-GEMM (what ran above the kernel's rows before); bandwidth counts the
+fp8 bytes.
 
 ``--sweep`` then searches tilings per weight in three rounds: column tile x k tile x K splits
 (4 warps, 3 stages), then warps x stages around the best, then the tensor-descriptor (TMA)
@@ -24,13 +31,16 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 import triton
 from triton.runtime.errors import OutOfResources
 
-from ..kernels.triton.linear import Tiles, choose_tiles, skinny_linear_triton
+from ..graphs.norm import dequant_dense, project_fp8
+from ..io.quant import quant_fp8_block, ue8m0_to_float
+from ..kernels.triton.linear import BM, Tiles, choose_tiles, skinny_linear_fp8_triton, skinny_linear_triton
 from .timing import graph_ms
 from .p8 import P8, run_info, write_result
 
@@ -55,7 +65,7 @@ def p8_weights(head: bool) -> dict[str, tuple[int, int]]:
     return {**shapes, "head": (P8["vocab_size"], d)} if head else shapes
 
 
-def _time_us(call: Callable[[torch.Tensor], object], weights: list[torch.Tensor], rounds: int) -> float:
+def _time_us(call: Callable[[Any], object], weights: list[Any], rounds: int) -> float:
     """Mean us per call of ``call(w)`` over the weight copies, replayed from a CUDA graph (an
     eager pass first compiles the kernels and sets up cuBLAS outside the capture)."""
     return graph_ms(lambda: [call(w) for w in weights], rounds) * 1e3 / len(weights)
@@ -114,6 +124,33 @@ def _sweep(name: str, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], 
     return {"rule": choose_tiles(n, k)._asdict(), "rule_us": rule, "best": best, "tried": tried}
 
 
+def _fp8_rows(name: str, n: int, k: int, block: int, rows_list: list[int], out_fp32: bool, iters: int) -> list[dict]:
+    """``--fp8``: one weight's rows (its copies, weights and scales, rotate as in ``_time_us``), the kernel (its rule, and 16-row blocks) against cuBLAS on the
+    dequantised weight and the reference's in-graph dequantisation."""
+    copies = max(2, -(-_ROTATE_BYTES // (n * k)))
+    held = [quant_fp8_block(torch.randn(n, k) * k**-0.5, block) for _ in range(copies)]
+    held = [(w.cuda(), ue8m0_to_float(sc).cuda()) for w, sc in held]
+    bf16 = [dequant_dense(w, sc, torch.bfloat16) for w, sc in held]
+    max_bk = min(128, block & -block)
+    cublas, out = _cublas(out_fp32), []
+    for m in rows_list:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = cublas(x, bf16[0]).float()
+        err = (skinny_linear_fp8_triton(x, *held[0], out_fp32).float() - ref).abs().max() / ref.abs().max()
+        bm16 = choose_tiles(n, k, max_bk=max_bk, bm=BM)
+        us = {
+            "triton_us": _time_us(lambda h: skinny_linear_fp8_triton(x, *h, out_fp32), held, iters),
+            "triton_bm16_us": _time_us(lambda h: skinny_linear_fp8_triton(x, *h, out_fp32, bm16), held, iters),
+            "cublas_bf16_us": _time_us(lambda w: cublas(x, w), bf16, iters),
+            "dequant_gemm_us": _time_us(lambda h: project_fp8.reference(x, *h, out_fp32), held, iters),  # type: ignore[attr-defined]
+        }
+        row = {"weight": name, "N": n, "K": k, "M": m, **{c: round(v, 2) for c, v in us.items()}}
+        row |= {"triton_TBps": round(n * k / us["triton_us"] / 1e6, 3), "max_rel_diff": err.item()}
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -123,12 +160,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fp32-out", action="store_true", help="fp32 results (linear_fp32) instead of bf16")
     ap.add_argument("--sweep", action="store_true", help="also search tilings per weight")
     ap.add_argument("--iters", type=int, default=20, help="graph replays per timing")
+    ap.add_argument("--fp8", type=int, default=0, metavar="BLOCK", help="block-FP8 weights of BLOCK x BLOCK scales")
     ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
+    if args.fp8 and args.sweep:
+        ap.error("--sweep searches bf16 tilings; run it without --fp8")
     rows_list = [int(v) for v in args.rows.split(",")]
     shapes = p8_weights(args.head)
     if args.only:
         shapes = {name: shapes[name] for name in args.only.split(",")}
+    if args.fp8:
+        rows = [
+            r
+            for name, (n, k) in shapes.items()
+            for r in _fp8_rows(name, n, k, args.fp8, rows_list, args.fp32_out, args.iters)
+        ]
+        result = {
+            **run_info(argv),
+            "dtype": "float8_e4m3fn",
+            "block": args.fp8,
+            "out_fp32": args.fp32_out,
+            "rows": rows,
+        }
+        write_result(f"skinny_linear_fp8_b{args.fp8}_p8" + ("_fp32out" if args.fp32_out else ""), result, args.out)
+        return result
     cublas = _cublas(args.fp32_out)
     rows, sweeps = [], {}
     for name, (n, k) in shapes.items():
