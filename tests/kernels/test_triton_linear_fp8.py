@@ -31,7 +31,7 @@ CASES = [
     (16, 80, 96, 32, Tiles(32, 32, 3, 4, 3)),  # three splits, N off the column tile
     (3, 128, 256, 128, None),
     (7, 160, 384, 128, Tiles(32, 64, 2, 4, 3)),  # 64-deep k tiles inside 128 blocks, two splits
-    (64, 48, 64, 32, None),  # the largest decode bucket: four 16-row blocks over each weight tile
+    (64, 48, 64, 32, None),  # the largest decode bucket: one 64-row block (linear.FP8_BM) a weight tile
     (40, 64, 256, 128, Tiles(32, 64, 2, 4, 3, bm=64)),  # one 64-row block, rows off it, two splits
 ]
 
