@@ -73,7 +73,12 @@ def test_a_row_is_the_same_bits_alone_and_in_a_batch(device: str) -> None:
 
 # (M, G, R, K, block, tiles): the grouped wo_a held in block FP8 (V4.1's 32 blocks: several in a
 # block's rows; V4's 128: R = 32 rows of one scale block, K off it).
-BLOCKS = [(1, 2, 32, 64, 32, None), (9, 4, 48, 96, 32, None), (3, 2, 32, 160, 128, Tiles(32, 32, 2, 4, 3))]
+BLOCKS = [
+    (1, 2, 32, 64, 32, None),
+    (9, 4, 48, 96, 32, None),
+    (3, 2, 32, 160, 128, Tiles(32, 32, 2, 4, 3)),
+    (40, 2, 32, 64, 32, None),  # above 16 rows: 64-row blocks (linear.FP8_BM)
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
