@@ -134,3 +134,22 @@ def bench_config(name: str, layers: int | None = None) -> ModelConfig:
         )
         d["engram_num_embeddings"] = list(engram_layout(probe).rows)
     return config_from_dict(d, where=f"bench config {name}").replace(fake_quant=False)
+
+
+def held_as_released(c: ModelConfig, expert_format: str = "bf16", dense_format: str = "bf16") -> ModelConfig:
+    """A bench config whose random weights are held as the checkpoints store them: ``expert_format``
+    "fp4" (routed experts, the drafter's too, as MXFP4) and ``dense_format`` "fp8" (dense
+    projections in block FP8, 128 x 128 blocks unless the config has its own); "bf16" leaves
+    either as drawn. The values are drawn in bf16 and quantised, so the kernels read what a
+    released checkpoint gives them."""
+    if expert_format not in ("bf16", "fp4") or dense_format not in ("bf16", "fp8"):
+        raise ValueError(
+            f"expert format bf16 or fp4, dense format bf16 or fp8; got {expert_format!r}, {dense_format!r}"
+        )
+    if expert_format == "fp4":
+        c = c.replace(fp8_block=c.fp8_block or 128, expert_dtype="fp4", held_experts="fp4")
+    if dense_format == "fp8":
+        c = c.replace(fp8_block=c.fp8_block or 128, held_dense="fp8")
+        if c.expert_dtype is None:  # the experts stay bf16 (unquantised)
+            c = c.replace(expert_dtype="bf16")
+    return c

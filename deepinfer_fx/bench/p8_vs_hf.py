@@ -31,7 +31,7 @@ from ..api import load_model, logits, random_model
 from ..engine.graph_runner import StepGraphs
 from ..graphs.state import init_state
 from . import roofline
-from .configs import BENCH_CONFIGS, bench_config
+from .configs import BENCH_CONFIGS, bench_config, held_as_released
 from .p8 import hf_kwargs, run_info, write_result
 from .timing import between_steps, kernel_table, kernel_timeline, timed
 
@@ -184,14 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
         config = bench_config(args.config, args.layers)
     except ValueError as e:
         ap.error(str(e))
-    if args.expert_format == "fp4":  # the values drawn in bf16, then quantised as the checkpoints store them
-        config = config.replace(fp8_block=config.fp8_block or 128, expert_dtype="fp4", held_experts="fp4")
+    config = held_as_released(config, args.expert_format, args.dense_format)
     if args.fake_quant:
         config = config.replace(fake_quant=True)
-    if args.dense_format == "fp8":  # drawn in bf16, then quantised to block FP8 as the checkpoints store them
-        config = config.replace(fp8_block=config.fp8_block or 128, held_dense="fp8")
-        if config.expert_dtype is None:  # the experts stay bf16 (unquantised), as before
-            config = config.replace(expert_dtype="bf16")
 
     t0 = time.perf_counter()
     hf, check = None, None

@@ -42,7 +42,7 @@ from ..engine.request import Sequence
 from ..engine.sampling import SamplingParams
 from ..engine.spec_decode import SpecStats
 from ..engine.step_arena import DecodeRow, VerifyChunk
-from .configs import bench_config
+from .configs import bench_config, held_as_released
 from .e2e import _model, _prompts
 from .p8 import run_info, write_result
 from .timing import timed
@@ -85,11 +85,13 @@ def drafting(model: Model) -> Model:
     return Model(c, {**params, "mtp": params["mtp"][:-1] + [last]})
 
 
-def bench_model(method: str, layers: int) -> Model:
-    """P8 (with an MTP-1 block for ``mtp``), or the V4.1-width bench model with its DSpark head."""
+def bench_model(method: str, layers: int, expert_format: str = "bf16") -> Model:
+    """P8 (with an MTP-1 block for ``mtp``), or the V4.1-width bench model with its DSpark head;
+    ``expert_format`` "fp4": routed experts (the drafter's too) held as MXFP4, as released."""
     if method != "dspark":
-        return _model(layers, mtp=method == "mtp")
-    return random_model(bench_config("v41"), seed=0, dtype=torch.bfloat16, device="cuda")
+        return _model(layers, mtp=method == "mtp", expert_format=expert_format)
+    c = held_as_released(bench_config("v41"), expert_format)
+    return random_model(c, seed=0, dtype=torch.bfloat16, device="cuda")
 
 
 def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> dict:
@@ -205,6 +207,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--yoco-mode", choices=["compact", "off"], default=None, help="V4.1's prefill (default: compact, as the engine)"
     )
+    ap.add_argument(
+        "--expert-format",
+        choices=["bf16", "fp4"],
+        default="bf16",
+        help="fp4: routed experts (the drafter's too) held as MXFP4, as the checkpoints store them",
+    )
     ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default="spec")
     argv = sys.argv[1:] if argv is None else argv
@@ -217,11 +225,12 @@ def main(argv: list[str] | None = None) -> dict:
             "ngram": f"P8 random weights, {args.layers} layers, bf16",
             "mtp": f"P8 random weights, {args.layers} layers and an MTP-1 block, bf16",
             "dspark": f"bench_config('v41') random weights with its DSpark head, bf16, {args.yoco_mode or 'compact'} prefill",
-        }[args.method],
+        }[args.method]
+        + (", MXFP4 experts" if args.expert_format == "fp4" else ""),
     }
     yoco = {} if args.yoco_mode is None else {"yoco_mode": args.yoco_mode}
     batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",") if k]
-    model = bench_model(args.method, args.layers)
+    model = bench_model(args.method, args.layers, args.expert_format)
     result["method"] = args.method
     result["verify"], result["graphs"] = [], []
     for k in drafts:  # one engine a draft count: its verify chunks are padded to k + 1 rows

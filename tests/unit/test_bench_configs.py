@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_fx.bench import p8_vs_hf
-from deepinfer_fx.bench.configs import BENCH_CONFIGS, bench_config
+from deepinfer_fx.bench.configs import BENCH_CONFIGS, bench_config, held_as_released
 from deepinfer_fx.bench.p8 import p8_config
 from deepinfer_fx.config import ConfigError
 from deepinfer_fx.engine.memory_plan import memory_plan
@@ -73,3 +73,19 @@ def test_p8_vs_hf_needs_random_weights_for_v41(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         p8_vs_hf.main(["--config", "v41"])
     assert "no HF peer" in capsys.readouterr().err
+
+
+def test_held_as_released() -> None:
+    """The benches' ``--expert-format fp4`` / ``--dense-format fp8``: the random weights held as
+    the checkpoints store them (the config's own scale block where it has one, else 128)."""
+    p8, v41 = bench_config("p8"), bench_config("v41")
+    assert held_as_released(p8) == p8
+    fp4 = held_as_released(v41, "fp4")
+    assert (fp4.held_experts, fp4.expert_dtype, fp4.held_dense) == ("fp4", "fp4", None)
+    assert fp4.fp8_block == (v41.fp8_block or 128)
+    fp8 = held_as_released(p8, dense_format="fp8")
+    assert (fp8.held_dense, fp8.expert_dtype, fp8.held_experts, fp8.fp8_block) == ("fp8", "bf16", None, 128)
+    both = held_as_released(p8, "fp4", "fp8")
+    assert (both.held_experts, both.held_dense) == ("fp4", "fp8")
+    with pytest.raises(ValueError, match="fp4"):
+        held_as_released(p8, "fp8")
