@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from deepinfer_fx.graphs.norm import project
 from deepinfer_fx.kernels.triton import linear
+from deepinfer_fx.kernels.triton.linear import Tiles
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -48,3 +50,9 @@ def assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, out_fp32: 
         bound = bound + torch.ldexp(torch.ones_like(want), exp - 8)  # one bf16 ulp
     bad = ~((got.double() - want).abs() <= bound)
     assert not bad.any(), f"{why}: {int(bad.sum())} of {bad.numel()} elements off"
+
+
+def split_bounds(k: int, t: Tiles) -> list[int]:
+    """Where the launcher cuts [0, K): equal runs of whole k tiles, the last one short."""
+    k_split = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
+    return [*range(0, k, k_split), k]

@@ -1,8 +1,8 @@
 """Groups of weights sharing an input in one launch (``skinny_linear_group_triton``, the
 ``deepinfer::skinny_linear_group`` op) against one call per weight and the exact products. On
 CPU under Triton's interpreter (fp32) and, on a GPU, P8's groups in bf16 with batch invariance.
-The kernel's single-weight paths are tested in ``test_triton_linear.py``, which also compiles
-the group cases for sm_90."""
+The kernel's single-weight paths are tested in ``test_triton_linear.py``; the group cases'
+sm_90 compile in ``test_triton_linear_sm90.py``."""
 
 from __future__ import annotations
 
