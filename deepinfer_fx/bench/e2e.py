@@ -157,6 +157,7 @@ def startup_child(args: argparse.Namespace) -> dict:
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1))[0]
     ttft = out.metrics.first_token_time - t1
     compiled_late = [r["graph"] for r in llm.runner.steps.report() if r["graph"] not in llm.warmed]
+    saved = llm.runner.steps.functions.saved
     return {
         "model_s": round(t_model, 2),
         "engine_s": round(t_engine, 2),
@@ -169,6 +170,10 @@ def startup_child(args: argparse.Namespace) -> dict:
         "fx_graph_cache": {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss")},
         "aot_autograd_cache": {k: counters["aot_autograd"][f"autograd_cache_{k}"] for k in ("hit", "miss")},
         "cache_files_added": _cache_files(cache) - before,
+        # model parts loaded without tracing, compiled and saved, or left to torch.compile (why)
+        "saved_steps": None
+        if saved is None
+        else {"loaded": len(saved.loaded), "saved": len(saved.saved), "skipped": saved.skipped},
         "cache_dirs": {v: os.environ.get(v) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")},
     }
 

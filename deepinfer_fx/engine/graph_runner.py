@@ -31,6 +31,7 @@ import torch
 from ..api import Model
 from ..kernels.ops_engram import engram_rows
 from ..passes.manager import resolve_disabled
+from ..passes.saved_steps import SavedSteps
 from ..sharding.cp import ContextRank
 from .engram_tables import Placed, place_engram_tables
 from .graph_capture import GRAPH_DEVICES, Entry, GraphEntries, GraphKey
@@ -69,6 +70,7 @@ class StepGraphs(GraphEntries, StepSizes):
         engram_tables: str | None = None,
         engram_budget: int | None = None,
         context: ContextRank | None = None,
+        saved: SavedSteps | None = None,
     ) -> None:
         """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps).
         ``n_drafts``: drafts the model's drafter proposes after every step (``mtp`` / ``dspark``; 0: none).
@@ -83,7 +85,9 @@ class StepGraphs(GraphEntries, StepSizes):
         tables (``engram_tables.place_engram_tables``; None: ``DEEPINFER_ENGRAM_TABLES`` /
         ``DEEPINFER_ENGRAM_DEVICE_GIB``); eager steps read them memory-mapped. ``context``: this
         rank's place in a CP group; prefill chunks are then padded to a multiple of twice its
-        size and each step runs this rank's static share of them (``sharding.cp.split_bucket``)."""
+        size and each step runs this rank's static share of them (``sharding.cp.split_bucket``).
+        ``saved``: Inductor-compiled steps saved ahead of time and loaded on a later start
+        (``passes/saved_steps.py``; None: traced by ``torch.compile`` on every start)."""
         self.config, self.params = model
         self.state = state
         self.next_token = next_token
@@ -122,6 +126,7 @@ class StepGraphs(GraphEntries, StepSizes):
             dump_dir=dump_dir,
             disabled=self.disabled,
             split=None if context is None else context.bucket,
+            saved=saved,
         )
         self.engram: list[Placed] = []  # where each Engram table went (compiled steps)
         if compile:

@@ -12,6 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..graphs.yoco import min_keep_tokens
+from ..passes import saved_steps
 from ..settings import PREFIX, EngineConfig
 
 
@@ -105,6 +106,9 @@ class StepOptions:
     batch_invariant: bool = False  # passes/batch_invariant.py's table at every place
     engram_tables: str = "auto"  # where compiled steps hold V4.1's Engram tables (engine/engram_tables.py)
     engram_device_gib: float | None = None  # their device budget; None: an eighth of the device's memory
+    saved_dir: str | None = (
+        None  # Inductor steps saved ahead of time and loaded by a later start (passes/saved_steps.py)
+    )
 
 
 @dataclass(frozen=True)
@@ -148,19 +152,22 @@ def build_options(
         raise ValueError(
             "warmup=True compiles and captures the steps ahead of time; these steps run eagerly (nothing to warm up)"
         )
+    inductor = device.type == "cuda" if inductor is None else inductor
+    cache_dir = default_cache_dir(settings)
     steps = StepOptions(
         compiled=compiled,
         max_requests=max_num_seqs,
         max_tokens=max_num_batched_tokens,
         accelerator=settings.accelerator,
         cuda_graphs=cuda_graphs,
-        inductor=device.type == "cuda" if inductor is None else inductor,
+        inductor=inductor,
         dump_dir=None if dump_graphs is None else str(dump_graphs),
         disabled_passes=disabled,
         keep=keep,
         batch_invariant=settings.batch_invariant,
         engram_tables=settings.engram_tables,
         engram_device_gib=settings.engram_device_gib,
+        saved_dir=str(cache_dir / "steps") if compiled and inductor and saved_steps.supported() else None,
     )
     return EngineOptions(
         steps,
@@ -169,7 +176,7 @@ def build_options(
         max_num_batched_tokens,
         overlap,
         compiled if warmup is None else warmup,
-        default_cache_dir(settings),
+        cache_dir,
     )
 
 

@@ -24,6 +24,7 @@ import torch
 from ..api import Model
 from ..graphs.swap import swapped
 from ..passes.batch_invariant import batch_invariant_swaps
+from ..passes.saved_steps import SavedSteps
 from ..sharding.cp import ContextRank
 from ..sharding.lockstep import LockStep
 from ..sharding.parallel import idle_step
@@ -105,6 +106,7 @@ class ModelRunner:
             engram_tables=options.engram_tables,
             engram_budget=engram_budget(self.device, options.engram_device_gib),
             context=context if options.compiled else None,
+            saved=SavedSteps(options.saved_dir) if options.saved_dir else None,
         )
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)

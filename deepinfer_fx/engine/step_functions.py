@@ -21,6 +21,7 @@ from ..graphs.swap import swapped
 from ..kernels.triton import register_nvidia_kernels
 from ..passes.compiler import DeepinferBackend, compile_graph, make_backend
 from ..passes.dump import graph_name
+from ..passes.saved_steps import SavedSteps
 from .graph_capture import GraphKey, Piece
 from .spec_accept import accept_rows
 from .step_inputs import Layout
@@ -44,11 +45,15 @@ class StepFunctions:
         dump_dir: str | None,
         disabled: Sequence[str],
         split: Callable[[Batch], Batch] | None = None,
+        saved: SavedSteps | None = None,
     ) -> None:
         """``split``: context parallelism, a prefill bucket -> this rank's static share
-        (``sharding.cp.ContextRank.bucket``); decode steps run whole."""
+        (``sharding.cp.ContextRank.bucket``); decode steps run whole. ``saved``: where Inductor-compiled
+        model parts and drafters are saved ahead of time and loaded on a later start
+        (``passes/saved_steps.py``; None: ``torch.compile`` alone)."""
         self.config, self.params = model
         self.split = split
+        self.saved = saved
         self.state = state
         self.next_token = next_token
         self.vocab_ids = vocab_ids  # the sampler's race keys (sampler.sample_mode)
@@ -84,8 +89,9 @@ class StepFunctions:
         # kernel swaps are in force whenever the compiled function runs: it is traced on its
         # first call, and Dynamo's guards see the same replacements on every later call
         swaps = {**backend.pipeline.swaps(), **over} if backend is not None else {}
-        forward = self.forward(layout, backend, streams=bool(n_drafts))
-        drafter = self.drafter(layout, n_drafts) if n_drafts else None
+        in_force = _swaps_id(swaps)
+        forward = self.forward(layout, backend, in_force, streams=bool(n_drafts))
+        drafter = self.drafter(layout, n_drafts, in_force) if n_drafts else None
         verify = layout.kind == "verify"
         sampler = self.sampler(key.mode, key.k, key.masked, verify=verify)
         extra = () if mask is None else (mask,)
@@ -117,9 +123,17 @@ class StepFunctions:
         pieces = (Piece(model_part), Piece(sample_part)) if split else (Piece(lambda: sample_part(model_part())),)
         return pieces, backend
 
-    def compiled(self, fn: Callable, backend: DeepinferBackend | None, dynamic: bool | None = False) -> Callable:
-        """``fn`` compiled with ``backend`` (None: eager steps, ``fn`` itself)."""
-        return fn if backend is None else compile_graph(fn, backend, dynamic=dynamic)
+    def compiled(
+        self, fn: Callable, backend: DeepinferBackend | None, dynamic: bool | None = False, reads: tuple = ()
+    ) -> Callable:
+        """``fn`` compiled with ``backend`` (None: eager steps, ``fn`` itself). A static-shape
+        Inductor function is saved ahead of time when the engine keeps saved steps; ``reads``:
+        what its closure reads, for the key."""
+        if backend is None:
+            return fn
+        if self.saved is not None and backend.inductor and dynamic is False and backend.dump_dir is None:
+            return self.saved.wrap(fn, backend, repr((self.config, self.split, *reads)))
+        return compile_graph(fn, backend, dynamic=dynamic)
 
     def backend(self, name: str) -> DeepinferBackend | None:
         if not self.compile:
@@ -127,8 +141,11 @@ class StepFunctions:
         # ``disabled`` holds every name (StepGraphs resolved the environment's): read none here
         return make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor, environ={})
 
-    def forward(self, layout: Layout, backend: DeepinferBackend | None, streams: bool = False) -> Callable:
-        """The model part of ``layout``'s bucket (``streams``: it also returns the final streams)."""
+    def forward(
+        self, layout: Layout, backend: DeepinferBackend | None, in_force: str, streams: bool = False
+    ) -> Callable:
+        """The model part of ``layout``'s bucket (``streams``: it also returns the final streams);
+        ``in_force``: the swaps it is traced under (``_swaps_id``)."""
         fkey = (layout.kind, layout.requests, layout.length, layout.all_rows, layout.kept, streams)
         if fkey not in self._forwards:
             c = self.config
@@ -144,10 +161,10 @@ class StepFunctions:
                         params, state, c, *layout.split_model(part), kept=layout.kept, streams=streams, split=split
                     )
 
-            self._forwards[fkey] = self.compiled(forward, backend)
+            self._forwards[fkey] = self.compiled(forward, backend, reads=(layout, fkey, in_force))
         return self._forwards[fkey]
 
-    def drafter(self, layout: Layout, n_drafts: int) -> Callable:
+    def drafter(self, layout: Layout, n_drafts: int, in_force: str) -> Callable:
         """The model's drafter after ``layout``'s steps (``steps.propose_drafts``), compiled once per bucket."""
         dkey = (layout.kind, layout.requests, layout.length, layout.kept, n_drafts)
         if dkey not in self._drafters:
@@ -160,7 +177,7 @@ class StepFunctions:
             def drafter(params, state, buf, X, tokens, accepted):
                 return propose_drafts(params, state, c, layout, buf, X, tokens, n_drafts, accepted)
 
-            self._drafters[dkey] = self.compiled(drafter, backend)
+            self._drafters[dkey] = self.compiled(drafter, backend, reads=(layout, dkey, in_force))
         return self._drafters[dkey]
 
     def sampler(self, mode: str, k: int | None, masked: bool = False, verify: bool = False) -> Callable:
@@ -183,3 +200,10 @@ class StepFunctions:
 
             self._samplers[skey] = self.compiled(sampler, backend, dynamic=None)
         return self._samplers[skey]
+
+
+def _swaps_id(swaps: dict) -> str:
+    """The replacements a step is traced under, by place and function (a saved step's key)."""
+    return repr(
+        sorted((place, getattr(f, "__module__", ""), getattr(f, "__qualname__", repr(f))) for place, f in swaps.items())
+    )
