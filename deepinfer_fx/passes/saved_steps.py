@@ -34,9 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 
-from .compiler import DeepinferBackend
+from torch._dynamo.aot_compile import BundledAOTAutogradSerializableCallable
+
+from .compiler import DeepinferBackend, compile_graph
 
 SUFFIX = ".aot"
 
@@ -104,6 +107,7 @@ class SavedSteps:
         self.loaded: list[str] = []
         self.saved: list[str] = []
         self.skipped: dict[str, str] = {}
+        self.broken: str | None = None  # why aot_compile failed here: the rest go to torch.compile directly
 
     def key(self, backend: DeepinferBackend, extra: str, args: Sequence[Any]) -> str:
         parts = (
@@ -128,6 +132,23 @@ class SavedSteps:
         return _Saved(self, fn, backend, extra)
 
 
+class _Serializable(BundledAOTAutogradSerializableCallable):
+    """Inductor's compiled graph, marked as one ``aot_compile`` can package: torch 2.11 packages
+    only its own Inductor backend's results, later versions any result with ``serialize`` (this
+    class hides that attribute, so they do not wrap it a second time)."""
+
+    def __getattr__(self, attr: str) -> Any:
+        raise AttributeError(attr)
+
+
+def _serializable(backend: DeepinferBackend) -> Callable[..., Any]:
+    def compile_serializable(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        compiled = backend(gm, example_inputs)
+        return _Serializable(compiled) if getattr(compiled, "serialize", None) is not None else compiled
+
+    return compile_serializable
+
+
 class _Saved:
     """One step function: loaded or compiled ahead of time on its first call."""
 
@@ -148,13 +169,16 @@ class _Saved:
             if loaded is not None:
                 store.loaded.append(name)
                 return loaded
+        if store.broken is not None:
+            store.skipped[name] = store.broken
+            return compile_graph(self.fn, self.backend)
         with _aot_enabled():
-            wrapper = torch.compile(self.fn, backend=self.backend, fullgraph=True, dynamic=False)
             try:
+                wrapper = torch.compile(self.fn, backend=_serializable(self.backend), fullgraph=True, dynamic=False)
                 compiled = wrapper.aot_compile((args, {}))
             except Exception as e:  # a capture aot_compile cannot package: compile as torch.compile does
-                store.skipped[name] = f"aot_compile: {type(e).__name__}: {str(e)[:300]}"
-                return wrapper
+                store.broken = store.skipped[name] = f"aot_compile: {type(e).__name__}: {str(e)[:300]}"
+                return compile_graph(self.fn, self.backend)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
