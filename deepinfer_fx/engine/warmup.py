@@ -10,7 +10,9 @@ lengths) still compile on first use.
 The caches (Inductor's FX graph and AOT autograd caches, its autotuning results, Triton's
 kernels) live under one directory; their keys hold the graph, the compiler's settings and our
 pipeline's id (each pass's source hash, ``passes/compiler.py``), so a second start of the same
-model and settings reuses them and a changed pass misses.
+model and settings reuses them and a changed pass misses. Inductor-compiled model parts are also
+saved whole under ``steps/`` (``passes/saved_steps.py``) and a later start loads them without
+tracing.
 """
 
 from __future__ import annotations
@@ -85,8 +87,10 @@ def warm_up(runner: ModelRunner, opts: EngineOptions, show: bool = True) -> floa
             bar.close()
     total = time.perf_counter() - t0
     if show:
+        saved = steps.functions.saved
+        loaded = "" if saved is None else f", {len(saved.loaded)} model parts loaded as saved"
         print(
-            f"warm-up: {len(keys)} step graphs compiled and captured in {total:.1f} s (caches: {opts.cache_dir})",
+            f"warm-up: {len(keys)} step graphs compiled and captured in {total:.1f} s{loaded} (caches: {opts.cache_dir})",
             file=sys.stderr,
             flush=True,
         )
