@@ -6,19 +6,16 @@ model's sizes (Hi 64, di 128, k 512) run too. The kernel's scores differ from th
 by rounding, so a selection may differ only at a near-tie: the checks demand the reference's
 exact set wherever its k-th and (k+1)-th scores are apart by more than a tolerance, and
 everywhere what is well defined (the count, visibility, chosen >= unchosen). Keys held as a
-trained-format state's MXFP4 rows score bit for bit as their unpacked values do, and the packed
-variant compiles for sm_90 at V4's and V4.1's index widths.
+trained-format state's MXFP4 rows score bit for bit as their unpacked values do (the sm_90
+offline compile of every variant: ``test_triton_indexer_sm90.py``).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
-
-from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
 from deepinfer_fx.graphs.compressor import visible_entries
 from deepinfer_fx.graphs.indexer import index_scores, score_topk, top_k_mask
@@ -378,74 +375,3 @@ def test_op_replays_in_a_cuda_graph() -> None:
     q.copy_(q2), keys.copy_(keys2), head_w.copy_(head_w2), visible.copy_(visible2)
     graph.replay()
     assert torch.equal(out, indexer_topk_triton(q, keys, head_w, visible, 512)), f"seed {seed}"
-
-
-# --- offline compile for the H200 --------------------------------------------------------------
-
-
-# The scoring kernel's sm_90 variants: name -> (index heads, keys packed as INDEX_ROWS, read by
-# words). V4's indexer has 64 heads, V4.1's 32 (di 128 both).
-SM90_VARIANTS = {
-    "v4": (64, False, False),
-    "v4-packed": (64, True, False),
-    "v4-words": (64, True, True),
-    "v41-words": (32, True, True),
-}
-
-
-def _compile_for_sm90(out_dir: str) -> None:
-    """PTX of the scoring kernel for sm_90 at the model's sizes (di 128, bf16) of each of
-    ``SM90_VARIANTS``, keys gathered per chunk and read from a pool by slot, into ``out_dir``
-    (run in a child process without the interpreter, see ``sm90_ptxas.compile_in_subprocess``)."""
-    from deepinfer_fx.kernels.triton.indexer import _BLOCK_M, _BLOCK_N, _NUM_WARPS, _scores_kernel
-    from deepinfer_fx.kernels.triton.state_rows import format_args
-
-    for name, (heads, packed, words) in SM90_VARIANTS.items():
-        types = {
-            "q_ptr": "*bf16",
-            "k_ptr": "*u8" if packed else "*bf16",
-            "slot_ptr": "*i64",
-            "w_ptr": "*fp32",
-            "v_ptr": "*u8",
-            "out_ptr": "*fp32",
-            "dot_scale": "fp32",
-        }
-        fmt, block, tail = format_args(INDEX_ROWS if packed else None)
-        for has_slots in (False, True):
-            consts = {
-                "BLOCK_Q": _BLOCK_M // heads,
-                "BLOCK_H": heads,
-                "BLOCK_N": _BLOCK_N,
-                "BLOCK_D": 128,
-                "D": 128,
-                "DOT_FP32": False,
-                "HAS_SLOTS": has_slots,
-                "KEY_FMT": fmt,
-                "KEY_BLOCK": block,
-                "KEY_TAIL": tail,
-                "VALUE_BYTES": 2,
-                "KEY_WORDS": words,
-                "PDL": True,
-            }
-            if not has_slots:
-                consts["slot_ptr"] = None
-            kernel = compile_sm90(_scores_kernel, types, consts, align_pointers=False, num_warps=_NUM_WARPS)
-            Path(out_dir, f"scores-{name}-{has_slots}.ptx").write_text(kernel.asm["ptx"])
-
-
-@pytest.fixture(scope="module")
-def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compile_in_subprocess("test_triton_indexer", tmp_path_factory.mktemp("sm90"))
-
-
-@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
-@pytest.mark.parametrize("variant", list(SM90_VARIANTS))
-@pytest.mark.parametrize("has_slots", [False, True], ids=["gathered", "pool"])
-def test_scores_compile_for_sm90(variant: str, has_slots: bool, sm90_ptx: Path) -> None:
-    """Both key layouts, values or packed rows decoded in the kernel, compile for the H200 with
-    tensor-core dots and no spills."""
-    ptx = (sm90_ptx / f"scores-{variant}-{has_slots}.ptx").read_text()
-    spills, registers, log = ptxas_report(ptx)
-    assert spills == [0, 0] and registers <= 255, log
-    assert "mma" in ptx
-    assert "griddepcontrol.wait" in ptx, "PDL (kernels/triton/pdl.py)"
