@@ -10,9 +10,11 @@ sampler inside the same graph.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._library.custom_ops import CustomOpDef
 
 from ..api import Model
 from ..graphs.batch import Batch
@@ -89,7 +91,7 @@ class StepFunctions:
         # kernel swaps are in force whenever the compiled function runs: it is traced on its
         # first call, and Dynamo's guards see the same replacements on every later call
         swaps = {**backend.pipeline.swaps(), **over} if backend is not None else {}
-        in_force = _swaps_id(swaps)
+        in_force = _swaps_id(over)
         forward = self.forward(layout, backend, in_force, streams=bool(n_drafts))
         drafter = self.drafter(layout, n_drafts, in_force) if n_drafts else None
         verify = layout.kind == "verify"
@@ -124,14 +126,15 @@ class StepFunctions:
         return pieces, backend
 
     def compiled(
-        self, fn: Callable, backend: DeepinferBackend | None, dynamic: bool | None = False, reads: tuple = ()
+        self, fn: Callable, backend: DeepinferBackend | None, dynamic: bool | None = False, reads: tuple | None = None
     ) -> Callable:
         """``fn`` compiled with ``backend`` (None: eager steps, ``fn`` itself). A static-shape
-        Inductor function is saved ahead of time when the engine keeps saved steps; ``reads``:
-        what its closure reads, for the key."""
+        Inductor function is saved ahead of time when the engine keeps saved steps and ``reads``
+        (what its closure reads, for the key) is given."""
         if backend is None:
             return fn
-        if self.saved is not None and backend.inductor and dynamic is False and backend.dump_dir is None:
+        saveable = reads is not None and dynamic is False and backend.inductor and backend.dump_dir is None
+        if self.saved is not None and saveable:
             return self.saved.wrap(fn, backend, repr((self.config, self.split, *reads)))
         return compile_graph(fn, backend, dynamic=dynamic)
 
@@ -142,10 +145,10 @@ class StepFunctions:
         return make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor, environ={})
 
     def forward(
-        self, layout: Layout, backend: DeepinferBackend | None, in_force: str, streams: bool = False
+        self, layout: Layout, backend: DeepinferBackend | None, in_force: str | None, streams: bool = False
     ) -> Callable:
         """The model part of ``layout``'s bucket (``streams``: it also returns the final streams);
-        ``in_force``: the swaps it is traced under (``_swaps_id``)."""
+        ``in_force``: the extra swaps it is traced under (``_swaps_id``; None: not saved)."""
         fkey = (layout.kind, layout.requests, layout.length, layout.all_rows, layout.kept, streams)
         if fkey not in self._forwards:
             c = self.config
@@ -161,10 +164,11 @@ class StepFunctions:
                         params, state, c, *layout.split_model(part), kept=layout.kept, streams=streams, split=split
                     )
 
-            self._forwards[fkey] = self.compiled(forward, backend, reads=(layout, fkey, in_force))
+            reads = None if in_force is None else (layout, fkey, in_force)
+            self._forwards[fkey] = self.compiled(forward, backend, reads=reads)
         return self._forwards[fkey]
 
-    def drafter(self, layout: Layout, n_drafts: int, in_force: str) -> Callable:
+    def drafter(self, layout: Layout, n_drafts: int, in_force: str | None) -> Callable:
         """The model's drafter after ``layout``'s steps (``steps.propose_drafts``), compiled once per bucket."""
         dkey = (layout.kind, layout.requests, layout.length, layout.kept, n_drafts)
         if dkey not in self._drafters:
@@ -177,7 +181,8 @@ class StepFunctions:
             def drafter(params, state, buf, X, tokens, accepted):
                 return propose_drafts(params, state, c, layout, buf, X, tokens, n_drafts, accepted)
 
-            self._drafters[dkey] = self.compiled(drafter, backend, reads=(layout, dkey, in_force))
+            reads = None if in_force is None else (layout, dkey, in_force)
+            self._drafters[dkey] = self.compiled(drafter, backend, reads=reads)
         return self._drafters[dkey]
 
     def sampler(self, mode: str, k: int | None, masked: bool = False, verify: bool = False) -> Callable:
@@ -202,8 +207,17 @@ class StepFunctions:
         return self._samplers[skey]
 
 
-def _swaps_id(swaps: dict) -> str:
-    """The replacements a step is traced under, by place and function (a saved step's key)."""
-    return repr(
-        sorted((place, getattr(f, "__module__", ""), getattr(f, "__qualname__", repr(f))) for place, f in swaps.items())
-    )
+def _swaps_id(over: dict) -> str | None:
+    """The replacements beyond the pipeline's (whose id the backend's key holds) that a step is
+    traced under, by place and function, for a saved step's key; None where one carries state a
+    key cannot see (a closure or a bound method: a mesh's EP groups and placement), so that step is
+    not saved."""
+    ids = []
+    for place, f in sorted(over.items()):
+        if isinstance(f, (torch._ops.OpOverloadPacket, torch._ops.OpOverload, CustomOpDef)):
+            ids.append((place, repr(f)))
+        elif inspect.isfunction(f) and f.__closure__ is None and "<locals>" not in f.__qualname__:
+            ids.append((place, f"{f.__module__}.{f.__qualname__}"))
+        else:
+            return None
+    return repr(ids)

@@ -84,3 +84,23 @@ def test_the_key_moves_with_what_a_trace_reads(tmp_path: Path, monkeypatch: pyte
     assert store.key(other, "layout A", args) != key
     monkeypatch.setenv("DEEPINFER_KV_FORMAT", "model")
     assert store.key(backend, "layout A", args) != key
+
+
+def test_a_step_traced_under_stateful_swaps_is_not_saved() -> None:
+    """A mesh's EP dispatch is a closure over its groups and placement (which a rebalance
+    changes): no key can see that state, so such a step is compiled, never saved or loaded."""
+    from deepinfer_fx.engine.step_functions import _swaps_id
+    from deepinfer_fx.kernels.ops_engram import engram_rows
+    from deepinfer_fx.passes.batch_invariant import batch_invariant_swaps
+
+    plain = {**batch_invariant_swaps(), "engram.gather_rows": engram_rows, "op": torch.ops.deepinfer.sparse_mqa}
+    assert _swaps_id(plain) == _swaps_id(dict(reversed(plain.items())))
+    assert "deepinfer::engram_rows" in _swaps_id(plain) and "deepinfer.sparse_mqa" in _swaps_id(plain)
+    placement = [3, 1, 2]
+
+    def dispatch(*args):
+        return placement
+
+    assert _swaps_id({**plain, "moe.expert_parallel": dispatch}) is None
+    assert _swaps_id({"moe.expert_parallel": lambda *a: None}) is None
+    assert _swaps_id({}) == "[]"
