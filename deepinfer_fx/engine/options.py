@@ -106,9 +106,8 @@ class StepOptions:
     batch_invariant: bool = False  # passes/batch_invariant.py's table at every place
     engram_tables: str = "auto"  # where compiled steps hold V4.1's Engram tables (engine/engram_tables.py)
     engram_device_gib: float | None = None  # their device budget; None: an eighth of the device's memory
-    saved_dir: str | None = (
-        None  # Inductor steps saved ahead of time and loaded by a later start (passes/saved_steps.py)
-    )
+    # where Inductor-compiled steps are saved ahead of time for a later start (passes/saved_steps.py)
+    saved_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ bucket's layout, the swaps in force), the inputs' tree and tensor metadata, and 
 ``DEEPINFER_*`` and ``TORCHINDUCTOR_*`` variable. A loaded function whose guards still fail is
 compiled again and saved over.
 
-Where ``aot_compile`` is missing (torch before 2.11), the backend is not Inductor (aot_eager's
-result does not serialise), or a capture does not serialise (a closure that does not pickle), the
-function is compiled by ``torch.compile`` as before and the reason is kept in
+Where torch lacks ``aot_compile`` nothing is saved (``supported``); the engine saves only
+Inductor's results (aot_eager's do not serialise) and steps whose extra swaps carry no state
+(``engine/step_functions.py``). A capture that ``aot_compile`` cannot package, or a closure that
+does not pickle, is compiled by ``torch.compile`` as before and the reason is kept in
 ``SavedSteps.skipped``.
 """
 
