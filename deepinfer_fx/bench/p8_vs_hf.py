@@ -30,6 +30,7 @@ import torch
 from ..api import load_model, logits, random_model
 from ..engine.graph_runner import StepGraphs
 from ..graphs.state import init_state
+from ..passes.batch_invariant import batch_invariant_swaps
 from . import roofline
 from .configs import BENCH_CONFIGS, bench_config, held_as_released
 from .p8 import hf_kwargs, run_info, write_result
@@ -130,6 +131,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=None, help="cut the model to its first N layers (default: all of it)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the steps as LLM(batch_invariant=True) runs them: the invariant forms and kernels at every place "
+        "(passes/batch_invariant.py); needs --no-inductor",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip the peer (our engine and the roofline only)")
     ap.add_argument(
         "--random-weights",
@@ -166,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
+    if args.batch_invariant and not args.no_inductor:
+        ap.error("--batch-invariant runs on aot_eager (Inductor picks its own reduction order): add --no-inductor")
     segments = set(args.segments.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     chunk_sizes = [int(n) for n in args.prefill_tokens.split(",")]
@@ -232,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_tokens=max(chunk_sizes),
         graphs=True,
         inductor=not args.no_inductor,
+        over=batch_invariant_swaps() if args.batch_invariant else None,
     )
     ceil = roofline.measure_ceilings()  # the roofline of the GPU that runs, not the H200's
     result = {
@@ -244,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         + ("state as trained (fp8 / fp4), " if args.kv_format == "trained" else "")
         + ("our random init" if args.random_weights else "HF random init"),
         "inductor": not args.no_inductor,
+        "batch_invariant": args.batch_invariant,
         "check_vs_hf": check,
         "nextn": 0,
         "cp": 1,
@@ -256,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     name += "_fp8dense" if c.held_dense == "fp8" else ""
     name += "_fq" if c.fake_quant else ""
     name += "_trainedkv" if args.kv_format == "trained" else ""
+    name += "_bi" if args.batch_invariant else ""
 
     if "prefill" in segments:
         for n in chunk_sizes:

@@ -20,17 +20,19 @@ def check_batch_invariant(
     settings: EngineConfig, device: torch.device, *, speculative: bool, compiled: bool, inductor: bool
 ) -> None:
     """Batch-invariant inference (``passes/batch_invariant.py``) is built for V4 and V4.1 on the
-    CPU, in one process or on any mesh, eagerly or on aot_eager; asked for anywhere else it
-    refuses, naming what is missing."""
+    CPU and on CUDA (its Triton kernels, ``kernels/ops_bi.py``), in one process or on any mesh,
+    eagerly or on aot_eager; asked for anywhere else it refuses, naming what is missing."""
     if not settings.batch_invariant:
         return
     asked = f"batch_invariant=True / {PREFIX}BATCH_INVARIANT=1"
     missing = []
-    if device.type != "cpu":
-        missing.append(
-            f"on {device.type}: only the dense matmul kernel is built (kernels/triton/batch_invariant.py); "
-            "attention, the expert GEMMs, mHC and the indexer have no batch-invariant kernels yet"
-        )
+    if device.type not in ("cpu", "cuda"):
+        missing.append(f"on {device.type}: its kernels exist for the CPU and CUDA only")
+    if device.type == "cuda":
+        from ..kernels.triton import register_nvidia_kernels
+
+        if not register_nvidia_kernels():
+            missing.append("on cuda without Triton: its CUDA kernels are Triton kernels (pip install triton)")
     if speculative:
         missing.append("with speculative decoding: verify steps are not checked for it")
     if compiled and inductor:
@@ -151,7 +153,8 @@ def build_options(
         raise ValueError(
             "warmup=True compiles and captures the steps ahead of time; these steps run eagerly (nothing to warm up)"
         )
-    inductor = device.type == "cuda" if inductor is None else inductor
+    # batch invariance needs aot_eager (Inductor picks its own reduction order): its default there
+    inductor = device.type == "cuda" and not settings.batch_invariant if inductor is None else inductor
     cache_dir = default_cache_dir(settings)
     steps = StepOptions(
         compiled=compiled,

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..graphs.argmax import first_argmax
 from ..graphs.pointwise import log_softmax, softmax
+from ..graphs.reduce import cumsum_over, top_values
 from .sampling import SamplingParams
 
 _M64 = (1 << 64) - 1
@@ -211,7 +212,7 @@ def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
     # probabilities already is the top-k one; renormalising means comparing with top_p times the
     # kept mass (the cumsum at rank k-1) instead of dividing. Scanning the plain sort output also
     # sidesteps an Inductor (torch 2.11) codegen failure on a split scan fused with pointwise ops.
-    csum = torch.cumsum(sorted_p, dim=-1)
+    csum = cumsum_over(sorted_p, -1)
     kept_mass = csum.gather(-1, k - 1)
     top_p = t.top_p.unsqueeze(-1)
     # top_p = 1 means off: without the explicit test, float32 rounding of the cumulative sum can
@@ -244,5 +245,5 @@ def logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Te
         raise ValueError(f"logprobs: k must be in [0, {V}], got {k}")
     lp = log_softmax(logits.float(), -1)
     token_lp = lp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    top_lp, top_ids = lp.topk(k, dim=-1)
+    top_lp, top_ids = top_values(lp, k)
     return token_lp, top_ids, top_lp

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from .attention import ring_keys
+from .attention import attend, ring_keys
+from . import indexer
 from .indexer import read_keys
-from .moe import _score, dequant_experts, held_format, swiglu_act
+from .moe import _score, swiglu_act
 from .norm import dequant_dense, project
-from .rope import apply_rope
+from .reduce import sum_over
 
 # Elements of an fp32 product materialised at once (4 MiB: it stays in cache, where 256 MiB blocks
 # ran 3-8x slower, docs/decisions.md); blocks split rows, and a matmul's weight rows beyond that.
@@ -86,18 +87,24 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``softmax`` as the ops its compiled decomposition runs (max, exp, sum, divide)."""
     e = torch.exp(x - x.amax(dim, keepdim=True))
-    return e / e.sum(dim, keepdim=True)
+    return e / sum_over(e, dim, keepdim=True)
 
 
 def log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``log_softmax`` as the ops its compiled decomposition runs."""
     s = x - x.amax(dim, keepdim=True)
-    return s - torch.log(torch.exp(s).sum(dim, keepdim=True))
+    return s - torch.log(sum_over(torch.exp(s), dim, keepdim=True))
 
 
 def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the k largest of each row, ties to the lower index."""
     return scores.argsort(dim=-1, descending=True, stable=True)[..., :k]
+
+
+def top_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reduce.top_values`` with ties to the lower index (a stable sort: exact on every device)."""
+    idx = _top_k(x, k)
+    return x.gather(-1, idx), idx
 
 
 def route_weights(
@@ -117,7 +124,7 @@ def route_weights(
     idx = (ids if ids is not None else _top_k(scores + bias.float(), k)).sort(-1).values
     w = scores.gather(1, idx)
     if norm:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w / (sum_over(w, -1, keepdim=True) + 1e-20)
     return idx, w * scale
 
 
@@ -131,18 +138,26 @@ def _expert_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor) -> to
     return _cat(parts, 0).to(x.dtype)
 
 
-def routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``moe.routed_experts``: each (token, expert) pair's GEMVs in a fixed order, and each
-    token's results summed in ascending expert id, one add at a time."""
-    if held_format(p):
-        p = dequant_experts(p, x.dtype)
+def fixed_order_experts(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """``moe.routed_experts`` over bf16/fp32 expert weights: each (token, expert) pair's GEMVs in a
+    fixed order, and each token's results summed in k order (ascending expert id, as the form's
+    routing lists them), one add at a time; -> fp32 ``[T, D]``. The CPU kernel of
+    ``deepinfer::bi_moe_experts``."""
     t, k = idx.shape
     order = idx.argsort(dim=-1, stable=True)
     expert = idx.gather(1, order).reshape(-1)
     xs = x.repeat_interleave(k, 0)
-    h = swiglu_act(_expert_matmul(xs, p["w1"], expert), _expert_matmul(xs, p["w3"], expert), limit)
+    h = swiglu_act(_expert_matmul(xs, w1, expert), _expert_matmul(xs, w3, expert), limit)
     h = h * w.gather(1, order).reshape(-1, 1)
-    y = _expert_matmul(h.to(x.dtype), p["w2"], expert).float().view(t, k, -1)
+    y = _expert_matmul(h.to(x.dtype), w2, expert).float().view(t, k, -1)
     out = y[:, 0]
     for j in range(1, k):
         out = out + y[:, j]
@@ -180,41 +195,47 @@ def score_topk(
     slots: torch.Tensor | None = None,
     key_rows: str | None = None,
 ) -> torch.Tensor:
-    """``indexer.score_topk`` with ties to the lower entry (entries keep their index in every layout)."""
+    """``indexer.score_topk`` with ties to the lower entry (entries keep their index in every layout),
+    scored by the ``indexer.index_scores`` place (whose form the table installs)."""
     n = visible.shape[-1]
     if n == 0 or k <= 0:
         return torch.zeros_like(visible)
-    top = _top_k(index_scores(q, keys, head_w, visible, 1.0, slots, key_rows), min(k, n))
+    top = _top_k(indexer.index_scores(q, keys, head_w, visible, 1.0, slots, key_rows), min(k, n))
     return torch.zeros_like(visible).scatter_(-1, top, True) & visible
 
 
-def attend(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    k_pos: torch.Tensor,
-    bias: torch.Tensor,
-    sink: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    """``attention.attend`` with every sum over the keys in one canonical order: a query's
-    visible keys sorted (window keys by position, then the entries as given, ascending), the
-    softmax's denominator and the value sum a sequential ``cumsum`` over them (the hidden keys,
-    sorted last, add exact zeros), the sink's term added last. Queries in blocks within the budget."""
-    c, t, h, d = q.shape
-    n, nw = keys.shape[-2], k_pos.shape[-1]
-    at = torch.arange(n, device=q.device)
+def canonical_order(k_pos: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's visible keys in one canonical order: window keys by position, then the
+    compressed entries as given (ascending), whatever the layout (a prefill chunk's ring then its
+    own rows, a decode ring). -> ``order`` ``[C, T, N]`` (key indices, the visible ones first) and
+    ``count`` ``[C, T]`` (how many are visible). Sorting and counting are exact on every device."""
+    n, nw = bias.shape[-1], k_pos.shape[-1]
+    at = torch.arange(n, device=bias.device)
     rank = torch.where(
         at < nw, torch.nn.functional.pad(k_pos, (0, n - nw)), at + (1 << 40)
     )  # entries after any position
+    seen = bias == 0
+    order = torch.where(seen, rank[:, None, :], 1 << 62).argsort(dim=-1, stable=True)
+    return order, seen.sum(-1)
+
+
+def attend_sorted(
+    q: torch.Tensor, keys: torch.Tensor, order: torch.Tensor, count: torch.Tensor, sink: torch.Tensor
+) -> torch.Tensor:
+    """``mqa_with_sink`` of q ``[C, T, H, d]`` over the keys ``[C, N, d]`` (K = V) that each query
+    sees, ``keys[c, order[c, t, :count[c, t]]]`` in that order: the softmax's denominator and the
+    value sum a sequential ``cumsum`` over them (the hidden keys, sorted last, add exact zeros),
+    the sink's term added last; -> ``[C, T, H, d]`` in q's dtype, before the inverse rotation.
+    The CPU kernel of ``deepinfer::bi_attend``; queries in blocks within the budget."""
+    c, t, h, d = q.shape
+    n = keys.shape[-2]
+    at = torch.arange(n, device=q.device)
     step = _rows_per_block(c * h * n * d)
     outs = []
     for s in range(0, max(1, t), step):  # one (empty) block where a rank has no queries
-        b = bias[:, s : s + step]
-        seen = b == 0
-        order = torch.where(seen, rank[:, None, :], 1 << 62).argsort(dim=-1, stable=True)  # [C, T', N]
-        seen = seen.gather(-1, order)
-        kc = keys.float().gather(1, order.flatten(1)[..., None].expand(-1, -1, d)).view(c, -1, n, d)
+        o = order[:, s : s + step]
+        seen = at < count[:, s : s + step, None]
+        kc = keys.float().gather(1, o.flatten(1)[..., None].expand(-1, -1, d)).view(c, -1, n, d)
         logits = (q[:, s : s + step].float()[:, :, :, None, :] * kc[:, :, None]).sum(-1) * d**-0.5
         logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
         sk = sink.float().expand(*logits.shape[:-1])
@@ -223,8 +244,7 @@ def attend(
         denom = e.cumsum(-1)[..., -1] + torch.exp(sk - m)
         probs = e / denom[..., None]
         outs.append((probs[..., None, :] * kc.transpose(-1, -2)[:, :, None]).cumsum(-1)[..., -1])
-    o = _cat(outs, 1)
-    return apply_rope(o.to(q.dtype), cos, sin, inverse=True)
+    return _cat(outs, 1).to(q.dtype)
 
 
 def mqa_ring(
@@ -240,6 +260,7 @@ def mqa_ring(
     sin: torch.Tensor,
     window: int,
 ) -> torch.Tensor:
-    """``attention.mqa_ring``'s gathered keys, attended by ``attend``."""
+    """``attention.mqa_ring``'s gathered keys, attended by the ``attention.attend`` place (whose
+    form the batch-invariant table installs)."""
     keys, k_pos, bias = ring_keys(ring, slots, pos, entries, entry_rows, entry_bias, window)
     return attend(q, keys, k_pos, bias, sink, cos, sin)

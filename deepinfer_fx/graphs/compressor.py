@@ -21,6 +21,7 @@ import torch
 from .batch import Group
 from .norm import linear_fp32, rms_norm
 from .pointwise import softmax
+from .reduce import sum_over
 from .rope import apply_rope, cos_sin
 from .state import write_rows
 from .swap import swappable
@@ -99,7 +100,7 @@ def pool_windows(
     if overlap:  # slots: A halves of the previous window, then B halves of this one
         pooled_kv = torch.cat([pooled_kv[..., :ratio, :dim], pooled_kv[..., ratio:, dim:]], dim=-2)
         pooled_gate = torch.cat([pooled_gate[..., :ratio, :dim], pooled_gate[..., ratio:, dim:]], dim=-2)
-    pooled = (pooled_kv * softmax(pooled_gate, -2)).sum(-2)
+    pooled = sum_over(pooled_kv * softmax(pooled_gate, -2), -2)
     return w, complete, rms_norm(pooled, norm, eps)
 
 

@@ -23,6 +23,7 @@ from deepinfer_fx.io.checkpoint_reader import CheckpointReader, RawTensor
 from deepinfer_fx.io.quant import ue8m0_to_float
 from deepinfer_fx.graphs.norm import linear
 from deepinfer_fx.graphs.pointwise import sigmoid
+from deepinfer_fx.graphs.reduce import mean_over, sum_over
 from deepinfer_fx.graphs.swap import swappable
 
 __all__ = ["EngramTable", "dequant_rows", "engram_apply", "gather_rows"]
@@ -266,8 +267,8 @@ def engram_apply(
     xf = X.float()
     # q_weight and k_weight only ever appear as a product (the two RMSNorm weights fold together).
     weight = p["q_weight"].float() * p["k_weight"].float()
-    r = torch.rsqrt(xf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)  # [N, hc]
-    dot = (xf * weight * key).sum(-1) * r / math.sqrt(d)
+    r = torch.rsqrt(mean_over(xf.square(), -1) + eps) * torch.rsqrt(mean_over(key.square(), -1) + eps)  # [N, hc]
+    dot = sum_over(xf * weight * key, -1) * r / math.sqrt(d)
     # Signed square root compresses large logits; the floor keeps the sqrt's gradient finite at 0.
     gate = sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
     out = xf + gate.unsqueeze(-1) * value.unsqueeze(1)

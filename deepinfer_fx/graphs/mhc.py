@@ -11,6 +11,7 @@ import torch
 
 from .norm import project
 from .pointwise import sigmoid, softmax
+from .reduce import mean_over, sum_over
 from .swap import swappable
 
 
@@ -19,7 +20,7 @@ def _mixes(X: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
     reciprocal RMS: the same in exact arithmetic, and the normalised ``[T, N*D]`` fp32 copy is
     never written (at a 4096-token P8 prefill, ~0.5 GB per site by the shapes)."""
     flat = X.flatten(-2).float()
-    r = torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    r = torch.rsqrt(mean_over(flat.square(), -1, keepdim=True) + rms_eps)
     return project(flat, fn, True) * r  # the place batch invariance swaps (the same GEMM otherwise)
 
 
@@ -48,16 +49,16 @@ def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
     """``[..., n, n]`` logits -> a doubly-stochastic mixing matrix: softmax over rows plus eps,
     a column normalisation, then ``iters - 1`` rounds of row and column normalisation (fp32)."""
     comb = softmax(logits.float(), -1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    comb = comb / (sum_over(comb, -2, keepdim=True) + eps)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        comb = comb / (sum_over(comb, -1, keepdim=True) + eps)
+        comb = comb / (sum_over(comb, -2, keepdim=True) + eps)
     return comb
 
 
 def mhc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """``sum_j pre_j X_j``: the sublayer input ``[T, D]``."""
-    return (pre.unsqueeze(-1) * X.float()).sum(-2).to(X.dtype)
+    return sum_over(pre.unsqueeze(-1) * X.float(), -2).to(X.dtype)
 
 
 @swappable

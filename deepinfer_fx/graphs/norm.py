@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..io.quant import dequant_fp8_block, fp8_block_of
+from .reduce import mean_over
 from .swap import swappable
 
 
@@ -12,7 +13,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """``w * x / rms(x)`` over the last dim, computed in fp32 and cast back to x's dtype.
     Without a weight it is the unweighted scale used for the per-head q norm and mHC."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    y = xf * torch.rsqrt(mean_over(xf.square(), -1, keepdim=True) + eps)
     if weight is not None:
         y = weight.float() * y
     return y.to(x.dtype)

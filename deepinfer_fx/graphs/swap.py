@@ -73,3 +73,16 @@ def swapped(impls: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
     finally:
         _ACTIVE.clear()
         _ACTIVE.update(saved)
+
+
+@contextlib.contextmanager
+def references_only() -> Iterator[None]:
+    """No replacement in force inside the block: what traces the model's own math (the fusion
+    passes' patterns) sees the references even when called inside a ``swapped`` step."""
+    saved = dict(_ACTIVE)
+    _ACTIVE.clear()
+    try:
+        yield
+    finally:
+        _ACTIVE.clear()
+        _ACTIVE.update(saved)

@@ -4,7 +4,7 @@ accelerator kernels register on top of them. Importing this package registers th
 from . import ops  # noqa: F401  (registration side effect)
 from . import ops_fp8  # noqa: F401  (registration side effect)
 from . import ops_compressor  # noqa: F401  (registration side effect)
-from . import ops_linear  # noqa: F401  (registration side effect)
+from . import ops_bi, ops_linear  # noqa: F401  (registration side effect)
 from . import ops_mhc  # noqa: F401  (registration side effect)
 from . import ops_rope  # noqa: F401  (registration side effect)
 from . import ops_engram  # noqa: F401  (registration side effect)

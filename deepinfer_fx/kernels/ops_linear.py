@@ -31,7 +31,6 @@ import math
 
 import torch
 
-from ..graphs.batch_invariant import fixed_order_matmul
 from ..graphs.norm import project, project_blocks, project_fp8
 from ..io.quant import fp8_block_of
 from .declare import declare_op
@@ -121,9 +120,3 @@ skinny_linear_fp8_group = declare_op(
 skinny_linear_blocks = declare_op(
     "skinny_linear_blocks", project_blocks, lambda x, w, **_: x.new_empty(x.shape[0], w.shape[0])
 )
-
-# x ``[M, K]`` @ w ``[N, K]``.T with a reduction order that does not depend on M (batch-invariant
-# inference: ``passes/batch_invariant.py``), in x's dtype or fp32. The CPU kernel is
-# ``graphs/batch_invariant.py::fixed_order_matmul``; CUDA's is ``kernels/triton/batch_invariant.py``
-# (fixed tiles, no split-K).
-bi_matmul = declare_op("bi_matmul", fixed_order_matmul, _rows_fake)

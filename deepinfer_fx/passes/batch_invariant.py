@@ -20,13 +20,61 @@ import torch
 
 from ..graphs import batch_invariant as bi
 from ..graphs import model as _model  # noqa: F401  (importing the model registers every place)
+from ..graphs.moe import dequant_experts, held_format
+from ..graphs.rope import apply_rope
 from ..graphs.swap import places, reference
-from ..kernels import ops_linear  # noqa: F401  (declares deepinfer::bi_matmul)
+from ..kernels import ops_bi  # noqa: F401  (declares the deepinfer::bi_* ops)
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
     y = torch.ops.deepinfer.bi_matmul(x.reshape(-1, x.shape[-1]), w, out_fp32)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    return torch.ops.deepinfer.bi_sum(x, dim, keepdim)
+
+
+def _mean(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    return torch.ops.deepinfer.bi_mean(x, dim, keepdim)
+
+
+def _cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.ops.deepinfer.bi_cumsum(x, dim)
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    k_pos: torch.Tensor,
+    bias: torch.Tensor,
+    sink: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """``attention.attend`` with each query's keys summed in the canonical order (``bi.canonical_order``)."""
+    order, count = bi.canonical_order(k_pos, bias)
+    return apply_rope(torch.ops.deepinfer.bi_attend(q, keys, order, count, sink), cos, sin, inverse=True)
+
+
+def _routed_experts(p: dict, limit: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``moe.routed_experts`` through ``deepinfer::bi_moe_experts`` (experts held as stored are
+    dequantised first: the op reads bf16/fp32 weights)."""
+    if held_format(p):
+        p = dequant_experts(p, x.dtype)
+    return torch.ops.deepinfer.bi_moe_experts(x, p["w1"], p["w3"], p["w2"], idx, w, limit)
+
+
+def _index_scores(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    dot_scale: float,
+    slots: torch.Tensor | None = None,
+    key_rows: str | None = None,
+) -> torch.Tensor:
+    return torch.ops.deepinfer.bi_index_scores(q, keys, head_w, visible, dot_scale, slots, key_rows)
 
 
 # The places whose reference could change with the batch, and what replaces each.
@@ -38,11 +86,15 @@ FORMS: dict[str, Callable[..., Any]] = {
     "pointwise.softplus": bi.softplus,
     "pointwise.softmax": bi.softmax,
     "pointwise.log_softmax": bi.log_softmax,
+    "reduce.sum_over": _sum,
+    "reduce.mean_over": _mean,
+    "reduce.cumsum_over": _cumsum,
+    "reduce.top_values": bi.top_values,
     "moe.route_weights": bi.route_weights,
-    "moe.routed_experts": bi.routed_experts,
-    "attention.attend": bi.attend,
+    "moe.routed_experts": _routed_experts,
+    "attention.attend": _attend,
     "attention.mqa_ring": bi.mqa_ring,
-    "indexer.index_scores": bi.index_scores,
+    "indexer.index_scores": _index_scores,
     "indexer.score_topk": bi.score_topk,
     "indexer.top_k_mask": bi.top_k_mask,
 }

@@ -26,6 +26,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, register_replacement
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..graphs.swap import references_only
 from .manager import GraphPass
 
 
@@ -62,8 +63,8 @@ class PatternFusionPass(GraphPass):
 
         # We may be called inside a compile, with its fake mode and tracing context active; the
         # patterns must be traced with the real example tensors, outside both (as Inductor's own
-        # lazily registered patterns are).
-        with torch._guards.tracing(None), unset_fake_temporarily():
+        # lazily registered patterns are), and from the references, whatever a step has swapped in.
+        with torch._guards.tracing(None), unset_fake_temporarily(), references_only():
             self.register_patterns(add)
         return pm
 

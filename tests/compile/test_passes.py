@@ -93,6 +93,19 @@ def _run(backend: DeepinferBackend, dtype: torch.dtype = torch.float32) -> None:
 # --- the passes fire ------------------------------------------------------------------------
 
 
+def test_patterns_trace_the_references_inside_a_swapped_step() -> None:
+    """Patterns are traced on first use, which may fall inside a step that swapped a place the
+    pattern's function calls (batch invariance puts its mean in ``reduce.mean_over``); they are
+    traced from the references all the same, so later graphs still match."""
+    from deepinfer_fx.graphs.swap import swapped
+
+    be = make_backend("cpu", environ={})
+    with swapped({"reduce.mean_over": lambda x, dim, keepdim=False: x.sum(dim, keepdim=keepdim) / x.shape[dim]}):
+        next(p for p in be.pipeline.passes if p.name == RMS)._matcher  # noqa: B018  (traces the patterns now)
+    _run(be)
+    assert be.rewrites()[RMS] == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_passes_fire_and_match_eager(dtype: torch.dtype) -> None:
     be = make_backend("cpu", environ={})

@@ -14,7 +14,7 @@ from tiny import tiny_v4, tiny_v41
 import deepinfer_fx
 from deepinfer_fx import LLM, SamplingParams
 from deepinfer_fx.config import config_from_dict
-from deepinfer_fx.engine.options import check_batch_invariant
+from deepinfer_fx.engine.options import build_options, check_batch_invariant
 from deepinfer_fx.graphs import batch_invariant as bi
 from deepinfer_fx.passes.batch_invariant import FORMS
 from deepinfer_fx.settings import EngineConfig
@@ -182,8 +182,22 @@ def test_unbuilt_settings_refuse() -> None:
     on, cpu, cuda = EngineConfig(batch_invariant=True), torch.device("cpu"), torch.device("cuda")
     check_batch_invariant(on, cpu, speculative=False, compiled=True, inductor=False)
     check_batch_invariant(EngineConfig(), cuda, speculative=True, compiled=True, inductor=True)
-    with pytest.raises(ValueError, match="not built on cuda: only the dense matmul kernel"):
-        check_batch_invariant(on, cuda, speculative=False, compiled=False, inductor=False)
+    check_batch_invariant(on, cuda, speculative=False, compiled=True, inductor=False)  # its Triton kernels
+    with pytest.raises(ValueError, match="not built on xpu: its kernels exist for the CPU and CUDA only"):
+        check_batch_invariant(on, torch.device("xpu"), speculative=False, compiled=False, inductor=False)
+    with pytest.raises(ValueError, match="not built under Inductor"):
+        check_batch_invariant(on, cuda, speculative=False, compiled=True, inductor=True)
+
+
+def test_cuda_default_is_aot_eager_under_the_flag() -> None:
+    """On CUDA compiled steps default to Inductor, which the flag refuses; with the flag on the
+    default is aot_eager instead, and an explicit inductor=True still refuses (above)."""
+    kw = dict(eager=None, overlap=True, warmup=None, max_num_seqs=4, max_num_batched_tokens=64, cuda_graphs=None)
+    kw.update(inductor=None, dump_graphs=None, disable_passes=None)
+    cuda = torch.device("cuda")
+    assert build_options(EngineConfig(), cuda, **kw).steps.inductor
+    opts = build_options(EngineConfig(batch_invariant=True), cuda, **kw).steps
+    assert opts.compiled and not opts.inductor and opts.batch_invariant
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -209,3 +223,66 @@ def test_pointwise_forms_do_not_depend_on_position() -> None:
     assert torch.allclose(bi.softplus(x), torch.nn.functional.softplus(x)) and torch.allclose(
         bi.silu(x), torch.nn.functional.silu(x)
     )
+
+
+# torch ops whose float reduction order follows the number of rows on CUDA (its reductions split a
+# row over threads by the row count; its GEMMs choose tiles and split-K by M; its top-k and
+# unstable sorts order ties by algorithm): with the flag on, a step must reach none of them, only
+# the deepinfer::bi_* ops and stable sorts that stand in for them
+BATCH_DEPENDENT = {
+    "sum",
+    "mean",
+    "nansum",
+    "cumsum",
+    "cumprod",
+    "prod",
+    "var",
+    "std",
+    "var_mean",
+    "logsumexp",
+    "norm",
+    "linalg_vector_norm",
+    "_softmax",
+    "_log_softmax",
+    "native_layer_norm",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "matmul",
+    "mv",
+    "addmv",
+    "dot",
+    "einsum",
+    "topk",
+    "kthvalue",
+}
+UNSTABLE = {"aten.sort.default"}  # an unstable sort orders equal values as its algorithm happens to
+
+
+@pytest.mark.parametrize("cfg", [tiny_v4, tiny_v41], ids=["v4", "v41"])
+def test_steps_reach_no_batch_dependent_torch_reduction(cfg) -> None:
+    """What makes the flag hold on CUDA too: every float reduction and matmul a step runs (model,
+    sampler, logprobs; V4.1 with Engram and compact prefill) goes through an op with a fixed order
+    (``kernels/ops_bi.py``), none through torch's own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor) and first.is_floating_point():
+                if func.overloadpacket.__name__ in BATCH_DEPENDENT or str(func) in UNSTABLE:
+                    found.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = deepinfer_fx.random_model(config_from_dict(cfg()).replace(fake_quant=False), seed=2, dtype=torch.bfloat16)
+    llm = make_llm(model, max_num_seqs=4, max_num_batched_tokens=16, yoco_keep_tokens=12) if cfg is tiny_v41 else None
+    llm = llm or make_llm(model, max_num_seqs=4, max_num_batched_tokens=16)
+    prompts = [[5, 6, 7, 8, 9] * 6, [3, 4], [9] * 17]
+    params = _sampled(random.Random(0), 2) + _greedy(random.Random(1), 1)
+    with Record():
+        outs = llm.generate(prompts, params)
+    assert all(o.outputs[0].token_ids for o in outs)
+    assert not found, f"torch reductions reached with batch_invariant=True: {sorted(found)}"

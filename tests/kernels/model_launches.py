@@ -237,10 +237,14 @@ def trunk(c: ModelConfig) -> ModelConfig:
 
 
 def model_launches(
-    c: ModelConfig, cases: tuple[tuple[str, int], ...] = CASES, disabled: tuple[str, ...] = ()
+    c: ModelConfig,
+    cases: tuple[tuple[str, int], ...] = CASES,
+    disabled: tuple[str, ...] = (),
+    over: dict[str, Any] | None = None,
 ) -> ModelLaunches:
     """Every distinct launch of ``c``'s compiled steps in ``cases`` (bf16 activations, the
-    nvidia pipeline without ``disabled``), and the swaps' declines."""
+    nvidia pipeline without ``disabled``; ``over``: replacements that win over its swaps, as
+    batch-invariant inference's table does), and the swaps' declines."""
     register_nvidia_kernels()
     pdl.pdl_enabled = lambda device: True  # the H200's launches (an sm_90 device, DEEPINFER_PDL on)
     if c.engram_layer_ids:
@@ -250,7 +254,7 @@ def model_launches(
     params = _params(c)
     for kind, tokens in cases:
         rec = _OpCalls(out, f"{kind}-t{tokens}")
-        with torch.no_grad(), swapped(pipeline.swaps()), _fused_as_ops(), rec:
+        with torch.no_grad(), swapped({**pipeline.swaps(), **(over or {})}), _fused_as_ops(), rec:
             _step(c, params, kind, tokens)()
         _launch_skinny(rec.skinny, rec)
     for p in pipeline.passes:

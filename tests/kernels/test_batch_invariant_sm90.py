@@ -1,6 +1,8 @@
-"""``deepinfer::bi_matmul``'s Triton kernel (``kernels/triton/batch_invariant.py``) on a GPU: a
-row's bits do not depend on M (1 to 4096 rows, P8's projection shapes, bf16 and fp32), and the
-result is close to cuBLAS's. Skipped without CUDA (Triton's interpreter cannot run bf16 dots)."""
+"""``deepinfer::bi_matmul``'s Triton kernel (``kernels/triton/batch_invariant.py``) and
+``deepinfer::bi_moe_experts``'s tiles (``kernels/triton/moe.py``) on a GPU: a row's bits do not
+depend on M (1 to 4096 rows, P8's projection shapes, bf16 and fp32; the experts at every released
+width), and the results are close to cuBLAS's and the grouped GEMM's. Skipped without CUDA
+(Triton's interpreter cannot run bf16 dots)."""
 
 from __future__ import annotations
 
@@ -50,17 +52,28 @@ def test_runs_of_one_call_repeat_bit_for_bit() -> None:
     assert all(torch.equal(torch.ops.deepinfer.bi_matmul(x, w, True), first) for _ in range(5))
 
 
-def test_engine_flag_refuses_on_cuda() -> None:
-    """Until attention, the expert GEMMs, mHC and the indexer have batch-invariant kernels, the
-    engine refuses the flag on CUDA instead of running half of it."""
-    from tiny import tiny_v4
+# (experts, intermediate, hidden, top-k): P8 (V4-Flash widths, fewer experts), V4.1-Flash, V4-Pro
+EXPERT_SHAPES = [(16, 2048, 4096, 6), (16, 2048, 5120, 6), (8, 3072, 7168, 6)]
 
-    import deepinfer_fx
-    from deepinfer_fx import LLM
-    from deepinfer_fx.config import config_from_dict
 
-    model = deepinfer_fx.random_model(
-        config_from_dict(tiny_v4()).replace(fake_quant=False), seed=0, dtype=torch.bfloat16, device="cuda"
-    )
-    with pytest.raises(ValueError, match="not built on cuda"):
-        LLM(model, device="cuda", max_model_len=32, batch_invariant=True, eager=True)
+@pytest.mark.parametrize("e,inter,dim,k", EXPERT_SHAPES)
+def test_expert_rows_do_not_depend_on_the_batch(e: int, inter: int, dim: int, k: int) -> None:
+    """``deepinfer::bi_moe_experts`` (one tiling at every row count): a token's result is the same
+    bits alone, among decode-sized and prefill-sized batches (1 to 2048 tokens), and close to the
+    grouped GEMM's."""
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w1, w3 = ((torch.randn(e, inter, dim, device="cuda", generator=g) * dim**-0.5).bfloat16() for _ in range(2))
+    w2 = (torch.randn(e, dim, inter, device="cuda", generator=g) * inter**-0.5).bfloat16()
+    t = 2048
+    x = torch.randn(t, dim, device="cuda", generator=g).bfloat16()
+    idx = torch.rand(t, e, device="cuda", generator=g).argsort(-1)[:, :k].sort(-1).values
+    rw = torch.rand(t, k, device="cuda", generator=g)
+    full = torch.ops.deepinfer.bi_moe_experts(x, w1, w3, w2, idx, rw, 10.0)
+    for m in (1, 3, 8, 64, 300):
+        rows = torch.randperm(t, device="cuda", generator=g)[:m]
+        got = torch.ops.deepinfer.bi_moe_experts(x[rows], w1, w3, w2, idx[rows], rw[rows], 10.0)
+        assert torch.equal(got, full[rows]), f"seed={seed} T={m}"
+    ref = torch.ops.deepinfer.moe_experts(x, w1, w3, w2, idx, rw, 10.0)
+    err = ((full - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-2, f"seed={seed}: {err}"

@@ -12,7 +12,9 @@ as a real launch would be), in bf16:
   checkpoint's) and the dense projections too (``dense_format="fp8"``: the skinny GEMV reading
   fp8 tiles at decode), decode 1 and 64 and the prefill chunk;
 - ``mhc-off``: ``DEEPINFER_DISABLE_PASSES=mhc_site_kernel,mhc_head_kernel`` (the Sinkhorn kernel
-  and the reference's GEMMs instead; the Sinkhorn tiling reads the stream count only), decode 1.
+  and the reference's GEMMs instead; the Sinkhorn tiling reads the stream count only), decode 1;
+- ``invariant``: batch-invariant inference's table over the swaps (``passes/batch_invariant.py``:
+  its matmul, reduction, attention and expert kernels), decode 1 and 64 and the prefill chunk.
 
 Configs with one trunk (V4-Flash and -0731: the steps do not run the draft model) are traced once,
 and each trunk compiles in its own process, all at once.
@@ -36,10 +38,12 @@ from sm90_ptxas import PTXAS, compile_in_subprocesses
 # held to the gathered ones' spills in test_triton_ring_attention.py).
 P8_SPILLS: dict[str, int] = {"mqa_sequential": 8}
 
-VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool]] = {
-    "steps": (CASES, (), False),
-    "fp8": ((("decode", 1), ("decode", 64), ("prefill", 4096)), (), True),
-    "mhc-off": ((("decode", 1),), ("mhc_site_kernel", "mhc_head_kernel"), False),
+# variant: (cases, disabled passes, fp8 weights, batch-invariant table)
+VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool, bool]] = {
+    "steps": (CASES, (), False, False),
+    "fp8": ((("decode", 1), ("decode", 64), ("prefill", 4096)), (), True, False),
+    "mhc-off": ((("decode", 1),), ("mhc_site_kernel", "mhc_head_kernel"), False, False),
+    "invariant": ((("decode", 1), ("decode", 64), ("prefill", 4096)), (), False, True),
 }
 
 
@@ -51,13 +55,14 @@ def _compile_for_sm90(out_dir: str, *names: str) -> None:
     from sm90_ptxas import ptxas_report
 
     from deepinfer_fx.config import load_config
+    from deepinfer_fx.passes.batch_invariant import batch_invariant_swaps
 
     base = trunk(load_config(released_path(names[0])))
     done: dict[tuple, dict] = {}
     rows, declined = [], {}
-    for variant, (cases, disabled, fp8) in VARIANTS.items():
+    for variant, (cases, disabled, fp8, invariant) in VARIANTS.items():
         c = base.replace(expert_dtype="fp8", held_experts="fp8", held_dense="fp8") if fp8 else base
-        found = model_launches(c, cases, disabled)
+        found = model_launches(c, cases, disabled, batch_invariant_swaps() if invariant else None)
         declined.update({f"{variant}: {swap}": whys for swap, whys in found.declined.items()})
         for key, (launch, case, op) in found.launches.items():
             if key not in done:
@@ -123,7 +128,7 @@ def test_fp8_projections_of_one_input_launch_as_groups(name: str, sm90_results: 
 
 # Kernels no step of a released config launches yet, and why.
 OUTSIDE_STEPS = {
-    "_bi_matmul_kernel": "batch-invariant steps are refused on CUDA until attention and the experts have such kernels",
+    "_row_scan_kernel": "the sampler's top-p scan under batch invariance: model_launches traces the model, not the sampler",
     "_engram_rows_kernel": "host Engram tables (DEEPINFER_ENGRAM_TABLES=host) are not traced by model_launches yet",
 }
 

@@ -27,6 +27,8 @@ _MODULES: tuple[str, ...] = (
     "mhc",
     "router",
     "batch_invariant",
+    "bi_reduce",
+    "bi_attention",
     "engram",
 )
 

@@ -1,4 +1,4 @@
-"""``deepinfer::bi_matmul`` on CUDA (``kernels/ops_linear.py``): ``y = x @ w.T`` whose rows do
+"""``deepinfer::bi_matmul`` on CUDA (``kernels/ops_bi.py``): ``y = x @ w.T`` whose rows do
 not depend on M, for batch-invariant inference (``passes/batch_invariant.py``).
 
 One tiling for every M: ``BM`` x ``BN`` output tiles, the whole K walked in ``BK`` steps in
@@ -16,10 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops_linear  # noqa: F401  (declares deepinfer::bi_matmul before we register for it)
+from .. import ops_bi  # noqa: F401  (declares deepinfer::bi_matmul before we register for it)
 
 BM = 64  # rows per tile: fixed, never chosen from M
 BK = 64
+BK_FP32 = 32  # fp32 operands (IEEE dots): 64-wide k steps spilled ~400 bytes at sm_90
 WARPS, STAGES = 4, 3
 
 
@@ -90,7 +91,7 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
         K=k,
         BM=BM,
         BN=bn,
-        BK=BK,
+        BK=BK_FP32 if x.dtype == torch.float32 else BK,
         IEEE=x.dtype == torch.float32,
         num_warps=WARPS,
         num_stages=STAGES,

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops  # noqa: F401  (declares the deepinfer ops before the registrations below)
+from .. import ops, ops_bi  # noqa: F401  (declares the deepinfer ops before the registrations below)
 from ...io.state_rows import RowCodec
 from .buffers import out_buffer
 from .pdl import pdl_args, wait_previous
@@ -347,5 +347,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 torch.library.register_kernel("deepinfer::indexer_scores", "cuda", indexer_scores_triton)
+# Batch-invariant inference scores with the same kernel: its tiling never follows the batch.
+torch.library.register_kernel("deepinfer::bi_index_scores", "cuda", indexer_scores_triton)
 torch.library.register_kernel("deepinfer::topk_mask", "cuda", topk_mask_triton)
 torch.library.register_kernel("deepinfer::indexer_topk", "cuda", indexer_topk_triton)

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from .. import ops, ops_fp8  # noqa: F401  (declare the ops before we register for them)
+from .. import ops, ops_bi, ops_fp8  # noqa: F401  (declare the ops before we register for them)
 from ...io.quant import MXFP4_BLOCK
 from .buffers import out_buffer
 from .moe_kernels import (
@@ -161,6 +161,25 @@ def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles,
         gate_up = gate_up._replace(bn=cols(inter, 64), warps=4, stages=3)
         down = down._replace(bn=cols(dim, 64), warps=4, stages=3)
     return gate_up._replace(bk=min(gate_up.bk, 64)), down._replace(bk=min(down.bk, 64))
+
+
+# Batch-invariant inference's one tiling (rows per block, warps, stages), at every row count: the
+# MMA a row goes through then never changes with the batch (16-row and 128-row tiles lower to
+# different instructions on sm_90, whose bits differ).
+BI_TILE = Tiles(64, 128, 64, 8, 4, 3)
+
+
+def invariant_tiles(inter: int, dim: int) -> tuple[Tiles, Tiles]:
+    """The gate/up and down tiles of ``deepinfer::bi_moe_experts``: ``BI_TILE`` with its column and
+    k tiles no wider than the next power of two of the shapes, so a function of the shapes alone."""
+
+    def fit(n: int, k: int) -> Tiles:
+        return BI_TILE._replace(
+            bn=min(BI_TILE.bn, max(16, triton.next_power_of_2(n))),
+            bk=min(BI_TILE.bk, max(16, triton.next_power_of_2(k))),
+        )
+
+    return fit(inter, dim), fit(dim, inter)
 
 
 def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -451,7 +470,22 @@ def moe_experts_shared_triton(
     return run_experts(x, (w1, w3, w2), None, 0, idx, weight, limit, out, tiles, shared=(sw1, sw3, sw2))
 
 
+def bi_moe_experts_triton(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """``deepinfer::bi_moe_experts``: ``moe_experts_triton`` with ``invariant_tiles`` at every row
+    count; each token's k rows are summed in k order (the form lists its experts ascending)."""
+    return run_experts(x, (w1, w3, w2), None, 0, idx, weight, limit, None, invariant_tiles(w1.shape[1], w1.shape[2]))
+
+
 torch.library.register_kernel("deepinfer::moe_experts", "cuda", moe_experts_triton)
 torch.library.register_kernel("deepinfer::moe_experts_shared", "cuda", moe_experts_shared_triton)
 torch.library.register_kernel("deepinfer::moe_experts_fp8", "cuda", moe_experts_fp8_triton)
 torch.library.register_kernel("deepinfer::moe_experts_fp4", "cuda", moe_experts_fp4_triton)
+torch.library.register_kernel("deepinfer::bi_moe_experts", "cuda", bi_moe_experts_triton)
