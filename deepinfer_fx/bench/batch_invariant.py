@@ -4,10 +4,9 @@ decode batches 1, 8 and 64 and a 4096-token prefill.
     python -m deepinfer_fx.bench.batch_invariant --rows 1,8,64,4096 --out bench/results
     python -m deepinfer_fx.bench.batch_invariant --cpu --out bench/results   # the CPU cost (docs/decisions.md)
 
-The engine refuses ``batch_invariant=True`` on CUDA until attention, the expert GEMMs, mHC and
-the indexer have batch-invariant kernels (``engine/options.py::check_batch_invariant``); the
-projections are what is built (``deepinfer::bi_matmul``, ``kernels/triton/batch_invariant.py``),
-so this times them as a P8 step runs them: flag off, what the model runs today (the skinny
+The whole step's cost, flag on against off, is ``p8_vs_hf --batch-invariant --no-inductor``; this
+times the dense projections alone (``deepinfer::bi_matmul``, ``kernels/triton/batch_invariant.py``)
+as a P8 step runs them: flag off, what the model runs today (the skinny
 kernel for decode-sized calls, ``ops_linear.decode_sized``, cuBLAS for the rest; the head and
 the fp32 projections in fp32 out), flag on, ``bi_matmul``. Each call is captured in a CUDA graph
 cycling through enough weight copies (>= 256 MiB) that none finds its weight in L2, as in a

@@ -132,8 +132,10 @@ class StepGraphs(GraphEntries, StepSizes):
         if compile:
             self.engram = place_engram_tables(self.params, self.device, engram_tables, engram_budget)
         if any(p.where == "host" for p in self.engram):
-            # not a disableable pass: a GPU step cannot read host rows any other way
-            self.over.setdefault("engram.gather_rows", engram_rows)
+            # not a disableable pass: a GPU step cannot read host rows any other way; it wins over
+            # batch invariance's table too (which holds the place to the reference's host round
+            # trip, which a CUDA graph cannot capture): a gather is exact in any batch
+            self.over["engram.gather_rows"] = engram_rows
 
     # -- steps ------------------------------------------------------------------------------
     def step(

@@ -248,19 +248,21 @@ def engram_hash(
     if history.shape[-1] != n - 1:
         raise ValueError(f"history has {history.shape[-1]} entries; expected max_ngram_size - 1 = {n - 1}")
     device = comp_ids.device
-    multipliers = torch.tensor(layout.multipliers[layer_index], dtype=torch.int64, device=device)
-    primes = torch.tensor(layout.primes[layer_index], dtype=torch.int64, device=device)
-    offsets = torch.tensor(layout.offsets[layer_index], dtype=torch.int64, device=device)
+    # The layout's constants enter as Python ints, never as tensors made inside the step: a tensor
+    # built there is a host constant copied to the GPU at every call, which a CUDA graph of an
+    # aot_eager step cannot capture (integer arithmetic: the same ids either way).
+    multipliers = [int(m) for m in layout.multipliers[layer_index]]
+    primes, offsets = layout.primes[layer_index], layout.offsets[layer_index]
     seq = torch.cat([history.to(device=device, dtype=torch.int64), comp_ids.to(torch.int64)], dim=-1)
     # back[..., t, k] = c_{t-k}: each window of N consecutive ids, newest first.
     back = seq.unfold(-1, n, 1).flip(-1)
     if pad_class is not None:
         dead = (back == DEAD).int().cummax(-1).values.bool()
-        back = torch.where(dead, torch.as_tensor(pad_class, dtype=torch.int64, device=device), back)
-    products = back * multipliers
-    rho = products[..., 0]
+        pad = pad_class.to(device=device, dtype=torch.int64) if isinstance(pad_class, torch.Tensor) else int(pad_class)
+        back = torch.where(dead, pad, back)
+    rho = back[..., 0] * multipliers[0]
     columns = []
     for k in range(1, n):
-        rho = torch.bitwise_xor(rho, products[..., k])
-        columns.append(torch.remainder(rho.unsqueeze(-1), primes[k - 1]) + offsets[k - 1])
-    return torch.cat(columns, dim=-1)
+        rho = torch.bitwise_xor(rho, back[..., k] * multipliers[k])
+        columns.extend(torch.remainder(rho, int(p)) + int(o) for p, o in zip(primes[k - 1], offsets[k - 1]))
+    return torch.stack(columns, dim=-1)
