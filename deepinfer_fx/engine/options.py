@@ -17,11 +17,18 @@ from ..settings import PREFIX, EngineConfig
 
 
 def check_batch_invariant(
-    settings: EngineConfig, device: torch.device, *, speculative: bool, compiled: bool, inductor: bool
+    settings: EngineConfig,
+    device: torch.device,
+    *,
+    speculative: bool,
+    compiled: bool,
+    inductor: bool,
+    v41: bool = False,
 ) -> None:
     """Batch-invariant inference (``passes/batch_invariant.py``) is built for V4 and V4.1 on the
     CPU and on CUDA (its Triton kernels, ``kernels/ops_bi.py``), in one process or on any mesh,
-    eagerly or on aot_eager; asked for anywhere else it refuses, naming what is missing."""
+    eagerly or on aot_eager (V4.1 on CUDA eagerly only, so far); asked for anywhere else it
+    refuses, naming what is missing."""
     if not settings.batch_invariant:
         return
     asked = f"batch_invariant=True / {PREFIX}BATCH_INVARIANT=1"
@@ -33,6 +40,10 @@ def check_batch_invariant(
 
         if not register_nvidia_kernels():
             missing.append("on cuda without Triton: its CUDA kernels are Triton kernels (pip install triton)")
+    if device.type == "cuda" and v41 and compiled:
+        missing.append(
+            "for V4.1's compiled steps on cuda: not yet checked on a GPU (docs/decisions.md); eager=True runs it"
+        )
     if speculative:
         missing.append("with speculative decoding: verify steps are not checked for it")
     if compiled and inductor:
@@ -199,6 +210,11 @@ def llm_options(
     keep = compact_keep(c, settings, yoco_mode, yoco_keep_tokens, max_draft=max_drafts, cp=cp, drafter=drafter)
     opts = build_options(settings, device, keep=keep, **build)
     check_batch_invariant(
-        settings, device, speculative=drafter is not None, compiled=opts.steps.compiled, inductor=opts.steps.inductor
+        settings,
+        device,
+        speculative=drafter is not None,
+        compiled=opts.steps.compiled,
+        inductor=opts.steps.inductor,
+        v41=c.is_v41,
     )
     return opts

@@ -187,6 +187,10 @@ def test_unbuilt_settings_refuse() -> None:
         check_batch_invariant(on, torch.device("xpu"), speculative=False, compiled=False, inductor=False)
     with pytest.raises(ValueError, match="not built under Inductor"):
         check_batch_invariant(on, cuda, speculative=False, compiled=True, inductor=True)
+    check_batch_invariant(on, cuda, speculative=False, compiled=False, inductor=False, v41=True)
+    check_batch_invariant(on, cpu, speculative=False, compiled=True, inductor=False, v41=True)
+    with pytest.raises(ValueError, match="not built for V4.1's compiled steps on cuda.*eager=True"):
+        check_batch_invariant(on, cuda, speculative=False, compiled=True, inductor=False, v41=True)
 
 
 def test_cuda_default_is_aot_eager_under_the_flag() -> None:
