@@ -2,8 +2,9 @@
 the one table of what stands at each ``graphs/swap.py`` place while it is on.
 
 Every place is in the table: where the reference could depend on the batch, its batch-invariant
-form (``graphs/batch_invariant.py``; the dense projections through ``deepinfer::bi_matmul``);
-everywhere else the reference itself, so that no kernel swap (whose kernels were built for speed,
+form (``graphs/batch_invariant.py``), whose reductions run in ``deepinfer::bi_*`` ops
+(``kernels/ops_bi.py``: the fixed-order torch math on the CPU, Triton kernels tiled by row shape
+alone on CUDA); everywhere else the reference itself, so that no kernel swap (whose kernels were built for speed,
 not for one reduction order) stands in while the flag is on. The step runner installs the table
 innermost, over the pipeline's kernel swaps (``engine/graph_runner.py``): the flag declines them.
 On a mesh, the sharding's places keep their replacement: expert parallelism's dispatch runs the
