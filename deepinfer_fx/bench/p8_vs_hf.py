@@ -31,6 +31,7 @@ from ..api import load_model, logits, random_model
 from ..engine.graph_runner import StepGraphs
 from ..graphs.state import init_state
 from ..passes.batch_invariant import batch_invariant_swaps
+from ..passes.manager import resolve_disabled
 from . import roofline
 from .configs import BENCH_CONFIGS, bench_config, held_as_released
 from .p8 import hf_kwargs, run_info, write_result
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_tokens=max(chunk_sizes),
         graphs=True,
         inductor=not args.no_inductor,
-        over=batch_invariant_swaps() if args.batch_invariant else None,
+        over=batch_invariant_swaps((), "nvidia", resolve_disabled()) if args.batch_invariant else None,
     )
     ceil = roofline.measure_ceilings()  # the roofline of the GPU that runs, not the H200's
     result = {

@@ -30,7 +30,7 @@ import torch
 
 from ..api import Model
 from ..kernels.ops_engram import engram_rows
-from ..passes.manager import resolve_disabled
+from ..passes.manager import accelerator_of, resolve_disabled
 from ..passes.saved_steps import SavedSteps
 from ..sharding.cp import ContextRank
 from .engram_tables import Placed, place_engram_tables
@@ -95,7 +95,7 @@ class StepGraphs(GraphEntries, StepSizes):
         self.over = dict(over or {})
         self.prefill_over = dict(prefill_over or {})
         device = model.device
-        self.accelerator = accelerator or {"cuda": "nvidia", "npu": "ascend"}.get(device.type, "cpu")
+        self.accelerator = accelerator or accelerator_of(device)
         has_graphs = device.type in GRAPH_DEVICES
         if graphs and not (has_graphs and compile):
             raise ValueError(

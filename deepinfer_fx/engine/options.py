@@ -23,11 +23,10 @@ def check_batch_invariant(
     speculative: bool,
     compiled: bool,
     inductor: bool,
-    v41: bool = False,
 ) -> None:
     """Batch-invariant inference (``passes/batch_invariant.py``) is built for V4 and V4.1 on the
     CPU and on CUDA (its Triton kernels, ``kernels/ops_bi.py``), in one process or on any mesh,
-    eagerly or on aot_eager (V4.1 on CUDA eagerly only, so far); asked for anywhere else it
+    eagerly or on aot_eager; asked for anywhere else it
     refuses, naming what is missing."""
     if not settings.batch_invariant:
         return
@@ -40,10 +39,6 @@ def check_batch_invariant(
 
         if not register_nvidia_kernels():
             missing.append("on cuda without Triton: its CUDA kernels are Triton kernels (pip install triton)")
-    if device.type == "cuda" and v41 and compiled:
-        missing.append(
-            "for V4.1's compiled steps on cuda: not yet checked on a GPU (docs/decisions.md); eager=True runs it"
-        )
     if speculative:
         missing.append("with speculative decoding: verify steps are not checked for it")
     if compiled and inductor:
@@ -215,6 +210,5 @@ def llm_options(
         speculative=drafter is not None,
         compiled=opts.steps.compiled,
         inductor=opts.steps.inductor,
-        v41=c.is_v41,
     )
     return opts

@@ -24,6 +24,7 @@ import torch
 from ..api import Model
 from ..graphs.swap import swapped
 from ..passes.batch_invariant import batch_invariant_swaps
+from ..passes.manager import accelerator_of, resolve_disabled
 from ..passes.saved_steps import SavedSteps
 from ..sharding.cp import ContextRank
 from ..sharding.lockstep import LockStep
@@ -79,7 +80,10 @@ class ModelRunner:
         self.split = context.step if context is not None and not options.compiled else None
         self.lockstep = lockstep
         # batch-invariant forms win over every replacement but the sharding's, eager or compiled
-        invariant = batch_invariant_swaps(sharded=swaps or {}) if options.batch_invariant else {}
+        invariant = {}
+        if options.batch_invariant:
+            accelerator = options.accelerator or accelerator_of(model.device)
+            invariant = batch_invariant_swaps(swaps or {}, accelerator, resolve_disabled(options.disabled_passes))
         self.swaps = {**(swaps or {}), **invariant}
         self.pool = pool
         self.device = model.device

@@ -58,7 +58,7 @@ from .argmax import first_argmax
 from .attention import grouped_output, latent_kv, mqa_with_sink, query
 from .batch import Batch, Group
 from .dspark_context import check_drafter, window_freq
-from .mhc import hc_head, mhc_collapse
+from .mhc import first_stream, hc_head, mhc_collapse
 from .model import block, embed
 from .norm import linear_fp32, rms_norm
 from .params import dspark_stage_config
@@ -191,8 +191,7 @@ def draft_blocks(
     X = embed(params, c, batch.token_ids, params["norm"].dtype)
     pre = None
     if c.is_v41:  # single-pass mHC, as the backbone: the first collapse reads stream 0 alone
-        pre = torch.zeros(X.shape[:-1], dtype=torch.float32, device=device)
-        pre[:, 0] = 1.0
+        pre = first_stream(X)
     for s in range(c.dspark_stages):
         X, pre_f = block(
             params["mtp"][s], state["dspark"], stage_c, X, batch, s, 0, pre_prev=pre, attn=_stage_attention

@@ -56,6 +56,13 @@ def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
     return comb
 
 
+def first_stream(X: torch.Tensor) -> torch.Tensor:
+    """The ``pre`` that collapses stream 0 of X ``[..., N, D]`` alone (V4.1's first site):
+    ``[..., N]`` fp32, one then zeros. Padded rather than assigned: a compiled step would copy
+    an assigned constant from the host at every call, which CUDA-graph capture refuses."""
+    return torch.nn.functional.pad(X.new_ones(*X.shape[:-2], 1, dtype=torch.float32), (0, X.shape[-2] - 1))
+
+
 def mhc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """``sum_j pre_j X_j``: the sublayer input ``[T, D]``."""
     return sum_over(pre.unsqueeze(-1) * X.float(), -2).to(X.dtype)
@@ -81,12 +88,14 @@ def mhc_site(
     return pre, post, comb, mhc_collapse(X, pre if pre_in is None else pre_in)
 
 
+@swappable
 def mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``X'_k = post_k y + sum_j comb[j, k] X_j`` (the sum runs over comb's first index). The
     mix is ``comb^T @ X`` in X's dtype (comb rounded to it, fp32 accumulation, one rounding),
     written as N broadcast terms: a compiled step fuses them with the rest into one kernel,
     where a batched matmul of [N, N] x [N, D] per token was a cuBLAS call of its own (~16 us
-    at a 64-request P8 decode, 32 a step)."""
+    at a 64-request P8 decode, 32 a step). A place (``mhc.mhc_expand``) for the runs that
+    are not fused by a compiler: batch-invariant inference's one-launch kernel on CUDA."""
     dt = X.dtype
     c, Xf = comb.to(dt).float(), X.float()
     mixed = sum(c[..., j, :, None] * Xf[..., j, None, :] for j in range(X.shape[-2]))

@@ -22,7 +22,7 @@ from .attention import attention
 from .batch import Batch, ContextSplit, gather_rows, make_batch, owned_rows, scatter_rows
 from .engram import engram_apply
 from .engram_hash import DEAD, EngramLayout, engram_hash, engram_layout
-from .mhc import hc_head, mhc_collapse, mhc_expand, mhc_site
+from .mhc import first_stream, hc_head, mhc_collapse, mhc_expand, mhc_site
 from .moe import moe
 from .norm import linear_fp32, rms_norm
 from .state import check_room, write_rows
@@ -192,8 +192,7 @@ def hidden_streams(
         X = batch.embeds.to(params["norm"].dtype)[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
     pre = None
     if c.is_v41:  # the first site collapses stream 0 alone
-        pre = torch.zeros(X.shape[:-1], dtype=torch.float32, device=X.device)
-        pre[:, 0] = 1.0
+        pre = first_stream(X)
     hashes = None
     if c.engram_layer_ids:  # n-gram hashes need every token of the chunks, then this batch's rows
         hashes = engram_hashes(params, state, c, batch.keys)

@@ -9,9 +9,12 @@ from .reduce import mean_over
 from .swap import swappable
 
 
+@swappable
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``w * x / rms(x)`` over the last dim, computed in fp32 and cast back to x's dtype.
-    Without a weight it is the unweighted scale used for the per-head q norm and mHC."""
+    Without a weight it is the unweighted scale used for the per-head q norm and mHC. A place
+    (``norm.rms_norm``) where batch-invariant inference puts its one-launch kernel on CUDA; the
+    compiled pipeline fuses it by pattern instead (``passes/fusion.py``)."""
     xf = x.float()
     y = xf * torch.rsqrt(mean_over(xf.square(), -1, keepdim=True) + eps)
     if weight is not None:

@@ -8,6 +8,10 @@ decode (the GEMV and its split-K reduction, the norm, Sinkhorn, pointwise kernel
 collapse), 16 sites a step; the Triton kernel (``kernels/triton/mhc.py``) does it in two.
 The reference is the graphs function itself.
 
+``mhc_expand`` is ``graphs/mhc.py::mhc_expand``, the streams' update after a sublayer, which
+Inductor fuses by itself; eager and aot_eager steps (batch-invariant inference) ran it as ~13
+launches a site, the Triton kernel (``kernels/triton/mhc_expand.py``) in one.
+
 ``mhc_head`` is ``graphs/mhc.py::hc_head``, the same GEMV (``N`` rows of ``fn``), ``pre`` alone
 and the collapse with it, once a step; compiled it is ~5 launches at decode, two of them cuBLAS's
 dot and its reduction. The Triton launcher runs it through the site's two kernels.
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graphs.mhc import hc_head, mhc_site as _graphs_mhc_site
+from ..graphs.mhc import hc_head, mhc_expand as _graphs_mhc_expand, mhc_site as _graphs_mhc_site
 from .declare import declare_op
 
 # The mHC kernels (site, head, Sinkhorn) hold a stream count's n x n tile: a power of two up to this.
@@ -48,3 +52,7 @@ mhc_site = declare_op("mhc_site", _graphs_mhc_site, _site_fake, fresh=True)
 # X ``[..., N, D]``, fn ``[N, N*D]``, base ``[N]``, scale ``[1]`` -> the collapsed streams
 # ``[..., D]`` in X's dtype (contiguous).
 mhc_head = declare_op("mhc_head", hc_head, lambda X, **_: X.new_empty((*X.shape[:-2], X.shape[-1])), fresh=True)
+
+# X ``[..., N, D]``, y ``[..., D]`` in X's dtype, post ``[..., N]``, comb ``[..., N, N]`` fp32 ->
+# the updated streams ``[..., N, D]`` in X's dtype (contiguous).
+mhc_expand = declare_op("mhc_expand", _graphs_mhc_expand, lambda X, **_: torch.empty_like(X), fresh=True)

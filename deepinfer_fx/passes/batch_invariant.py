@@ -3,10 +3,12 @@ the one table of what stands at each ``graphs/swap.py`` place while it is on.
 
 Every place is in the table: where the reference could depend on the batch, its batch-invariant
 form (``graphs/batch_invariant.py``), whose reductions run in ``deepinfer::bi_*`` ops
-(``kernels/ops_bi.py``: the fixed-order torch math on the CPU, Triton kernels tiled by row shape
-alone on CUDA); everywhere else the reference itself, so that no kernel swap (whose kernels were built for speed,
-not for one reduction order) stands in while the flag is on. The step runner installs the table
-innermost, over the pipeline's kernel swaps (``engine/graph_runner.py``): the flag declines them.
+(``kernels/ops_bi.py``: the fixed-order torch math on the CPU, Triton kernels on CUDA); where
+the accelerator has a kernel that is batch-invariant at every size (``INVARIANT_KERNELS``,
+``INVARIANT_PLACES``), that kernel; everywhere else the reference itself, so that no other kernel
+swap (built for speed, some choosing their reduction by the batch's size) stands in while the
+flag is on. The step runner installs the table innermost, eagerly and compiled, over the
+pipeline's kernel swaps (``engine/runner.py``): the flag declines them.
 On a mesh, the sharding's places keep their replacement: expert parallelism's dispatch runs the
 routed experts' form on the received pairs, and the form's routing lists each token's experts in
 ascending id, so the combine's k order (``sharding/ep.py``) is the one process's expert order.
@@ -14,6 +16,7 @@ ascending id, so the combine's k order (``sharding/ep.py``) is the one process's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +28,8 @@ from ..graphs.moe import dequant_experts, held_format
 from ..graphs.rope import apply_rope
 from ..graphs.swap import places, reference
 from ..kernels import ops_bi  # noqa: F401  (declares the deepinfer::bi_* ops)
+from .manager import registered_passes
+from .swap_calls import apply_rope_call, cos_sin_call
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
@@ -104,10 +109,45 @@ FORMS: dict[str, Callable[..., Any]] = {
 assert set(FORMS) <= set(places()), sorted(set(FORMS) - set(places()))
 
 
-def batch_invariant_swaps(sharded: Iterable[str] = ()) -> dict[str, Callable[..., Any]]:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return torch.ops.deepinfer.rms_norm(x, weight, eps)
+
+
+def _mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    return torch.ops.deepinfer.mhc_expand(X, y, post, comb)
+
+
+# Where the accelerator has kernels that give a row the same bits alone and in any batch, at
+# every size (their tests assert it: tests/kernels/test_triton_{mhc,compressor,norm}.py; the
+# pointwise RoPE and mHC-expand kernels hold it by construction), the flag keeps them, eagerly too, in place of
+# the forms' dozens of launches a call: kernel swaps by pass name (which DEEPINFER_DISABLE_PASSES
+# turns off here as well), then places of their own. RoPE's kernels stand at every size, not
+# from the pipeline's thresholds up, so a token gets the same bits at prefill and at decode.
+INVARIANT_KERNELS: dict[str, tuple[str, ...]] = {
+    "nvidia": ("mhc_site_kernel", "mhc_head_kernel", "compressor_kernel", "norm_rope_kernel"),
+}
+INVARIANT_PLACES: dict[str, dict[str, Callable[..., Any]]] = {
+    "nvidia": {
+        "norm.rms_norm": _rms_norm,
+        "mhc.mhc_expand": _mhc_expand,
+        "rope.apply_rope": functools.partial(apply_rope_call, smallest=0),
+        "rope.cos_sin": functools.partial(cos_sin_call, smallest=0),
+    },
+}
+
+
+def batch_invariant_swaps(
+    sharded: Iterable[str] = (), accelerator: str = "cpu", disabled: Iterable[str] = ()
+) -> dict[str, Callable[..., Any]]:
     """Every place but ``sharded`` (those a mesh's sharding replaces: expert parallelism's
-    dispatch, which runs the routed experts' form on each rank): its batch-invariant form, else
-    its reference."""
+    dispatch, which runs the routed experts' form on each rank): the accelerator's invariant
+    kernel where it has one (and the swap is not ``disabled``), else its batch-invariant form,
+    else its reference."""
     table = {name: reference(name) for name in places()}
     table.update(FORMS)
+    passes = registered_passes()
+    for name in INVARIANT_KERNELS.get(accelerator, ()):
+        if name not in set(disabled):
+            table.update(passes[name].swap())
+    table.update(INVARIANT_PLACES.get(accelerator, {}))
     return {name: f for name, f in table.items() if name not in set(sharded)}

@@ -22,9 +22,17 @@ from typing import ClassVar
 
 from ..settings import setting
 
+import torch
 import torch.fx
 
 ACCELERATORS: tuple[str, ...] = ("cpu", "nvidia", "ascend")
+
+
+def accelerator_of(device: torch.device) -> str:
+    """The accelerator whose passes serve ``device``."""
+    return {"cuda": "nvidia", "npu": "ascend"}.get(device.type, "cpu")
+
+
 ENV_DISABLE = "DEEPINFER_DISABLE_PASSES"
 
 # Modules whose import registers the built-in passes, in pipeline order. Imported lazily so that

@@ -126,9 +126,9 @@ _TABLE_MIN_POSITIONS = 1024
 
 
 def cos_sin_call(
-    positions: torch.Tensor, freq: torch.Tensor, shared: bool = False
+    positions: torch.Tensor, freq: torch.Tensor, shared: bool = False, *, smallest: int = _TABLE_MIN_POSITIONS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not shared and positions.numel() < _TABLE_MIN_POSITIONS:
+    if not shared and positions.numel() < smallest:
         return cos_sin.reference(positions, freq)  # type: ignore[attr-defined]
     return torch.ops.deepinfer.rope_table(positions, freq.to(positions.device))
 
@@ -143,11 +143,18 @@ def cos_sin_call(
 _ROPE_MIN_ELEMENTS = 2**20
 
 
-def apply_rope_call(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope_call(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool = False,
+    *,
+    smallest: int = _ROPE_MIN_ELEMENTS,
+) -> torch.Tensor:
     lead = cos.shape[:-1]
     # Tables that broadcast over x's leading dims are not the op's layout. Decode-sized tables
     # (a few positions) are computed inline and materialised for the op: a tiny kernel.
-    if x.numel() < _ROPE_MIN_ELEMENTS or x.shape[: len(lead)] != lead or sin.shape != cos.shape:
+    if x.numel() < smallest or x.shape[: len(lead)] != lead or sin.shape != cos.shape:
         return apply_rope.reference(x, cos, sin, inverse)  # type: ignore[attr-defined]
     # a functional rewrite: Inductor drops the clone when nothing else reads x (ops_rope.py)
     out = x.clone()

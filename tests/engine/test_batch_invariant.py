@@ -16,7 +16,8 @@ from deepinfer_fx import LLM, SamplingParams
 from deepinfer_fx.config import config_from_dict
 from deepinfer_fx.engine.options import build_options, check_batch_invariant
 from deepinfer_fx.graphs import batch_invariant as bi
-from deepinfer_fx.passes.batch_invariant import FORMS
+from deepinfer_fx.graphs.swap import reference
+from deepinfer_fx.passes.batch_invariant import FORMS, batch_invariant_swaps
 from deepinfer_fx.settings import EngineConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -165,6 +166,27 @@ def test_compiled_equals_eager() -> None:
     assert got == want, f"seed={seed}"
 
 
+def test_gpu_table_on_the_cpu(monkeypatch) -> None:
+    """The nvidia table (its invariant kernels: mHC sites, the compressor, norms and RoPE at
+    every size) run on the CPU, where each op's kernel is its reference under the forms: the
+    CPU table's bits, eagerly and compiled; a disabled swap leaves its place to the form."""
+    gpu = batch_invariant_swaps((), "nvidia")
+    assert gpu["mhc.mhc_site"] is not reference("mhc.mhc_site") and "norm.rms_norm" in gpu
+    assert batch_invariant_swaps((), "cpu")["mhc.mhc_site"] is reference("mhc.mhc_site")
+    assert batch_invariant_swaps((), "nvidia", {"mhc_site_kernel"})["mhc.mhc_site"] is reference("mhc.mhc_site")
+    model = deepinfer_fx.random_model(config_from_dict(tiny_v41()).replace(fake_quant=False), seed=4)
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    prompts = _prompts(rng, 3, 20)
+    params = _greedy(rng, 2) + _sampled(rng, 1)
+    want = [_result(o) for o in make_llm(model, max_num_seqs=4, max_num_batched_tokens=16).generate(prompts, params)]
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    for eager in (True, False):
+        llm = make_llm(model, eager=eager, max_num_seqs=4, max_num_batched_tokens=16)
+        assert llm.runner.swaps["norm.rms_norm"] is gpu["norm.rms_norm"]
+        assert [_result(o) for o in llm.generate(prompts, params)] == want, f"seed={seed} eager={eager}"
+
+
 def test_switch_from_env_and_argument(monkeypatch) -> None:
     model = deepinfer_fx.random_model(config_from_dict(tiny_v4()).replace(fake_quant=False), seed=1)
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
@@ -187,10 +209,6 @@ def test_unbuilt_settings_refuse() -> None:
         check_batch_invariant(on, torch.device("xpu"), speculative=False, compiled=False, inductor=False)
     with pytest.raises(ValueError, match="not built under Inductor"):
         check_batch_invariant(on, cuda, speculative=False, compiled=True, inductor=True)
-    check_batch_invariant(on, cuda, speculative=False, compiled=False, inductor=False, v41=True)
-    check_batch_invariant(on, cpu, speculative=False, compiled=True, inductor=False, v41=True)
-    with pytest.raises(ValueError, match="not built for V4.1's compiled steps on cuda.*eager=True"):
-        check_batch_invariant(on, cuda, speculative=False, compiled=True, inductor=False, v41=True)
 
 
 def test_cuda_default_is_aot_eager_under_the_flag() -> None:

@@ -73,10 +73,7 @@ def test_same_bits_in_any_batch(kind: str) -> None:
     model = _model(tiny_v4() if kind == "v4" else tiny_v41(), seed % 1000)
     prompts, params = _requests(rng, 8)
     want = _alone(_llm(model, max_num_seqs=1), prompts, params)
-    if kind == "v41":  # V4.1's compiled steps under the flag refuse on CUDA until checked here
-        with pytest.raises(ValueError, match="V4.1's compiled steps"):
-            _llm(model, **LAYOUTS[-1])
-    for kw in LAYOUTS if kind == "v4" else LAYOUTS[:-1]:
+    for kw in LAYOUTS:
         order = list(range(len(prompts)))
         rng.shuffle(order)
         got = _results(_llm(model, **kw), [prompts[i] for i in order], [params[i] for i in order])

@@ -13,8 +13,9 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (written for the H200)")
 
-# [N, K] of P8 projections: wq_b, wo_b, wq_a, wkv, the head
-SHAPES = [(32768, 1024), (4096, 8192), (1024, 4096), (512, 4096), (129280, 4096)]
+# [N, K] of P8 projections: wq_b, wo_b, wq_a, wkv, the head, the router (k split 16 ways), and
+# an mHC-sized fp32 mix (24 rows of 16384, 64 ways)
+SHAPES = [(32768, 1024), (4096, 8192), (1024, 4096), (512, 4096), (129280, 4096), (64, 4096), (24, 16384)]
 ROWS = (1, 2, 7, 8, 16, 17, 63, 64, 65, 256, 4096)
 
 

@@ -14,7 +14,8 @@ as a real launch would be), in bf16:
 - ``mhc-off``: ``DEEPINFER_DISABLE_PASSES=mhc_site_kernel,mhc_head_kernel`` (the Sinkhorn kernel
   and the reference's GEMMs instead; the Sinkhorn tiling reads the stream count only), decode 1;
 - ``invariant``: batch-invariant inference's table over the swaps (``passes/batch_invariant.py``:
-  its matmul, reduction, attention and expert kernels), decode 1 and 64 and the prefill chunk.
+  its matmul, reduction, attention and expert kernels and the nvidia table's invariant kernels: mHC sites,
+  the compressor, norms, RoPE, the mHC expand), decode 1 and 64 and the prefill chunk.
 
 Configs with one trunk (V4-Flash and -0731: the steps do not run the draft model) are traced once,
 and each trunk compiles in its own process, all at once.
@@ -62,7 +63,7 @@ def _compile_for_sm90(out_dir: str, *names: str) -> None:
     rows, declined = [], {}
     for variant, (cases, disabled, fp8, invariant) in VARIANTS.items():
         c = base.replace(expert_dtype="fp8", held_experts="fp8", held_dense="fp8") if fp8 else base
-        found = model_launches(c, cases, disabled, batch_invariant_swaps() if invariant else None)
+        found = model_launches(c, cases, disabled, batch_invariant_swaps((), "nvidia") if invariant else None)
         declined.update({f"{variant}: {swap}": whys for swap, whys in found.declined.items()})
         for key, (launch, case, op) in found.launches.items():
             if key not in done:

@@ -25,6 +25,7 @@ _MODULES: tuple[str, ...] = (
     "rope",
     "rope_table",
     "mhc",
+    "mhc_expand",
     "router",
     "batch_invariant",
     "bi_reduce",

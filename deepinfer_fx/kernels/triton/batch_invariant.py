@@ -1,13 +1,20 @@
 """``deepinfer::bi_matmul`` on CUDA (``kernels/ops_bi.py``): ``y = x @ w.T`` whose rows do
 not depend on M, for batch-invariant inference (``passes/batch_invariant.py``).
 
-One tiling for every M: ``BM`` x ``BN`` output tiles, the whole K walked in ``BK`` steps in
-ascending order by one program, accumulated in fp32 (no split-K, no atomics, M never chosen
-on). A row's dot products are then the same MMA sequence alone or in any batch and at any
-position in its tile, since a tensor-core MMA reduces each output the same way; the column
-tile may follow N (``tiles``), which a row's bits may depend on. fp32 operands multiply in IEEE
-fp32 (no TF32). Simple by design: no TMA, no PDL, no persistent schedule; what it costs
-against cuBLAS and the skinny kernel is what ``bench/batch_invariant.py`` measures.
+What a row's bits depend on is the order of its k-reduction, not the tile: a program walks its
+k range in ascending ``BK`` steps into one fp32 accumulator, and a tensor-core MMA (or an IEEE
+fp32 FMA chain) adds each k step into an output the same way at any tile size, warp count or
+position in the tile. On an H100 every tiling tried gave the same bits (BM 16 to 128, BN 32 to
+256, BK 32 to 128, 1 to 8 warps, mma and wgmma; docs/decisions.md), so the tile follows M: small
+tiles where a decode batch has a few rows, large ones at prefill.
+
+The k chunks are the one thing fixed by the weight alone: where N's column tiles are too few to
+spread a decode step's weight read over the GPU, K is cut into ``splits(n, k)`` chunks, each
+summed by its own program into fp32 partials, and a second launch adds the partials in chunk
+order. M never enters that choice, so a row sees the same chunks alone and in any batch; the
+partials cost ``splits x M x N x 4`` bytes, small for the narrow weights that split. fp32
+operands multiply in IEEE fp32 (no TF32). No TMA, no PDL, no persistent schedule: what it
+costs against cuBLAS and the skinny kernel is what ``bench/batch_invariant.py`` measures.
 """
 
 from __future__ import annotations
@@ -18,19 +25,33 @@ import triton.language as tl
 
 from .. import ops_bi  # noqa: F401  (declares deepinfer::bi_matmul before we register for it)
 
-BM = 64  # rows per tile: fixed, never chosen from M
-BK = 64
-BK_FP32 = 32  # fp32 operands (IEEE dots): 64-wide k steps spilled ~400 bytes at sm_90
-WARPS, STAGES = 4, 3
+_PROGRAMS = 128  # the column tiles x k chunks a decode step aims for (an H100 / H200 has 132 SMs)
+_CHUNK_MIN = 256  # the narrowest k chunk: a multiple of every BK below
+_DECODE_BN = 32  # column tile of a decode-sized call: N / 32 programs before any split
 
 
-def tiles(n: int) -> int:
-    """The column tile for a weight of ``n`` rows: narrower tiles where N alone gives few programs
-    (decode is weight streaming; without split-K the column tiles are all the parallelism)."""
-    return 64 if n >= 8192 else 32
+def splits(n: int, k: int) -> int:
+    """The k chunks of a weight of ``n`` rows and ``k`` columns: a power of two that brings the
+    decode-sized launch's programs up to ``_PROGRAMS`` while every chunk stays a multiple of
+    ``_CHUNK_MIN`` wide. Reads the weight's shape only."""
+    s = 1
+    while triton.cdiv(n, _DECODE_BN) * s < _PROGRAMS and k % (2 * s * _CHUNK_MIN) == 0:
+        s *= 2
+    return s
 
 
-@triton.jit(do_not_specialize=["M"])  # one binary for every M
+def tiles(m: int, fp32: bool) -> dict[str, int]:
+    """The launch tile for ``m`` rows (any tile gives a row the same bits, above)."""
+    if fp32:  # FMA dots: 64-wide k steps spilled at sm_90
+        return dict(BM=16 if m <= 16 else 64, BN=32, BK=32, num_warps=4, num_stages=3)
+    if m <= 16:
+        return dict(BM=16, BN=_DECODE_BN, BK=128, num_warps=4, num_stages=4)
+    if m <= 256:
+        return dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)
+    return dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+@triton.jit(do_not_specialize=["M"])  # one binary for every M of a tile class
 def _bi_matmul_kernel(
     x_ptr,
     w_ptr,
@@ -43,18 +64,20 @@ def _bi_matmul_kernel(
     swk,
     sym,
     syn,
+    sys,
     K: tl.constexpr,
+    CHUNK: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BK):
         kk = k0 + rk
         a = tl.load(
             x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
@@ -68,7 +91,19 @@ def _bi_matmul_kernel(
         else:
             acc = tl.dot(a, b, acc)
     out = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    dst = y_ptr + chunk * sys + rm[:, None] * sym + rn[None, :] * syn
+    tl.store(dst, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _sum_chunks_kernel(part_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr):
+    """y = the fp32 partials [S, M*N] added in chunk order 0, 1, ..., S-1."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, S):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
@@ -78,24 +113,29 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
     y = torch.empty(m, n, device=x.device, dtype=torch.float32 if out_fp32 else x.dtype)
     if m == 0:
         return y
-    bn = tiles(n)
-    _bi_matmul_kernel[(triton.cdiv(m, BM), triton.cdiv(n, bn))](
+    fp32 = x.dtype == torch.float32
+    t = tiles(m, fp32)
+    s = splits(n, k)
+    part = y if s == 1 else torch.empty(s, m, n, device=x.device, dtype=torch.float32)
+    _bi_matmul_kernel[(triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]), s)](
         x,
         w,
-        y,
+        part,
         m,
         n,
         *x.stride(),
         *w.stride(),
-        *y.stride(),
+        part.stride(-2),
+        part.stride(-1),
+        part.stride(0) if s > 1 else 0,
         K=k,
-        BM=BM,
-        BN=bn,
-        BK=BK_FP32 if x.dtype == torch.float32 else BK,
-        IEEE=x.dtype == torch.float32,
-        num_warps=WARPS,
-        num_stages=STAGES,
+        CHUNK=k // s if s > 1 else triton.cdiv(k, t["BK"]) * t["BK"],
+        IEEE=fp32,
+        **t,
     )
+    if s > 1:
+        block = 1024
+        _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, S=s, BLOCK=block, num_warps=4)
     return y
 
 
