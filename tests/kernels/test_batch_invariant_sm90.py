@@ -45,6 +45,33 @@ def test_rows_do_not_depend_on_m(n: int, k: int, dtype: torch.dtype, out_fp32: b
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), f"seed={seed}: {err}"
 
 
+# tilings (BM, BN, BK, warps, stages): mma and wgmma, 1 to 8 warps
+TILINGS = [(16, 32, 128, 4, 4), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (32, 32, 32, 2, 3)]
+
+
+@pytest.mark.parametrize("n,k,dtype", [(1024, 4096, torch.bfloat16), (24, 16384, torch.float32)])
+def test_rows_do_not_depend_on_the_tile(n: int, k: int, dtype: torch.dtype) -> None:
+    """What lets ``tiles`` follow M: without a k split every tiling gives a row the same bits."""
+    import triton
+
+    from deepinfer_fx.kernels.triton.batch_invariant import _bi_matmul_kernel
+
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(300, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(dtype)
+    outs = []
+    for bm, bn, bk, warps, stages in TILINGS[:3] + [(16, 32, 32, 4, 3)] if dtype == torch.float32 else TILINGS:
+        y = torch.empty(300, n, device="cuda", dtype=torch.float32)
+        grid = (triton.cdiv(300, bm), triton.cdiv(n, bn), 1)
+        chunk = triton.cdiv(k, bk) * bk
+        args = (x, w, y, 300, n, *x.stride(), *w.stride(), *y.stride(), 0)
+        kw = dict(K=k, CHUNK=chunk, BM=bm, BN=bn, BK=bk if dtype != torch.float32 else min(bk, 32))
+        _bi_matmul_kernel[grid](*args, **kw, IEEE=dtype == torch.float32, num_warps=warps, num_stages=stages)
+        outs.append(y)
+    assert all(torch.equal(o, outs[0]) for o in outs), f"seed={seed}"
+
+
 def test_runs_of_one_call_repeat_bit_for_bit() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(100, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
