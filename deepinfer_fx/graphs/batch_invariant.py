@@ -208,15 +208,18 @@ def canonical_order(k_pos: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tens
     """Each query's visible keys in one canonical order: window keys by position, then the
     compressed entries as given (ascending), whatever the layout (a prefill chunk's ring then its
     own rows, a decode ring). -> ``order`` ``[C, T, N]`` (key indices, the visible ones first) and
-    ``count`` ``[C, T]`` (how many are visible). Sorting and counting are exact on every device."""
-    n, nw = bias.shape[-1], k_pos.shape[-1]
-    at = torch.arange(n, device=bias.device, dtype=torch.int32)
-    # 32-bit ranks (positions below 2^30, entries after any position, hidden keys last): a GPU's
-    # radix sort takes half the passes of 64-bit keys, ~5 of a P8 4096-token prefill's 24 ms
-    rank = torch.where(at < nw, torch.nn.functional.pad(k_pos.int(), (0, n - nw)), at + (1 << 30))
-    seen = bias == 0
-    order = torch.where(seen, rank[:, None, :], (1 << 31) - 1).argsort(dim=-1, stable=True)
-    return order, seen.sum(-1)
+    ``count`` ``[C, T]`` (how many are visible). One sort a chunk (its window keys by position),
+    then each query's visible keys moved first by integer prefix sums, not a sort per query: on an
+    H100 the per-query radix sort was ~5.8 of a P8 4096-token prefill's 24.4 ms. Exact everywhere."""
+    c, t, n = bias.shape
+    nw = k_pos.shape[-1]
+    entries = torch.arange(nw, n, device=bias.device).expand(c, n - nw)
+    keys = torch.cat([k_pos.argsort(dim=-1, stable=True), entries], -1)[:, None, :].expand(c, t, n)
+    seen = (bias == 0).gather(-1, keys)  # in the canonical order of the keys
+    count = seen.sum(-1)
+    # a stable partition: the i-th visible key goes to i, the i-th hidden one to count + i
+    dest = torch.where(seen, seen.cumsum(-1) - 1, count[..., None] + (~seen).cumsum(-1) - 1)
+    return torch.empty_like(dest).scatter_(-1, dest, keys), count
 
 
 def attend_sorted(
