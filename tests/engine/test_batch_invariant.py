@@ -166,10 +166,12 @@ def test_compiled_equals_eager() -> None:
     assert got == want, f"seed={seed}"
 
 
-def test_gpu_table_on_the_cpu(monkeypatch) -> None:
+def test_gpu_table_on_the_cpu(monkeypatch, tmp_path) -> None:
     """The nvidia table (its invariant kernels: mHC sites, the compressor, norms and RoPE at
-    every size) run on the CPU, where each op's kernel is its reference under the forms: the
-    CPU table's bits, eagerly and compiled; a disabled swap leaves its place to the form."""
+    every size, the indexer's top-k) run on the CPU, where each op's kernel is its reference under
+    the forms: the CPU table's bits, eagerly and compiled; a disabled swap leaves its place to the
+    form. The compiled steps lift no host tensor constant (on a GPU aot_eager would copy it in at
+    every call, which CUDA-graph capture refuses: V4.1's first collapse did, found on an H100)."""
     gpu = batch_invariant_swaps((), "nvidia")
     assert gpu["mhc.mhc_site"] is not reference("mhc.mhc_site") and "norm.rms_norm" in gpu
     assert batch_invariant_swaps((), "cpu")["mhc.mhc_site"] is reference("mhc.mhc_site")
@@ -182,9 +184,12 @@ def test_gpu_table_on_the_cpu(monkeypatch) -> None:
     want = [_result(o) for o in make_llm(model, max_num_seqs=4, max_num_batched_tokens=16).generate(prompts, params)]
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
     for eager in (True, False):
-        llm = make_llm(model, eager=eager, max_num_seqs=4, max_num_batched_tokens=16)
+        dump = None if eager else tmp_path
+        llm = make_llm(model, eager=eager, max_num_seqs=4, max_num_batched_tokens=16, dump_graphs=dump)
         assert llm.runner.swaps["norm.rms_norm"] is gpu["norm.rms_norm"]
         assert [_result(o) for o in llm.generate(prompts, params)] == want, f"seed={seed} eager={eager}"
+    lifted = [f.name for f in tmp_path.rglob("*.py") if "lift_fresh_copy" in f.read_text()]
+    assert not lifted and list(tmp_path.rglob("*.py")), f"host constants in compiled steps: {lifted[:5]}"
 
 
 def test_switch_from_env_and_argument(monkeypatch) -> None:
