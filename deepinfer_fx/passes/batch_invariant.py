@@ -118,11 +118,12 @@ def _mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torc
 
 
 # Where the accelerator has kernels that give a row the same bits alone and in any batch, at
-# every size (their tests assert it: tests/kernels/test_triton_{mhc,compressor,norm,indexer}.py; the
-# pointwise RoPE and mHC-expand kernels hold it by construction), the flag keeps them, eagerly too, in place of
-# the forms' dozens of launches a call: kernel swaps by pass name (which DEEPINFER_DISABLE_PASSES
-# turns off here as well), then places of their own. RoPE's kernels stand at every size, not
-# from the pipeline's thresholds up, so a token gets the same bits at prefill and at decode.
+# every size (their tests assert it: tests/kernels/test_triton_{mhc,compressor,norm,indexer}.py;
+# the pointwise RoPE and mHC-expand kernels hold it by construction), the flag keeps them, eagerly
+# too, in place of the forms' dozens of launches a call: kernel swaps by pass name (which
+# DEEPINFER_DISABLE_PASSES turns off here as well), then places of their own. RoPE's kernels stand
+# at every size, not from the pipeline's thresholds up, so a token gets the same bits at prefill
+# and at decode. On an H100 they took P8's decode step from 1147 launches to 270 (docs/decisions.md).
 INVARIANT_KERNELS: dict[str, tuple[str, ...]] = {
     "nvidia": (
         "mhc_site_kernel",
