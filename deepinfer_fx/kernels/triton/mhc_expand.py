@@ -6,9 +6,9 @@ token and ``BLOCK_D`` channels of every stream, so a token's rows are read once 
 element is computed from its own token alone (batch-invariant by construction). The roundings
 are the reference's: ``comb`` and ``post`` rounded to X's dtype, the mix accumulated in fp32 over
 ``j`` in order and rounded once, ``post_k * y`` rounded, then the sum rounded (on an H100 the
-results were still not eager ATen's bits: within a few ulp, ``tests/kernels/test_triton_mhc_expand.py``). Compiled steps
-under Inductor fuse the reference by themselves; this serves the steps that are not fused
-(batch-invariant inference runs aot_eager and eager steps, ``passes/batch_invariant.py``).
+results were still not eager ATen's bits: within a few ulp, ``test_triton_mhc_expand.py``).
+Compiled steps under Inductor fuse the reference by themselves; this serves the steps that are
+not fused (batch-invariant inference runs aot_eager and eager steps, ``passes/batch_invariant.py``).
 """
 
 from __future__ import annotations
