@@ -71,6 +71,7 @@ class StepGraphs(GraphEntries, StepSizes):
         engram_budget: int | None = None,
         context: ContextRank | None = None,
         saved: SavedSteps | None = None,
+        invariant: bool = False,
     ) -> None:
         """``max_drafts``: the most draft tokens a verify chunk carries (0: no verify steps).
         ``n_drafts``: drafts the model's drafter proposes after every step (``mtp`` / ``dspark``; 0: none).
@@ -87,7 +88,9 @@ class StepGraphs(GraphEntries, StepSizes):
         rank's place in a CP group; prefill chunks are then padded to a multiple of twice its
         size and each step runs this rank's static share of them (``sharding.cp.split_bucket``).
         ``saved``: Inductor-compiled steps saved ahead of time and loaded on a later start
-        (``passes/saved_steps.py``; None: traced by ``torch.compile`` on every start)."""
+        (``passes/saved_steps.py``; None: traced by ``torch.compile`` on every start). ``invariant``:
+        batch-invariant steps (with ``over`` its table): each compiled graph is checked for float
+        sums outside the fixed-order ops (``passes/invariant_guard.py``)."""
         self.config, self.params = model
         self.state = state
         self.next_token = next_token
@@ -127,6 +130,7 @@ class StepGraphs(GraphEntries, StepSizes):
             disabled=self.disabled,
             split=None if context is None else context.bucket,
             saved=saved,
+            invariant=invariant,
         )
         self.engram: list[Placed] = []  # where each Engram table went (compiled steps)
         if compile:

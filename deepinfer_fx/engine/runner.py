@@ -111,6 +111,7 @@ class ModelRunner:
             engram_budget=engram_budget(self.device, options.engram_device_gib),
             context=context if options.compiled else None,
             saved=SavedSteps(options.saved_dir) if options.saved_dir else None,
+            invariant=options.batch_invariant,
         )
         self.keep = options.keep
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)

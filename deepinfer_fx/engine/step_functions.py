@@ -48,8 +48,9 @@ class StepFunctions:
         disabled: Sequence[str],
         split: Callable[[Batch], Batch] | None = None,
         saved: SavedSteps | None = None,
+        invariant: bool = False,
     ) -> None:
-        """``split``: context parallelism, a prefill bucket -> this rank's static share
+        """``invariant``: batch-invariant steps (``passes/invariant_guard.py`` checks each graph). ``split``: context parallelism, a prefill bucket -> this rank's static share
         (``sharding.cp.ContextRank.bucket``); decode steps run whole. ``saved``: where Inductor-compiled
         model parts and drafters are saved ahead of time and loaded on a later start
         (``passes/saved_steps.py``; None: ``torch.compile`` alone)."""
@@ -61,6 +62,7 @@ class StepFunctions:
         self.vocab_ids = vocab_ids  # the sampler's race keys (sampler.sample_mode)
         self.accelerator, self.compile = accelerator, compile
         self.inductor, self.dump_dir, self.disabled = inductor, dump_dir, tuple(disabled)
+        self.invariant = invariant
         self._forwards: dict[tuple, Callable] = {}  # one compiled model part per bucket, shared by its modes
         self._samplers: dict[tuple, Callable] = {}  # one compiled sampler per (mode, k, masked), every bucket
         self._drafters: dict[tuple, Callable] = {}  # one compiled drafter per bucket
@@ -142,7 +144,15 @@ class StepFunctions:
         if not self.compile:
             return None
         # ``disabled`` holds every name (StepGraphs resolved the environment's): read none here
-        return make_backend(self.accelerator, self.disabled, self.dump_dir, name, inductor=self.inductor, environ={})
+        return make_backend(
+            self.accelerator,
+            self.disabled,
+            self.dump_dir,
+            name,
+            inductor=self.inductor,
+            environ={},
+            invariant=self.invariant,
+        )
 
     def forward(
         self, layout: Layout, backend: DeepinferBackend | None, in_force: str | None, streams: bool = False

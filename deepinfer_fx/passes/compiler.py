@@ -46,6 +46,7 @@ from .. import kernels  # noqa: F401  (registers torch.ops.deepinfer.*, which th
 from ..kernels.launch_options import pdl_wanted
 from . import inductor_pdl
 from .dump import GraphDump, start_dump
+from .invariant_guard import check_invariant_graph, inductor_patches
 from .manager import PassRecord, Pipeline, build_pipeline
 from .pattern import aten_decompositions
 
@@ -75,18 +76,25 @@ class DeepinferBackend:
     the graphs after the pipeline, for tests and the start-up report."""
 
     def __init__(
-        self, pipeline: Pipeline, name: str, dump_dir: str | os.PathLike | None, inductor: bool, pdl: bool = False
+        self,
+        pipeline: Pipeline,
+        name: str,
+        dump_dir: str | os.PathLike | None,
+        inductor: bool,
+        pdl: bool = False,
+        invariant: bool = False,
     ) -> None:
         self.pipeline = pipeline
         self.name = name
         self.dump_dir = None if dump_dir is None else Path(dump_dir)
         self.inductor = inductor
         self.pdl = pdl  # Inductor's kernels launched with PDL (patched: each waits first)
+        self.invariant = invariant  # a batch-invariant step: checked, and Inductor set to eager's rounding
         self.records: list[list[PassRecord]] = []
         self.graphs: list[torch.fx.GraphModule] = []
 
     def cache_key(self) -> str:
-        key = self.pipeline.uuid()
+        key = self.pipeline.uuid() + ("+batch-invariant" if self.invariant else "")
         return f"{key}+{inductor_pdl.PATCH_ID}" if self.pdl else key
 
     def rewrites(self) -> dict[str, int]:
@@ -131,6 +139,8 @@ class DeepinferBackend:
                 dump.stage(p.name, gm, rewrites=record.rewrites, uuid=record.uuid, declined=record.declined)
 
         self.records.append(self.pipeline.run(gm, after))
+        if self.invariant:
+            check_invariant_graph(gm, self.name)
         self.graphs.append(gm)
         gm.meta[META_KEY] = self.cache_key()
 
@@ -147,6 +157,8 @@ class DeepinferBackend:
         from torch._inductor.compile_fx import compile_fx  # heavy; only the Inductor path pays
 
         patches: dict[str, Any] = {"post_grad_custom_post_pass": _PipelineAsInductorPass(self, dump)}
+        if self.invariant:
+            patches.update(inductor_patches())
         if self.pdl:
             inductor_pdl.install()
             patches["triton.enable_pdl"] = True
@@ -175,6 +187,7 @@ class DeepinferBackend:
             "uuid": self.cache_key(),
             "backend": "inductor" if self.inductor else "aot_eager",
             "inductor_pdl": self.pdl,
+            "batch_invariant": self.invariant,
         }
 
 
@@ -187,15 +200,19 @@ def make_backend(
     inductor: bool = False,
     environ: Mapping[str, str] | None = None,
     pdl: bool | None = None,
+    invariant: bool = False,
 ) -> DeepinferBackend:
     """A backend running ``accelerator``'s pipeline minus ``disabled`` (and minus the names in
     ``DEEPINFER_DISABLE_PASSES`` of ``environ``, default ``os.environ``); ``name`` (kind and
     bucket, see ``dump.graph_name``) names the graph's dump under ``dump_dir``. ``pdl`` (None:
     ``launch_options.pdl_wanted()``, which the engine sets from ``DEEPINFER_PDL``) PDL-launches
-    Inductor's kernels on the nvidia pipeline."""
+    Inductor's kernels on the nvidia pipeline. ``invariant``: a batch-invariant step's graphs, each
+    refused if it sums floats outside the fixed-order ops, and compiled by Inductor with eager's
+    rounding (``invariant_guard.py``)."""
     wanted = pdl_wanted() if pdl is None else pdl
     pdl = accelerator == "nvidia" and inductor and wanted
-    return DeepinferBackend(build_pipeline(accelerator, disabled, environ), name, dump_dir, inductor, pdl)
+    pipeline = build_pipeline(accelerator, disabled, environ)
+    return DeepinferBackend(pipeline, name, dump_dir, inductor, pdl, invariant)
 
 
 def compile_graph(
