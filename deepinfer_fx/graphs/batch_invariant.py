@@ -217,8 +217,11 @@ def canonical_order(k_pos: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tens
     keys = torch.cat([k_pos.argsort(dim=-1, stable=True), entries], -1)[:, None, :].expand(c, t, n)
     seen = (bias == 0).gather(-1, keys)  # in the canonical order of the keys
     count = seen.sum(-1)
-    # a stable partition: the i-th visible key goes to i, the i-th hidden one to count + i
-    dest = torch.where(seen, seen.cumsum(-1) - 1, count[..., None] + (~seen).cumsum(-1) - 1)
+    # a stable partition: the i-th visible key goes to i, the i-th hidden one to count + i; key j
+    # has ``j + 1 - visible`` hidden ones up to it (one int32 scan: the sort's cost at decode)
+    visible = seen.to(torch.int32).cumsum(-1, dtype=torch.int32)
+    at = torch.arange(n, device=bias.device, dtype=torch.int32)
+    dest = torch.where(seen, visible - 1, count[..., None] + (at - visible)).long()
     return torch.empty_like(dest).scatter_(-1, dest, keys), count
 
 

@@ -6,7 +6,7 @@ fixed by the shapes of one row, never by the row count; no split that follows th
 - ``bi_matmul``: x ``[M, K]`` @ w ``[N, K]``.T in x's dtype or fp32 (``kernels/triton/batch_invariant.py``);
 - ``bi_sum`` / ``bi_mean`` / ``bi_cumsum``: a float sum / mean / scan over one dim (``kernels/triton/bi_reduce.py``);
 - ``bi_attend``: attention over each query's keys in the canonical order (``kernels/triton/bi_attention.py``);
-- ``bi_moe_experts``: the routed experts with one tiling at every row count (``kernels/triton/moe.py``);
+- ``bi_moe_experts``: the routed experts, each token's k rows summed in k order (``kernels/triton/moe.py``);
 - ``bi_index_scores``: the indexer's scores (``kernels/triton/indexer.py``, invariant as it stands).
 """
 

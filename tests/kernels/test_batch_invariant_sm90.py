@@ -1,7 +1,7 @@
 """``deepinfer::bi_matmul``'s Triton kernel (``kernels/triton/batch_invariant.py``) and
-``deepinfer::bi_moe_experts``'s tiles (``kernels/triton/moe.py``) on a GPU: a row's bits do not
+``deepinfer::bi_moe_experts`` (``kernels/triton/moe.py``) on a GPU: a row's bits do not
 depend on M (1 to 4096 rows, P8's projection shapes, bf16 and fp32; the experts at every released
-width), and the results are close to cuBLAS's and the grouped GEMM's. Skipped without CUDA
+width), the matmul's close to cuBLAS's and the experts' the speed path's own. Skipped without CUDA
 (Triton's interpreter cannot run bf16 dots)."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_rows_do_not_depend_on_the_tile(n: int, k: int, dtype: torch.dtype) -> N
         grid = (triton.cdiv(300, bm), triton.cdiv(n, bn), 1)
         chunk = triton.cdiv(k, bk) * bk
         args = (x, w, y, 300, n, *x.stride(), *w.stride(), *y.stride(), 0)
-        kw = dict(K=k, CHUNK=chunk, BM=bm, BN=bn, BK=bk if dtype != torch.float32 else min(bk, 32))
+        kw = dict(K=k, CHUNK=chunk, S=1, BM=bm, BN=bn, BK=bk if dtype != torch.float32 else min(bk, 32))
         _bi_matmul_kernel[grid](*args, **kw, IEEE=dtype == torch.float32, num_warps=warps, num_stages=stages)
         outs.append(y)
     assert all(torch.equal(o, outs[0]) for o in outs), f"seed={seed}"
@@ -86,9 +86,9 @@ EXPERT_SHAPES = [(16, 2048, 4096, 6), (16, 2048, 5120, 6), (8, 3072, 7168, 6)]
 
 @pytest.mark.parametrize("e,inter,dim,k", EXPERT_SHAPES)
 def test_expert_rows_do_not_depend_on_the_batch(e: int, inter: int, dim: int, k: int) -> None:
-    """``deepinfer::bi_moe_experts`` (one tiling at every row count): a token's result is the same
-    bits alone, among decode-sized and prefill-sized batches (1 to 2048 tokens), and close to the
-    grouped GEMM's."""
+    """``deepinfer::bi_moe_experts`` (the grouped kernels with their tiles chosen by row count): a
+    token's result is the same bits alone and among decode-sized and prefill-sized batches (1 to
+    2048 tokens), and the speed path's own result."""
     seed = random.SystemRandom().randrange(2**31)
     g = torch.Generator(device="cuda").manual_seed(seed)
     w1, w3 = ((torch.randn(e, inter, dim, device="cuda", generator=g) * dim**-0.5).bfloat16() for _ in range(2))
@@ -102,6 +102,4 @@ def test_expert_rows_do_not_depend_on_the_batch(e: int, inter: int, dim: int, k:
         rows = torch.randperm(t, device="cuda", generator=g)[:m]
         got = torch.ops.deepinfer.bi_moe_experts(x[rows], w1, w3, w2, idx[rows], rw[rows], 10.0)
         assert torch.equal(got, full[rows]), f"seed={seed} T={m}"
-    ref = torch.ops.deepinfer.moe_experts(x, w1, w3, w2, idx, rw, 10.0)
-    err = ((full - ref).abs().max() / ref.abs().max()).item()
-    assert err < 2e-2, f"seed={seed}: {err}"
+    assert torch.equal(full, torch.ops.deepinfer.moe_experts(x, w1, w3, w2, idx, rw, 10.0)), f"seed={seed}"

@@ -237,3 +237,19 @@ def test_compiles_for_sm90_without_spills(h: int, sm90_ptx: Path) -> None:
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 128, f"{(sm90_ptx / f'h{h}.txt').read_text()}\n{log}"
     assert "mma" in ptx
+
+
+def test_canonical_order_is_a_stable_partition_of_the_sorted_keys() -> None:
+    """``canonical_order``: window keys by position, then the entries in their order, each query's
+    visible keys first and its hidden ones after, both in that order; ``count`` the visible ones."""
+    seed = _fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    for c, t, n, nw in [(2, 3, 37, 16), (3, 1, 50, 50), (1, 5, 9, 0), (2, 2, 1, 1)]:
+        k_pos, bias = _layout(g, c, t, n, nw)
+        order, count = canonical_order(k_pos, bias)
+        for ci in range(c):
+            keys = sorted(range(nw), key=lambda j: int(k_pos[ci, j])) + list(range(nw, n))
+            for ti in range(t):
+                shown = [j for j in keys if bias[ci, ti, j] == 0]
+                want = shown + [j for j in keys if bias[ci, ti, j] != 0]
+                assert order[ci, ti].tolist() == want and int(count[ci, ti]) == len(shown), f"seed {seed}"

@@ -8,13 +8,17 @@ position in the tile. On an H100 every tiling tried gave the same bits (BM 16 to
 256, BK 32 to 128, 1 to 8 warps, mma and wgmma; docs/decisions.md), so the tile follows M: small
 tiles where a decode batch has a few rows, large ones at prefill.
 
-The k chunks are the one thing fixed by the weight alone: where N's column tiles are too few to
-spread a decode step's weight read over the GPU, K is cut into ``splits(n, k)`` chunks, each
-summed by its own program into fp32 partials, and a second launch adds the partials in chunk
-order. M never enters that choice, so a row sees the same chunks alone and in any batch; the
-partials cost ``splits x M x N x 4`` bytes, small for the narrow weights that split. fp32
-operands multiply in IEEE fp32 (no TF32). No TMA, no PDL, no persistent schedule: what it
-costs against cuBLAS and the skinny kernel is what ``bench/batch_invariant.py`` measures.
+The k chunks are the one thing fixed by the weight alone. A bf16 weight is cut where the skinny
+decode kernel cuts it (``linear.choose_tiles``: K split until N's column tiles and the splits
+fill the GPU), and calls of up to ``MAX_ROWS`` rows run that kernel itself (one launch, the
+partials summed in split order by the last program to arrive): a decode step pays what it pays
+with the flag off. Larger calls run the kernel here over the same chunks, each from a zero
+accumulator, added in chunk order, so a row has the same bits at every M. Where M brings enough
+tiles to fill the GPU (prefill) each program runs its chunks one after another and adds them
+itself; otherwise each chunk has its own program writing fp32 partials and a second launch adds
+them. fp32 operands multiply in IEEE fp32 (no TF32), cut by ``splits`` (the skinny kernel's
+128-wide k steps would spill in fp32, as 64-wide ones already do). No TMA, no persistent schedule at prefill: what it costs against
+cuBLAS and the skinny kernel is what ``bench/batch_invariant.py`` measures.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import triton
 import triton.language as tl
 
 from .. import ops_bi  # noqa: F401  (declares deepinfer::bi_matmul before we register for it)
+from ..ops_linear import MAX_ROWS
+from .linear import choose_tiles, skinny_linear_triton
 
 _PROGRAMS = 128  # the column tiles x k chunks a decode step aims for (an H100 / H200 has 132 SMs)
 _CHUNK_MIN = 256  # the narrowest k chunk: a multiple of every BK below
@@ -31,13 +37,24 @@ _DECODE_BN = 32  # column tile of a decode-sized call: N / 32 programs before an
 
 
 def splits(n: int, k: int) -> int:
-    """The k chunks of a weight of ``n`` rows and ``k`` columns: a power of two that brings the
-    decode-sized launch's programs up to ``_PROGRAMS`` while every chunk stays a multiple of
+    """The k chunks of an fp32 weight of ``n`` rows and ``k`` columns: a power of two that brings
+    the decode-sized launch's programs up to ``_PROGRAMS`` while every chunk stays a multiple of
     ``_CHUNK_MIN`` wide. Reads the weight's shape only."""
     s = 1
     while triton.cdiv(n, _DECODE_BN) * s < _PROGRAMS and k % (2 * s * _CHUNK_MIN) == 0:
         s *= 2
     return s
+
+
+def chunks(n: int, k: int, fp32: bool) -> tuple[int, int]:
+    """(chunk width, chunk count) of a weight ``[n, k]``: the skinny kernel's k splits for bf16
+    (``linear.choose_tiles``), ``splits`` for fp32."""
+    if fp32:
+        s = splits(n, k)
+        return (k // s, s)
+    t = choose_tiles(n, k)
+    width = triton.cdiv(triton.cdiv(k, t.split), t.bk) * t.bk
+    return width, triton.cdiv(k, width)
 
 
 def tiles(m: int, fp32: bool) -> dict[str, int]:
@@ -49,6 +66,13 @@ def tiles(m: int, fp32: bool) -> dict[str, int]:
     if m <= 256:
         return dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)
     return dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+def inline_chunks(m: int, n: int, fp32: bool) -> bool:
+    """Whether ``m`` rows bring enough tiles to fill the GPU, so that each program takes every k
+    chunk in turn (the same bits as the partials summed, in one launch)."""
+    t = tiles(m, fp32)
+    return triton.cdiv(m, t["BM"]) * triton.cdiv(n, t["BN"]) >= _PROGRAMS
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every M of a tile class
@@ -67,31 +91,40 @@ def _bi_matmul_kernel(
     sys,
     K: tl.constexpr,
     CHUNK: tl.constexpr,
+    S: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid_m, pid_n, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One tile over k chunk ``program_id(2)`` (partials, summed by ``_sum_chunks_kernel``), or,
+    with ``S`` > 1 and one program per tile, over every chunk in turn, each from zero, added in
+    chunk order here: the partials' sum, bit for bit, without them."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BK):
-        kk = k0 + rk
-        a = tl.load(
-            x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
-        )
-        b = tl.load(
-            w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0
-        )
-        b = b.to(x_ptr.dtype.element_ty)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    out = acc.to(y_ptr.dtype.element_ty)
-    dst = y_ptr + chunk * sys + rm[:, None] * sym + rn[None, :] * syn
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for c in range(S):
+        chunk = tl.program_id(2) + c
+        end = tl.minimum(chunk * CHUNK + CHUNK, K)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BK):
+            kk = k0 + rk
+            a = tl.load(
+                x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < end), other=0.0
+            )
+            b = tl.load(
+                w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < end), other=0.0
+            )
+            b = b.to(x_ptr.dtype.element_ty)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        total = tl.where(c == 0, acc, total + acc)  # not 0 + acc: a -0.0 partial stays -0.0
+    out = total.to(y_ptr.dtype.element_ty)
+    dst = y_ptr + tl.program_id(2) * sys + rm[:, None] * sym + rn[None, :] * syn
     tl.store(dst, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -110,14 +143,18 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
     """x ``[M, K]``, w ``[N, K]`` -> ``[M, N]`` in x's dtype or fp32, rows independent of M."""
     m, k = x.shape
     n = w.shape[0]
+    fp32 = x.dtype == torch.float32
+    if 0 < m <= MAX_ROWS and x.dtype == w.dtype == torch.bfloat16:
+        return skinny_linear_triton(x, w, out_fp32)  # the same chunks (``chunks``), one launch
     y = torch.empty(m, n, device=x.device, dtype=torch.float32 if out_fp32 else x.dtype)
     if m == 0:
         return y
-    fp32 = x.dtype == torch.float32
     t = tiles(m, fp32)
-    s = splits(n, k)
-    part = y if s == 1 else torch.empty(s, m, n, device=x.device, dtype=torch.float32)
-    _bi_matmul_kernel[(triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]), s)](
+    width, s = chunks(n, k, fp32)
+    grid_mn = (triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]))
+    inline = s > 1 and inline_chunks(m, n, fp32)
+    part = y if s == 1 or inline else torch.empty(s, m, n, device=x.device, dtype=torch.float32)
+    _bi_matmul_kernel[(*grid_mn, 1 if inline else s)](
         x,
         w,
         part,
@@ -127,13 +164,14 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
         *w.stride(),
         part.stride(-2),
         part.stride(-1),
-        part.stride(0) if s > 1 else 0,
+        part.stride(0) if part.dim() == 3 else 0,
         K=k,
-        CHUNK=k // s if s > 1 else triton.cdiv(k, t["BK"]) * t["BK"],
+        CHUNK=width if s > 1 else triton.cdiv(k, t["BK"]) * t["BK"],
+        S=s if inline else 1,
         IEEE=fp32,
         **t,
     )
-    if s > 1:
+    if part.dim() == 3:
         block = 1024
         _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, S=s, BLOCK=block, num_warps=4)
     return y

@@ -163,25 +163,6 @@ def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles,
     return gate_up._replace(bk=min(gate_up.bk, 64)), down._replace(bk=min(down.bk, 64))
 
 
-# Batch-invariant inference's one tiling (rows per block, warps, stages), at every row count: the
-# MMA a row goes through then never changes with the batch (16-row and 128-row tiles lower to
-# different instructions on sm_90, whose bits differ).
-BI_TILE = Tiles(64, 128, 64, 8, 4, 3)
-
-
-def invariant_tiles(inter: int, dim: int) -> tuple[Tiles, Tiles]:
-    """The gate/up and down tiles of ``deepinfer::bi_moe_experts``: ``BI_TILE`` with its column and
-    k tiles no wider than the next power of two of the shapes, so a function of the shapes alone."""
-
-    def fit(n: int, k: int) -> Tiles:
-        return BI_TILE._replace(
-            bn=min(BI_TILE.bn, max(16, triton.next_power_of_2(n))),
-            bk=min(BI_TILE.bk, max(16, triton.next_power_of_2(k))),
-        )
-
-    return fit(inter, dim), fit(dim, inter)
-
-
 def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (pair ids grouped by expert ``[T*k]``, each expert's end row ``[E]``), both int32;
     with ``shared``, ``[T*(k+1)]`` and ``[E+1]``: each token's pair k is the shared expert E.
@@ -479,9 +460,12 @@ def bi_moe_experts_triton(
     weight: torch.Tensor,
     limit: float,
 ) -> torch.Tensor:
-    """``deepinfer::bi_moe_experts``: ``moe_experts_triton`` with ``invariant_tiles`` at every row
-    count; each token's k rows are summed in k order (the form lists its experts ascending)."""
-    return run_experts(x, (w1, w3, w2), None, 0, idx, weight, limit, None, invariant_tiles(w1.shape[1], w1.shape[2]))
+    """``deepinfer::bi_moe_experts``: ``moe_experts_triton`` itself, its tiles chosen by row count:
+    a row's bits follow only its k steps, which ``choose_tiles`` never cuts by the rows (on an
+    H100 a token's result was the same bits alone and among 2 to 4096 tokens, and equal to one
+    fixed 64-row tiling's, at P8, V4.1 and V4-Pro widths: docs/decisions.md); each token's k rows
+    are summed in k order (the form lists its experts ascending)."""
+    return run_experts(x, (w1, w3, w2), None, 0, idx, weight, limit, None)
 
 
 torch.library.register_kernel("deepinfer::moe_experts", "cuda", moe_experts_triton)
