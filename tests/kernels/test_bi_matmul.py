@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer_fx.kernels.triton.batch_invariant import (
     _bi_matmul_kernel,
@@ -19,10 +20,11 @@ from deepinfer_fx.kernels.triton.batch_invariant import (
     inline_chunks,
     splits,
     tiles,
+    use_tma,
 )
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, s: int, inline: bool) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, s: int, inline: bool, tma: bool = False) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     t = tiles(m, x.dtype == torch.float32)
@@ -31,7 +33,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: int, inline: bool) -> torch.Ten
     grid = (triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]), 1 if inline else s)
     stride_s = 0 if inline else part.stride(0)
     args = (x, w, part, m, n, *x.stride(), *w.stride(), part.stride(-2), part.stride(-1), stride_s)
-    _bi_matmul_kernel[grid](*args, K=k, CHUNK=k // s, S=s if inline else 1, IEEE=x.dtype == torch.float32, **t)
+    descs = {}
+    if tma:
+        descs = dict(
+            x_desc=TensorDescriptor.from_tensor(x, [t["BM"], t["BK"]]),
+            w_desc=TensorDescriptor.from_tensor(w, [t["BN"], t["BK"]]),
+        )
+    kw = dict(K=k, CHUNK=k // s, S=s if inline else 1, IEEE=x.dtype == torch.float32, **t, **descs)
+    _bi_matmul_kernel[grid](*args, **kw)
     if not inline:
         _sum_chunks_kernel[(triton.cdiv(m * n, 256),)](part, y, m * n, S=s, BLOCK=256)
     return y
@@ -49,6 +58,19 @@ def test_chunks_in_one_program_equal_the_partials_summed(device: str, s: int) ->
         inline, summed = _launch(x, w, s, True), _launch(x, w, s, False)
         assert torch.equal(inline, summed) and torch.equal(inline.signbit(), summed.signbit()), f"{seed=} {dtype}"
         torch.testing.assert_close(inline, x.float() @ w.float().T, atol=1e-3, rtol=1e-3, msg=f"{seed=}")
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_tma_tiles_equal_loaded_tiles(device: str, inline: bool) -> None:
+    """Tiles read through tensor descriptors (prefill-sized calls, ``use_tma``) give the bits of
+    the masked loads, rows and columns past the ends included."""
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    for dtype in [torch.float32] + ([torch.bfloat16] if device == "cuda" else []):
+        x = torch.randn(300, 512, generator=g).to(device, dtype)
+        w = torch.randn(40, 512, generator=g).to(device, dtype)
+        assert use_tma(x, w, 256, tiles(300, dtype == torch.float32)["BK"])
+        assert torch.equal(_launch(x, w, 2, inline, tma=True), _launch(x, w, 2, inline)), f"{seed=} {dtype}"
 
 
 def test_prefill_sized_calls_take_the_chunks_inline(device: str) -> None:

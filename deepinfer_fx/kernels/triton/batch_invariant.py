@@ -17,8 +17,9 @@ accumulator, added in chunk order, so a row has the same bits at every M. Where 
 tiles to fill the GPU (prefill) each program runs its chunks one after another and adds them
 itself; otherwise each chunk has its own program writing fp32 partials and a second launch adds
 them. fp32 operands multiply in IEEE fp32 (no TF32), cut by ``splits`` (the skinny kernel's
-128-wide k steps would spill in fp32, as 64-wide ones already do). No TMA, no persistent schedule at prefill: what it costs against
-cuBLAS and the skinny kernel is what ``bench/batch_invariant.py`` measures.
+128-wide k steps would spill in fp32, as 64-wide ones already do). Prefill-sized calls read
+their tiles through TMA (``use_tma``); no persistent schedule: what it costs against cuBLAS and
+the skinny kernel is what ``bench/batch_invariant.py`` measures.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import ops_bi  # noqa: F401  (declares deepinfer::bi_matmul before we register for it)
 from ..ops_linear import MAX_ROWS
@@ -68,6 +70,17 @@ def tiles(m: int, fp32: bool) -> dict[str, int]:
     return dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
 
 
+def use_tma(x: torch.Tensor, w: torch.Tensor, width: int, bk: int) -> bool:
+    """Whether a prefill-sized call reads its tiles through TMA: more than 256 rows, operands of
+    one dtype with unit k stride and 16-byte aligned rows, chunks of whole k tiles, sm_90 or the
+    interpreter."""
+    aligned = all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, w)
+    )
+    gpu_ok = x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.shape[0] > 256 and x.dtype == w.dtype and aligned and width % bk == 0 and gpu_ok
+
+
 def inline_chunks(m: int, n: int, fp32: bool) -> bool:
     """Whether ``m`` rows bring enough tiles to fill the GPU, so that each program takes every k
     chunk in turn (the same bits as the partials summed, in one launch)."""
@@ -96,10 +109,14 @@ def _bi_matmul_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     IEEE: tl.constexpr,
+    x_desc=None,
+    w_desc=None,
 ):
     """One tile over k chunk ``program_id(2)`` (partials, summed by ``_sum_chunks_kernel``), or,
     with ``S`` > 1 and one program per tile, over every chunk in turn, each from zero, added in
-    chunk order here: the partials' sum, bit for bit, without them."""
+    chunk order here: the partials' sum, bit for bit, without them. With tensor descriptors of x
+    (blocks ``[BM, BK]``) and w (``[BN, BK]``) the tiles come through TMA, out-of-range rows and k
+    as zeros; every chunk is then a whole number of k tiles (``use_tma``)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -110,13 +127,21 @@ def _bi_matmul_kernel(
         end = tl.minimum(chunk * CHUNK + CHUNK, K)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BK):
-            kk = k0 + rk
-            a = tl.load(
-                x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < end), other=0.0
-            )
-            b = tl.load(
-                w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < end), other=0.0
-            )
+            if w_desc is None:
+                kk = k0 + rk
+                a = tl.load(
+                    x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < end),
+                    other=0.0,
+                )
+                b = tl.load(
+                    w_ptr + rn[None, :] * swn + kk[:, None] * swk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < end),
+                    other=0.0,
+                )
+            else:
+                a = x_desc.load([pid_m * BM, k0])
+                b = tl.trans(w_desc.load([pid_n * BN, k0]))
             b = b.to(x_ptr.dtype.element_ty)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -154,6 +179,13 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
     grid_mn = (triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]))
     inline = s > 1 and inline_chunks(m, n, fp32)
     part = y if s == 1 or inline else torch.empty(s, m, n, device=x.device, dtype=torch.float32)
+    chunk = width if s > 1 else triton.cdiv(k, t["BK"]) * t["BK"]
+    descs = (None, None)
+    if use_tma(x, w, chunk, t["BK"]):
+        descs = (
+            TensorDescriptor.from_tensor(x, [t["BM"], t["BK"]]),
+            TensorDescriptor.from_tensor(w, [t["BN"], t["BK"]]),
+        )
     _bi_matmul_kernel[(*grid_mn, 1 if inline else s)](
         x,
         w,
@@ -166,10 +198,12 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
         part.stride(-1),
         part.stride(0) if part.dim() == 3 else 0,
         K=k,
-        CHUNK=width if s > 1 else triton.cdiv(k, t["BK"]) * t["BK"],
+        CHUNK=chunk,
         S=s if inline else 1,
         IEEE=fp32,
         **t,
+        x_desc=descs[0],
+        w_desc=descs[1],
     )
     if part.dim() == 3:
         block = 1024
