@@ -28,7 +28,6 @@ from .attention import attend, ring_keys
 from . import indexer
 from .indexer import read_keys
 from .moe import _score, swiglu_act
-from .norm import dequant_dense, project
 from .reduce import sum_over
 
 # Elements of an fp32 product materialised at once (4 MiB: it stays in cache, where 256 MiB blocks
@@ -64,11 +63,10 @@ def fixed_order_matmul(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torc
     return y if out_fp32 else y.to(x.dtype)
 
 
-def project_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``norm.project_blocks`` as one projection per block, each through ``norm.project``
-    (the table puts the fixed-order matmul there)."""
-    w = dequant_dense(w, scale, x.dtype)
-    return torch.cat([project(a, b, False) for a, b in zip(x.chunk(blocks, -1), w.chunk(blocks, 0))], -1)
+def fixed_order_matmul_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+    """x ``[M, G*K]`` times the block-diagonal weight of w's ``G`` row blocks (w ``[G*R, K]``) ->
+    ``[M, G*R]`` in x's dtype: ``fixed_order_matmul`` block by block (``norm.project_blocks``)."""
+    return torch.cat([fixed_order_matmul(a, b, False) for a, b in zip(x.chunk(blocks, -1), w.chunk(blocks, 0))], -1)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ own operands), and its CUDA kernel a Triton kernel with the same property by con
 fixed by the shapes of one row, never by the row count; no split that follows the batch).
 
 - ``bi_matmul``: x ``[M, K]`` @ w ``[N, K]``.T in x's dtype or fp32 (``kernels/triton/batch_invariant.py``);
+- ``bi_matmul_blocks``: x ``[M, G*K]`` times a block-diagonal weight (``norm.project_blocks``), one launch at decode;
 - ``bi_sum`` / ``bi_mean`` / ``bi_cumsum``: a float sum / mean / scan over one dim (``kernels/triton/bi_reduce.py``);
 - ``bi_attend``: attention over each query's keys in the canonical order (``kernels/triton/bi_attention.py``);
 - ``bi_moe_experts``: the routed experts, each token's k rows summed in k order (``kernels/triton/moe.py``);
@@ -20,6 +21,9 @@ from .declare import declare_op
 from .ops_linear import _rows_fake
 
 bi_matmul = declare_op("bi_matmul", bi.fixed_order_matmul, _rows_fake)
+bi_matmul_blocks = declare_op(
+    "bi_matmul_blocks", bi.fixed_order_matmul_blocks, lambda x, w, **_: x.new_empty(x.shape[0], w.shape[0])
+)
 bi_sum = declare_op("bi_sum", sum_over, lambda x, dim, keepdim: x.sum(dim, keepdim=keepdim))
 bi_mean = declare_op("bi_mean", mean_over, lambda x, dim, keepdim: x.mean(dim, keepdim=keepdim))
 bi_cumsum = declare_op("bi_cumsum", cumsum_over, lambda x, **_: torch.empty_like(x))

@@ -25,6 +25,7 @@ import torch
 from ..graphs import batch_invariant as bi
 from ..graphs import model as _model  # noqa: F401  (importing the model registers every place)
 from ..graphs.moe import dequant_experts, held_format
+from ..graphs.norm import dequant_dense
 from ..graphs.rope import apply_rope
 from ..graphs.swap import places, reference
 from ..kernels import ops_bi  # noqa: F401  (declares the deepinfer::bi_* ops)
@@ -34,6 +35,13 @@ from .swap_calls import apply_rope_call, cos_sin_call
 
 def _project(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.Tensor:
     y = torch.ops.deepinfer.bi_matmul(x.reshape(-1, x.shape[-1]), w, out_fp32)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _project_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``norm.project_blocks`` through ``deepinfer::bi_matmul_blocks`` (a block-FP8 weight dequantised first)."""
+    w = dequant_dense(w, scale, x.dtype)
+    y = torch.ops.deepinfer.bi_matmul_blocks(x.reshape(-1, x.shape[-1]), w, blocks)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -86,7 +94,7 @@ def _index_scores(
 # The places whose reference could change with the batch, and what replaces each.
 FORMS: dict[str, Callable[..., Any]] = {
     "norm.project": _project,
-    "norm.project_blocks": bi.project_blocks,
+    "norm.project_blocks": _project_blocks,
     "pointwise.sigmoid": bi.sigmoid,
     "pointwise.silu": bi.silu,
     "pointwise.softplus": bi.softplus,

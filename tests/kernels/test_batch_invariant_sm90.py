@@ -1,4 +1,4 @@
-"""``deepinfer::bi_matmul``'s Triton kernel (``kernels/triton/batch_invariant.py``) and
+"""``deepinfer::bi_matmul``'s (and ``bi_matmul_blocks``') Triton kernel (``kernels/triton/batch_invariant.py``) and
 ``deepinfer::bi_moe_experts`` (``kernels/triton/moe.py``) on a GPU: a row's bits do not
 depend on M (1 to 4096 rows, P8's projection shapes, bf16 and fp32; the experts at every released
 width), the matmul's close to cuBLAS's and the experts' the speed path's own. Skipped without CUDA
@@ -41,6 +41,29 @@ def test_rows_do_not_depend_on_m(n: int, k: int, dtype: torch.dtype, out_fp32: b
         got = torch.ops.deepinfer.bi_matmul(x[rows], w, out_fp32)
         assert torch.equal(got, full[rows]), f"seed={seed} M={m}"
     ref = x.float() @ w.float().T
+    err = ((full.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), f"seed={seed}: {err}"
+
+
+# (G, R, K) of the grouped wo_a: V4-Flash / V4.1-Flash (8 x 1024 of 4096), V4-Pro (16 x 1024 of 8192)
+BLOCKS = [(8, 1024, 4096), (16, 1024, 8192)]
+
+
+@pytest.mark.parametrize("g_,r,k", BLOCKS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_rows_do_not_depend_on_m(g_: int, r: int, k: int, dtype: torch.dtype) -> None:
+    """``bi_matmul_blocks``: the skinny blocks kernel up to 16 rows, a launch a block above, one
+    row's bits at every M; the product of the block-diagonal weight."""
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(g_ * r, k, device="cuda", generator=g) * k**-0.5).to(dtype)
+    x = torch.randn(max(ROWS), g_ * k, device="cuda", generator=g).to(dtype)
+    full = torch.ops.deepinfer.bi_matmul_blocks(x, w, g_)
+    for m in ROWS:
+        rows = torch.randperm(max(ROWS), device="cuda", generator=g)[:m]
+        got = torch.ops.deepinfer.bi_matmul_blocks(x[rows], w, g_)
+        assert torch.equal(got, full[rows]), f"seed={seed} M={m}"
+    ref = torch.einsum("mgi,gri->mgr", x.float().unflatten(1, (g_, k)), w.float().unflatten(0, (g_, r))).flatten(1)
     err = ((full.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), f"seed={seed}: {err}"
 

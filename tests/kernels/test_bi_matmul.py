@@ -16,6 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from deepinfer_fx.kernels.triton.batch_invariant import (
     _bi_matmul_kernel,
     _sum_chunks_kernel,
+    bi_matmul_blocks_triton,
     bi_matmul_triton,
     inline_chunks,
     splits,
@@ -87,3 +88,20 @@ def test_prefill_sized_calls_take_the_chunks_inline(device: str) -> None:
     torch.testing.assert_close(full, x @ w.T, atol=1e-4, rtol=1e-4, msg=f"{seed=}")
     if device == "cuda":  # the interpreter's dot follows the block: rows alike on a GPU only
         assert torch.equal(bi_matmul_triton(x[:16], w, True), full[:16]), f"{seed=}"
+
+
+@pytest.mark.parametrize("m", [5, 300])
+def test_blocks_equal_a_matmul_a_block(device: str, m: int) -> None:
+    """``bi_matmul_blocks`` off the skinny path (fp32 here; prefill-sized bf16 on a GPU): block
+    g of the output is ``bi_matmul`` of x's block g and w's, written in place into the output's
+    columns (the chunk partials summed there too)."""
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    blocks, r, k = 3, 40, 512
+    assert splits(r, k) == 2  # the partials' path at 5 rows
+    x = torch.randn(m, blocks * k, generator=g).to(device)
+    w = (torch.randn(blocks * r, k, generator=g) * k**-0.5).to(device)
+    got = bi_matmul_blocks_triton(x, w, blocks)
+    for b in range(blocks):
+        want = bi_matmul_triton(x[:, b * k : (b + 1) * k].contiguous(), w[b * r : (b + 1) * r], False)
+        assert torch.equal(got[:, b * r : (b + 1) * r], want), f"{seed=} block {b}"

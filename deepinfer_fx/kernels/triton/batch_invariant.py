@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import ops_bi  # noqa: F401  (declares deepinfer::bi_matmul before we register for it)
 from ..ops_linear import MAX_ROWS
-from .linear import choose_tiles, skinny_linear_triton
+from .linear import choose_tiles, skinny_linear_blocks_triton, skinny_linear_triton
 
 _PROGRAMS = 128  # the column tiles x k chunks a decode step aims for (an H100 / H200 has 132 SMs)
 _CHUNK_MIN = 256  # the narrowest k chunk: a multiple of every BK below
@@ -168,14 +168,40 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
     """x ``[M, K]``, w ``[N, K]`` -> ``[M, N]`` in x's dtype or fp32, rows independent of M."""
     m, k = x.shape
     n = w.shape[0]
-    fp32 = x.dtype == torch.float32
     if 0 < m <= MAX_ROWS and x.dtype == w.dtype == torch.bfloat16:
         return skinny_linear_triton(x, w, out_fp32)  # the same chunks (``chunks``), one launch
     y = torch.empty(m, n, device=x.device, dtype=torch.float32 if out_fp32 else x.dtype)
+    _launch(x, w, y, *chunks(n, k, x.dtype == torch.float32))
+    return y
+
+
+def bi_matmul_blocks_triton(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+    """x ``[M, G*K]`` times the block-diagonal weight of w's ``G`` row blocks (w ``[G*R, K]``) ->
+    ``[M, G*R]`` in x's dtype, rows independent of M (``graphs/norm.py::project_blocks``, the
+    grouped ``wo_a``). bf16: the blocks are cut in k where the skinny blocks kernel cuts the
+    whole stacked weight, and calls of up to ``MAX_ROWS`` rows run that kernel (one launch at
+    decode, where a launch per block cost ``G`` launches a layer); larger ones a launch per block
+    over the same chunks. Other dtypes: ``bi_matmul`` block by block."""
+    m = x.shape[0]
+    r, k = w.shape[0] // blocks, w.shape[1]
+    bf16 = x.dtype == w.dtype == torch.bfloat16
+    if 0 < m <= MAX_ROWS and bf16:
+        return skinny_linear_blocks_triton(x, w, blocks)
+    y = torch.empty(m, w.shape[0], device=x.device, dtype=x.dtype)
+    for b in range(blocks):
+        xb, wb = x[:, b * k : (b + 1) * k], w[b * r : (b + 1) * r]
+        _launch(xb, wb, y[:, b * r : (b + 1) * r], *chunks(w.shape[0] if bf16 else r, k, x.dtype == torch.float32))
+    return y
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, width: int, s: int) -> None:
+    """y ``[M, N]`` (any strides) = x @ w.T over ``s`` k chunks of ``width``, added in chunk order."""
+    m, k = x.shape
+    n = w.shape[0]
     if m == 0:
-        return y
+        return
+    fp32 = x.dtype == torch.float32
     t = tiles(m, fp32)
-    width, s = chunks(n, k, fp32)
     grid_mn = (triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]))
     inline = s > 1 and inline_chunks(m, n, fp32)
     part = y if s == 1 or inline else torch.empty(s, m, n, device=x.device, dtype=torch.float32)
@@ -207,8 +233,11 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
     )
     if part.dim() == 3:
         block = 1024
-        _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, S=s, BLOCK=block, num_warps=4)
-    return y
+        summed = y if y.is_contiguous() else torch.empty(m, n, device=x.device, dtype=y.dtype)
+        _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, summed, m * n, S=s, BLOCK=block, num_warps=4)
+        if summed is not y:
+            y.copy_(summed)
 
 
 torch.library.register_kernel("deepinfer::bi_matmul", "cuda", bi_matmul_triton)
+torch.library.register_kernel("deepinfer::bi_matmul_blocks", "cuda", bi_matmul_blocks_triton)
