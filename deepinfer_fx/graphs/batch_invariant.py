@@ -63,6 +63,12 @@ def fixed_order_matmul(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torc
     return y if out_fp32 else y.to(x.dtype)
 
 
+def fixed_order_matmul_group(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
+    """``[fixed_order_matmul(x, w, out_fp32) for w in ws]``: projections of one input, which a
+    kernel may run in one launch where that keeps each one's bits (``passes/grouping.py``)."""
+    return [fixed_order_matmul(x, w, out_fp32) for w in ws]
+
+
 def fixed_order_matmul_blocks(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
     """x ``[M, G*K]`` times the block-diagonal weight of w's ``G`` row blocks (w ``[G*R, K]``) ->
     ``[M, G*R]`` in x's dtype: ``fixed_order_matmul`` block by block (``norm.project_blocks``)."""

@@ -4,6 +4,7 @@ own operands), and its CUDA kernel a Triton kernel with the same property by con
 fixed by the shapes of one row, never by the row count; no split that follows the batch).
 
 - ``bi_matmul``: x ``[M, K]`` @ w ``[N, K]``.T in x's dtype or fp32 (``kernels/triton/batch_invariant.py``);
+- ``bi_matmul_group``: ``bi_matmul`` of one x by several weights, bit for bit, fewer launches at decode;
 - ``bi_matmul_blocks``: x ``[M, G*K]`` times a block-diagonal weight (``norm.project_blocks``), one launch at decode;
 - ``bi_sum`` / ``bi_mean`` / ``bi_cumsum``: a float sum / mean / scan over one dim (``kernels/triton/bi_reduce.py``);
 - ``bi_attend``: attention over each query's keys in the canonical order (``kernels/triton/bi_attention.py``);
@@ -21,6 +22,11 @@ from .declare import declare_op
 from .ops_linear import _rows_fake
 
 bi_matmul = declare_op("bi_matmul", bi.fixed_order_matmul, _rows_fake)
+bi_matmul_group = declare_op(
+    "bi_matmul_group",
+    bi.fixed_order_matmul_group,
+    lambda x, ws, out_fp32: [_rows_fake(x, w, out_fp32) for w in ws],
+)
 bi_matmul_blocks = declare_op(
     "bi_matmul_blocks", bi.fixed_order_matmul_blocks, lambda x, w, **_: x.new_empty(x.shape[0], w.shape[0])
 )

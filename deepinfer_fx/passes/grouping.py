@@ -1,7 +1,9 @@
 """Decode projections of one input in one launch: ``deepinfer.skinny_linear`` nodes that read
 the same rows => one ``deepinfer.skinny_linear_group`` node and a ``getitem`` per projection;
 ``deepinfer.skinny_linear_fp8`` nodes (block-FP8 weights held as stored) of one scale block =>
-one ``deepinfer.skinny_linear_fp8_group``.
+one ``deepinfer.skinny_linear_fp8_group``; under batch invariance, ``deepinfer.bi_matmul`` nodes
+=> one ``deepinfer.bi_matmul_group``, whose kernel keeps each projection's bits (it launches
+together only the weights its decode kernel cuts into the same k chunks).
 
 At decode a layer projects its normed input through ``wq_a`` and ``wkv`` (bf16 results) and, in
 compressed layers, through the compressors' and the indexer's weights (fp32 results); its query
@@ -17,7 +19,7 @@ result dtype and on the weights' K and strides. The group node goes where the fi
 a member whose weight is computed after that point (not a parameter) stays alone. Groups hold
 at most ``MAX_GROUP`` weights. A group's tiling depends on its weights' shapes only, so results
 stay batch-invariant; they can differ from the ungrouped call's in the last bits (another
-split of K), as any change of tiling does.
+split of K), as any change of tiling does (not ``bi_matmul_group``'s: eager == compiled holds).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.fx
 
 from .. import kernels  # noqa: F401  (registers torch.ops.deepinfer.*, which this pass inserts)
 from ..io.quant import fp8_block_of
+from ..kernels import ops_bi  # noqa: F401  (declares deepinfer::bi_matmul_group)
 from ..kernels.ops_linear import MAX_GROUP
 from .manager import GraphPass, register_pass
 
@@ -50,13 +53,14 @@ def _rows_key(x: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, ...]]:
 _GROUPED = {
     torch.ops.deepinfer.skinny_linear.default: torch.ops.deepinfer.skinny_linear_group.default,
     torch.ops.deepinfer.skinny_linear_fp8.default: torch.ops.deepinfer.skinny_linear_fp8_group.default,
+    torch.ops.deepinfer.bi_matmul.default: torch.ops.deepinfer.bi_matmul_group.default,
 }
 
 
 @register_pass
 class SkinnyLinearGroup(GraphPass):
     """``deepinfer.skinny_linear`` x N on one input => ``deepinfer.skinny_linear_group`` (and the
-    same for ``skinny_linear_fp8`` of one scale block)."""
+    same for ``skinny_linear_fp8`` of one scale block, and ``bi_matmul``)."""
 
     name: ClassVar[str] = "skinny_linear_group"
     accelerators: ClassVar[frozenset[str]] = frozenset({"cpu", "nvidia"})

@@ -132,3 +132,24 @@ def test_fp8_projections_of_one_input_group_by_block() -> None:
     groups = [n for n in be.graphs[-1].graph.nodes if n.target is torch.ops.deepinfer.skinny_linear_fp8_group.default]
     assert len(groups) == 1 and len(groups[0].args[1]) == 2 and len(groups[0].args[2]) == 2, f"seed={seed}"
     assert targets.count(torch.ops.deepinfer.skinny_linear_fp8.default) == 1 and targets.count(SINGLE) == 1
+
+
+def test_batch_invariant_projections_group_bit_for_bit() -> None:
+    """Under batch invariance (the table's ``norm.project`` form: ``deepinfer::bi_matmul``) the
+    projections of one input group into one ``bi_matmul_group`` per result dtype, and compiled
+    equals eager bit for bit (the group's kernel keeps each projection's bits), fp32 and bf16."""
+    from deepinfer_fx.passes.batch_invariant import batch_invariant_swaps
+
+    seed = torch.seed() % 2**31
+    for dtype in (torch.float32, torch.bfloat16):
+        args = tuple(a.to(dtype) for a in _inputs(seed))
+        be = make_backend("cpu", environ={}, invariant=True)
+        compiled = compile_graph(layer, be)
+        with torch.no_grad(), swapped(batch_invariant_swaps()):
+            got = compiled(*args)
+            want = layer(*args)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"seed={seed} {dtype} output {i}"
+        groups = [n for n in be.graphs[-1].graph.nodes if n.target is torch.ops.deepinfer.bi_matmul_group.default]
+        assert sorted(len(n.args[1]) for n in groups) == [2, 2], f"seed={seed} {dtype}"
+        assert _targets(be.graphs[-1]).count(torch.ops.deepinfer.bi_matmul.default) == 2

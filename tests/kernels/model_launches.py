@@ -14,7 +14,7 @@ so their effect is reproduced here:
   model's ``graphs/norm.py::rms_norm`` and ``graphs/moe.py::swiglu_act`` (with a clamp): those two
   functions are replaced by their ops while the steps run (every call, so at least the fused ones);
 - ``skinny_linear_group`` merges decode projections of one input: the recorded
-  ``skinny_linear`` / ``skinny_linear_fp8`` calls are laid out as an FX graph (a placeholder per
+  ``skinny_linear`` / ``skinny_linear_fp8`` / ``bi_matmul`` calls are laid out as an FX graph (a placeholder per
   input tensor they view, one per weight and scale) and the pass itself groups them.
 
 Kernel swaps that decline a call (``SwapRow.unserved``) are collected with their reasons.
@@ -71,6 +71,19 @@ class ModelLaunches:
             self.launches.setdefault(launch.key(), (launch, case, op))
 
 
+# the projection ops the grouping pass merges, and the ops it merges them into
+_PROJECTIONS = (
+    torch.ops.deepinfer.skinny_linear.default,
+    torch.ops.deepinfer.skinny_linear_fp8.default,
+    torch.ops.deepinfer.bi_matmul.default,
+)
+_GROUPS = (
+    torch.ops.deepinfer.skinny_linear_group.default,
+    torch.ops.deepinfer.skinny_linear_fp8_group.default,
+    torch.ops.deepinfer.bi_matmul_group.default,
+)
+
+
 class _OpCalls(TorchDispatchMode):
     """Hands every ``deepinfer`` op call to its CUDA launcher (launches recorded) and lets the op's
     meta implementation give the result; projection calls wait for the grouping."""
@@ -78,14 +91,14 @@ class _OpCalls(TorchDispatchMode):
     def __init__(self, out: ModelLaunches, case: str) -> None:
         super().__init__()
         self.out, self.case = out, case
-        self.skinny: list[tuple] = []  # (x, w[, scale], out_fp32)
+        self.skinny: list[tuple] = []  # (op, x, w[, scale], out_fp32)
         self._seen: set[tuple] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func.namespace == "deepinfer":
-            if func in (torch.ops.deepinfer.skinny_linear.default, torch.ops.deepinfer.skinny_linear_fp8.default):
-                self.skinny.append(args)  # type: ignore[arg-type]
+            if func in _PROJECTIONS:
+                self.skinny.append((func, *args))
             else:
                 self.launch(func._schema.name, args, kwargs)
         return func(*args, **kwargs)
@@ -109,8 +122,8 @@ def _meta_key(a: Any) -> Any:
 
 
 def _grouped(calls: list[tuple]) -> torch.fx.GraphModule:
-    """The projection calls (``skinny_linear``: x, w, out_fp32; ``skinny_linear_fp8``: x, w,
-    scale, out_fp32) as the traced graph holds them (each input a view of the tensor its rows
+    """The projection calls (``skinny_linear`` and ``bi_matmul``: op, x, w, out_fp32;
+    ``skinny_linear_fp8``: op, x, w, scale, out_fp32) as the traced graph holds them (each input a view of the tensor its rows
     come from, each weight and scale a placeholder), after ``skinny_linear_group``."""
 
     def root(x: torch.Tensor) -> torch.Tensor:  # the tensor x views (the calls keep it alive: ids stay unique)
@@ -118,21 +131,20 @@ def _grouped(calls: list[tuple]) -> torch.fx.GraphModule:
 
     g = torch.fx.Graph()
     roots: dict[int, torch.fx.Node] = {}
-    for x, *_ in calls:
+    for _, x, *_ in calls:
         if id(root(x)) not in roots:
             roots[id(root(x))] = g.placeholder(f"x{len(roots)}")
             roots[id(root(x))].meta["val"] = root(x)
     held = []  # each call's weight (and scale) placeholders
-    for i, (_, *tensors, _) in enumerate(calls):
+    for i, (_, _, *tensors, _) in enumerate(calls):
         held.append([g.placeholder(f"w{i}_{j}") for j in range(len(tensors))])
         for node, t in zip(held[-1], tensors):
             node.meta["val"] = t
     outs = []
-    for (x, w, *_, out_fp32), nodes in zip(calls, held):
+    for (op, x, w, *_, out_fp32), nodes in zip(calls, held):
         view = g.call_function(torch.ops.aten.view.default, (roots[id(root(x))], list(x.shape)))
         view.meta["val"] = x
-        op = torch.ops.deepinfer.skinny_linear if len(nodes) == 1 else torch.ops.deepinfer.skinny_linear_fp8
-        outs.append(g.call_function(op.default, (view, *nodes, out_fp32)))
+        outs.append(g.call_function(op, (view, *nodes, out_fp32)))
         outs[-1].meta["val"] = torch.empty(
             x.shape[0], w.shape[0], dtype=torch.float32 if out_fp32 else x.dtype, device="meta"
         )
@@ -151,12 +163,7 @@ def _launch_skinny(calls: list[tuple], rec: _OpCalls) -> None:
         )
 
     for node in _grouped(calls).graph.nodes:
-        if node.op == "call_function" and node.target in (
-            torch.ops.deepinfer.skinny_linear.default,
-            torch.ops.deepinfer.skinny_linear_group.default,
-            torch.ops.deepinfer.skinny_linear_fp8.default,
-            torch.ops.deepinfer.skinny_linear_fp8_group.default,
-        ):
+        if node.op == "call_function" and node.target in _PROJECTIONS + _GROUPS:
             rec.launch(node.target._schema.name, tuple(val(a) for a in node.args), {})
 
 

@@ -1,4 +1,4 @@
-"""``deepinfer::bi_matmul``'s (and ``bi_matmul_blocks``') Triton kernel (``kernels/triton/batch_invariant.py``) and
+"""``deepinfer::bi_matmul``'s (and ``bi_matmul_group``'s, ``bi_matmul_blocks``') Triton kernel (``kernels/triton/batch_invariant.py``) and
 ``deepinfer::bi_moe_experts`` (``kernels/triton/moe.py``) on a GPU: a row's bits do not
 depend on M (1 to 4096 rows, P8's projection shapes, bf16 and fp32; the experts at every released
 width), the matmul's close to cuBLAS's and the experts' the speed path's own. Skipped without CUDA
@@ -43,6 +43,26 @@ def test_rows_do_not_depend_on_m(n: int, k: int, dtype: torch.dtype, out_fp32: b
     ref = x.float() @ w.float().T
     err = ((full.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), f"seed={seed}: {err}"
+
+
+# the N of projections of one input (K): V4-Flash's normed input (weights of three chunkings) and query latent
+GROUPS = [((1024, 512, 256, 64, 2048, 2048), 4096), ((32768, 8192), 1024)]
+
+
+@pytest.mark.parametrize("ns,k", GROUPS)
+@pytest.mark.parametrize("out_fp32", [False, True])
+def test_group_rows_equal_each_projection(ns: tuple[int, ...], k: int, out_fp32: bool) -> None:
+    """``bi_matmul_group`` gives each weight ``bi_matmul``'s bits at every M (one skinny launch
+    per chunking up to 16 rows, a call a weight above)."""
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ws = [(torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16) for n in ns]
+    x = torch.randn(max(ROWS), k, device="cuda", generator=g).to(torch.bfloat16)
+    for m in ROWS:
+        rows = torch.randperm(max(ROWS), device="cuda", generator=g)[:m]
+        got = torch.ops.deepinfer.bi_matmul_group(x[rows], ws, out_fp32)
+        for i, w in enumerate(ws):
+            assert torch.equal(got[i], torch.ops.deepinfer.bi_matmul(x[rows], w, out_fp32)), f"seed={seed} M={m} w{i}"
 
 
 # (G, R, K) of the grouped wo_a: V4-Flash / V4.1-Flash (8 x 1024 of 4096), V4-Pro (16 x 1024 of 8192)

@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import ops_bi  # noqa: F401  (declares deepinfer::bi_matmul before we register for it)
 from ..ops_linear import MAX_ROWS
-from .linear import choose_tiles, skinny_linear_blocks_triton, skinny_linear_triton
+from .linear import choose_tiles, skinny_linear_blocks_triton, skinny_linear_group_triton, skinny_linear_triton
 
 _PROGRAMS = 128  # the column tiles x k chunks a decode step aims for (an H100 / H200 has 132 SMs)
 _CHUNK_MIN = 256  # the narrowest k chunk: a multiple of every BK below
@@ -175,6 +175,30 @@ def bi_matmul_triton(x: torch.Tensor, w: torch.Tensor, out_fp32: bool) -> torch.
     return y
 
 
+def bi_matmul_group_triton(x: torch.Tensor, ws: list[torch.Tensor], out_fp32: bool) -> list[torch.Tensor]:
+    """``[bi_matmul_triton(x, w, out_fp32) for w in ws]``, bit for bit: up to ``MAX_ROWS`` bf16
+    rows, the weights cut into the same k chunks run in one skinny group launch over those
+    chunks (``skinny_linear_group``: decode's projections of one input, a launch each
+    otherwise); larger calls and other dtypes a call a weight."""
+    m, k = x.shape
+    if not (0 < m <= MAX_ROWS and x.dtype == torch.bfloat16 and all(w.dtype == x.dtype for w in ws)):
+        return [bi_matmul_triton(x, w, out_fp32) for w in ws]
+    by_chunks: dict[tuple[int, int], list[int]] = {}
+    for i, w in enumerate(ws):
+        by_chunks.setdefault(chunks(w.shape[0], k, False), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(ws)
+    for (width, count), members in by_chunks.items():
+        group = [ws[i] for i in members]
+        t = choose_tiles(sum(w.shape[0] for w in group), k)._replace(split=count)
+        if len(group) == 1 or triton.cdiv(triton.cdiv(k, count), t.bk) * t.bk != width:
+            ys = [skinny_linear_triton(x, w, out_fp32) for w in group]  # the group's k tile would cut elsewhere
+        else:
+            ys = skinny_linear_group_triton(x, group, out_fp32, t)
+        for i, y in zip(members, ys):
+            out[i] = y
+    return out  # type: ignore[return-value]
+
+
 def bi_matmul_blocks_triton(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
     """x ``[M, G*K]`` times the block-diagonal weight of w's ``G`` row blocks (w ``[G*R, K]``) ->
     ``[M, G*R]`` in x's dtype, rows independent of M (``graphs/norm.py::project_blocks``, the
@@ -240,4 +264,5 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, width: int, s: in
 
 
 torch.library.register_kernel("deepinfer::bi_matmul", "cuda", bi_matmul_triton)
+torch.library.register_kernel("deepinfer::bi_matmul_group", "cuda", bi_matmul_group_triton)
 torch.library.register_kernel("deepinfer::bi_matmul_blocks", "cuda", bi_matmul_blocks_triton)
