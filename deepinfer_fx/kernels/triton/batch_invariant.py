@@ -19,7 +19,9 @@ itself; otherwise each chunk has its own program writing fp32 partials and a sec
 them. fp32 operands multiply in IEEE fp32 (no TF32), cut by ``splits`` (the skinny kernel's
 128-wide k steps would spill in fp32, as 64-wide ones already do). Prefill-sized calls read
 their tiles through TMA (``use_tma``); no persistent schedule: what it costs against cuBLAS and
-the skinny kernel is what ``bench/batch_invariant.py`` measures.
+the skinny kernel is what ``bench/batch_invariant.py`` measures. ``bi_matmul_group`` (projections
+of one input) and ``bi_matmul_blocks`` (the grouped ``wo_a``) run as one skinny launch at decode
+over the same chunks, so each row keeps its bits.
 """
 
 from __future__ import annotations
