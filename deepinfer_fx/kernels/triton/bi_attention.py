@@ -42,6 +42,8 @@ WARPS = 8
 def heads_per_program(h: int, dtype: torch.dtype) -> tuple[int, int]:
     """(heads a program, pipeline stages) for ``h`` heads of ``dtype`` q / keys: never of C, T or N."""
     return (64, 2) if h >= 64 and dtype != torch.float32 else (16, 3)
+
+
 _LOG2E = math.log2(math.e)
 
 
