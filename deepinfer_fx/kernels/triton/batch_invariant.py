@@ -207,16 +207,18 @@ def bi_matmul_blocks_triton(x: torch.Tensor, w: torch.Tensor, blocks: int) -> to
     grouped ``wo_a``). bf16: the blocks are cut in k where the skinny blocks kernel cuts the
     whole stacked weight, and calls of up to ``MAX_ROWS`` rows run that kernel (one launch at
     decode, where a launch per block cost ``G`` launches a layer); larger ones a launch per block
-    over the same chunks. Other dtypes: ``bi_matmul`` block by block."""
+    over the same chunks. Other dtypes, and blocks of rows the kernel cannot tile (R not a
+    multiple of 16): ``bi_matmul``'s chunks block by block, at every M."""
     m = x.shape[0]
     r, k = w.shape[0] // blocks, w.shape[1]
-    bf16 = x.dtype == w.dtype == torch.bfloat16
-    if 0 < m <= MAX_ROWS and bf16:
+    # the skinny blocks kernel's column tiles must not straddle blocks: R a multiple of 16
+    skinny = x.dtype == w.dtype == torch.bfloat16 and r % 16 == 0
+    if 0 < m <= MAX_ROWS and skinny:
         return skinny_linear_blocks_triton(x, w, blocks)
     y = torch.empty(m, w.shape[0], device=x.device, dtype=x.dtype)
     for b in range(blocks):
         xb, wb = x[:, b * k : (b + 1) * k], w[b * r : (b + 1) * r]
-        _launch(xb, wb, y[:, b * r : (b + 1) * r], *chunks(w.shape[0] if bf16 else r, k, x.dtype == torch.float32))
+        _launch(xb, wb, y[:, b * r : (b + 1) * r], *chunks(w.shape[0] if skinny else r, k, x.dtype == torch.float32))
     return y
 
 
