@@ -14,8 +14,9 @@ so their effect is reproduced here:
   model's ``graphs/norm.py::rms_norm`` and ``graphs/moe.py::swiglu_act`` (with a clamp): those two
   functions are replaced by their ops while the steps run (every call, so at least the fused ones);
 - ``skinny_linear_group`` merges decode projections of one input: the recorded
-  ``skinny_linear`` / ``skinny_linear_fp8`` / ``bi_matmul`` calls are laid out as an FX graph (a placeholder per
-  input tensor they view, one per weight and scale) and the pass itself groups them.
+  ``skinny_linear`` / ``skinny_linear_fp8`` / ``bi_matmul`` calls are laid out as an FX graph
+  (a placeholder per input tensor they view, one per weight and scale) and the pass itself
+  groups them.
 
 Kernel swaps that decline a call (``SwapRow.unserved``) are collected with their reasons.
 Only in a process without ``TRITON_INTERPRET`` (``sm90_ptxas.compile_in_subprocess``)."""
@@ -91,14 +92,14 @@ class _OpCalls(TorchDispatchMode):
     def __init__(self, out: ModelLaunches, case: str) -> None:
         super().__init__()
         self.out, self.case = out, case
-        self.skinny: list[tuple] = []  # (op, x, w[, scale], out_fp32)
+        self.projections: list[tuple] = []  # (op, x, w[, scale], out_fp32)
         self._seen: set[tuple] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func.namespace == "deepinfer":
             if func in _PROJECTIONS:
-                self.skinny.append((func, *args))
+                self.projections.append((func, *args))
             else:
                 self.launch(func._schema.name, args, kwargs)
         return func(*args, **kwargs)
@@ -123,8 +124,9 @@ def _meta_key(a: Any) -> Any:
 
 def _grouped(calls: list[tuple]) -> torch.fx.GraphModule:
     """The projection calls (``skinny_linear`` and ``bi_matmul``: op, x, w, out_fp32;
-    ``skinny_linear_fp8``: op, x, w, scale, out_fp32) as the traced graph holds them (each input a view of the tensor its rows
-    come from, each weight and scale a placeholder), after ``skinny_linear_group``."""
+    ``skinny_linear_fp8``: op, x, w, scale, out_fp32) as the traced graph holds them (each
+    input a view of the tensor its rows come from, each weight and scale a placeholder), after
+    ``skinny_linear_group``."""
 
     def root(x: torch.Tensor) -> torch.Tensor:  # the tensor x views (the calls keep it alive: ids stay unique)
         return x if x._base is None else x._base
@@ -154,7 +156,7 @@ def _grouped(calls: list[tuple]) -> torch.fx.GraphModule:
     return gm
 
 
-def _launch_skinny(calls: list[tuple], rec: _OpCalls) -> None:
+def _launch_projections(calls: list[tuple], rec: _OpCalls) -> None:
     def val(n: Any) -> Any:
         return (
             [val(m) for m in n]
@@ -263,7 +265,7 @@ def model_launches(
         rec = _OpCalls(out, f"{kind}-t{tokens}")
         with torch.no_grad(), swapped({**pipeline.swaps(), **(over or {})}), _fused_as_ops(), rec:
             _step(c, params, kind, tokens)()
-        _launch_skinny(rec.skinny, rec)
+        _launch_projections(rec.projections, rec)
     for p in pipeline.passes:
         if isinstance(p, KernelSwap) and (whys := p.declines()):
             out.declined[p.name] = list(whys)

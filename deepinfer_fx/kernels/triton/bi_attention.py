@@ -28,11 +28,11 @@ import triton.language as tl
 
 from .. import ops_bi  # noqa: F401  (declares deepinfer::bi_attend before we register for it)
 
-# Constants of the model's widths, never of C, T or N (which would move a query's bits). At the
+# Functions of the model's widths, never of C, T or N (which would move a query's bits). At the
 # released widths (D 512, bf16, 64 or 128 heads) a program takes 64 heads: each gathered key tile
 # then serves four times the heads, and on an H100 P8's 4096-token prefill attention took 2.1 ms
-# against 4.1 with 16 (equal bits across T; not across the two head tilings, so the choice is one
-# of H and dtypes only). sm_90 offline: 235 registers, no spills, one program an SM at 8 warps and
+# against 4.1 with 16 (the two head tilings give different bits, so the choice is one of H and
+# the dtypes only). sm_90 offline: 235 registers, no spills, one program an SM at 8 warps and
 # 2 stages. fp32 and narrow heads keep 16 heads a program (118 registers, 3 stages: a tile's
 # key indices read a tile ahead). The 32-key tile is fixed (64-key tiles spilled).
 BN = 32
