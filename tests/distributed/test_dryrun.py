@@ -1,8 +1,8 @@
 """Dry runs (``sharding/dryrun.py``, ``generate --dry-run``): one rank traced in this process on
-the fake process group, with abstract weights of the released V4-Flash and V4.1-Flash configs:
-ep8 on configs cut to a few layers of every kind (exact shapes and bytes), and the issue's
-``--mesh ep64`` command on the whole released V4.1-Flash. Every MoE layer must show one set of
-EP all-to-alls with the bytes its static capacity implies."""
+the fake process group, with abstract weights of the released V4-Flash and V4.1-Flash configs cut
+to a few layers of every kind (exact shapes and bytes): ep8, and the issue's ``--mesh ep64``
+command. Every MoE layer must show one set of EP all-to-alls with the bytes its static capacity
+implies."""
 
 from __future__ import annotations
 
@@ -104,13 +104,19 @@ def test_cli_v4_flash_ep8(tmp_path, capsys) -> None:
     assert NOT_REAL in out and (dump / "collectives.txt").read_text().strip().endswith(NOT_REAL)
 
 
-def test_cli_released_v41_flash_ep64(tmp_path, capsys) -> None:
-    """The issue's command on the packaged V4.1-Flash config, every layer (~2.5 min here)."""
-    n = config_from_dict(json.loads(DEFAULT_CONFIG.read_text())).num_hidden_layers
+def test_cli_v41_flash_ep64(tmp_path, capsys) -> None:
+    """The issue's ``--mesh ep64`` command on V4.1-Flash cut to a few layers of every role (the
+    whole 43-layer stack traces the same layers ~10 min here)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    c = config_from_dict(_trimmed("deepseek_v41_flash"))
+    (model / "config.json").write_text(json.dumps(_trimmed("deepseek_v41_flash")))
     dump = tmp_path / "graphs"
-    assert generate.main(["--mesh", "ep64", "--dry-run", "--rank", "37", "--dump-graphs", str(dump)]) == 0
+    argv = ["--mesh", "ep64", "--dry-run", "--rank", "37", "--dump-graphs", str(dump), "--model", str(model)]
+    assert generate.main(argv) == 0
     out = capsys.readouterr().out
     assert "mesh ep64 (world 64), rank 37 = {'dp': 0, 'cp': 0, 'ep': 37}" in out
+    n = c.num_hidden_layers
     for graph in ("decode-t4-r4", "prefill-t64-r1"):
         assert f"{graph}: {3 * n} collectives in {n} MoE layers" in out
         assert (dump / graph / "01-aten.py").is_file()
@@ -119,3 +125,12 @@ def test_cli_released_v41_flash_ep64(tmp_path, capsys) -> None:
         len(re.findall(r"all_to_all_single over 64 ranks", line)) == 3 for line in layers
     )
     assert NOT_REAL in out
+
+
+def test_cli_defaults_to_the_packaged_v41_config(capsys) -> None:
+    """Without ``--model`` the dry run reads the packaged V4.1-Flash config; a rank outside the
+    mesh is refused before anything is traced."""
+    assert generate.main(["--mesh", "ep64", "--dry-run", "--rank", "64"]) == 2
+    captured = capsys.readouterr()
+    assert f"using the packaged V4.1-Flash config ({DEFAULT_CONFIG.name})" in captured.out
+    assert "error:" in captured.err and "64" in captured.err
