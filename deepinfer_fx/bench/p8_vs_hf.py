@@ -136,9 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--batch-invariant",
         action="store_true",
         help="the steps as LLM(batch_invariant=True) runs them: the invariant forms and kernels at every place "
-        "(passes/batch_invariant.py), each graph checked by passes/invariant_guard.py; with --no-inductor as the "
-        "engine runs them, without it on Inductor (what the flag would cost there; the engine refuses it until "
-        "Inductor's fused code is shown bitwise invariant on a GPU)",
+        "(passes/batch_invariant.py), each graph checked by passes/invariant_guard.py; on Inductor as the engine "
+        "runs them on CUDA, on aot_eager with --no-inductor",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the peer (our engine and the roofline only)")
     ap.add_argument(

@@ -201,7 +201,7 @@ def test_switch_from_env_and_argument(monkeypatch) -> None:
     assert not off.options.steps.batch_invariant and not off.runner.swaps
     with pytest.raises(ValueError, match="batch_invariant=True.*not built.*speculative"):
         LLM(model, device="cpu", max_model_len=32, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="not built.*Inductor"):
+    with pytest.raises(ValueError, match="not built under Inductor on cpu"):
         LLM(model, device="cpu", max_model_len=32, eager=False, inductor=True)
 
 
@@ -212,19 +212,24 @@ def test_unbuilt_settings_refuse() -> None:
     check_batch_invariant(on, cuda, speculative=False, compiled=True, inductor=False)  # its Triton kernels
     with pytest.raises(ValueError, match="not built on xpu: its kernels exist for the CPU and CUDA only"):
         check_batch_invariant(on, torch.device("xpu"), speculative=False, compiled=False, inductor=False)
-    with pytest.raises(ValueError, match="not built under Inductor"):
-        check_batch_invariant(on, cuda, speculative=False, compiled=True, inductor=True)
+    check_batch_invariant(on, cuda, speculative=False, compiled=True, inductor=True)  # shown on sm_90
+    with pytest.raises(ValueError, match="not built under Inductor on cpu: Inductor's C\\+\\+ kernels"):
+        check_batch_invariant(on, cpu, speculative=False, compiled=True, inductor=True)
+    check_batch_invariant(on, cpu, speculative=False, compiled=False, inductor=True)  # eager steps: no Inductor
 
 
-def test_cuda_default_is_aot_eager_under_the_flag() -> None:
-    """On CUDA compiled steps default to Inductor, which the flag refuses; with the flag on the
-    default is aot_eager instead, and an explicit inductor=True still refuses (above)."""
+def test_cuda_default_is_inductor_with_or_without_the_flag() -> None:
+    """Compiled CUDA steps default to Inductor, the flag on or off (its graphs pass
+    ``passes/invariant_guard.py``, and ``test_batch_invariant_cuda.py`` shows the bits on sm_90);
+    CPU steps default to aot_eager."""
     kw = dict(eager=None, overlap=True, warmup=None, max_num_seqs=4, max_num_batched_tokens=64, cuda_graphs=None)
     kw.update(inductor=None, dump_graphs=None, disable_passes=None)
     cuda = torch.device("cuda")
     assert build_options(EngineConfig(), cuda, **kw).steps.inductor
     opts = build_options(EngineConfig(batch_invariant=True), cuda, **kw).steps
-    assert opts.compiled and not opts.inductor and opts.batch_invariant
+    assert opts.compiled and opts.inductor and opts.batch_invariant
+    cpu = build_options(EngineConfig(batch_invariant=True), torch.device("cpu"), **{**kw, "eager": False}).steps
+    assert cpu.compiled and not cpu.inductor
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

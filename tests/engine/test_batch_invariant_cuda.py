@@ -1,6 +1,6 @@
 """Batch-invariant inference on a GPU (bf16, the Triton kernels of ``kernels/ops_bi.py``): a request's
 logprobs and seeded samples are the same bits alone, in batches of other sizes and compositions,
-under other chunk splits and overlap, eager and compiled (aot_eager, CUDA graphs); with the flag
+under other chunk splits and overlap, eager and compiled (Inductor, CUDA graphs); with the flag
 off they are not. Skipped without CUDA (written for the H200). Fresh seeds, named in failures."""
 
 from __future__ import annotations
@@ -96,15 +96,10 @@ def test_flag_off_differs() -> None:
 
 
 @pytest.mark.parametrize("kind", ["v4", "v41"])
-def test_inductor_keeps_the_bits(monkeypatch, kind: str) -> None:
-    """The gate for Inductor under the flag, which the engine still refuses
-    (``engine/options.check_batch_invariant``): with the refusal lifted here, Inductor-compiled
-    steps (graphs checked by ``passes/invariant_guard.py``, eager rounding, no FMA contraction)
-    give a request the same bits alone, in a batch and chunked. Short prompts: few buckets compile."""
-    from deepinfer_fx.engine import options
-
-    check = options.check_batch_invariant
-    monkeypatch.setattr(options, "check_batch_invariant", lambda *a, **kw: check(*a, **{**kw, "inductor": False}))
+def test_inductor_keeps_the_bits(kind: str) -> None:
+    """Inductor under the flag, the engine's CUDA default: Inductor-compiled steps (graphs checked
+    by ``passes/invariant_guard.py``, eager rounding, no FMA contraction) give a request the same
+    bits alone, in a batch and chunked. Short prompts: few buckets compile."""
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     model = _model(tiny_v4() if kind == "v4" else tiny_v41(), seed % 1000)
