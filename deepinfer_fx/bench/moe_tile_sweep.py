@@ -13,8 +13,7 @@ from ..graphs.moe import routed_experts, shared_expert
 from ..io.quant import dequant_mxfp4
 from ..kernels.triton.moe import (
     Tiles,
-    choose_tiles,
-    fp4_tiles,
+    expert_tiles,
     max_blocks,
     moe_experts_fp4_triton,
     moe_experts_shared_triton,
@@ -107,7 +106,7 @@ def sweep(
     t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None = None, q4: dict | None = None
 ) -> list[dict]:
     """Time the bf16 op (with the shared expert ``sh`` folded in when given; the MXFP4 one with
-    ``q4``, its base tiles ``fp4_tiles`` of bf16's) at ``t`` tokens over
+    ``q4``, its base tiles ``fp4_tiles`` of bf16's, every candidate also with ``fp4_bits``) at ``t`` tokens over
     the gate/up candidates (down tiles as chosen), then the down candidates (gate/up as chosen).
     Each row: the kernel's programs, whole-op ms and TFLOP/s, max rel diff."""
     e, inter, d = w["w1"].shape
@@ -119,15 +118,15 @@ def sweep(
     ref = reference(x, idx, rw, limit)
     pairs, experts = t * (top + (sh is not None)), e + (sh is not None)
     flops = 6 * pairs * d * inter
-    base = (choose_tiles(pairs, experts, inter, d, True, 0), choose_tiles(pairs, experts, d, inter, False, 0))
-    if q4 is not None:
-        base = fp4_tiles(*base, inter, d)
+    base = expert_tiles(pairs, experts, inter, d, 0, q4 is not None, 2, 1 if q4 is not None else 2)
     decode = t <= 64
     rows = []
     for part, n, cands in (
         ("gate_up", inter, _DECODE_SWEEP if decode else _GATE_UP_SWEEP),
         ("down", d, _DECODE_SWEEP if decode else _DOWN_SWEEP),
     ):
+        if q4 is not None:  # each tile again with the codes decoded in PTX (Tiles.fp4_bits)
+            cands = cands + [(*c, True) for c in cands]
         for cand in cands:
             tiles = (Tiles(*cand), base[1]) if part == "gate_up" else (base[0], Tiles(*cand))
             programs = max_blocks(pairs, experts, cand[0]) * triton.cdiv(n, cand[1])

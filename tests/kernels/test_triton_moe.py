@@ -19,6 +19,7 @@ from deepinfer_fx.kernels.triton.moe import (
     Tiles,
     choose_tiles,
     tile_smem,
+    moe_experts_fp4_triton,
     moe_experts_fp8_triton,
     moe_experts_triton,
     run_experts,
@@ -377,3 +378,42 @@ def test_fp4_tiles_do_not_follow_the_row_count() -> None:
             ks.add((g.bk, dn.bk))
             assert g.bn >= 64 and dn.bn >= 64, (d, t, g, dn)
         assert len(ks) == 1, ks
+
+
+def _fp4_bits_tiles(t: int, fp32: bool) -> tuple:
+    from deepinfer_fx.kernels.triton.moe import expert_tiles
+
+    return tuple(v._replace(fp4_bits=True) for v in expert_tiles(t * 6, 64, 2048, 4096, 0, True, 4 if fp32 else 2, 1))
+
+
+@cuda_only
+@pytest.mark.parametrize("t", [1, 64, 4096])
+def test_p8_fp4_bits_decode(p8_weights: dict, p8_fp4: tuple[dict, dict], t: int) -> None:
+    """``Tiles.fp4_bits`` (the codes decoded in packed PTX): fp32 rows give the bits of the
+    Triton decode, which they take otherwise (same values, same dots); bf16 rows match the bf16
+    math over the dequantised weights."""
+    q, deq = p8_fp4
+    w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
+    c = {**p8_weights, "x": p8_weights["x"][:t], "idx": p8_weights["idx"][:t], "rw": p8_weights["rw"][:t]}
+    x32 = c["x"].float()
+    plain = moe_experts_fp4_triton(x32, *w4, c["idx"], c["rw"], 10.0)
+    bits = moe_experts_fp4_triton(x32, *w4, c["idx"], c["rw"], 10.0, tiles=_fp4_bits_tiles(t, True))
+    assert torch.equal(plain, bits), f"seed {c['seed']}: the PTX decode differs from Triton's at T={t}"
+    got = moe_experts_fp4_triton(c["x"], *w4, c["idx"], c["rw"], 10.0, tiles=_fp4_bits_tiles(t, False))
+    _check(got, reference(deq, 10.0, c["x"], c["idx"], c["rw"]), c["seed"], 2e-2)
+
+
+def test_fp4_bits_tiles_refuse_without_a_gpu_or_fp4_weights() -> None:
+    """The PTX decode cannot run in the interpreter, and means nothing for bf16 weights: both
+    refuse by name rather than run another decode."""
+    seed = random.randrange(2**31)
+    c = _case(seed, 3, 4, 64, 32, 2, "cpu")
+    tiles = _fp4_bits_tiles(3, True)
+    q = {n: tuple(t.view(torch.uint8) for t in quant_mxfp4(v)) for n, v in c["w"].items()}
+    w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp4_bits tiles decode MXFP4 weights in PTX"):
+            moe_experts_fp4_triton(c["x"], *w4, c["idx"], c["rw"], 0.6, tiles=tiles)
+    w = c["w"]
+    with pytest.raises(ValueError, match="they need MXFP4 weights"):
+        moe_experts_triton(c["x"], w["w1"], w["w3"], w["w2"], c["idx"], c["rw"], 0.6, tiles=tiles)

@@ -118,44 +118,45 @@ def _compile_for_sm90(out_dir: str) -> None:
             if not shared:  # MXFP4 weights (uint8 codes and ue8m0 scales) at the tiles moe.py picks for them
                 fp4 = {**types, **dict.fromkeys(("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr"), "*u8")}
                 g4, d4 = fp4_tiles(Tiles(*g), Tiles(*d), 2048, 4096)
-                emit(
-                    gate_up_kernel,
-                    f"fp4-gate_up-{kind}",
-                    fp4,
-                    {
-                        **common,
-                        "FP4": True,
-                        "K": 4096,
-                        "TOPK": 6,
-                        "SHARED": False,
-                        "BM": g4[0],
-                        "BN": g4[1],
-                        "BK": g4[2],
-                        "GROUP_M": g4[3],
-                        "CLAMP": True,
-                        "HALF": g4[6],
-                    },
-                    g4[4],
-                    g4[5],
-                )
-                emit(
-                    down_kernel,
-                    f"fp4-down-{kind}",
-                    fp4,
-                    {
-                        **common,
-                        "FP4": True,
-                        "K": 2048,
-                        "SHARED": False,
-                        "BM": d4[0],
-                        "BN": d4[1],
-                        "BK": d4[2],
-                        "GROUP_M": d4[3],
-                        "HALF": d4[6],
-                    },
-                    d4[4],
-                    d4[5],
-                )
+                for mode, tag in ((1, "fp4"), (2, "fp4bits")):  # Triton's microscaled dot; the PTX decode
+                    emit(
+                        gate_up_kernel,
+                        f"{tag}-gate_up-{kind}",
+                        fp4,
+                        {
+                            **common,
+                            "FP4": mode,
+                            "K": 4096,
+                            "TOPK": 6,
+                            "SHARED": False,
+                            "BM": g4[0],
+                            "BN": g4[1],
+                            "BK": g4[2],
+                            "GROUP_M": g4[3],
+                            "CLAMP": True,
+                            "HALF": g4[6],
+                        },
+                        g4[4],
+                        g4[5],
+                    )
+                    emit(
+                        down_kernel,
+                        f"{tag}-down-{kind}",
+                        fp4,
+                        {
+                            **common,
+                            "FP4": mode,
+                            "K": 2048,
+                            "SHARED": False,
+                            "BM": d4[0],
+                            "BN": d4[1],
+                            "BK": d4[2],
+                            "GROUP_M": d4[3],
+                            "HALF": d4[6],
+                        },
+                        d4[4],
+                        d4[5],
+                    )
         sort = {"TOPK": 6, "SHARED": shared, "E_P": 128, "CHUNK": 256, "PDL": True}
         emit(count_pairs_kernel, f"count-{shared}", types, sort, 4, 3)
         emit(
@@ -176,14 +177,16 @@ def _compile_for_sm90(out_dir: str) -> None:
 @pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("kind", list(_P8_TILES))
 @pytest.mark.parametrize("kernel", ["gate_up", "down"])
-def test_fp4_kernels_compile_for_sm90_without_spills(kernel: str, kind: str, sm90_ptx: Path) -> None:
+@pytest.mark.parametrize("tag", ["fp4", "fp4bits"])
+def test_fp4_kernels_compile_for_sm90_without_spills(tag: str, kernel: str, kind: str, sm90_ptx: Path) -> None:
     """The MXFP4 path decodes its weight tiles in registers: at the tiles moe.py picks for it
     (narrower than bf16's where those spilled) it compiles for the H200 with no spills, on
-    tensor cores."""
-    ptx = (sm90_ptx / f"fp4-{kernel}-{kind}.ptx").read_text()
+    tensor cores; so does the PTX decode (``Tiles.fp4_bits``), whose packed byte moves show."""
+    ptx = (sm90_ptx / f"{tag}-{kernel}-{kind}.ptx").read_text()
     spills, registers, log = ptxas_report(ptx)
     assert spills == [0, 0] and registers <= 255, log
     assert "mma" in ptx
+    assert ("prmt.b32 t0" in ptx) == (tag == "fp4bits")
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ launches a layer, two of them skinny GEMVs at ~3.5 TB/s where these GEMMs stream
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -50,6 +51,8 @@ from .moe_kernels import (
     sort_pairs_one_kernel,
 )
 from .pdl import pdl_args
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # Decode grids below this many programs (about two per SM of an H200) get narrower tiles.
@@ -76,6 +79,7 @@ class Tiles(NamedTuple):
     warps: int
     stages: int
     half: bool = False  # an expert's last block with <= bm / 2 rows runs as a bm / 2 tile
+    fp4_bits: bool = False  # MXFP4 weights decoded in packed PTX, not by Triton's microscaled dot
 
 
 def max_blocks(pairs: int, experts: int, bm: int) -> int:
@@ -161,6 +165,16 @@ def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles,
         gate_up = gate_up._replace(bn=cols(inter, 64), warps=4, stages=3)
         down = down._replace(bn=cols(dim, 64), warps=4, stages=3)
     return gate_up._replace(bk=min(gate_up.bk, 64)), down._replace(bk=min(down.bk, 64))
+
+
+def expert_tiles(
+    pairs: int, experts: int, inter: int, dim: int, qblock: int, fp4: bool, act_bytes: int, w_bytes: int
+) -> tuple[Tiles, Tiles]:
+    """The (gate/up, down) tiles ``run_experts`` takes for ``pairs`` rows over ``experts`` experts
+    of widths ``inter`` and ``dim`` (``qblock``: fp8's scale block, else 0; ``fp4``: MXFP4)."""
+    g = choose_tiles(pairs, experts, inter, dim, True, qblock, act_bytes, w_bytes)
+    d = choose_tiles(pairs, experts, dim, inter, False, qblock, act_bytes, w_bytes)
+    return fp4_tiles(g, d, inter, dim) if fp4 else (g, d)
 
 
 def sort_pairs(idx: torch.Tensor, n_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,12 +287,14 @@ def run_experts(
 
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     sizes = (x.element_size(), w1.element_size())
-    g = tiles[0] if tiles else choose_tiles(p, experts, inter, dim, True, qblock if fp8 else 0, *sizes)
-    d = tiles[1] if tiles else choose_tiles(p, experts, dim, inter, False, qblock if fp8 else 0, *sizes)
-    if fp4 and not tiles:
-        g, d = fp4_tiles(g, d, inter, dim)
+    g, d = tiles or expert_tiles(p, experts, inter, dim, qblock if fp8 else 0, fp4, *sizes)
     if fp4 and (g.bk % MXFP4_BLOCK or d.bk % MXFP4_BLOCK):
         raise ValueError(f"moe_experts_fp4: the k tiles ({g.bk}, {d.bk}) must be multiples of {MXFP4_BLOCK}")
+    if (g.fp4_bits or d.fp4_bits) and (not fp4 or _INTERPRET):
+        raise ValueError(
+            "moe_experts: fp4_bits tiles decode MXFP4 weights in PTX: they need MXFP4 weights and a GPU "
+            "(not the Triton interpreter)"
+        )
     n_blocks = max_blocks(p, experts, g.bm)
     gate_up_kernel[(n_blocks * triton.cdiv(inter, g.bn),)](
         x,
@@ -310,7 +326,7 @@ def run_experts(
         BK=g.bk,
         GROUP_M=g.group_m,
         FP8=fp8,
-        FP4=fp4,
+        FP4=fp4 * (1 + g.fp4_bits),
         QBLOCK=qb,
         CLAMP=bool(limit),
         EVEN=inter % g.bn == 0 and dim % g.bk == 0,
@@ -346,7 +362,7 @@ def run_experts(
         BK=d.bk,
         GROUP_M=d.group_m,
         FP8=fp8,
-        FP4=fp4,
+        FP4=fp4 * (1 + d.fp4_bits),
         QBLOCK=qb,
         EVEN=dim % d.bn == 0 and inter % d.bk == 0,
         PREC=prec,

@@ -17,9 +17,10 @@ routed expert's slice) instead of ``w + E * stride``.
 Weights are ``[E, out, in]`` (the checkpoint's linear layout). ``FP8`` means float8_e4m3fn
 weights with fp32 scales per ``QBLOCK x QBLOCK`` block ``[E, cdiv(out, QBLOCK), cdiv(in,
 QBLOCK)]``; each tile is dequantised to the activation dtype as it is loaded (``BK`` divides
-``QBLOCK``, so a tile's k range has one scale per output column). ``FP4`` means MXFP4 weights:
-uint8 ``[E, out, in / 2]`` (two e2m1 codes a byte, the even k in the low nibble) with ue8m0
-byte scales ``[E, out, in / 32]``, each tile decoded as it is loaded (``BK`` a multiple of 32).
+``QBLOCK``, so a tile's k range has one scale per output column). ``FP4`` (non-zero, the decode
+of ``_fp4_dot``) means MXFP4 weights: uint8 ``[E, out, in / 2]`` (two e2m1 codes a byte, the even
+k in the low nibble) with ue8m0 byte scales ``[E, out, in / 32]``, each tile decoded as it is
+loaded (``BK`` a multiple of 32).
 """
 
 from __future__ import annotations
@@ -214,30 +215,68 @@ def _weight_tile(w_ptrs, s_ptrs, nmask, kmask, dtype, FP8: tl.constexpr, EVEN: t
     return w.to(dtype)
 
 
+# Four e2m1 bytes (eight codes) to fp16 in packed 32-bit operations, for
+# ``tl.inline_asm_elementwise(pack=4)``: each code's bits placed as fp16's (exponent bits 11-10,
+# mantissa bit 9, sign bit 15), which reads as 2^-14 times its value, the subnormal 0.5 included.
+# ``prmt`` spreads bytes 0-1 (then 2-3) into the two 16-bit halves; shifts and masks then place
+# the low nibbles ($0, $1: the even k) and the high nibbles ($2, $3: the odd k) of both at once.
+_E2M1_TO_F16 = tl.constexpr(
+    """
+{
+.reg .b32 t<2>, a, b;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 a, t0, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t0, 12; and.b32 b, b, 0x80008000; or.b32 $0, a, b;
+shl.b32 a, t1, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t1, 12; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
+shl.b32 a, t0, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, t0, 8; and.b32 b, b, 0x80008000; or.b32 $2, a, b;
+shl.b32 a, t1, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, t1, 8; and.b32 b, b, 0x80008000; or.b32 $3, a, b;
+}
+"""
+)
+
+
 @triton.jit
 def _fp4_dot(
-    acc, a, w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK: tl.constexpr, BN: tl.constexpr
+    acc,
+    a,
+    w_ptr,
+    s_ptr,
+    offs_n,
+    nmask,
+    k0,
+    K,
+    stride_wn,
+    stride_sn,
+    PREC,
+    BK: tl.constexpr,
+    BN: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """``acc + a @ W[k0 : k0 + BK, offs_n]`` for an MXFP4 weight (bytes ``[N, K / 2]``, the even
     k in the low nibble; ue8m0 scales ``[N, K / 32]``), the weight the values of
-    ``io.quant.dequant_mxfp4`` in ``a``'s dtype. bf16 rows take Triton's microscaled dot (on
-    sm_90 it decodes to bf16 itself); other dtypes (fp32 keeps fp32 products) decode here."""
+    ``io.quant.dequant_mxfp4`` in ``a``'s dtype. ``DECODE`` 1: bf16 rows take Triton's
+    microscaled dot (on sm_90 it decodes to bf16 itself), other dtypes (fp32 keeps fp32
+    products) decode here in Triton; 2 (``Tiles.fp4_bits``, not in the interpreter): every dtype
+    decodes here, in packed PTX (``_E2M1_TO_F16``)."""
     kb = k0 // 2 + tl.arange(0, BK // 2)
     rows = offs_n[None, :].to(tl.int64)
     mask = (kb < K // 2)[:, None] & nmask[None, :]
     b = tl.load(w_ptr + rows * stride_wn + kb[:, None], mask=mask, other=0)
-    if a.dtype == tl.bfloat16:
+    if a.dtype == tl.bfloat16 and DECODE == 1:
         ks = k0 // 32 + tl.arange(0, BK // 32)
         e = tl.load(s_ptr + rows.T * stride_sn + ks[None, :], mask=nmask[:, None] & (ks < K // 32)[None, :], other=127)
         return tl.dot_scaled(a, None, "bf16", b, e, "e2m1", acc=acc)
-    # Even and odd k apart (low and high nibbles): two half-K dots, no weight interleave. An
-    # e2m1 code's bits placed as fp16's (exponent bits 11-10, mantissa bit 9, sign bit 15) read
-    # as 2^-14 times its value, the subnormal 0.5 included.
-    b = b.to(tl.int32)
+    # Even and odd k apart (low and high nibbles): two half-K dots, no weight interleave.
     e = tl.load(s_ptr + rows * stride_sn + (kb // 16)[:, None], mask=mask, other=127)
     scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2^(e - 127), times 2^14
-    lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-    hi = ((((b >> 4) & 7) << 9) | ((b & 128) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+    if DECODE == 2:
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_TO_F16, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
+    else:
+        b = b.to(tl.int32)
+        lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = ((((b >> 4) & 7) << 9) | ((b & 128) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
     a_lo, a_hi = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
     acc = tl.dot(a_lo, (lo.to(tl.float32) * scale).to(a.dtype), acc, input_precision=PREC)
     return tl.dot(a_hi, (hi.to(tl.float32) * scale).to(a.dtype), acc, input_precision=PREC)
@@ -300,8 +339,8 @@ def _gate_up_rows(
         kmask = offs_k < K - k0
         a = _row_tile(a_ptrs, rmask, kmask, EVEN)
         if FP4:
-            acc1 = _fp4_dot(acc1, a, w1_ptr, s1_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK, BN)
-            acc3 = _fp4_dot(acc3, a, w3_ptr, s3_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK, BN)
+            acc1 = _fp4_dot(acc1, a, w1_ptr, s1_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK, BN, FP4)
+            acc3 = _fp4_dot(acc3, a, w3_ptr, s3_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK, BN, FP4)
         else:
             b1 = _weight_tile(w1_ptr + w_off, s1_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
             b3 = _weight_tile(w3_ptr + w_off, s3_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
@@ -480,7 +519,7 @@ def _down_rows(
         kmask = offs_k < K - k0
         a = _row_tile(a_ptrs, rmask, kmask, EVEN)
         if FP4:
-            acc = _fp4_dot(acc, a, w2_ptr, s2_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK, BN)
+            acc = _fp4_dot(acc, a, w2_ptr, s2_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, PREC, BK, BN, FP4)
         else:
             b = _weight_tile(w2_ptr + w_off, s2_ptr + s_off + k0 // QBLOCK, nmask, kmask, dtype, FP8, EVEN)
             acc = tl.dot(a, b, acc, input_precision=PREC)
