@@ -4,7 +4,9 @@
 
 64 heads x 512, one shared K = V head, bf16. The masks are the model's: a prefill chunk of T
 queries from position 0 sees its 128-key window and, in a CSA layer, top-512 of its T/4
-compressed entries (an HCA layer: all T/128); a decode query sees ``--decode-keys`` keys (256:
+compressed entries (an HCA layer: all T/128; V4.1's CSA2 layers top-512 of T/2 or T entries);
+each prefill case also runs with the live keys listed instead of the live tiles
+(``live="keys"``, tiling ``keys``); a decode query sees ``--decode-keys`` keys (256:
 its window and every entry of a 512-token CSA context). Each call runs captured in a CUDA
 graph. Reported per case and tiling: ms and TFLOP/s counted on the live keys only (4 * H * d
 flops per query and live key: QK and PV), the useful work; the shape rule's own tiling is
@@ -46,7 +48,7 @@ def prefill_bias(t: int, ratio: int, device: str) -> torch.Tensor:
     window = (key_pos <= pos) & (key_pos > pos - WINDOW)
     n_ent = t // ratio
     visible = torch.arange(n_ent, device=device)[None, :] < (pos + 1) // ratio
-    if ratio == 4:  # the indexer keeps 512 of the visible entries: random scores, top 512
+    if ratio < 128:  # the indexer keeps 512 of the visible entries: random scores, top 512
         scores = torch.rand(t, n_ent, device=device).masked_fill(~visible, -1.0)
         top = scores.topk(min(TOPK, n_ent), dim=-1).indices
         visible = torch.zeros_like(visible).scatter_(-1, top, True) & visible
@@ -92,13 +94,16 @@ def main(argv: list[str] | None = None) -> dict:
     result = {**run_info(argv), "heads": H, "head_dim": D, "prefill": [], "decode": []}
 
     for t in [int(x) for x in args.prefill.split(",") if x]:
-        for ratio, layer in ((4, "CSA"), (128, "HCA")):
+        for ratio, layer in ((4, "CSA"), (128, "HCA"), (2, "CSA2 ratio 2"), (1, "CSA2 ratio 1")):
             bias = prefill_bias(t, ratio, "cuda")
             live = int((bias == 0).sum())
             q, keys, bias, sink, cos, sin = _case(bias, ())
             flops = 4 * H * D * live
-            for tiling in [None, *_PREFILL_TILINGS]:
-                kw = {} if tiling is None else dict(heads=tiling[0], num_warps=tiling[1], block_n=tiling[2])
+            for tiling in [None, "keys", *_PREFILL_TILINGS]:
+                if tiling is None or tiling == "keys":
+                    kw = {} if tiling is None else {"live": "keys"}
+                else:
+                    kw = dict(heads=tiling[0], num_warps=tiling[1], block_n=tiling[2])
                 try:
                     ms, err = _time(q, keys, bias, sink, cos, sin, args.iters, **kw)
                 except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row = {
                     "tokens": t,
                     "layer": layer,
-                    "tiling": "default" if tiling is None else list(tiling),
+                    "tiling": "default" if tiling is None else tiling if tiling == "keys" else list(tiling),
                     "live_keys_per_query": round(live / t, 1),
                     "ms": round(ms, 3),
                     "TFLOPs_live": round(flops / ms / 1e9, 1),

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import triton
+from sm90_ptxas import PTXAS, compile_in_subprocess, ptxas_report
 
 from deepinfer_fx.graphs.attention import mqa_with_sink
 from deepinfer_fx.kernels.triton.attention import _live_tiles, default_split, sparse_mqa_triton
@@ -123,7 +125,9 @@ def test_skipping_hidden_tiles_is_exact(device: str, t: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "n, block_n", [(100, 16), (3000, 64), (64, 64)], ids=["partial-tile", "two-chunks", "one-tile"]
+    "n, block_n",
+    [(100, 16), (3000, 64), (64, 64), (3000, 1)],
+    ids=["partial-tile", "two-chunks", "one-tile", "keys"],
 )
 def test_live_tile_lists(device: str, n: int, block_n: int) -> None:
     """Per row, the tiles holding a visible key, ascending and packed first, and their count:
@@ -219,3 +223,52 @@ def test_op_dispatches_to_triton_and_replays_in_a_cuda_graph() -> None:
     q.copy_(q2), keys.copy_(keys2), bias.copy_(bias2), cos.copy_(cos2), sin.copy_(sin2)
     graph.replay()
     _check(out, q, keys, bias, sink, cos, sin, seed + 1, tol=2e-2)
+
+
+@pytest.mark.parametrize("t", [4, 9])
+def test_key_lists_match_the_reference_and_the_batch(device: str, t: int) -> None:
+    """``live="keys"``: a skipping launch reads tiles of listed visible keys instead of the tiles
+    holding one; it gives the reference's values, a row the same bits alone and in its batch."""
+    seed = _fresh_seed()
+    q, keys, bias, sink, cos, sin = _case(seed, (3,), t, 4, 32, 150, torch.float32, device)
+    kw = dict(block_n=16, skip=True, live="keys")
+    got = sparse_mqa_triton(q, keys, bias, sink, cos, sin, **kw)
+    _check(got, q, keys, bias, sink, cos, sin, seed)
+    assert torch.all(got[..., 0, :, :] == 0), f"seed {seed}: a fully hidden row must give 0"
+    alone = sparse_mqa_triton(q[1:2], keys[1:2], bias[1:2], sink, cos[1:2], sin[1:2], **kw)
+    assert torch.equal(alone[0], got[1]), f"seed {seed}: chunk 1 differs alone"
+    with pytest.raises(ValueError, match="'keys' a skipping launch"):
+        sparse_mqa_triton(q, keys, bias, sink, cos, sin, block_n=16, skip=False, live="keys")
+
+
+def _compile_for_sm90(out_dir: str) -> None:
+    """The prefill launches' PTX for sm_90 at the released widths (H 64, d 512, bf16, a chunk of
+    64 queries over 700 keys), live tiles and live keys, as the launcher chooses them on ``meta``
+    tensors, into ``out_dir`` (a child process without the interpreter: ``compile_in_subprocess``)."""
+    from sm90_ptxas import recorded_launches
+
+    meta = dict(device="meta")
+    q = torch.empty(64, 64, 512, dtype=torch.bfloat16, **meta)
+    keys = torch.empty(700, 512, dtype=torch.bfloat16, **meta)
+    bias = torch.empty(64, 700, **meta)
+    cos = torch.empty(64, 32, **meta)
+    for live in ("tiles", "keys"):
+        with recorded_launches() as launches:
+            sparse_mqa_triton(q, keys, bias, torch.empty(64, **meta), cos, cos, live=live)
+        (launch,) = [x for x in launches if x.name == "mqa_sequential"]
+        Path(out_dir, f"{live}.ptx").write_text(launch.compile().asm["ptx"])
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_in_subprocess("test_triton_attention", tmp_path_factory.mktemp("sm90"))
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("live", ["tiles", "keys"])
+def test_prefill_compiles_for_sm90_without_spills(live: str, sm90_ptx: Path) -> None:
+    """Both prefill lists compile for the H200 on tensor cores (wgmma) without spills."""
+    ptx = (sm90_ptx / f"{live}.ptx").read_text()
+    spills, registers, log = ptxas_report(ptx)
+    assert spills == [0, 0] and registers <= 255, log
+    assert "wgmma" in ptx

@@ -148,16 +148,21 @@ def launch_mqa(
     split: Optional[int] = None,
     parallel: Optional[bool] = None,
     skip: Optional[bool] = None,
+    live: str = "tiles",
     heads: Optional[int] = None,
     num_warps: Optional[int] = None,
     combine_heads: Optional[int] = None,
-    num_stages: int = _NUM_STAGES,
+    num_stages: Optional[int] = None,
 ) -> None:
     """Queries ``q2`` ``[R, H, d]`` (``t`` per chunk) over ``n`` keys a query, into ``o2``.
     ``block_n``, ``split`` (keys per split), ``parallel`` (split programs + combine), ``skip``
-    (pass over all -inf tiles; plain keys only), ``heads`` (per program), ``num_warps`` and
+    (pass over all -inf tiles; plain keys only), ``live`` (what a skipping program lists: "tiles"
+    holding a visible key, or the visible "keys" themselves, read ``block_n`` of them a tile:
+    the chosen entries of a prefill query lie scattered, so nearly every tile holds one),
+    ``heads`` (per program), ``num_warps`` and
     ``combine_heads`` (heads per combine program; per-head arithmetic, so it never moves a bit)
-    default to the shape rule, ``num_stages`` (software pipelining depth) to 2; tests and the kernel bench set them to reach every path or
+    default to the shape rule, ``num_stages`` (software pipelining depth) to 2 (1 for live keys: at 2 the
+    gathered rows spill on sm_90); tests and the kernel bench set them to reach every path or
     compare tilings."""
     rows, h, d = q2.shape
     half = cos2.shape[-1]
@@ -188,8 +193,15 @@ def launch_mqa(
     qk_scale = d**-0.5 * _LOG2E
     kb, kn, es, en, rr, rn = src.strides
     strides = (q2.stride(0), q2.stride(1), kb, kn, b2.stride(0), b2.stride(1), es, en, rr, rn)
+    if live not in ("tiles", "keys") or (live == "keys" and not skip):
+        raise ValueError(
+            f"sparse_mqa: live={live!r} needs 'tiles' or 'keys', and 'keys' a skipping launch (plain keys)"
+        )
+    if num_stages is None:
+        num_stages = 1 if live == "keys" else _NUM_STAGES
     if not parallel:
-        tiles, count, n_tiles = _live_tiles(b2, block_n) if skip else (b2, b2, 0)  # unread without SKIP
+        # unread without SKIP; a key list is the tile list of one-key tiles
+        tiles, count, n_tiles = _live_tiles(b2, 1 if live == "keys" else block_n) if skip else (b2, b2, 0)
         mqa_sequential[(rows * head_blocks,)](
             q2,
             src.k,
@@ -215,6 +227,7 @@ def launch_mqa(
             BLOCK_N=block_n,
             DOT_FP32=dot_fp32,
             SKIP=skip,
+            KEYS=skip and live == "keys",
             num_stages=num_stages,
             **meta,
             **rope,

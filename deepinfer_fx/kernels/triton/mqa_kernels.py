@@ -10,7 +10,9 @@ than skipped tiles saved. Chunks of several queries (prefill) see a few hundred 
 among thousands (the window plus the selected entries), so there a program takes all heads
 of its query and reads only the tiles where its bias row holds a visible key, from a per-row
 list built before the launch, in one split. Skipping is exact: a hidden tile would leave the
-online-softmax state bit for bit as it was.
+online-softmax state bit for bit as it was. The list may name visible keys instead of tiles
+(``KEYS``): a prefill query's top-k entries lie scattered over the chunk's entries, so nearly every
+tile holds one; then tiles of ``BLOCK_N`` listed keys are read (other sums, the same math).
 
 The keys are cut into splits of ``split`` rows, a length that depends on N alone. Each split
 runs its own online softmax from an empty state and the split states are merged in split order,
@@ -226,17 +228,27 @@ def _live_state(
     BLOCK_D: tl.constexpr,
     D: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
-    """Online softmax of ``q`` over the ``count`` tiles listed at ``tiles`` (ascending)."""
+    """Online softmax of ``q`` over the ``count`` tiles listed at ``tiles`` (ascending); with
+    ``KEYS`` the list holds visible keys, not tiles, read ``BLOCK_N`` of them a tile."""
     offs_d = tl.arange(0, BLOCK_D)
     m = tl.full([BH], float("-inf"), tl.float32)
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BLOCK_D], tl.float32)
-    for i in range(0, count):
-        offs_n = tl.load(tiles + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_n = offs_n < N
-        b = tl.load(b_base + offs_n * stride_bn, mask=in_n, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        m, l, acc = _tile(q, k_base + offs_n * stride_kn, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
+    if KEYS:
+        for i in range(0, count, BLOCK_N):
+            listed = i + tl.arange(0, BLOCK_N) < count
+            offs_n = tl.load(tiles + i + tl.arange(0, BLOCK_N), mask=listed, other=0)
+            b = tl.load(b_base + offs_n * stride_bn, mask=listed, other=float("-inf")).to(tl.float32)
+            b = b * 1.4426950408889634
+            m, l, acc = _tile(q, k_base + offs_n * stride_kn, offs_d, listed, b, m, l, acc, qk_scale, D, DOT_FP32)
+    else:
+        for i in range(0, count):
+            offs_n = tl.load(tiles + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+            in_n = offs_n < N
+            b = tl.load(b_base + offs_n * stride_bn, mask=in_n, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+            m, l, acc = _tile(q, k_base + offs_n * stride_kn, offs_d, in_n, b, m, l, acc, qk_scale, D, DOT_FP32)
     return m, l, acc
 
 
@@ -408,6 +420,7 @@ def mqa_sequential(
     BLOCK_HALF: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SKIP: tl.constexpr,
+    KEYS: tl.constexpr,
     RING: tl.constexpr,
     ROWS: tl.constexpr,
     WHOLE: tl.constexpr,
@@ -439,6 +452,7 @@ def mqa_sequential(
             BLOCK_D,
             D,
             DOT_FP32,
+            KEYS,
         )
     else:
         m = tl.full([BH], float("-inf"), tl.float32)
