@@ -275,6 +275,11 @@ def run_experts(
         raise ValueError("moe_experts: x rows and the expert weights must be contiguous")
     if tiles and any(t.half and t.bm < 32 for t in tiles):
         raise ValueError(f"moe_experts: half-height tiles need bm >= 32 (tl.dot takes >= 16 rows), got {tiles}")
+    if tiles and any(t.fp4_bits for t in tiles) and (not fp4 or _INTERPRET):
+        raise ValueError(
+            "moe_experts: fp4_bits tiles decode MXFP4 weights in PTX: they need MXFP4 weights and a GPU "
+            "(not the Triton interpreter)"
+        )
     s1, s3, s2 = scales if scales is not None else (w1, w3, w2)  # placeholders, never read
     sw1, sw3, sw2 = shared if fold else (w1, w3, w2)  # placeholders, never read
     pairs, ends = sort_pairs(idx, n_exp, fold)
@@ -290,11 +295,6 @@ def run_experts(
     g, d = tiles or expert_tiles(p, experts, inter, dim, qblock if fp8 else 0, fp4, *sizes)
     if fp4 and (g.bk % MXFP4_BLOCK or d.bk % MXFP4_BLOCK):
         raise ValueError(f"moe_experts_fp4: the k tiles ({g.bk}, {d.bk}) must be multiples of {MXFP4_BLOCK}")
-    if (g.fp4_bits or d.fp4_bits) and (not fp4 or _INTERPRET):
-        raise ValueError(
-            "moe_experts: fp4_bits tiles decode MXFP4 weights in PTX: they need MXFP4 weights and a GPU "
-            "(not the Triton interpreter)"
-        )
     n_blocks = max_blocks(p, experts, g.bm)
     gate_up_kernel[(n_blocks * triton.cdiv(inter, g.bn),)](
         x,
