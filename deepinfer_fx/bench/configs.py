@@ -11,6 +11,11 @@ one H200 in bf16 (random weights, no fake-quant, as P8).
   fits the device as the compiled steps hold them), 64 experts top-6 of intermediate 2304, and a
   3-stage DSpark head (64 experts top-3), which `bench.spec --method dspark` drafts with.
   No HF peer (transformers has no V4.1).
+- ``v41_deep``: ``v41`` at V4.1-Flash's released depth and layer layout (40 layers: ratio 2 on
+  layers 2-19, ratio 1 on 20-39; KV sources 2, 8, 14, 20; index sources those and 24-36 by 4;
+  candidate source 20; Engram on 1 and 14; DSpark over 37-39), still 64 experts: the depth at
+  which the drafter weighs in a step what it weighs as released. It fits one GPU only held as
+  released (``HELD_TO_FIT``: MXFP4 experts, FP8 dense; ~63 GB of weights by the memory plan).
 - ``pro``: V4-Pro widths, 6 layers: hidden 7168, 128 heads x 512, q LoRA 1536, 16 output groups,
   indexer 64 x 128 top-1024, intermediate 3072, V4-Pro's schedule (two HCA layers, then CSA and
   HCA alternating), 3 hash layers, 64 experts top-6.
@@ -92,6 +97,17 @@ V41: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+V41_DEEP: dict[str, Any] = {
+    **V41,
+    "num_hidden_layers": 40,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20,
+    "engram_layer_ids": [1, 14],
+    "dspark_target_layer_ids": [37, 38, 39],
+}
+
 PRO: dict[str, Any] = {
     **P8,
     "hidden_size": 7168,
@@ -105,7 +121,19 @@ PRO: dict[str, Any] = {
     "routed_scaling_factor": 2.5,
 }
 
-BENCH_CONFIGS: dict[str, dict[str, Any]] = {"p8": P8, "v41": V41, "pro": PRO}
+BENCH_CONFIGS: dict[str, dict[str, Any]] = {"p8": P8, "v41": V41, "v41_deep": V41_DEEP, "pro": PRO}
+# (expert format, dense format) a config must be held in to fit one GPU; the others fit in bf16
+HELD_TO_FIT: dict[str, tuple[str, str]] = {"v41_deep": ("fp4", "fp8")}
+
+
+def check_held_to_fit(name: str, expert_format: str, dense_format: str) -> None:
+    """Refuse formats in which bench config ``name`` cannot fit one GPU (``HELD_TO_FIT``)."""
+    need = HELD_TO_FIT.get(name)
+    if need is not None and (expert_format, dense_format) != need:
+        raise ValueError(
+            f"bench config {name!r} fits one GPU only as released: pass --expert-format {need[0]} "
+            f"--dense-format {need[1]} (got {expert_format}, {dense_format})"
+        )
 
 
 def bench_config(name: str, layers: int | None = None) -> ModelConfig:

@@ -33,7 +33,7 @@ from ..graphs.state import init_state
 from ..passes.batch_invariant import batch_invariant_swaps
 from ..passes.manager import resolve_disabled
 from . import roofline
-from .configs import BENCH_CONFIGS, bench_config, held_as_released
+from .configs import BENCH_CONFIGS, bench_config, check_held_to_fit, held_as_released
 from .p8 import hf_kwargs, run_info, write_result
 from .timing import between_steps, kernel_table, kernel_timeline, timed
 
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     chunk_sizes = [int(n) for n in args.prefill_tokens.split(",")]
     contexts = [int(n) for n in args.context.split(",")]
-    if args.config == "v41" and not args.random_weights:
-        ap.error("--config v41 has no HF peer (transformers has no DeepSeek-V4.1): add --random-weights")
+    if BENCH_CONFIGS[args.config]["model_type"] == "deepseek_v41_text" and not args.random_weights:
+        ap.error(f"--config {args.config} has no HF peer (transformers has no DeepSeek-V4.1): add --random-weights")
     if args.expert_format == "fp4" and not args.random_weights:
         ap.error("--expert-format fp4 needs --random-weights (the HF peer's experts are bf16)")
     if args.kv_format == "trained" and not args.fake_quant:
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dense_format == "fp8" and not args.random_weights:
         ap.error("--dense-format fp8 needs --random-weights (the HF peer's weights are bf16)")
     try:
+        check_held_to_fit(args.config, args.expert_format, args.dense_format)
         config = bench_config(args.config, args.layers)
     except ValueError as e:
         ap.error(str(e))

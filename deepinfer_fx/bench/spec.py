@@ -4,6 +4,8 @@
     python -m deepinfer_fx.bench.spec --method mtp --name spec_mtp
     python -m deepinfer_fx.bench.spec --method dspark --name spec_dspark   # the V4.1-width bench model
     python -m deepinfer_fx.bench.spec --method dspark --yoco-mode off --name spec_dspark_exact
+    python -m deepinfer_fx.bench.spec --method dspark --config v41_deep --expert-format fp4 --dense-format fp8 \
+        --drafts 3 --batches 8,64 --e2e-batches ''   # the released depth: the drafter's real share
 
 Verify cost: for each draft count k (an engine built with ``num_speculative_tokens=k``, whose
 verify chunks are padded to k + 1 rows) and batch b, the captured verify step of b chunks of k + 1
@@ -42,7 +44,7 @@ from ..engine.request import Sequence
 from ..engine.sampling import SamplingParams
 from ..engine.spec_decode import SpecStats
 from ..engine.step_arena import DecodeRow, VerifyChunk
-from .configs import bench_config, held_as_released
+from .configs import bench_config, check_held_to_fit, held_as_released
 from .e2e import _model, _prompts
 from .p8 import run_info, write_result
 from .timing import timed
@@ -85,12 +87,16 @@ def drafting(model: Model) -> Model:
     return Model(c, {**params, "mtp": params["mtp"][:-1] + [last]})
 
 
-def bench_model(method: str, layers: int, expert_format: str = "bf16") -> Model:
-    """P8 (with an MTP-1 block for ``mtp``), or the V4.1-width bench model with its DSpark head;
-    ``expert_format`` "fp4": routed experts (the drafter's too) held as MXFP4, as released."""
+def bench_model(
+    method: str, layers: int | None, expert_format: str = "bf16", config: str = "v41", dense_format: str = "bf16"
+) -> Model:
+    """P8 ``layers`` deep (8 when None; with an MTP-1 block for ``mtp``), or for ``dspark`` the
+    V4.1 bench model ``config`` (``v41`` or ``v41_deep``, cut to ``layers``) with its DSpark head;
+    ``expert_format`` "fp4": routed experts (the drafter's too) held as MXFP4, as released;
+    ``dense_format`` "fp8" (DSpark models only): dense projections in block FP8."""
     if method != "dspark":
-        return _model(layers, mtp=method == "mtp", expert_format=expert_format)
-    c = held_as_released(bench_config("v41"), expert_format)
+        return _model(layers or 8, mtp=method == "mtp", expert_format=expert_format)
+    c = held_as_released(bench_config(config, layers), expert_format, dense_format)
     return random_model(c, seed=0, dtype=torch.bfloat16, device="cuda")
 
 
@@ -191,7 +197,19 @@ def main(argv: list[str] | None = None) -> dict:
         help="the drafter (mtp: P8's MTP-1 block; dspark: the V4.1-width model's DSpark head)",
     )
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="P8's depth (default 8), or a cut of the dspark --config (default: all)",
+    )
+    ap.add_argument(
+        "--config",
+        choices=["v41", "v41_deep"],
+        default=None,
+        help="dspark only: the V4.1 bench model (bench/configs.py; default v41, 10 layers; v41_deep: the released "
+        "40-layer layout, held as released)",
+    )
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--e2e-batches", default="1,8", help="end-to-end batches ('': the verify rows only)")
     ap.add_argument("--nextn", type=int, default=4, help="drafts per step end to end")
@@ -213,24 +231,41 @@ def main(argv: list[str] | None = None) -> dict:
         default="bf16",
         help="fp4: routed experts (the drafter's too) held as MXFP4, as the checkpoints store them",
     )
+    ap.add_argument(
+        "--dense-format",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="dspark only: fp8 holds the dense projections in block FP8, as the checkpoints store them",
+    )
     ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default="spec")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
+    if args.method != "dspark" and (args.config is not None or args.dense_format != "bf16"):
+        ap.error("--config and --dense-format choose the DSpark bench model: they need --method dspark")
+    config = args.config or "v41"
+    if args.method == "dspark":
+        try:
+            check_held_to_fit(config, args.expert_format, args.dense_format)
+            bench_config(config, args.layers)
+        except ValueError as e:
+            ap.error(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("bench.spec times CUDA graphs: it needs a GPU")
     result = {
         **run_info(argv),
         "model": {
-            "ngram": f"P8 random weights, {args.layers} layers, bf16",
-            "mtp": f"P8 random weights, {args.layers} layers and an MTP-1 block, bf16",
-            "dspark": f"bench_config('v41') random weights with its DSpark head, bf16, {args.yoco_mode or 'compact'} prefill",
+            "ngram": f"P8 random weights, {args.layers or 8} layers, bf16",
+            "mtp": f"P8 random weights, {args.layers or 8} layers and an MTP-1 block, bf16",
+            "dspark": f"bench_config({config!r}, {args.layers}) random weights with its DSpark head, bf16, "
+            f"{args.yoco_mode or 'compact'} prefill",
         }[args.method]
-        + (", MXFP4 experts" if args.expert_format == "fp4" else ""),
+        + (", MXFP4 experts" if args.expert_format == "fp4" else "")
+        + (", FP8 dense" if args.dense_format == "fp8" else ""),
     }
     yoco = {} if args.yoco_mode is None else {"yoco_mode": args.yoco_mode}
     batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",") if k]
-    model = bench_model(args.method, args.layers, args.expert_format)
+    model = bench_model(args.method, args.layers, args.expert_format, config, args.dense_format)
     result["method"] = args.method
     result["verify"], result["graphs"] = [], []
     for k in drafts:  # one engine a draft count: its verify chunks are padded to k + 1 rows

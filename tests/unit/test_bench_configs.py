@@ -1,15 +1,15 @@
 """The bench models (``bench/configs.py``): P8 as before, the V4.1-Flash-width model the issue
-describes, the V4-Pro-width one, each fitting one H200 in bf16; cuts by layers; the benches'
-``--config`` flag."""
+describes (and at its released depth), the V4-Pro-width one, each fitting one H200 (in bf16, or
+as ``HELD_TO_FIT`` says); cuts by layers; the benches' ``--config`` flag."""
 
 from __future__ import annotations
 
 import pytest
 
-from deepinfer_fx.bench import p8_vs_hf
-from deepinfer_fx.bench.configs import BENCH_CONFIGS, bench_config, held_as_released
+from deepinfer_fx.bench import p8_vs_hf, spec
+from deepinfer_fx.bench.configs import BENCH_CONFIGS, HELD_TO_FIT, bench_config, held_as_released
 from deepinfer_fx.bench.p8 import p8_config
-from deepinfer_fx.config import ConfigError
+from deepinfer_fx.config import ConfigError, load_config, released_config
 from deepinfer_fx.engine.memory_plan import memory_plan
 
 
@@ -53,10 +53,51 @@ def test_pro_widths() -> None:
     assert c.hca_ratios == {128} and c.compress_ratios[:2] == (128, 128) and c.index_topk == 1024
 
 
+def test_v41_deep_is_the_released_layout() -> None:
+    """``v41_deep``: the released V4.1-Flash config's depth and layer roles at the bench widths."""
+    released = load_config(released_config("deepseek_v41_flash"))
+    c = bench_config("v41_deep")
+    assert c.num_hidden_layers == released.num_hidden_layers == 40
+    assert [c.layer_role(i) for i in range(40)] == [released.layer_role(i) for i in range(40)]
+    for key in ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id", "engram_layer_ids"):
+        assert getattr(c, key) == getattr(released, key), key
+    assert c.dspark_target_layer_ids == released.dspark_target_layer_ids and c.dspark_stages == 3
+    assert c.n_routed_experts == 64 and c.hidden_size == released.hidden_size
+
+
 @pytest.mark.parametrize("name", sorted(BENCH_CONFIGS))
-def test_each_fits_one_h200_in_bf16(name: str) -> None:
-    plan = memory_plan(bench_config(name), max_model_len=32768, max_num_seqs=64)
+def test_each_fits_one_h200(name: str) -> None:
+    """bf16, or the formats ``HELD_TO_FIT`` names (``v41_deep`` even an H100's 79 GiB); in bf16
+    the deep one does not fit, and the benches refuse it so before drawing a weight."""
+    formats = HELD_TO_FIT.get(name, ("bf16", "bf16"))
+    plan = memory_plan(held_as_released(bench_config(name), *formats), max_model_len=32768, max_num_seqs=64)
     assert plan.fits, plan.format()
+    if name in HELD_TO_FIT:
+        assert not memory_plan(bench_config(name), max_model_len=32768, max_num_seqs=64).fits
+        small = memory_plan(held_as_released(bench_config(name), *formats), gpu_memory_gib=79, max_model_len=576)
+        assert small.fits, small.format()
+
+
+@pytest.mark.parametrize("bench", [p8_vs_hf, spec])
+def test_benches_refuse_what_does_not_fit(bench, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = (
+        ["--config", "v41_deep", "--random-weights"]
+        if bench is p8_vs_hf
+        else ["--method", "dspark", "--config", "v41_deep"]
+    )
+    with pytest.raises(SystemExit):
+        bench.main(argv + ["--expert-format", "fp4"])
+    assert "pass --expert-format fp4 --dense-format fp8 (got fp4, bf16)" in capsys.readouterr().err
+
+
+def test_spec_dspark_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench.spec``: ``--config`` / ``--dense-format`` are DSpark's, and ``--layers`` cuts its model."""
+    with pytest.raises(SystemExit):
+        spec.main(["--method", "ngram", "--config", "v41"])
+    assert "need --method dspark" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a cut below the DSpark head's layers
+        spec.main(["--method", "dspark", "--layers", "4"])
+    assert "dspark_target_layer_ids" in capsys.readouterr().err
 
 
 def test_cuts() -> None:
