@@ -5,8 +5,8 @@
 64 heads x 512, one shared K = V head, bf16. The masks are the model's: a prefill chunk of T
 queries from position 0 sees its 128-key window and, in a CSA layer, top-512 of its T/4
 compressed entries (an HCA layer: all T/128; V4.1's CSA2 layers top-512 of T/2 or T entries);
-each prefill case also runs with the live keys listed instead of the live tiles
-(``live="keys"``, tiling ``keys``); a decode query sees ``--decode-keys`` keys (256:
+each prefill case also runs with the live keys listed and with the live tiles listed
+(``live="keys"`` / ``"tiles"``, tilings ``keys`` / ``tiles``; the rule picks by keys a query); a decode query sees ``--decode-keys`` keys (256:
 its window and every entry of a 512-token CSA context). Each call runs captured in a CUDA
 graph. Reported per case and tiling: ms and TFLOP/s counted on the live keys only (4 * H * d
 flops per query and live key: QK and PV), the useful work; the shape rule's own tiling is
@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
             live = int((bias == 0).sum())
             q, keys, bias, sink, cos, sin = _case(bias, ())
             flops = 4 * H * D * live
-            for tiling in [None, "keys", *_PREFILL_TILINGS]:
-                if tiling is None or tiling == "keys":
-                    kw = {} if tiling is None else {"live": "keys"}
+            for tiling in [None, "keys", "tiles", *_PREFILL_TILINGS]:
+                if tiling is None or isinstance(tiling, str):
+                    kw = {} if tiling is None else {"live": tiling}
                 else:
                     kw = dict(heads=tiling[0], num_warps=tiling[1], block_n=tiling[2])
                 try:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row = {
                     "tokens": t,
                     "layer": layer,
-                    "tiling": "default" if tiling is None else tiling if tiling == "keys" else list(tiling),
+                    "tiling": "default" if tiling is None else tiling if isinstance(tiling, str) else list(tiling),
                     "live_keys_per_query": round(live / t, 1),
                     "ms": round(ms, 3),
                     "TFLOPs_live": round(flops / ms / 1e9, 1),

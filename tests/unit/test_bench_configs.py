@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer_fx.bench import p8_vs_hf, spec
+from deepinfer_fx.bench import compile_time, p8_vs_hf, spec
 from deepinfer_fx.bench.configs import BENCH_CONFIGS, HELD_TO_FIT, bench_config, held_as_released
 from deepinfer_fx.bench.p8 import p8_config
 from deepinfer_fx.config import ConfigError, load_config, released_config
@@ -130,3 +130,21 @@ def test_held_as_released() -> None:
     assert (both.held_experts, both.held_dense) == ("fp4", "fp8")
     with pytest.raises(ValueError, match="fp4"):
         held_as_released(p8, "fp8")
+
+
+def test_compile_time_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench.compile_time --tiny``: each V4.1 bench config's layer roles at the tiny widths;
+    layouts it cannot shrink and unknown names are refused."""
+    for name in ("v41", "v41_deep"):
+        tiny, real = compile_time.bench_layout_model(name, tiny=True).config, bench_config(name)
+        assert tiny.hidden_size < real.hidden_size and tiny.num_hidden_layers == real.num_hidden_layers
+        assert [tiny.layer_role(i) for i in range(tiny.num_hidden_layers)] == [
+            real.layer_role(i) for i in range(real.num_hidden_layers)
+        ]
+    for argv, message in (
+        (["--configs", "p8", "--tiny"], "--tiny takes V4.1 layouts"),
+        (["--configs", "v5"], "unknown"),
+    ):
+        with pytest.raises(SystemExit):
+            compile_time.main(argv + ["--out", "/nonexistent"])
+        assert message in capsys.readouterr().err

@@ -38,6 +38,10 @@ _PREFILL_BH = 64
 _DECODE_QUERIES = 8  # chunks of up to this many queries (a verify chunk: a token and its drafts) tile as decode
 _PREFILL_WARPS = 8
 _BLOCK_N = 64
+# a skipping prefill lists its visible keys, not the tiles holding one, from this many keys a query:
+# top-k entries scattered over many tiles leave nearly every tile live (H100, 4,096 queries of 64 x 512
+# over top-512 + window 128: 4,224 keys 3.72 -> 2.53 ms; 2,176 keys 2.18 -> 2.40, so tiles below)
+_KEYS_MIN_N = 3072
 _MIN_SPLIT = 128
 _MAX_SPLITS = 32
 _NUM_WARPS = 4
@@ -148,7 +152,7 @@ def launch_mqa(
     split: Optional[int] = None,
     parallel: Optional[bool] = None,
     skip: Optional[bool] = None,
-    live: str = "tiles",
+    live: Optional[str] = None,
     heads: Optional[int] = None,
     num_warps: Optional[int] = None,
     combine_heads: Optional[int] = None,
@@ -159,7 +163,7 @@ def launch_mqa(
     (pass over all -inf tiles; plain keys only), ``live`` (what a skipping program lists: "tiles"
     holding a visible key, or the visible "keys" themselves, read ``block_n`` of them a tile:
     the chosen entries of a prefill query lie scattered, so nearly every tile holds one),
-    ``heads`` (per program), ``num_warps`` and
+    ``heads`` (per program; ``live`` too: keys from ``_KEYS_MIN_N`` keys a query), ``num_warps`` and
     ``combine_heads`` (heads per combine program; per-head arithmetic, so it never moves a bit)
     default to the shape rule, ``num_stages`` (software pipelining depth) to 2 (1 for live keys: at 2 the
     gathered rows spill on sm_90); tests and the kernel bench set them to reach every path or
@@ -193,6 +197,8 @@ def launch_mqa(
     qk_scale = d**-0.5 * _LOG2E
     kb, kn, es, en, rr, rn = src.strides
     strides = (q2.stride(0), q2.stride(1), kb, kn, b2.stride(0), b2.stride(1), es, en, rr, rn)
+    if live is None:
+        live = "keys" if skip and n >= _KEYS_MIN_N else "tiles"
     if live not in ("tiles", "keys") or (live == "keys" and not skip):
         raise ValueError(
             f"sparse_mqa: live={live!r} needs 'tiles' or 'keys', and 'keys' a skipping launch (plain keys)"
