@@ -11,8 +11,7 @@ least one pair, each read once, over the time: the figure that matters for decod
 (6 * pairs * D * I flops, the figure that matters for prefill), plus the max difference from the
 reference relative to its max. ``--fp8`` adds the fp8-weight kernel (block-128 scales),
 ``--fp4`` the MXFP4 one (the weights quantised, its bandwidth counting packed bytes + scales), on
-its tiles as chosen (the codes decoded in PTX, ``Tiles.fp4_bits``) and again with Triton's
-microscaled dot (``fp4dot``);
+its tiles as chosen and again with the codes decoded in PTX (``fp4bits``, ``Tiles.fp4_bits``);
 ``--shared`` the op with the shared expert folded in as expert E (``moe_experts_shared``), whose
 bandwidth counts its weights too: in a P8 decode step at b1 the fold made gate/up and down
 slower per byte (session 10), which this isolates.
@@ -138,15 +137,18 @@ def main(argv: list[str] | None = None) -> dict:
         if q4:
             w4 = (q4["w1"][0], q4["w1"][1], q4["w3"][0], q4["w3"][1], q4["w2"][0], q4["w2"][1])
             fp4_args = (x, *w4, idx, rw, limit)
+            t_fp4 = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out), args.iters)
             ref4 = routed_experts.reference({n: dequant_mxfp4(*q4[n], x.dtype) for n in q4}, limit, x, idx, rw)
-            chosen = expert_tiles(t * top, e, inter, d, 0, True, 2, 1)
-            # the tiles as chosen (the codes decoded in PTX, Tiles.fp4_bits), then with Triton's microscaled dot
-            for name, tiles in (("fp4", chosen), ("fp4dot", tuple(v._replace(fp4_bits=False) for v in chosen))):
-                ms = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out, tiles=tiles), args.iters)
-                err = ((moe_experts_fp4_triton(*fp4_args, tiles=tiles) - ref4).abs().max() / ref4.abs().max()).item()
-                row.update(
-                    _row(name, ms, weight_bytes // 4 + weight_bytes // 64, flops), **{f"{name}_max_rel_diff": err}
-                )
+            err4 = ((moe_experts_fp4_triton(*fp4_args) - ref4).abs().max() / ref4.abs().max()).item()
+            row.update(_row("fp4", t_fp4, weight_bytes // 4 + weight_bytes // 64, flops), fp4_max_rel_diff=err4)
+            # the same tiles with the weights decoded in PTX (Tiles.fp4_bits) instead of Triton's microscaled dot
+            pairs = t * top
+            bits = tuple(v._replace(fp4_bits=True) for v in expert_tiles(pairs, e, inter, d, 0, True, 2, 1))
+            t_bits = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out, tiles=bits), args.iters)
+            err_bits = ((moe_experts_fp4_triton(*fp4_args, tiles=bits) - ref4).abs().max() / ref4.abs().max()).item()
+            row.update(
+                _row("fp4bits", t_bits, weight_bytes // 4 + weight_bytes // 64, flops), fp4bits_max_rel_diff=err_bits
+            )
         rows.append(row)
         print(row, flush=True)
     cols = (
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         ]
         + (["shared_ms", "shared_TBps"] if sh else [])
         + (["fp8_ms", "fp8_TBps"] if q else [])
-        + (["fp4_ms", "fp4_TBps", "fp4dot_ms", "fp4dot_TBps"] if q4 else [])
+        + (["fp4_ms", "fp4_TBps", "fp4bits_ms", "fp4bits_TBps"] if q4 else [])
     )
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:

@@ -380,32 +380,27 @@ def test_fp4_tiles_do_not_follow_the_row_count() -> None:
         assert len(ks) == 1, ks
 
 
-def _fp4_tiles(t: int, fp32: bool, bits: bool = True) -> tuple:
-    """P8's fp4 tiles at ``t`` tokens, the codes decoded in PTX (``bits``) or by Triton's dot."""
+def _fp4_bits_tiles(t: int, fp32: bool) -> tuple:
     from deepinfer_fx.kernels.triton.moe import expert_tiles
 
-    tiles = expert_tiles(t * 6, 64, 2048, 4096, 0, True, 4 if fp32 else 2, 1)
-    return tuple(v._replace(fp4_bits=bits) for v in tiles)
+    return tuple(v._replace(fp4_bits=True) for v in expert_tiles(t * 6, 64, 2048, 4096, 0, True, 4 if fp32 else 2, 1))
 
 
 @cuda_only
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_p8_fp4_bits_decode(p8_weights: dict, p8_fp4: tuple[dict, dict], t: int) -> None:
-    """``Tiles.fp4_bits`` (the codes decoded in packed PTX, the GPU's default): fp32 rows give the
-    bits of Triton's microscaled decode (same values, same dots) at decode sizes; bf16 rows match
-    the bf16 math over the dequantised weights at every size."""
+    """``Tiles.fp4_bits`` (the codes decoded in packed PTX): fp32 rows give the bits of the
+    Triton decode, which they take otherwise (same values, same dots), at decode sizes; bf16 rows
+    match the bf16 math over the dequantised weights at every size."""
     q, deq = p8_fp4
     w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
     c = {**p8_weights, "x": p8_weights["x"][:t], "idx": p8_weights["idx"][:t], "rw": p8_weights["rw"][:t]}
     if t <= 64:  # fp32 rows at decode tiles (prefill-sized fp32 tiles are not what the engine runs)
         x32 = c["x"].float()
-        plain = moe_experts_fp4_triton(x32, *w4, c["idx"], c["rw"], 10.0, tiles=_fp4_tiles(t, True, bits=False))
-        bits = moe_experts_fp4_triton(x32, *w4, c["idx"], c["rw"], 10.0)
+        plain = moe_experts_fp4_triton(x32, *w4, c["idx"], c["rw"], 10.0)
+        bits = moe_experts_fp4_triton(x32, *w4, c["idx"], c["rw"], 10.0, tiles=_fp4_bits_tiles(t, True))
         assert torch.equal(plain, bits), f"seed {c['seed']}: the PTX decode differs from Triton's at T={t}"
-    from deepinfer_fx.kernels.triton.moe import expert_tiles
-
-    assert all(v.fp4_bits for v in expert_tiles(t * 6, 64, 2048, 4096, 0, True, 2, 1))  # the GPU's default
-    got = moe_experts_fp4_triton(c["x"], *w4, c["idx"], c["rw"], 10.0)
+    got = moe_experts_fp4_triton(c["x"], *w4, c["idx"], c["rw"], 10.0, tiles=_fp4_bits_tiles(t, False))
     _check(got, reference(deq, 10.0, c["x"], c["idx"], c["rw"]), c["seed"], 2e-2)
 
 
@@ -414,7 +409,7 @@ def test_fp4_bits_tiles_refuse_without_a_gpu_or_fp4_weights() -> None:
     refuse by name rather than run another decode."""
     seed = random.randrange(2**31)
     c = _case(seed, 3, 4, 64, 32, 2, "cpu")
-    tiles = _fp4_tiles(3, True)
+    tiles = _fp4_bits_tiles(3, True)
     q = {n: tuple(t.view(torch.uint8) for t in quant_mxfp4(v)) for n, v in c["w"].items()}
     w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
     if not torch.cuda.is_available():

@@ -153,10 +153,7 @@ def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles,
     do not follow the batch. Decode (below 128-row blocks) takes 64 columns, 4 warps, 3 stages for
     both kernels and prefill the fastest of ``bench.moe_kernel --fp4 --sweep 4096``
     (``bench/results/latest/moe_tile_sweep_p8_fp4_t4096.json``). ``inter`` and ``dim``: the
-    gate/up and down GEMMs' column counts (no tile wider than the next power of two of them).
-    On a GPU every row count decodes the codes in packed PTX (``fp4_bits``; one decode family, so a
-    row's bits still do not follow the batch): 4-10 % faster than Triton's microscaled dot at 1-64
-    tokens, 2 % slower at 4,096 (``docs/decisions.md``); the interpreter keeps Triton's."""
+    gate/up and down GEMMs' column counts (no tile wider than the next power of two of them)."""
 
     def cols(n: int, bn: int) -> int:
         return min(bn, max(16, triton.next_power_of_2(n)))
@@ -167,11 +164,7 @@ def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles,
     else:
         gate_up = gate_up._replace(bn=cols(inter, 64), warps=4, stages=3)
         down = down._replace(bn=cols(dim, 64), warps=4, stages=3)
-    bits = not _INTERPRET
-    return (
-        gate_up._replace(bk=min(gate_up.bk, 64), fp4_bits=bits),
-        down._replace(bk=min(down.bk, 64), fp4_bits=bits),
-    )
+    return gate_up._replace(bk=min(gate_up.bk, 64)), down._replace(bk=min(down.bk, 64))
 
 
 def expert_tiles(
