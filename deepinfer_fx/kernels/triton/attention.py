@@ -38,9 +38,8 @@ _PREFILL_BH = 64
 _DECODE_QUERIES = 8  # chunks of up to this many queries (a verify chunk: a token and its drafts) tile as decode
 _PREFILL_WARPS = 8
 _BLOCK_N = 64
-# a skipping prefill lists its visible keys, not the tiles holding one, from this many keys a query:
-# top-k entries scattered over many tiles leave nearly every tile live (H100, 4,096 queries of 64 x 512
-# over top-512 + window 128: 4,224 keys 3.72 -> 2.53 ms; 2,176 keys 2.18 -> 2.40, so tiles below)
+# from this many keys a query a skipping prefill lists its visible keys, not the tiles holding one:
+# scattered top-k entries leave nearly every tile live (the crossover: docs/decisions.md)
 _KEYS_MIN_N = 3072
 _MIN_SPLIT = 128
 _MAX_SPLITS = 32
