@@ -15,7 +15,7 @@ one H200 in bf16 (random weights, no fake-quant, as P8).
   layers 2-19, ratio 1 on 20-39; KV sources 2, 8, 14, 20; index sources those and 24-36 by 4;
   candidate source 20; Engram on 1 and 14; DSpark over 37-39), still 64 experts: the depth at
   which the drafter weighs in a step what it weighs as released. It fits one GPU only held as
-  released (``HELD_TO_FIT``: MXFP4 experts, FP8 dense; ~63 GB of weights by the memory plan).
+  released (``HELD_TO_FIT``: MXFP4 experts, FP8 dense; 58.7 GiB of weights by the memory plan).
 - ``pro``: V4-Pro widths, 6 layers: hidden 7168, 128 heads x 512, q LoRA 1536, 16 output groups,
   indexer 64 x 128 top-1024, intermediate 3072, V4-Pro's schedule (two HCA layers, then CSA and
   HCA alternating), 3 hash layers, 64 experts top-6.
