@@ -28,8 +28,19 @@ from .timing import graph_ms
 
 H, D, WINDOW, TOPK, ROPE_HALF = 64, 512, 128, 512, 32
 
-# prefill tilings to compare with the rule's: (heads per program, warps, keys per tile)
-_PREFILL_TILINGS = [(64, 8, 64), (64, 8, 32), (32, 4, 64), (32, 8, 64), (16, 4, 64)]
+# prefill tilings to compare with the rule's: (heads per program, warps, keys per tile, what a
+# program lists, pipeline stages); session 45 swept heads x warps x keys per tile (64 x 8 x 64
+# was the fastest at every layer, attention_kernel_prefill_keys_h100_s45.json), so these vary
+# the pipelining of listed keys, which the rule keeps at one stage
+_PREFILL_TILINGS = [
+    (64, 8, 64, "keys", 2),
+    (64, 8, 32, "keys", 2),
+    (64, 8, 32, "keys", 3),
+    (32, 4, 64, "keys", 2),
+    (32, 4, 32, "keys", 3),
+    (64, 8, 64, "tiles", 3),
+    (64, 8, 32, "tiles", 3),
+]
 # decode tilings (``--decode-sweep``): (heads per program, warps, keys per tile, keys per split,
 # split programs + combine, heads per combine program)
 _DECODE_TILINGS = [
@@ -80,6 +91,11 @@ def _time(q, keys, bias, sink, cos, sin, iters: int, **kw) -> tuple[float, float
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", default="4096", help="chunk lengths, comma-separated")
+    ap.add_argument(
+        "--prefill-layers",
+        default="CSA,HCA,CSA2 ratio 2,CSA2 ratio 1",
+        help="which kinds of layer the prefill cases take, comma-separated",
+    )
     ap.add_argument("--decode", default="1,64", help="decode batch sizes, comma-separated")
     ap.add_argument("--decode-keys", default="256", help="keys per decode query, comma-separated")
     ap.add_argument("--decode-sweep", action="store_true", help="also time the decode tilings")
@@ -95,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     for t in [int(x) for x in args.prefill.split(",") if x]:
         for ratio, layer in ((4, "CSA"), (128, "HCA"), (2, "CSA2 ratio 2"), (1, "CSA2 ratio 1")):
+            if layer not in args.prefill_layers.split(","):
+                continue
             bias = prefill_bias(t, ratio, "cuda")
             live = int((bias == 0).sum())
             q, keys, bias, sink, cos, sin = _case(bias, ())
@@ -103,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if tiling is None or isinstance(tiling, str):
                     kw = {} if tiling is None else {"live": tiling}
                 else:
-                    kw = dict(heads=tiling[0], num_warps=tiling[1], block_n=tiling[2])
+                    kw = dict(zip(("heads", "num_warps", "block_n", "live", "num_stages"), tiling))
                 try:
                     ms, err = _time(q, keys, bias, sink, cos, sin, args.iters, **kw)
                 except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal

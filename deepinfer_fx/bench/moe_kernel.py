@@ -1,10 +1,13 @@
-"""Routed experts at P8 widths: the Triton kernels against ``graphs/moe.py`` (torch._grouped_mm).
+"""Routed experts at a bench model's widths (P8 unless ``--config``): the Triton kernels against
+``graphs/moe.py`` (torch._grouped_mm).
 
     python -m deepinfer_fx.bench.moe_kernel --tokens 1,8,64,256,4096 --shared
     python -m deepinfer_fx.bench.moe_kernel --sweep 4096   # prefill tile candidates
     python -m deepinfer_fx.bench.moe_kernel --sweep 1 --shared   # decode tile candidates
+    python -m deepinfer_fx.bench.moe_kernel --config v41 --sweep 4096   # at V4.1-Flash widths
 
-D 4096, I 2048, 64 experts, top-6, bf16, uniform random routing. Each implementation runs
+P8: D 4096, I 2048, 64 experts, top-6 (``--config v41``: D 5120, I 2304; ``pro``: D 7168, I 3072),
+bf16, uniform random routing. Each implementation runs
 captured in a CUDA graph (as decode runs in the engine) and the replays are timed with CUDA
 events. Reported per token count: ms, weight bandwidth (bytes of the experts that received at
 least one pair, each read once, over the time: the figure that matters for decode) and TFLOP/s
@@ -31,8 +34,9 @@ import torch
 from ..graphs.moe import routed_experts
 from ..io.quant import dequant_mxfp4, quant_mxfp4
 from ..kernels.triton.moe import expert_tiles, moe_experts_fp4_triton, moe_experts_fp8_triton, moe_experts_triton
+from .configs import BENCH_CONFIGS
 from .moe_tile_sweep import expert_op, sweep
-from .p8 import P8, run_info, write_result
+from .p8 import run_info, write_result
 from .timing import graph_ms
 
 _BLOCK = 128
@@ -64,7 +68,8 @@ def _shared_weights(w: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,64,256,4096")
-    ap.add_argument("--experts", type=int, default=P8["n_routed_experts"])
+    ap.add_argument("--config", choices=sorted(BENCH_CONFIGS), default="p8", help="whose widths (bench/configs.py)")
+    ap.add_argument("--experts", type=int, default=None, help="routed experts (default: the config's)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--fp8", action="store_true", help="also time fp8 weights with block-128 scales")
     ap.add_argument("--fp4", action="store_true", help="also time MXFP4 weights (ue8m0 scales per 32)")
@@ -78,9 +83,16 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--out", default="bench/results/latest")
     args = ap.parse_args(argv)
-    d, inter, top, limit = P8["hidden_size"], P8["moe_intermediate_size"], P8["num_experts_per_tok"], P8["swiglu_limit"]
-    e = args.experts
-    tag = "p8" if e == P8["n_routed_experts"] else f"p8_e{e}"  # the expert count in the name when it is not P8's
+    cfg = BENCH_CONFIGS[args.config]
+    d, inter, top, limit = (
+        cfg["hidden_size"],
+        cfg["moe_intermediate_size"],
+        cfg["num_experts_per_tok"],
+        cfg["swiglu_limit"],
+    )
+    e = args.experts or cfg["n_routed_experts"]
+    # the expert count in the name when it is not the config's
+    tag = args.config if e == cfg["n_routed_experts"] else f"{args.config}_e{e}"
     torch.manual_seed(0)
     w = {
         "w1": torch.randn(e, inter, d, device="cuda", dtype=torch.bfloat16) / d**0.5,

@@ -237,6 +237,11 @@ def test_key_lists_match_the_reference_and_the_batch(device: str, t: int) -> Non
     assert torch.all(got[..., 0, :, :] == 0), f"seed {seed}: a fully hidden row must give 0"
     alone = sparse_mqa_triton(q[1:2], keys[1:2], bias[1:2], sink, cos[1:2], sin[1:2], **kw)
     assert torch.equal(alone[0], got[1]), f"seed {seed}: chunk 1 differs alone"
+    # a list's last tile is padded with a listed key: keys no query lists are never read
+    hidden = torch.isinf(bias).all(dim=-2)
+    assert hidden.any(), f"seed {seed}: the case hides no key from a whole chunk"
+    poisoned = keys.masked_fill(hidden[..., None], float("nan"))
+    assert torch.equal(sparse_mqa_triton(q, poisoned, bias, sink, cos, sin, **kw), got), f"seed {seed}"
     with pytest.raises(ValueError, match="'keys' a skipping launch"):
         sparse_mqa_triton(q, keys, bias, sink, cos, sin, block_n=16, skip=False, live="keys")
 

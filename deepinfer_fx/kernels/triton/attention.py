@@ -164,9 +164,8 @@ def launch_mqa(
     the chosen entries of a prefill query lie scattered, so nearly every tile holds one),
     ``heads`` (per program; ``live`` too: keys from ``_KEYS_MIN_N`` keys a query), ``num_warps`` and
     ``combine_heads`` (heads per combine program; per-head arithmetic, so it never moves a bit)
-    default to the shape rule, ``num_stages`` (software pipelining depth) to 2 (1 for live keys: at 2 the
-    gathered rows spill on sm_90); tests and the kernel bench set them to reach every path or
-    compare tilings."""
+    default to the shape rule, ``num_stages`` (software pipelining depth) to 2; tests and the
+    kernel bench set them to reach every path or compare tilings."""
     rows, h, d = q2.shape
     half = cos2.shape[-1]
     q2 = _last_dim_contiguous(q2)
@@ -202,8 +201,7 @@ def launch_mqa(
         raise ValueError(
             f"sparse_mqa: live={live!r} needs 'tiles' or 'keys', and 'keys' a skipping launch (plain keys)"
         )
-    if num_stages is None:
-        num_stages = 1 if live == "keys" else _NUM_STAGES
+    num_stages = _NUM_STAGES if num_stages is None else num_stages
     if not parallel:
         # unread without SKIP; a key list is the tile list of one-key tiles
         tiles, count, n_tiles = _live_tiles(b2, 1 if live == "keys" else block_n) if skip else (b2, b2, 0)

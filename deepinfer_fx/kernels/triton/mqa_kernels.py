@@ -237,12 +237,15 @@ def _live_state(
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BLOCK_D], tl.float32)
     if KEYS:
+        every = tl.full([BLOCK_N], True, tl.int1)
         for i in range(0, count, BLOCK_N):
             listed = i + tl.arange(0, BLOCK_N) < count
-            offs_n = tl.load(tiles + i + tl.arange(0, BLOCK_N), mask=listed, other=0)
+            # past the list's end a slot names the tile's first key (its bias -inf): the key load
+            # takes no mask, which keeps two pipeline stages within 255 registers on sm_90
+            offs_n = tl.load(tiles + i + tl.arange(0, BLOCK_N), mask=listed, other=tl.load(tiles + i))
             b = tl.load(b_base + offs_n * stride_bn, mask=listed, other=float("-inf")).to(tl.float32)
             b = b * 1.4426950408889634
-            m, l, acc = _tile(q, k_base + offs_n * stride_kn, offs_d, listed, b, m, l, acc, qk_scale, D, DOT_FP32)
+            m, l, acc = _tile(q, k_base + offs_n * stride_kn, offs_d, every, b, m, l, acc, qk_scale, D, DOT_FP32)
     else:
         for i in range(0, count):
             offs_n = tl.load(tiles + i) * BLOCK_N + tl.arange(0, BLOCK_N)
