@@ -73,6 +73,17 @@ _DECODE_SWEEP = [
 ]
 
 
+# MXFP4 decode candidates: only tiles that keep a row's bits at every row count (k tile 64,
+# columns >= 64, ``moe.fp4_tiles``), over columns, warps and pipeline depth; the first is the chosen one.
+_FP4_DECODE_SWEEP = [(16, 64, 64, 1, 4, 3, False)] + [
+    (16, bn, 64, 1, w, st, False)
+    for bn in (64, 128, 256)
+    for w in (4, 8)
+    for st in (3, 4, 5)
+    if (bn, w, st) != (64, 4, 3)
+]
+
+
 def expert_op(
     w: dict, sh: dict | None, q4: dict | None = None
 ) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
@@ -115,7 +126,7 @@ def sweep(
     t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None = None, q4: dict | None = None
 ) -> list[dict]:
     """Time the bf16 op (with the shared expert ``sh`` folded in when given; the MXFP4 one with
-    ``q4``, its base tiles ``fp4_tiles`` of bf16's, every candidate also with ``fp4_bits``) at ``t`` tokens over
+    ``q4``, its base tiles ``fp4_tiles`` of bf16's, at decode ``_FP4_DECODE_SWEEP``) at ``t`` tokens over
     the gate/up candidates (down tiles as chosen), then the down candidates (gate/up as chosen).
     Each row: the kernel's programs, whole-op ms and TFLOP/s, max rel diff."""
     e, inter, d = w["w1"].shape
@@ -134,8 +145,8 @@ def sweep(
         ("gate_up", inter, _DECODE_SWEEP if decode else _GATE_UP_SWEEP),
         ("down", d, _DECODE_SWEEP if decode else _DOWN_SWEEP),
     ):
-        if q4 is not None:  # each tile again with the codes decoded in PTX (Tiles.fp4_bits)
-            cands = cands + [(*c, True) for c in cands]
+        if q4 is not None and decode:  # MXFP4 decode: k tile 64 and columns >= 64 keep a row's bits (fp4_tiles)
+            cands = _FP4_DECODE_SWEEP
         for cand in cands:
             tiles = (Tiles(*cand), base[1]) if part == "gate_up" else (base[0], Tiles(*cand))
             programs = max_blocks(pairs, experts, cand[0]) * triton.cdiv(n, cand[1])

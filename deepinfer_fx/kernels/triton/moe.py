@@ -150,8 +150,9 @@ def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles,
     """The tiles for MXFP4 weights from the bf16 ones. The k tile is 64 at every row count and the
     column tile at least 64: Triton's microscaled dot rounds differently at 32 columns on sm_90 (27
     of 40 tokens alone differed from their batch, ``docs/decisions.md``), so with these a row's bits
-    do not follow the batch. Decode (below 128-row blocks) takes 64 columns, 4 warps, 3 stages for
-    both kernels and prefill the fastest of ``bench.moe_kernel --fp4 --sweep 4096``
+    do not follow the batch. Decode (below 128-row blocks) takes 64 columns and 4 warps for both
+    kernels, 4 stages for gate/up and 3 for down (``bench.moe_kernel --fp4 --sweep 8|64``,
+    ``bench/results/latest/moe_tile_sweep_p8_fp4_t{8,64}_h100_s46.json``), and prefill the fastest of ``bench.moe_kernel --fp4 --sweep 4096``
     (``bench/results/latest/moe_tile_sweep_p8_fp4_t4096.json``). ``inter`` and ``dim``: the
     gate/up and down GEMMs' column counts (no tile wider than the next power of two of them)."""
 
@@ -162,7 +163,7 @@ def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles,
         gate_up = gate_up._replace(bn=cols(inter, 64), warps=4, stages=4)
         down = down._replace(bm=256, bn=cols(dim, 128), warps=8, stages=3)
     else:
-        gate_up = gate_up._replace(bn=cols(inter, 64), warps=4, stages=3)
+        gate_up = gate_up._replace(bn=cols(inter, 64), warps=4, stages=4)
         down = down._replace(bn=cols(dim, 64), warps=4, stages=3)
     return gate_up._replace(bk=min(gate_up.bk, 64)), down._replace(bk=min(down.bk, 64))
 
