@@ -16,7 +16,8 @@ With ``--method ngram`` the drafter is not in these numbers (it runs on the host
 ``--method mtp`` (P8 with an MTP-1 block) or ``dspark`` (``bench/configs.py``'s V4.1 widths, its
 default compact prefill, or ``--yoco-mode off``) the verify step carries the model's drafter
 (``steps.propose_drafts``), timed with and without it (``verify_ms`` / ``verify_no_drafter_ms``);
-the decode baselines run without it.
+the decode baselines run without it. ``--profile`` lists each row's kernels (verify with and
+without the drafter, and the plain decode of b * (k + 1) rows): where the difference goes.
 
 End to end: ``generate`` with and without ``speculative_config={"method": ...}`` on a
 repetitive workload, tokens/s of each and the measured acceptance. Random weights never
@@ -33,6 +34,7 @@ and the measured rate are reported, named as such.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import sys
 import time
 
@@ -47,7 +49,7 @@ from ..engine.step_arena import DecodeRow, VerifyChunk
 from .configs import bench_config, check_held_to_fit, held_as_released
 from .e2e import _model, _prompts
 from .p8 import run_info, write_result
-from .timing import timed
+from .timing import kernel_table, timed
 
 
 def cycling(model: Model) -> Model:
@@ -100,7 +102,13 @@ def bench_model(
     return random_model(c, seed=0, dtype=torch.bfloat16, device="cuda")
 
 
-def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> dict:
+def _top_kernels(fn, steps: int, top: int = 25) -> dict:
+    """The ``top`` kernels of one call of ``fn`` by time (``timing.kernel_table``), and their sum."""
+    rows, step_us, launches = kernel_table(fn, steps)
+    return {"kernel_us": round(step_us, 1), "launches": launches, "kernels": rows[:top]}
+
+
+def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int, profile: bool = False) -> dict:
     c = llm.model.config
     # states to read: one request a row of the widest decode, so each decode row is its own text
     prompts = _prompts(batch * (k + 1), prompt_len, c.vocab_size, seed=batch)
@@ -108,9 +116,23 @@ def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> di
     probe = Sequence(-1, None, [0], SamplingParams(temperature=0.0), 7)
     steps = llm.runner.steps
 
-    def decode(n: int) -> float:  # plain decode of n requests: without the MTP drafter
+    # a plain decode row's input is its slot's last sampled token; each timed step first sets
+    # them to random ids, as the verify chunks' rows are, so both route like independent
+    # tokens (with the random model's own tokens the plain step's experts ran 13 % shorter on
+    # the same rows: docs/decisions.md, session 46)
+    ids_by_slot = torch.randint(0, c.vocab_size, (batch * (k + 1),), device=llm.runner.next_token.device)
+
+    def plain(n: int) -> Callable[[], object]:  # plain decode of n requests: without the drafter
         dec = [DecodeRow(i, prompt_len, probe.controls) for i in range(n)]
-        return timed(lambda: steps.step(dec, (), "greedy", draft=False), iters) * 1e3
+
+        def run() -> object:
+            llm.runner.next_token[:n].copy_(ids_by_slot[:n])
+            return steps.step(dec, (), "greedy", draft=False)
+
+        return run
+
+    def decode(n: int) -> float:
+        return timed(plain(n), iters) * 1e3
 
     base = decode(batch)
     # a token and k drafts of random ids a chunk: rows of one text, routed as such
@@ -131,6 +153,13 @@ def verify_rows(llm: LLM, batch: int, k: int, prompt_len: int, iters: int) -> di
     if steps.n_drafts:
         row["verify_no_drafter_ms"] = round(bare, 3)
     print(row, flush=True)
+    if profile:  # where the verify step's time goes against the plain step of as many rows
+        row["profile"] = {
+            "verify": _top_kernels(lambda: steps.verify(chunks, "greedy", draft=False), iters),
+            "decode_wide": _top_kernels(plain(batch * (k + 1)), iters),
+        }
+        if steps.n_drafts:
+            row["profile"]["verify_with_drafter"] = _top_kernels(lambda: steps.verify(chunks, "greedy"), iters)
     return row
 
 
@@ -237,6 +266,12 @@ def main(argv: list[str] | None = None) -> dict:
         default="bf16",
         help="dspark only: fp8 holds the dense projections in block FP8, as the checkpoints store them",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list each verify row's kernels: the verify step (with and without the drafter) and the plain "
+        "decode of as many rows",
+    )
     ap.add_argument("--out", default="bench/results/latest")
     ap.add_argument("--name", default="spec")
     argv = sys.argv[1:] if argv is None else argv
@@ -279,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
             **yoco,
         )
         for b in batches:
-            result["verify"].append(verify_rows(llm, b, k, args.prompt_len, args.iters))
+            result["verify"].append(verify_rows(llm, b, k, args.prompt_len, args.iters, args.profile))
             write_result(args.name, result, args.out)  # what is measured survives a stop
         result["graphs"] += llm.runner.steps.report()
         del llm
