@@ -31,7 +31,7 @@ H, D, WINDOW, TOPK, ROPE_HALF = 64, 512, 128, 512, 32
 # prefill tilings to compare with the rule's: (heads per program, warps, keys per tile, what a
 # program lists, pipeline stages); session 45 swept heads x warps x keys per tile (64 x 8 x 64
 # was the fastest at every layer, attention_kernel_prefill_keys_h100_s45.json), so these vary
-# the pipelining of listed keys, which the rule keeps at one stage
+# what is listed and the pipeline depth (the rule's: two stages since session 46)
 _PREFILL_TILINGS = [
     (64, 8, 64, "keys", 2),
     (64, 8, 32, "keys", 2),

@@ -102,7 +102,7 @@ def bench_model(
     return random_model(c, seed=0, dtype=torch.bfloat16, device="cuda")
 
 
-def _top_kernels(fn, steps: int, top: int = 25) -> dict:
+def _top_kernels(fn: Callable[[], object], steps: int, top: int = 25) -> dict:
     """The ``top`` kernels of one call of ``fn`` by time (``timing.kernel_table``), and their sum."""
     rows, step_us, launches = kernel_table(fn, steps)
     return {"kernel_us": round(step_us, 1), "launches": launches, "kernels": rows[:top]}

@@ -53,7 +53,10 @@ def test_hle_image_questions_run(tmp_path, capsys) -> None:
     assert "skipped" not in capsys.readouterr().err
     recs = {r["id"]: r for r in map(json.loads, out.read_text(encoding="utf-8").splitlines())}
     assert set(recs) == {"t", "i"} and recs["i"]["has_image"] and "has_image" not in recs["t"]
-    assert recs["i"]["prompt"].count(IMAGE_MARKER) == 1 and recs["i"]["num_tokens"] == 2
+    assert recs["i"]["prompt"].count(IMAGE_MARKER) == 1
+    # two tokens, or one where the random model's greedy text hits its EOS (a stop, not an error)
+    i = recs["i"]
+    assert i["num_tokens"] == 2 or (i["num_tokens"] == 1 and i["finish_reason"] == "stop"), i
     ids = image_prompt_ids(load_tokenizer(ckpt), recs["i"]["prompt"], IMAGE_TOKEN)
     assert ids.count(IMAGE_TOKEN) == 1
 
