@@ -152,7 +152,8 @@ def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles,
     of 40 tokens alone differed from their batch, ``docs/decisions.md``), so with these a row's bits
     do not follow the batch. Decode (below 128-row blocks) takes 64 columns and 4 warps for both
     kernels, 4 stages for gate/up and 3 for down (``bench.moe_kernel --fp4 --sweep 8|64``,
-    ``bench/results/latest/moe_tile_sweep_p8_fp4_t{8,64}_h100_s46.json``), and prefill the fastest of ``bench.moe_kernel --fp4 --sweep 4096``
+    ``bench/results/latest/moe_tile_sweep_p8_fp4_t{8,64}_h100_s46.json``), and prefill the
+    fastest of ``bench.moe_kernel --fp4 --sweep 4096``
     (``bench/results/latest/moe_tile_sweep_p8_fp4_t4096.json``). ``inter`` and ``dim``: the
     gate/up and down GEMMs' column counts (no tile wider than the next power of two of them)."""
 
