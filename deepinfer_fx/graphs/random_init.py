@@ -27,9 +27,10 @@ def random_flat(
         if s.held == "fp8":
             value, scale = quant_fp8_block(value, c.fp8_block)
             flat[scale_path(s.path)] = ue8m0_to_float(scale)
-        elif s.held == "fp4":
-            value, scale = quant_mxfp4(value)
-            value, flat[scale_path(s.path)] = value.view(torch.uint8), scale.view(torch.uint8)
+        elif s.held == "fp4":  # expert by expert: the rounding's fp32 temporaries of a whole layer fill a GPU
+            parts = [quant_mxfp4(v) for v in value.split(1)]
+            value = torch.cat([q.view(torch.uint8) for q, _ in parts])
+            flat[scale_path(s.path)] = torch.cat([e.view(torch.uint8) for _, e in parts])
         flat[s.path] = value
     return flat
 
