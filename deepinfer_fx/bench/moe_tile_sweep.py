@@ -83,6 +83,12 @@ _FP4_DECODE_SWEEP = [(16, 64, 64, 1, 4, 3, False)] + [
     if (bn, w, st) != (64, 4, 3)
 ]
 
+# MXFP4 prefill candidates, the same rule (k tile 64, columns >= 64): the decode of a weight is
+# shared by the block's rows, so taller blocks spend less of the kernel decoding.
+_FP4_PREFILL_SWEEP = [
+    (bm, bn, 64, 8, w, st, True) for bm in (128, 256) for bn in (64, 128) for w in (4, 8) for st in (3, 4)
+]
+
 
 def expert_op(
     w: dict, sh: dict | None, q4: dict | None = None
@@ -126,7 +132,7 @@ def sweep(
     t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None = None, q4: dict | None = None
 ) -> list[dict]:
     """Time the bf16 op (with the shared expert ``sh`` folded in when given; the MXFP4 one with
-    ``q4``, its base tiles ``fp4_tiles`` of bf16's, at decode ``_FP4_DECODE_SWEEP``) at ``t`` tokens over
+    ``q4``, its base tiles ``fp4_tiles`` of bf16's, over ``_FP4_DECODE_SWEEP`` / ``_FP4_PREFILL_SWEEP``) at ``t`` tokens over
     the gate/up candidates (down tiles as chosen), then the down candidates (gate/up as chosen).
     Each row: the kernel's programs, whole-op ms and TFLOP/s, max rel diff."""
     e, inter, d = w["w1"].shape
@@ -145,8 +151,8 @@ def sweep(
         ("gate_up", inter, _DECODE_SWEEP if decode else _GATE_UP_SWEEP),
         ("down", d, _DECODE_SWEEP if decode else _DOWN_SWEEP),
     ):
-        if q4 is not None and decode:  # MXFP4 decode: k tile 64 and columns >= 64 keep a row's bits (fp4_tiles)
-            cands = _FP4_DECODE_SWEEP
+        if q4 is not None:  # MXFP4: k tile 64 and columns >= 64 keep a row's bits (fp4_tiles)
+            cands = _FP4_DECODE_SWEEP if decode else [base[part == "down"], *_FP4_PREFILL_SWEEP]
         for cand in cands:
             tiles = (Tiles(*cand), base[1]) if part == "gate_up" else (base[0], Tiles(*cand))
             programs = max_blocks(pairs, experts, cand[0]) * triton.cdiv(n, cand[1])
