@@ -83,12 +83,14 @@ def context_rows(
     params: dict, state: dict, c: ModelConfig, captured: dict[int, torch.Tensor], group: Group, known: torch.Tensor
 ) -> None:
     """``dspark_context`` for one group ``[C, L]``: chunk c's first ``known[c]`` rows are
-    verified. Only the last ``sliding_window`` of them can survive in the ring, so exactly
-    that many rows a chunk are projected (the missing ones, before a chunk's start, are
-    written to the scratch slot), which keeps one shape for every step."""
+    verified. Only the last ``sliding_window`` of them can survive in the ring, and a chunk has
+    at most ``L``, so ``min(window, L)`` rows a chunk are projected (the missing ones, before a
+    chunk's start, are written to the scratch slot): one shape for every step of the bucket,
+    and a decode or verify chunk projects its few rows, not a window's worth."""
     w = c.sliding_window
     L = group.index.shape[1]
-    j = known[:, None] - w + torch.arange(w, device=known.device)  # [C, w] chunk rows
+    n = min(w, L)
+    j = known[:, None] - n + torch.arange(n, device=known.device)  # [C, n] chunk rows
     real = j >= 0
     idx = group.index.gather(1, j.clamp(0, L - 1))
     dtype = captured[c.dspark_target_layer_ids[0]].dtype

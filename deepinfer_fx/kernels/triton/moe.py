@@ -152,9 +152,10 @@ def fp4_tiles(gate_up: Tiles, down: Tiles, inter: int, dim: int) -> tuple[Tiles,
     of 40 tokens alone differed from their batch, ``docs/decisions.md``), so with these a row's bits
     do not follow the batch. Decode (below 128-row blocks) takes 64 columns and 4 warps for both
     kernels, 4 stages for gate/up and 3 for down (``bench.moe_kernel --fp4 --sweep 8|64``,
-    ``bench/results/latest/moe_tile_sweep_p8_fp4_t{8,64}_h100_s46.json``), and prefill the
-    fastest of ``bench.moe_kernel --fp4 --sweep 4096``
-    (``bench/results/latest/moe_tile_sweep_p8_fp4_t4096.json``). ``inter`` and ``dim``: the
+    ``bench/results/latest/moe_tile_sweep_p8_fp4_t{8,64}_h100_s46.json``); prefill 128 x 64 on 4
+    warps for gate/up and 256 x 128 on 8 for down, within 1.2 % of the fastest tile that keeps the
+    bits (``bench.moe_kernel --fp4 --sweep 4096``,
+    ``bench/results/latest/moe_tile_sweep_p8_fp4_t4096_h100_s47.json``). ``inter`` and ``dim``: the
     gate/up and down GEMMs' column counts (no tile wider than the next power of two of them)."""
 
     def cols(n: int, bn: int) -> int:
