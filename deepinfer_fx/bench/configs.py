@@ -16,6 +16,10 @@ one H200 in bf16 (random weights, no fake-quant, as P8).
   candidate source 20; Engram on 1 and 14; DSpark over 37-39), still 64 experts: the depth at
   which the drafter weighs in a step what it weighs as released. It fits one GPU only held as
   released (``HELD_TO_FIT``: MXFP4 experts, FP8 dense; 58.7 GiB of weights by the memory plan).
+- ``p8_deep``: ``p8`` at V4-Flash's released depth and layer layout (43 layers: two window-only,
+  then CSA and HCA alternating, the last CSA; hash routing on the first 3), still 64 experts:
+  with ``bench.spec --method mtp`` the depth at which the MTP-1 drafter weighs in a step what it
+  weighs as released. Held as released to fit one GPU (``HELD_TO_FIT``).
 - ``pro``: V4-Pro widths, 6 layers: hidden 7168, 128 heads x 512, q LoRA 1536, 16 output groups,
   indexer 64 x 128 top-1024, intermediate 3072, V4-Pro's schedule (two HCA layers, then CSA and
   HCA alternating), 3 hash layers, 64 experts top-6.
@@ -108,6 +112,8 @@ V41_DEEP: dict[str, Any] = {
     "dspark_target_layer_ids": [37, 38, 39],
 }
 
+P8_DEEP: dict[str, Any] = {**P8, "num_hidden_layers": 43, "compress_ratios": [0, 0] + [4, 128] * 20 + [4]}
+
 PRO: dict[str, Any] = {
     **P8,
     "hidden_size": 7168,
@@ -121,9 +127,15 @@ PRO: dict[str, Any] = {
     "routed_scaling_factor": 2.5,
 }
 
-BENCH_CONFIGS: dict[str, dict[str, Any]] = {"p8": P8, "v41": V41, "v41_deep": V41_DEEP, "pro": PRO}
+BENCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "p8": P8,
+    "p8_deep": P8_DEEP,
+    "v41": V41,
+    "v41_deep": V41_DEEP,
+    "pro": PRO,
+}
 # (expert format, dense format) a config must be held in to fit one GPU; the others fit in bf16
-HELD_TO_FIT: dict[str, tuple[str, str]] = {"v41_deep": ("fp4", "fp8")}
+HELD_TO_FIT: dict[str, tuple[str, str]] = {"p8_deep": ("fp4", "fp8"), "v41_deep": ("fp4", "fp8")}
 
 
 def check_held_to_fit(name: str, expert_format: str, dense_format: str) -> None:
@@ -136,10 +148,11 @@ def check_held_to_fit(name: str, expert_format: str, dense_format: str) -> None:
         )
 
 
-def bench_config(name: str, layers: int | None = None) -> ModelConfig:
+def bench_config(name: str, layers: int | None = None, mtp: bool = False) -> ModelConfig:
     """Bench model ``name`` (a key of ``BENCH_CONFIGS``), cut to its first ``layers`` layers
     (None: all); layer roles past the cut are dropped, and the config's own checks refuse a cut
-    that leaves a role inconsistent (V4.1's candidate source, say)."""
+    that leaves a role inconsistent (V4.1's candidate source, say). ``mtp``: with V4's MTP-1
+    block after the trunk (a window-only layer; the V4 layouts)."""
     if name not in BENCH_CONFIGS:
         raise ValueError(f"unknown bench config {name!r}; known: {sorted(BENCH_CONFIGS)}")
     d = dict(BENCH_CONFIGS[name])
@@ -151,6 +164,8 @@ def bench_config(name: str, layers: int | None = None) -> ModelConfig:
         compress_ratios=d["compress_ratios"][:n],
         num_hash_layers=min(d.get("num_hash_layers", 0), n),
     )
+    if mtp:
+        d.update(num_nextn_predict_layers=1, compress_ratios=d["compress_ratios"] + [0])
     for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids", "dspark_target_layer_ids"):
         if key in d:
             d[key] = [i for i in d[key] if i < n]

@@ -37,8 +37,8 @@ from ..engine.llm import LLM
 from ..engine.request import Sequence
 from ..engine.sampling import SamplingParams
 from ..engine.step_arena import DecodeRow, PrefillChunk
-from .configs import held_as_released
-from .p8 import P8, p8_config, run_info, write_result
+from .configs import bench_config, held_as_released
+from .p8 import run_info, write_result
 from .timing import timed
 
 PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler")
@@ -48,13 +48,8 @@ SETTINGS = {"greedy": dict(temperature=0.0), "top_p": dict(temperature=0.7, top_
 def _model(layers: int, mtp: bool = False, expert_format: str = "bf16"):
     """P8 random weights, ``layers`` deep (``mtp``: with V4's MTP-1 block, a window-only layer;
     ``expert_format`` "fp4": routed experts held as MXFP4, ``configs.held_as_released``)."""
-    c = p8_config(
-        num_hidden_layers=layers,
-        compress_ratios=P8["compress_ratios"][:layers] + [0] * mtp,
-        num_hash_layers=min(P8["num_hash_layers"], layers),
-        num_nextn_predict_layers=int(mtp),
-    )
-    return random_model(held_as_released(c, expert_format), seed=0, dtype=torch.bfloat16, device="cuda")
+    c = held_as_released(bench_config("p8", layers, mtp), expert_format)
+    return random_model(c, seed=0, dtype=torch.bfloat16, device="cuda")
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -5,7 +5,9 @@
     python -m deepinfer_fx.bench.spec --method dspark --name spec_dspark   # the V4.1-width bench model
     python -m deepinfer_fx.bench.spec --method dspark --yoco-mode off --name spec_dspark_exact
     python -m deepinfer_fx.bench.spec --method dspark --config v41_deep --expert-format fp4 --dense-format fp8 \
-        --drafts 3 --batches 8,64 --e2e-batches '' --lean   # the released depth: the drafter's real share
+        --drafts 3 --batches 1,8,64 --e2e-batches '' --lean   # the released depth: the drafter's real share
+    python -m deepinfer_fx.bench.spec --method mtp --config p8_deep --expert-format fp4 --dense-format fp8 \
+        --drafts 3 --batches 1,8,64 --e2e-batches '' --lean   # MTP-1 at V4-Flash's depth
 
 Verify cost: for each draft count k (an engine built with ``num_speculative_tokens=k``, whose
 verify chunks are padded to k + 1 rows) and batch b, the captured verify step of b chunks of k + 1
@@ -47,7 +49,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.spec_decode import SpecStats
 from ..engine.step_arena import DecodeRow, VerifyChunk
 from .configs import bench_config, check_held_to_fit, held_as_released
-from .e2e import _model, _prompts
+from .e2e import _prompts
 from .p8 import run_info, write_result
 from .timing import kernel_table, timed
 
@@ -89,17 +91,19 @@ def drafting(model: Model) -> Model:
     return Model(c, {**params, "mtp": params["mtp"][:-1] + [last]})
 
 
+# the bench models each method drafts on: P8's layouts (V4), or V4.1's with the DSpark head
+_FAMILY = {"ngram": "p8", "mtp": "p8", "dspark": "v41"}
+
+
 def bench_model(
-    method: str, layers: int | None, expert_format: str = "bf16", config: str = "v41", dense_format: str = "bf16"
+    method: str, layers: int | None, expert_format: str = "bf16", config: str | None = None, dense_format: str = "bf16"
 ) -> Model:
-    """P8 ``layers`` deep (8 when None; with an MTP-1 block for ``mtp``), or for ``dspark`` the
-    V4.1 bench model ``config`` (``v41`` or ``v41_deep``, cut to ``layers``) with its DSpark head;
-    ``expert_format`` "fp4": routed experts (the drafter's too) held as MXFP4, as released;
-    ``dense_format`` "fp8" (DSpark models only): dense projections in block FP8."""
-    if method != "dspark":
-        return _model(layers or 8, mtp=method == "mtp", expert_format=expert_format)
-    c = held_as_released(bench_config(config, layers), expert_format, dense_format)
-    return random_model(c, seed=0, dtype=torch.bfloat16, device="cuda")
+    """The bench model ``config`` (``bench/configs.py``; default ``p8``, or ``v41`` for
+    ``dspark``) cut to ``layers``, with an MTP-1 block for ``mtp`` (the V4.1 models carry their
+    DSpark head); ``expert_format`` "fp4": routed experts (the drafter's too) held as MXFP4, as
+    released; ``dense_format`` "fp8": dense projections in block FP8."""
+    c = bench_config(config or _FAMILY[method], layers, mtp=method == "mtp")
+    return random_model(held_as_released(c, expert_format, dense_format), seed=0, dtype=torch.bfloat16, device="cuda")
 
 
 def _top_kernels(fn: Callable[[], object], steps: int, top: int = 25) -> dict:
@@ -232,18 +236,14 @@ def main(argv: list[str] | None = None) -> dict:
         help="the drafter (mtp: P8's MTP-1 block; dspark: the V4.1-width model's DSpark head)",
     )
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="P8's depth (default 8), or a cut of the dspark --config (default: all)",
-    )
+    ap.add_argument("--layers", type=int, default=None, help="a cut of the --config model (default: all its layers)")
     ap.add_argument(
         "--config",
-        choices=["v41", "v41_deep"],
+        choices=["p8", "p8_deep", "v41", "v41_deep"],
         default=None,
-        help="dspark only: the V4.1 bench model (bench/configs.py; default v41, 10 layers; v41_deep: the released "
-        "40-layer layout, held as released)",
+        help="the bench model (bench/configs.py): ngram and mtp run p8 (default, 8 layers) or p8_deep (V4-Flash's "
+        "43-layer layout), dspark v41 (default, 10 layers) or v41_deep (the released 40-layer layout); the deep ones "
+        "held as released",
     )
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--e2e-batches", default="1,8", help="end-to-end batches ('': the verify rows only)")
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--dense-format",
         choices=["bf16", "fp8"],
         default="bf16",
-        help="dspark only: fp8 holds the dense projections in block FP8, as the checkpoints store them",
+        help="fp8 holds the dense projections in block FP8, as the checkpoints store them",
     )
     ap.add_argument(
         "--profile",
@@ -288,25 +288,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--name", default="spec")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    if args.method != "dspark" and (args.config is not None or args.dense_format != "bf16"):
-        ap.error("--config and --dense-format choose the DSpark bench model: they need --method dspark")
-    config = args.config or "v41"
-    if args.method == "dspark":
-        try:
-            check_held_to_fit(config, args.expert_format, args.dense_format)
-            bench_config(config, args.layers)
-        except ValueError as e:
-            ap.error(str(e))
+    family = _FAMILY[args.method]
+    config = args.config or family
+    if config not in (family, f"{family}_deep"):
+        ap.error(f"--method {args.method} drafts on the {family} bench models (--config {family} or {family}_deep)")
+    try:
+        check_held_to_fit(config, args.expert_format, args.dense_format)
+        bench_config(config, args.layers)
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("bench.spec times CUDA graphs: it needs a GPU")
+    drafter = {"ngram": "", "mtp": " and an MTP-1 block", "dspark": " with its DSpark head"}[args.method]
     result = {
         **run_info(argv),
-        "model": {
-            "ngram": f"P8 random weights, {args.layers or 8} layers, bf16",
-            "mtp": f"P8 random weights, {args.layers or 8} layers and an MTP-1 block, bf16",
-            "dspark": f"bench_config({config!r}, {args.layers}) random weights with its DSpark head, bf16, "
-            f"{args.yoco_mode or 'compact'} prefill",
-        }[args.method]
+        "model": f"bench_config({config!r}, {args.layers}) random weights{drafter}, bf16"
+        + (f", {args.yoco_mode or 'compact'} prefill" if args.method == "dspark" else "")
         + (", MXFP4 experts" if args.expert_format == "fp4" else "")
         + (", FP8 dense" if args.dense_format == "fp8" else ""),
     }

@@ -53,6 +53,22 @@ def test_pro_widths() -> None:
     assert c.hca_ratios == {128} and c.compress_ratios[:2] == (128, 128) and c.index_topk == 1024
 
 
+def test_p8_deep_is_the_released_layout() -> None:
+    """``p8_deep``: the released V4-Flash config's depth and layer roles at P8's widths; with
+    ``mtp`` one MTP-1 block, as released."""
+    released = load_config(released_config("deepseek_v4_flash"))
+    c = bench_config("p8_deep", mtp=True)
+    assert c.num_hidden_layers == released.num_hidden_layers == 43
+    assert [c.layer_kind(i) for i in range(43)] == [released.layer_kind(i) for i in range(43)]
+    assert (
+        c.num_hash_layers == released.num_hash_layers
+        and c.num_nextn_predict_layers == released.num_nextn_predict_layers == 1
+    )
+    assert c.n_routed_experts == 64 and c.hidden_size == released.hidden_size
+    assert bench_config("p8", 4, mtp=True).num_nextn_predict_layers == 1
+    assert bench_config("p8", 4).num_nextn_predict_layers == 0
+
+
 def test_v41_deep_is_the_released_layout() -> None:
     """``v41_deep``: the released V4.1-Flash config's depth and layer roles at the bench widths."""
     released = load_config(released_config("deepseek_v41_flash"))
@@ -90,11 +106,16 @@ def test_benches_refuse_what_does_not_fit(bench, capsys: pytest.CaptureFixture[s
     assert "pass --expert-format fp4 --dense-format fp8 (got fp4, bf16)" in capsys.readouterr().err
 
 
-def test_spec_dspark_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    """``bench.spec``: ``--config`` / ``--dense-format`` are DSpark's, and ``--layers`` cuts its model."""
+def test_spec_config_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench.spec``: each method drafts on its family of bench models (P8's for ngram and MTP-1,
+    V4.1's for DSpark), the deep ones only as released, and ``--layers`` cuts the model."""
+    for method, config in (("ngram", "v41"), ("mtp", "v41_deep"), ("dspark", "p8")):
+        with pytest.raises(SystemExit):
+            spec.main(["--method", method, "--config", config])
+        assert f"--method {method} drafts on the" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        spec.main(["--method", "ngram", "--config", "v41"])
-    assert "need --method dspark" in capsys.readouterr().err
+        spec.main(["--method", "mtp", "--config", "p8_deep", "--expert-format", "fp4"])
+    assert "pass --expert-format fp4 --dense-format fp8 (got fp4, bf16)" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a cut below the DSpark head's layers
         spec.main(["--method", "dspark", "--layers", "4"])
     assert "dspark_target_layer_ids" in capsys.readouterr().err
