@@ -83,8 +83,8 @@ _FP4_DECODE_SWEEP = [(16, 64, 64, 1, 4, 3, False)] + [
     if (bn, w, st) != (64, 4, 3)
 ]
 
-# MXFP4 prefill candidates, the same rule (k tile 64, columns >= 64): the decode of a weight is
-# shared by the block's rows, so taller blocks spend less of the kernel decoding.
+# MXFP4 prefill candidates, the same rule (k tile 64, columns >= 64), with 256-row blocks: does a
+# decode shared by more rows pay? (It did not on the H100: docs/decisions.md, session 47.)
 _FP4_PREFILL_SWEEP = [
     (bm, bn, 64, 8, w, st, True) for bm in (128, 256) for bn in (64, 128) for w in (4, 8) for st in (3, 4)
 ]
@@ -132,8 +132,9 @@ def sweep(
     t: int, w: dict, limit: float, top: int, iters: int, sh: dict | None = None, q4: dict | None = None
 ) -> list[dict]:
     """Time the bf16 op (with the shared expert ``sh`` folded in when given; the MXFP4 one with
-    ``q4``, its base tiles ``fp4_tiles`` of bf16's, over ``_FP4_DECODE_SWEEP`` / ``_FP4_PREFILL_SWEEP``) at ``t`` tokens over
-    the gate/up candidates (down tiles as chosen), then the down candidates (gate/up as chosen).
+    ``q4``, its base tiles ``fp4_tiles`` of bf16's, over ``_FP4_DECODE_SWEEP`` or
+    ``_FP4_PREFILL_SWEEP``) at ``t`` tokens over the gate/up candidates (down tiles as chosen),
+    then the down candidates (gate/up as chosen).
     Each row: the kernel's programs, whole-op ms and TFLOP/s, max rel diff."""
     e, inter, d = w["w1"].shape
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
