@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli.arguments import check_combinations, read_prompts, so_args, with_images
+from .cli.arguments import check_combinations, read_prompts, so_args, speculative_config, with_images
 from .cli.parser import build_parser
 from .demo import demo_model_dir
 from .settings import EngineConfig
@@ -96,9 +96,7 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         dense_format=args.dense_format,
         kv_format=args.kv_format,
         warmup=False if args.no_warmup else None,
-        speculative_config=None
-        if args.speculative_method is None
-        else {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens or 3},
+        speculative_config=speculative_config(args),
     )
     texts = list(prompts)
     if args.image:

@@ -173,19 +173,19 @@ def verify_rows(
     return row
 
 
-def e2e_rows(
-    model: Model, batch: int, k: int, prompts: list, max_tokens: int, seqs: int, method: str, yoco: dict
-) -> dict:
+def e2e_rows(model: Model, batch: int, spec: dict, prompts: list, max_tokens: int, seqs: int, yoco: dict) -> dict:
+    """Tokens/s of ``generate`` on ``prompts[:batch]`` without and with ``speculative_config=spec``."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    out = {"batch": batch, "nextn": k, "method": method}
-    for name, spec in (("plain", None), ("spec", {"method": method, "num_speculative_tokens": k})):
+    k = spec["num_speculative_tokens"]
+    out = {"batch": batch, "nextn": k, "method": spec["method"], "draft_head": spec.get("draft_head", "model")}
+    for name, cfg in (("plain", None), ("spec", spec)):
         llm = LLM(
             model=model,
             max_num_seqs=seqs,
             max_num_batched_tokens=4096,
             max_model_len=2048,
             warmup=False,
-            speculative_config=spec,
+            speculative_config=cfg,
             **yoco,
         )
         llm.generate(prompts[:batch], params)  # compiles and captures what the timed run replays
@@ -204,7 +204,7 @@ def e2e_rows(
             "wall_s": round(wall, 3),
             "host_us_per_step": round(st.host_us_per_step, 1),
         }
-        if spec is not None:
+        if cfg is not None:
             s = llm.speculator.stats
             steps_s = decode_steps / (last - first)
             row.update(
@@ -273,6 +273,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="fp8 holds the dense projections in block FP8, as the checkpoints store them",
     )
     ap.add_argument(
+        "--draft-head",
+        choices=["model", "fp8"],
+        default="model",
+        help="mtp / dspark: the output head the drafter reads (fp8: a block-FP8 copy, speculative_config['draft_head'])",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="also list each verify row's kernels: the verify step (with and without the drafter) and the plain "
@@ -292,6 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
     config = args.config or family
     if config not in (family, f"{family}_deep"):
         ap.error(f"--method {args.method} drafts on the {family} bench models (--config {family} or {family}_deep)")
+    if args.draft_head != "model" and args.method == "ngram":
+        ap.error("--draft-head: the n-gram drafter reads no head; use --method mtp or dspark")
+    spec = {"method": args.method} if args.draft_head == "model" else {"method": args.method, "draft_head": "fp8"}
     try:
         check_held_to_fit(config, args.expert_format, args.dense_format)
         bench_config(config, args.layers)
@@ -305,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
         "model": f"bench_config({config!r}, {args.layers}) random weights{drafter}, bf16"
         + (f", {args.yoco_mode or 'compact'} prefill" if args.method == "dspark" else "")
         + (", MXFP4 experts" if args.expert_format == "fp4" else "")
-        + (", FP8 dense" if args.dense_format == "fp8" else ""),
+        + (", FP8 dense" if args.dense_format == "fp8" else "")
+        + (", FP8 draft head" if args.draft_head == "fp8" else ""),
     }
     yoco = {} if args.yoco_mode is None else {"yoco_mode": args.yoco_mode}
     batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",") if k]
@@ -319,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_num_batched_tokens=4096,
             max_model_len=args.prompt_len + 64,
             warmup=False,
-            speculative_config={"method": args.method, "num_speculative_tokens": k},
+            speculative_config={**spec, "num_speculative_tokens": k},
             **yoco,
         )
         for b in batches:
@@ -352,9 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
         del probe
     result["e2e"] = []
     for b in e2e_batches:
-        result["e2e"].append(
-            e2e_rows(e2e_model, b, args.nextn, prompts, args.max_tokens, max(e2e_batches), args.method, yoco)
-        )
+        e2e_spec = {**spec, "num_speculative_tokens": args.nextn}
+        result["e2e"].append(e2e_rows(e2e_model, b, e2e_spec, prompts, args.max_tokens, max(e2e_batches), yoco))
         write_result(args.name, result, args.out)
     print(f"wrote {write_result(args.name, result, args.out)}")
     return result

@@ -59,6 +59,8 @@ def check_combinations(ap: argparse.ArgumentParser, args: argparse.Namespace) ->
         )
     if args.num_speculative_tokens is not None and args.speculative_method is None:
         ap.error("argument --num-speculative-tokens: needs --speculative-method")
+    if args.draft_head is not None and args.speculative_method not in ("mtp", "dspark"):
+        ap.error("argument --draft-head: the head of a model drafter; needs --speculative-method mtp or dspark")
     if args.stream and args.prompts_file is not None or args.stream and len(args.prompt or []) > 1:
         ap.error("argument --stream: streams one request; give a single --prompt")
     if args.image and (args.prompts_file is not None or len(args.prompt or []) > 1):
@@ -85,6 +87,14 @@ def read_prompts(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[
                 f"argument --prompts-file: {args.prompts_file} is not UTF-8 text (byte {e.start}); save it as UTF-8"
             )
     return prompts or ["The weather today is"]
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """``LLM(speculative_config=...)`` from the speculative decoding flags (None: off)."""
+    if args.speculative_method is None:
+        return None
+    cfg = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens or 3}
+    return cfg if args.draft_head is None else {**cfg, "draft_head": args.draft_head}
 
 
 def so_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:

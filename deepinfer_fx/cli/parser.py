@@ -235,12 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["ngram", "mtp", "dspark"],
         default=None,
         help="draft tokens and verify them in one target forward (ngram: prompt lookup, no weights; mtp: the "
-        "checkpoint's MTP-1 block, V4-Flash and V4-Pro; dspark: not built yet; default: off)",
+        "checkpoint's MTP-1 block, V4-Flash and V4-Pro; dspark: the DSpark drafter, V4.1-Flash and V4-Flash-0731; "
+        "default: off)",
     )
     sp.add_argument(
         "--num-speculative-tokens",
         type=_int_from(1),
         default=None,
         help="drafts per verify step (default: 3; DEEPINFER_USE_NEXTN_DECODE caps it)",
+    )
+    sp.add_argument(
+        "--draft-head",
+        choices=["model", "fp8"],
+        default=None,
+        help="the output head the mtp / dspark drafter reads: model = as stored (default), fp8 = a block-FP8 "
+        "copy made at load (half the bytes a draft streams; outputs are the target's either way)",
     )
     return ap

@@ -27,7 +27,7 @@ from .request import RequestOutput, Sequence, to_output
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import EngineType, Scheduler
-from .spec_config import check_mesh, parse_speculative_config
+from .spec_config import check_mesh, draft_head_params, parse_speculative_config
 from .spec_decode import Speculator
 from .state_io import StateTransfer
 from .structured import Grammars
@@ -85,7 +85,8 @@ class LLM:
         progress bar, so that ``generate`` never stalls on a compile; the compile caches live in
         ``DEEPINFER_CACHE_DIR``. ``speculative_config``: speculative decoding, vLLM's shape
         (``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 4}``; ``DEEPINFER_USE_NEXTN_DECODE`` caps k); greedy and sampled
+        "prompt_lookup_max": 4}``, or method "mtp" / "dspark" with ``"draft_head": "model" | "fp8"``,
+        ``engine/spec_config.py``; ``DEEPINFER_USE_NEXTN_DECODE`` caps k); greedy and sampled
         requests get the tokens they get without it (``engine/spec_accept.py``). ``yoco_mode`` ('compact' or 'off'; default
         ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE``, else compact for V4.1 models) and
         ``yoco_keep_tokens`` (default ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, 140): V4.1's compact
@@ -146,6 +147,9 @@ class LLM:
         self.speculative = parse_speculative_config(speculative_config, self.settings, c, self.model.params)
         if self.speculative is not None and self.ranks.multi:
             check_mesh(self.speculative, self.ranks.spec)
+        if self.speculative is not None and self.speculative.draft_head == "fp8":  # a copy: the caller's tree stays
+            params = {**self.model.params, **draft_head_params(self.model.params["head"])}
+            self.model = Model(c, params, self.model.path)
         max_drafts = 0 if self.speculative is None else self.speculative.num_speculative_tokens
         budget = memory_budget if memory_budget is not None else default_budget(device)
         # rings with room for the longest draft: a rejection is rolled back by forgetting its positions

@@ -1,7 +1,10 @@
 """``LLM(speculative_config=...)``: which drafter proposes tokens and how many, checked once.
 
 vLLM's shape: ``{"method": "ngram" | "mtp" | "dspark", "num_speculative_tokens": k, ...}``;
-``ngram`` also takes ``prompt_lookup_min`` / ``prompt_lookup_max``. DeepInfer's variables join
+``ngram`` also takes ``prompt_lookup_min`` / ``prompt_lookup_max``; ``mtp`` and ``dspark`` take
+``draft_head``: "model" (the default: drafts read the output head as stored) or "fp8" (drafts
+of up to 64 rows read a block-FP8 copy made at load, half the bytes of the bf16 head the chained
+drafter streams once a draft; outputs are the target's either way). DeepInfer's variables join
 it: ``DEEPINFER_USE_NEXTN_DECODE`` caps k (unset: no cap; 0 is off, and refuses a config) and
 ``DEEPINFER_ENABLE_MTP_VARLEN`` asks for confidence-scheduled variable-length verification.
 What is not built refuses here, with the reason, so that nothing silently runs plain decoding.
@@ -13,17 +16,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..config import ModelConfig
 from ..graphs.params import mtp_specs
+from ..io.quant import quant_fp8_block, ue8m0_to_float
 from ..settings import PREFIX, EngineConfig
 from ..sharding.mesh import MeshSpec
 
 METHODS = ("ngram", "mtp", "dspark")
 KEYS = {
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
-    "mtp": ("method", "num_speculative_tokens"),
-    "dspark": ("method", "num_speculative_tokens"),
+    "mtp": ("method", "num_speculative_tokens", "draft_head"),
+    "dspark": ("method", "num_speculative_tokens", "draft_head"),
 }
+DRAFT_HEADS = ("model", "fp8")
+DRAFT_HEAD_BLOCK = 128  # the copy's FP8 block: V4's, a k tile of the skinny FP8 kernel
 NEXTN = f"{PREFIX}USE_NEXTN_DECODE"
 VARLEN = f"{PREFIX}ENABLE_MTP_VARLEN"
 
@@ -35,6 +43,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: the shortest suffix that is looked up in the context
     prompt_lookup_max: int = 4  # ngram: the longest one (tried first)
     varlen: bool = False  # DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled draft lengths (dspark)
+    draft_head: str = "model"  # mtp, dspark: "fp8" drafts through a block-FP8 copy of the head
 
 
 def _int(cfg: Mapping[str, Any], key: str, default: int, low: int) -> int:
@@ -102,7 +111,13 @@ def parse_speculative_config(
             f"block's window ({c.sliding_window}) drafts"
         )
     if method in ("mtp", "dspark"):
-        return SpeculativeConfig(method, k, varlen=settings.mtp_varlen)
+        draft_head = cfg.get("draft_head", "model")
+        if draft_head not in DRAFT_HEADS:
+            raise ValueError(
+                f"speculative_config['draft_head'] must be one of {DRAFT_HEADS} (the head as stored, or a block-FP8 "
+                f"copy for the drafter), got {draft_head!r}"
+            )
+        return SpeculativeConfig(method, k, varlen=settings.mtp_varlen, draft_head=draft_head)
     lo = _int(cfg, "prompt_lookup_min", 1, 1)
     hi = _int(cfg, "prompt_lookup_max", max(lo, 4), 1)
     if hi < lo:
@@ -143,3 +158,15 @@ def check_mesh(spec: SpeculativeConfig, mesh: MeshSpec) -> None:
             "on the host when eager, and verify and rollback steps have no such split); meshes of dp and ep "
             "speculate, or drop speculative_config"
         )
+
+
+def draft_head_params(head: torch.Tensor, rows: int = 8192) -> dict[str, torch.Tensor]:
+    """``draft_head`` / ``draft_head_scale``: ``head`` ``[vocab, D]`` in block FP8 (e4m3 and fp32
+    scales of ``DRAFT_HEAD_BLOCK`` squares, as a held dense weight), quantised ``rows`` rows at a
+    time so the fp32 temporaries stay small beside a loaded model."""
+    step = rows - rows % DRAFT_HEAD_BLOCK
+    parts = [quant_fp8_block(head[i : i + step], DRAFT_HEAD_BLOCK) for i in range(0, head.shape[0], step)]
+    return {
+        "draft_head": torch.cat([w for w, _ in parts]),
+        "draft_head_scale": ue8m0_to_float(torch.cat([s for _, s in parts])),
+    }

@@ -59,7 +59,7 @@ from .attention import grouped_output, latent_kv, mqa_with_sink, query
 from .batch import Batch, Group
 from .dspark_context import check_drafter, window_freq
 from .mhc import first_stream, hc_head, mhc_collapse
-from .model import block, embed
+from .model import block, embed, output_head
 from .norm import linear_fp32, rms_norm
 from .params import dspark_stage_config
 from .rope import cos_sin
@@ -204,7 +204,7 @@ def draft_blocks(
     else:
         h = hc_head(X, last["hc_head_fn"], last["hc_head_base"], last["hc_head_scale"], c.rms_norm_eps, c.hc_eps)
     h = h.view(n, k, -1)[:, :used]
-    base = linear_fp32(rms_norm(h, last["norm"], c.rms_norm_eps), params["head"])  # [n, used, vocab]
+    base = output_head(params, rms_norm(h, last["norm"], c.rms_norm_eps), draft=True)  # [n, used, vocab]
 
     markov = last["markov_head"]
     y = last_token

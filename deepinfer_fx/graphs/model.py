@@ -202,18 +202,39 @@ def hidden_streams(
     return run_layers(params, state, c, X, batch, range(c.num_hidden_layers), {}, pre, hashes, captured, kept)
 
 
+# Rows up to which a draft step reads the block-FP8 copy of the output head (``draft_head``):
+# the decode domain of the skinny FP8 kernel (``kernels/ops_linear.FP8_MAX_ROWS``). A larger
+# draft step reads the head as stored, where cuBLAS reuses each weight tile over its rows.
+DRAFT_HEAD_FP8_ROWS = 64
+
+
+def output_head(params: dict, u: torch.Tensor, draft: bool = False) -> torch.Tensor:
+    """fp32 logits of the normed hidden ``u`` ``[..., D]``. A draft step (``draft``) of at most
+    ``DRAFT_HEAD_FP8_ROWS`` rows reads ``params["draft_head"]`` where the engine made one
+    (``speculative_config["draft_head"] = "fp8"``: half the bytes a draft streams); else the head."""
+    if draft and "draft_head" in params and u[..., 0].numel() <= DRAFT_HEAD_FP8_ROWS:
+        return linear_fp32(u, params["draft_head"], params["draft_head_scale"])
+    return linear_fp32(u, params["head"])
+
+
 def head(
-    params: dict, c: ModelConfig, X: torch.Tensor, head_prefix: dict | None = None, pre: torch.Tensor | None = None
+    params: dict,
+    c: ModelConfig,
+    X: torch.Tensor,
+    head_prefix: dict | None = None,
+    pre: torch.Tensor | None = None,
+    draft: bool = False,
 ) -> torch.Tensor:
     """Collapse the streams (a learned ``hc_head``, or V4.1's last ``pre``), norm, and project
-    to fp32 logits. ``head_prefix`` is the tree holding ``hc_head_*`` and ``norm``."""
+    to fp32 logits. ``head_prefix`` is the tree holding ``hc_head_*`` and ``norm``; ``draft``
+    as in ``output_head``."""
     hp = params if head_prefix is None else head_prefix
     if pre is not None:
         u = mhc_collapse(X, pre)
     else:
         u = hc_head(X, hp["hc_head_fn"], hp["hc_head_base"], hp["hc_head_scale"], c.rms_norm_eps, c.hc_eps)
     u = rms_norm(u, hp["norm"], c.rms_norm_eps)
-    return linear_fp32(u, params["head"])
+    return output_head(params, u, draft)
 
 
 def forward_batch(

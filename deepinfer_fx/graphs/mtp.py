@@ -41,7 +41,7 @@ def mtp_forward_batch(
     e = rms_norm(params["embed"][batch.token_ids].to(X.dtype), mp["enorm"], eps)
     Y = linear(rms_norm(X, mp["hnorm"], eps), *held(mp, "h_proj")) + linear(e, *held(mp, "e_proj"))[:, None, :]
     Y, _ = block(mp, [ms], c, Y, batch, 0, 0)
-    return head(params, c, Y if rows is None else Y[rows], head_prefix=mp), Y
+    return head(params, c, Y if rows is None else Y[rows], head_prefix=mp, draft=True), Y
 
 
 def mtp_forward(

@@ -191,6 +191,9 @@ def test_cli_refusals(capsys) -> None:
     with pytest.raises(SystemExit):
         generate.main(["--num-speculative-tokens", "2"])
     assert "--num-speculative-tokens: needs --speculative-method" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.main(["--speculative-method", "ngram", "--draft-head", "fp8"])
+    assert "--draft-head: the head of a model drafter" in capsys.readouterr().err
     assert (
         generate.main(["--speculative-method", "dspark", "--eager", "--max-tokens", "2"]) == 2
     )  # the demo has no DSpark

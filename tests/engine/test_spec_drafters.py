@@ -250,7 +250,8 @@ def test_compiled_drafter_steps(compiled_kind: str) -> None:
     """The steps compiled (aot_eager on the CPU) with the drafter inside them and warmed up:
     plain decoding's tokens, drafts accepted and rejected, and no step of the run (a rollback's
     replay included) compiles after the warm-up. DSpark runs under V4.1's default, compact
-    prefill (KEEP 12 of a 25-token prompt in two chunks), against compact prefill without it."""
+    prefill (KEEP 12 of a 25-token prompt in two chunks), against compact prefill without it,
+    drafting through the block-FP8 copy of the head (``draft_head``)."""
     model = drafting(compiled_kind)
     prompt, yoco = _prompts(3, 1)[0], {}
     if model.config.is_v41:
@@ -263,7 +264,7 @@ def test_compiled_drafter_steps(compiled_kind: str) -> None:
         warmup=True,
         max_num_seqs=1,
         max_num_batched_tokens=16,
-        speculative_config=spec(compiled_kind),
+        speculative_config={**spec(compiled_kind), **({"draft_head": "fp8"} if model.config.is_v41 else {})},
         **yoco,
     )
     warmed = [r["graph"] for r in llm.runner.steps.report()]

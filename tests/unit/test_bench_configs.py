@@ -119,6 +119,9 @@ def test_spec_config_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):  # a cut below the DSpark head's layers
         spec.main(["--method", "dspark", "--layers", "4"])
     assert "dspark_target_layer_ids" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        spec.main(["--method", "ngram", "--draft-head", "fp8"])
+    assert "the n-gram drafter reads no head" in capsys.readouterr().err
 
 
 def test_cuts() -> None:
