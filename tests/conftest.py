@@ -7,6 +7,14 @@ import torch
 # Shared test helpers (tiny configs, the HF oracle) live in tests/models.
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 
+# Under pytest-xdist the workers are as many processes as cores: a second intra-op thread a
+# worker oversubscribes the machine, and OpenMP's spinning threads starve the other worker
+# (2 cores: the soak test 11 s alone, 56 s beside a compile test, 10 s with one thread a worker;
+# docs/decisions.md). Subprocesses (torchrun ranks, Inductor's compile workers) inherit the cap.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 # Without a GPU, Triton kernel tests run under Triton's interpreter. It must be chosen before
 # anything imports Triton (torch.compile does, in other tests of the same worker): Triton's own
 # library functions are decorated at import, and compiled ones cannot run inside the interpreter.
