@@ -8,6 +8,8 @@
         --drafts 3 --batches 1,8,64 --e2e-batches '' --lean   # the released depth: the drafter's real share
     python -m deepinfer_fx.bench.spec --method mtp --config p8_deep --expert-format fp4 --dense-format fp8 \
         --drafts 3 --batches 1,8,64 --e2e-batches '' --lean   # MTP-1 at V4-Flash's depth
+    python -m deepinfer_fx.bench.spec --method dspark --config v41_deep --expert-format fp4 --dense-format fp8 \
+        --drafts 3 --batches 1 --e2e-batches '' --lean --draft-head model,fp8   # the head as stored, then in FP8
 
 Verify cost: for each draft count k (an engine built with ``num_speculative_tokens=k``, whose
 verify chunks are padded to k + 1 rows) and batch b, the captured verify step of b chunks of k + 1
@@ -274,9 +276,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument(
         "--draft-head",
-        choices=["model", "fp8"],
         default="model",
-        help="mtp / dspark: the output head the drafter reads (fp8: a block-FP8 copy, speculative_config['draft_head'])",
+        help="mtp / dspark: the output heads the drafter reads, each a run of every row (model, fp8 or "
+        "model,fp8; fp8: a block-FP8 copy, speculative_config['draft_head'])",
     )
     ap.add_argument(
         "--profile",
@@ -298,9 +300,12 @@ def main(argv: list[str] | None = None) -> dict:
     config = args.config or family
     if config not in (family, f"{family}_deep"):
         ap.error(f"--method {args.method} drafts on the {family} bench models (--config {family} or {family}_deep)")
-    if args.draft_head != "model" and args.method == "ngram":
+    heads = args.draft_head.split(",")
+    if not heads or any(h not in ("model", "fp8") for h in heads) or len(set(heads)) < len(heads):
+        ap.error(f"--draft-head: model, fp8 or model,fp8, got {args.draft_head!r}")
+    if heads != ["model"] and args.method == "ngram":
         ap.error("--draft-head: the n-gram drafter reads no head; use --method mtp or dspark")
-    spec = {"method": args.method} if args.draft_head == "model" else {"method": args.method, "draft_head": "fp8"}
+    specs = [{"method": args.method} if h == "model" else {"method": args.method, "draft_head": h} for h in heads]
     try:
         check_held_to_fit(config, args.expert_format, args.dense_format)
         bench_config(config, args.layers)
@@ -315,29 +320,33 @@ def main(argv: list[str] | None = None) -> dict:
         + (f", {args.yoco_mode or 'compact'} prefill" if args.method == "dspark" else "")
         + (", MXFP4 experts" if args.expert_format == "fp4" else "")
         + (", FP8 dense" if args.dense_format == "fp8" else "")
-        + (", FP8 draft head" if args.draft_head == "fp8" else ""),
+        + ("" if heads == ["model"] else f", draft heads {args.draft_head}"),
     }
     yoco = {} if args.yoco_mode is None else {"yoco_mode": args.yoco_mode}
     batches, drafts = [int(b) for b in args.batches.split(",")], [int(k) for k in args.drafts.split(",") if k]
     model = bench_model(args.method, args.layers, args.expert_format, config, args.dense_format)
     result["method"] = args.method
     result["verify"], result["graphs"] = [], []
-    for k in drafts:  # one engine a draft count: its verify chunks are padded to k + 1 rows
-        llm = LLM(
-            model=model,
-            max_num_seqs=max(batches) * (k + 1),
-            max_num_batched_tokens=4096,
-            max_model_len=args.prompt_len + 64,
-            warmup=False,
-            speculative_config={**spec, "num_speculative_tokens": k},
-            **yoco,
-        )
-        for b in batches:
-            result["verify"].append(verify_rows(llm, b, k, args.prompt_len, args.iters, args.profile, args.lean))
-            write_result(args.name, result, args.out)  # what is measured survives a stop
-        result["graphs"] += llm.runner.steps.report()
-        del llm
-        torch.cuda.empty_cache()
+    # one engine a draft count and head: its verify chunks are padded to k + 1 rows (the target's
+    # graphs of a second head are the saved steps of the first, where DEEPINFER_CACHE_DIR keeps them)
+    for spec in specs:
+        for k in drafts:
+            llm = LLM(
+                model=model,
+                max_num_seqs=max(batches) * (k + 1),
+                max_num_batched_tokens=4096,
+                max_model_len=args.prompt_len + 64,
+                warmup=False,
+                speculative_config={**spec, "num_speculative_tokens": k},
+                **yoco,
+            )
+            for b in batches:
+                row = verify_rows(llm, b, k, args.prompt_len, args.iters, args.profile, args.lean)
+                result["verify"].append({"draft_head": spec.get("draft_head", "model"), **row})
+                write_result(args.name, result, args.out)  # what is measured survives a stop
+            result["graphs"] += llm.runner.steps.report()
+            del llm
+            torch.cuda.empty_cache()
     e2e_batches = [int(b) for b in args.e2e_batches.split(",") if b]
     if not e2e_batches:
         print(f"wrote {write_result(args.name, result, args.out)}")
@@ -361,10 +370,11 @@ def main(argv: list[str] | None = None) -> dict:
         result["e2e_workload"] = f"{args.model}, prompt {args.prompt!r}"
         del probe
     result["e2e"] = []
-    for b in e2e_batches:
-        e2e_spec = {**spec, "num_speculative_tokens": args.nextn}
-        result["e2e"].append(e2e_rows(e2e_model, b, e2e_spec, prompts, args.max_tokens, max(e2e_batches), yoco))
-        write_result(args.name, result, args.out)
+    for spec in specs:
+        for b in e2e_batches:
+            e2e_spec = {**spec, "num_speculative_tokens": args.nextn}
+            result["e2e"].append(e2e_rows(e2e_model, b, e2e_spec, prompts, args.max_tokens, max(e2e_batches), yoco))
+            write_result(args.name, result, args.out)
     print(f"wrote {write_result(args.name, result, args.out)}")
     return result
 

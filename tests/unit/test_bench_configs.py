@@ -122,6 +122,10 @@ def test_spec_config_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         spec.main(["--method", "ngram", "--draft-head", "fp8"])
     assert "the n-gram drafter reads no head" in capsys.readouterr().err
+    for bad in ("bf16", "fp8,fp8", ""):
+        with pytest.raises(SystemExit):
+            spec.main(["--method", "mtp", "--draft-head", bad])
+        assert f"--draft-head: model, fp8 or model,fp8, got {bad!r}" in capsys.readouterr().err
 
 
 def test_cuts() -> None:
