@@ -10,9 +10,10 @@ Rank 0 writes, per run, each request's tokens and draft counts, every rank's cou
 and rollback re-run steps (those with chunks of its own and those of padding alone) and the EP
 placement and the slots a rank holds of each EP group (the trunk's, a DSpark drafter's); or the
 ``ValueError`` a refused run raised. Usage: ``spec_mesh_job.py OUT.json
-REF.json RUN...``, a run written ``MESH[@compiled]:METHOD[+eplb]`` (METHOD ``off``, ``ngram``,
-``oracle``, ``mtp`` or ``dspark``; ``+eplb``: then an EPLB rebalance by the loads measured, and
-the requests again, written as ``RUN+eplb``)."""
+REF.json RUN...``, a run written ``MESH[@compiled]:METHOD[+fp8head][+eplb]`` (METHOD ``off``,
+``ngram``, ``oracle``, ``mtp`` or ``dspark``; ``+fp8head``: the drafter reads the block-FP8 copy of
+the head; ``+eplb``: then an EPLB rebalance by the loads measured, and the requests again, written
+as ``RUN+eplb``)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def build(run: str) -> LLM:
     mesh, _, steps = mesh_steps.partition("@")
     method = method.partition("+")[0]
     drafter = {"oracle": "ngram"}.get(method, method)
+    spec = {"method": drafter, "num_speculative_tokens": K, **({"draft_head": "fp8"} if "+fp8head" in run else {})}
     return LLM(
         MODELS.get(method, lambda: drafting("mtp-v4"))(),
         device="cpu",
@@ -68,7 +70,7 @@ def build(run: str) -> LLM:
         mesh=mesh,
         eager=steps != "compiled",
         warmup=False,
-        speculative_config=None if method == "off" else {"method": drafter, "num_speculative_tokens": K},
+        speculative_config=None if method == "off" else spec,
     )
 
 

@@ -101,9 +101,10 @@ def test_ngram_and_mtp_on_ep2_and_dp2(tmp_path: Path, plain: dict) -> None:
 
 def test_dspark_on_ep2_with_its_own_expert_group(tmp_path: Path, plain: dict) -> None:
     """DSpark's MoE (4 experts) on its own EP group beside the trunk's (8), every rank drafting in every step (padding blocks where it has none); after the trunk's
-    EPLB shuffle the drafter keeps its placement and its drafts; and on dp2 (no EP)."""
-    got = _launch(tmp_path, plain, ["ep2:dspark+eplb", "dp2:dspark"])
-    for run in ("ep2:dspark", "ep2:dspark+eplb", "dp2:dspark"):
+    EPLB shuffle the drafter keeps its placement and its drafts; and on dp2 (no EP); and on ep2
+    drafting through the block-FP8 copy of the head."""
+    got = _launch(tmp_path, plain, ["ep2:dspark+eplb", "dp2:dspark", "ep2:dspark+fp8head"])
+    for run in ("ep2:dspark", "ep2:dspark+eplb", "dp2:dspark", "ep2:dspark+fp8head"):
         _speculated(got[run], 2)
     for run, ep in (("ep2:dspark", 2), ("dp2:dspark", 1)):  # each set's own placement, 32 extra slots
         assert got[run]["slots"] == [num_physical_experts(n, ep) // ep for n in (8, 4)], got[run]["slots"]
