@@ -5,6 +5,7 @@ stored head past that; the target never reads the copy, so outputs stay plain de
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 import pytest
 import torch
@@ -34,6 +35,14 @@ def _as_head(params: dict) -> dict:
     return out
 
 
+def _reads_the_copy(draft_logits: Callable[[dict], torch.Tensor], params: dict, seed: int) -> None:
+    """A drafter given the copy drafts as with a head of the copy's values, not the stored head's."""
+    withcopy = {**params, **draft_head_params(params["head"])}
+    got = draft_logits(withcopy)
+    assert torch.equal(got, draft_logits(_as_head(withcopy))), f"seed={seed}"
+    assert not torch.equal(got, draft_logits(params)), f"seed={seed}: the copy was not read"
+
+
 def test_the_copy_and_the_row_bound() -> None:
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
@@ -60,7 +69,6 @@ def test_mtp_drafts_through_the_copy() -> None:
     seed = _seed()
     model = deepinfer_fx.random_model(config_from_dict(tiny_v4()).replace(fake_quant=False), seed=seed % 1000)
     c, params = model
-    withcopy = {**params, **draft_head_params(params["head"])}
     ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(seed))
 
     def draft_logits(p: dict) -> torch.Tensor:
@@ -68,9 +76,7 @@ def test_mtp_drafts_through_the_copy() -> None:
         _, X = forward(p, state, c, ids[:-1], 0)
         return mtp_forward(p, state, c, X, ids[1:], 0)[0]
 
-    got = draft_logits(withcopy)
-    assert torch.equal(got, draft_logits(_as_head(withcopy))), f"seed={seed}"
-    assert not torch.equal(got, draft_logits(params)), f"seed={seed}: the copy was not read"
+    _reads_the_copy(draft_logits, params, seed)
 
 
 @pytest.mark.parametrize("family", ["v41", "v4-0731"])
@@ -78,7 +84,6 @@ def test_dspark_drafts_through_the_copy(family: str) -> None:
     seed = _seed()
     model = _model(family, seed, fake_quant=False)
     c, params = model
-    withcopy = {**params, **draft_head_params(params["head"])}
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, c.vocab_size, (n,), generator=gen) for n in (13, 4)]
     state = init_state(c, 32, slots=2)
@@ -88,9 +93,7 @@ def test_dspark_drafts_through_the_copy(family: str) -> None:
     def draft_logits(p: dict) -> torch.Tensor:
         return dspark_propose(p, state, c, nxt, pos, [0, 1]).logits
 
-    got = draft_logits(withcopy)
-    assert torch.equal(got, draft_logits(_as_head(withcopy))), f"seed={seed}"
-    assert not torch.equal(got, draft_logits(params)), f"seed={seed}: the copy was not read"
+    _reads_the_copy(draft_logits, params, seed)
 
 
 @pytest.mark.parametrize("kind", ["mtp-v4", "dspark-v41"])
