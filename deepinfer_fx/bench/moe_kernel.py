@@ -14,7 +14,8 @@ least one pair, each read once, over the time: the figure that matters for decod
 (6 * pairs * D * I flops, the figure that matters for prefill), plus the max difference from the
 reference relative to its max. ``--fp8`` adds the fp8-weight kernel (block-128 scales),
 ``--fp4`` the MXFP4 one (the weights quantised, its bandwidth counting packed bytes + scales), on
-its tiles as chosen and again with the codes decoded in PTX (``fp4bits``, ``Tiles.fp4_bits``);
+its tiles as chosen, again with the codes decoded in PTX (``fp4bits``, ``Tiles.fp4_bits``) and, on
+sm_90 at decode sizes, through the Gluon GEMMs (``fp4wgmma``, ``moe_fp4_wgmma.py``);
 ``--shared`` the op with the shared expert folded in as expert E (``moe_experts_shared``), whose
 bandwidth counts its weights too: in a P8 decode step at b1 the fold made gate/up and down
 slower per byte (session 10), which this isolates.
@@ -33,6 +34,7 @@ import torch
 
 from ..graphs.moe import routed_experts
 from ..io.quant import dequant_mxfp4, quant_mxfp4
+from ..kernels.triton import moe_fp4_wgmma as fp4_wgmma
 from ..kernels.triton.moe import expert_tiles, moe_experts_fp4_triton, moe_experts_fp8_triton, moe_experts_triton
 from .configs import BENCH_CONFIGS
 from .moe_tile_sweep import expert_op, sweep
@@ -161,6 +163,12 @@ def main(argv: list[str] | None = None) -> dict:
             row.update(
                 _row("fp4bits", t_bits, weight_bytes // 4 + weight_bytes // 64, flops), fp4bits_max_rel_diff=err_bits
             )
+            if fp4_wgmma.fits(x, inter, d, pairs, e):  # the Gluon GEMMs (sm_90, decode sizes)
+                t_wg = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out, wgmma=True), args.iters)
+                err_wg = ((moe_experts_fp4_triton(*fp4_args, wgmma=True) - ref4).abs().max() / ref4.abs().max()).item()
+                row.update(
+                    _row("fp4wgmma", t_wg, weight_bytes // 4 + weight_bytes // 64, flops), fp4wgmma_max_rel_diff=err_wg
+                )
         rows.append(row)
         print(row, flush=True)
     cols = (
@@ -177,11 +185,11 @@ def main(argv: list[str] | None = None) -> dict:
         ]
         + (["shared_ms", "shared_TBps"] if sh else [])
         + (["fp8_ms", "fp8_TBps"] if q else [])
-        + (["fp4_ms", "fp4_TBps", "fp4bits_ms", "fp4bits_TBps"] if q4 else [])
+        + (["fp4_ms", "fp4_TBps", "fp4bits_ms", "fp4bits_TBps", "fp4wgmma_ms", "fp4wgmma_TBps"] if q4 else [])
     )
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:
-        print(" ".join(f"{r[c]:>14}" for c in cols))
+        print(" ".join(f"{r.get(c, '-'):>14}" for c in cols))
     result = {**run_info(argv), "shape": {"D": d, "I": inter, "E": e, "k": top, "dtype": "bfloat16"}, "rows": rows}
     write_result(f"moe_kernel_{tag}", result, args.out)
     return result

@@ -89,7 +89,7 @@ def compile_sm90(
     align_pointers: bool = True,
     **options: Any,
 ) -> CompiledKernel:
-    """Compile the JIT kernel ``fn`` for sm_90 as a launch would specialise it; returns Triton's
+    """Compile the JIT (or Gluon) kernel ``fn`` for sm_90 as a launch would specialise it; returns Triton's
     compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). Only in a process without
     ``TRITON_INTERPRET`` (see ``compile_in_subprocess``), hence the imports in here.
 
@@ -100,6 +100,7 @@ def compile_sm90(
     names or accepts. ``options`` are the compile options (num_warps, num_stages, ...)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     is_aligned = aligned if callable(aligned) else frozenset(aligned).__contains__
     signature: dict[str, ArgType] = {}
@@ -114,7 +115,8 @@ def compile_sm90(
         else:
             divisible = [(i,)] if (align_pointers and ty.startswith("*")) or is_aligned(name) else []
         attrs |= {path: [["tt.divisibility", 16]] for path in divisible}
-    src = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    src = source(fn, signature, constexprs=constants, attrs=attrs)
     return triton_compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

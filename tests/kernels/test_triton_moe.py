@@ -18,6 +18,7 @@ from deepinfer_fx.kernels.triton import moe
 from deepinfer_fx.kernels.triton.moe import (
     Tiles,
     choose_tiles,
+    expert_tiles,
     tile_smem,
     moe_experts_fp4_triton,
     moe_experts_fp8_triton,
@@ -366,6 +367,38 @@ def test_p8_fp4_batch_invariant(p8_weights: dict, p8_fp4: tuple[dict, dict]) -> 
             assert torch.equal(alone[0], batch[r]), f"seed {c['seed']}: token {r} alone differs from the batch of {t}"
 
 
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon GEMMs run on sm_90 only")
+@pytest.mark.parametrize("t", [1, 3, 64, 256])
+@pytest.mark.parametrize("big", [False, True])
+def test_p8_fp4_wgmma_matches_triton(p8_weights: dict, p8_fp4: tuple[dict, dict], t: int, big: bool) -> None:
+    """The Gluon decode GEMMs (``wgmma=True``) against Triton's fp4 tiles on the same codes
+    (``big``: four experts' scale bytes raised past 128, which the Gluon decode multiplies twice)."""
+    q, _ = p8_fp4
+    if big:
+        q = {n: (w, torch.cat([s[:4] + 12, s[4:]])) for n, (w, s) in q.items()}
+    c = {**p8_weights, "x": p8_weights["x"][:t], "idx": p8_weights["idx"][:t], "rw": p8_weights["rw"][:t]}
+    w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
+    want = moe_experts_fp4_triton(c["x"], *w4, c["idx"], c["rw"], 10.0)
+    _check(moe_experts_fp4_triton(c["x"], *w4, c["idx"], c["rw"], 10.0, wgmma=True), want, c["seed"], 1e-2)
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon GEMMs run on sm_90 only")
+def test_p8_fp4_wgmma_batch_invariant(p8_weights: dict, p8_fp4: tuple[dict, dict]) -> None:
+    """Alone a token's block is 8 rows high, in a batch of 256 16: the MMA's N, which no row's
+    sum depends on, so the bits are the same."""
+    q, _ = p8_fp4
+    w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
+    x, idx, rw = (p8_weights[n][:256] for n in ("x", "idx", "rw"))
+    batch = moe_experts_fp4_triton(x, *w4, idx, rw, 10.0, wgmma=True)
+    for r in (0, 5, 200):
+        alone = moe_experts_fp4_triton(x[r : r + 1], *w4, idx[r : r + 1], rw[r : r + 1], 10.0, wgmma=True)
+        assert torch.equal(alone[0], batch[r]), f"seed {p8_weights['seed']}: token {r} alone differs from its batch"
+
+
 def test_fp4_tiles_do_not_follow_the_row_count() -> None:
     """A row's sum has one order at every batch size only if the k tile is the same for all and
     the column tile never 32 (where sm_90's microscaled dot rounds differently), at every width."""
@@ -381,8 +414,6 @@ def test_fp4_tiles_do_not_follow_the_row_count() -> None:
 
 
 def _fp4_bits_tiles(t: int, fp32: bool) -> tuple:
-    from deepinfer_fx.kernels.triton.moe import expert_tiles
-
     return tuple(v._replace(fp4_bits=True) for v in expert_tiles(t * 6, 64, 2048, 4096, 0, True, 4 if fp32 else 2, 1))
 
 

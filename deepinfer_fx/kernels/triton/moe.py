@@ -41,6 +41,7 @@ import triton
 
 from .. import ops, ops_bi, ops_fp8  # noqa: F401  (declare the ops before we register for them)
 from ...io.quant import MXFP4_BLOCK
+from . import moe_fp4_wgmma as fp4_wgmma
 from .buffers import out_buffer
 from .moe_kernels import (
     combine_kernel,
@@ -250,13 +251,16 @@ def run_experts(
     out: torch.Tensor | None,
     tiles: tuple[Tiles, Tiles] | None = None,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    wgmma: bool = False,
 ) -> torch.Tensor:
     """The five launches for bf16/fp32 weights (``scales`` None), fp8 weights with fp32 block
     ``scales`` of ``qblock``, or MXFP4 weights (uint8, two codes a byte) with ue8m0 byte
     ``scales`` per 32; shared by the ``moe_experts``, ``moe_experts_fp8``, ``moe_experts_fp4``
     and ``moe_experts_shared`` ops. ``shared`` (w1, w3, w2 of the shared expert, bf16/fp32 weights
     only) adds it to every token as expert E with weight 1, after the routed sum.
-    ``tiles`` (gate/up, down) overrides ``choose_tiles``: the tile sweep of ``bench/moe_kernel.py``."""
+    ``tiles`` (gate/up, down) overrides ``choose_tiles``: the tile sweep of ``bench/moe_kernel.py``.
+    ``wgmma``: MXFP4 gate/up and down through the Gluon GEMMs (``moe_fp4_wgmma.py``; opt-in until
+    measured on a GPU, ``docs/decisions.md``), refused where they do not apply."""
     w1, w3, w2 = weights
     t, top = idx.shape
     n_exp, inter, dim = w1.shape
@@ -283,6 +287,13 @@ def run_experts(
             "moe_experts: fp4_bits tiles decode MXFP4 weights in PTX: they need MXFP4 weights and a GPU "
             "(not the Triton interpreter)"
         )
+    if wgmma and (not fp4 or tiles or _INTERPRET or not fp4_wgmma.fits(x, inter, dim, p, n_exp)):
+        raise ValueError(
+            "moe_experts: the Gluon fp4 GEMMs take MXFP4 weights and bf16 rows on an sm_90 GPU (not the Triton "
+            "interpreter), widths that are multiples of 256 and at most 32 rows per active expert, without tiles; "
+            f"got {w1.dtype} weights, {x.dtype} rows on {x.device}, widths {inter} x {dim}, {p} rows over "
+            f"{n_exp} experts{', tiles' if tiles else ''}: leave wgmma off"
+        )
     s1, s3, s2 = scales if scales is not None else (w1, w3, w2)  # placeholders, never read
     sw1, sw3, sw2 = shared if fold else (w1, w3, w2)  # placeholders, never read
     pairs, ends = sort_pairs(idx, n_exp, fold)
@@ -294,86 +305,92 @@ def run_experts(
     pdl = pdl_args(x.device)
 
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
-    sizes = (x.element_size(), w1.element_size())
-    g, d = tiles or expert_tiles(p, experts, inter, dim, qblock if fp8 else 0, fp4, *sizes)
-    if fp4 and (g.bk % MXFP4_BLOCK or d.bk % MXFP4_BLOCK):
-        raise ValueError(f"moe_experts_fp4: the k tiles ({g.bk}, {d.bk}) must be multiples of {MXFP4_BLOCK}")
-    n_blocks = max_blocks(p, experts, g.bm)
-    gate_up_kernel[(n_blocks * triton.cdiv(inter, g.bn),)](
-        x,
-        w1,
-        w3,
-        sw1,
-        sw3,
-        s1,
-        s3,
-        h,
-        pairs,
-        rw,
-        ends,
-        n_blocks,
-        n_exp,
-        inter,
-        float(limit),
-        x.stride(0),
-        w1.stride(0),
-        w1.stride(1),
-        s1.stride(0) if held else 0,
-        s1.stride(1) if held else 0,
-        K=dim,
-        TOPK=top,
-        SHARED=fold,
-        E_P=e_p,
-        BM=g.bm,
-        BN=g.bn,
-        BK=g.bk,
-        GROUP_M=g.group_m,
-        FP8=fp8,
-        FP4=fp4 * (1 + g.fp4_bits),
-        QBLOCK=qb,
-        CLAMP=bool(limit),
-        EVEN=inter % g.bn == 0 and dim % g.bk == 0,
-        PREC=prec,
-        HALF=g.half,
-        num_warps=g.warps,
-        num_stages=g.stages,
-        **pdl,
-    )
-
     y = torch.empty(p, dim, dtype=x.dtype, device=x.device)
-    n_blocks = max_blocks(p, experts, d.bm)
-    down_kernel[(n_blocks * triton.cdiv(dim, d.bn),)](
-        h,
-        w2,
-        sw2,
-        s2,
-        y,
-        pairs,
-        ends,
-        n_blocks,
-        n_exp,
-        dim,
-        w2.stride(0),
-        w2.stride(1),
-        s2.stride(0) if held else 0,
-        s2.stride(1) if held else 0,
-        K=inter,
-        SHARED=fold,
-        E_P=e_p,
-        BM=d.bm,
-        BN=d.bn,
-        BK=d.bk,
-        GROUP_M=d.group_m,
-        FP8=fp8,
-        FP4=fp4 * (1 + d.fp4_bits),
-        QBLOCK=qb,
-        EVEN=dim % d.bn == 0 and inter % d.bk == 0,
-        PREC=prec,
-        HALF=d.half,
-        num_warps=d.warps,
-        num_stages=d.stages,
-        **pdl,
-    )
+    if wgmma:
+        tp = fp4_wgmma.wgmma_rows(p, experts)
+        fp4_wgmma.gate_up_down(
+            x, weights, scales, pairs, ends, rw, limit, h, y, top, e_p, tp, max_blocks(p, experts, tp)
+        )
+    else:
+        sizes = (x.element_size(), w1.element_size())
+        g, d = tiles or expert_tiles(p, experts, inter, dim, qblock if fp8 else 0, fp4, *sizes)
+        if fp4 and (g.bk % MXFP4_BLOCK or d.bk % MXFP4_BLOCK):
+            raise ValueError(f"moe_experts_fp4: the k tiles ({g.bk}, {d.bk}) must be multiples of {MXFP4_BLOCK}")
+        n_blocks = max_blocks(p, experts, g.bm)
+        gate_up_kernel[(n_blocks * triton.cdiv(inter, g.bn),)](
+            x,
+            w1,
+            w3,
+            sw1,
+            sw3,
+            s1,
+            s3,
+            h,
+            pairs,
+            rw,
+            ends,
+            n_blocks,
+            n_exp,
+            inter,
+            float(limit),
+            x.stride(0),
+            w1.stride(0),
+            w1.stride(1),
+            s1.stride(0) if held else 0,
+            s1.stride(1) if held else 0,
+            K=dim,
+            TOPK=top,
+            SHARED=fold,
+            E_P=e_p,
+            BM=g.bm,
+            BN=g.bn,
+            BK=g.bk,
+            GROUP_M=g.group_m,
+            FP8=fp8,
+            FP4=fp4 * (1 + g.fp4_bits),
+            QBLOCK=qb,
+            CLAMP=bool(limit),
+            EVEN=inter % g.bn == 0 and dim % g.bk == 0,
+            PREC=prec,
+            HALF=g.half,
+            num_warps=g.warps,
+            num_stages=g.stages,
+            **pdl,
+        )
+
+        n_blocks = max_blocks(p, experts, d.bm)
+        down_kernel[(n_blocks * triton.cdiv(dim, d.bn),)](
+            h,
+            w2,
+            sw2,
+            s2,
+            y,
+            pairs,
+            ends,
+            n_blocks,
+            n_exp,
+            dim,
+            w2.stride(0),
+            w2.stride(1),
+            s2.stride(0) if held else 0,
+            s2.stride(1) if held else 0,
+            K=inter,
+            SHARED=fold,
+            E_P=e_p,
+            BM=d.bm,
+            BN=d.bn,
+            BK=d.bk,
+            GROUP_M=d.group_m,
+            FP8=fp8,
+            FP4=fp4 * (1 + d.fp4_bits),
+            QBLOCK=qb,
+            EVEN=dim % d.bn == 0 and inter % d.bk == 0,
+            PREC=prec,
+            HALF=d.half,
+            num_warps=d.warps,
+            num_stages=d.stages,
+            **pdl,
+        )
 
     bd = min(1024, triton.next_power_of_2(dim))
     combine_kernel[(t, triton.cdiv(dim, bd))](y, out, dim, TOPK=slots, BD=bd, num_warps=4, **pdl)
@@ -436,10 +453,12 @@ def moe_experts_fp4_triton(
     limit: float,
     out: torch.Tensor | None = None,
     tiles: tuple[Tiles, Tiles] | None = None,
+    wgmma: bool = False,
 ) -> torch.Tensor:
     """``deepinfer::moe_experts_fp4``: MXFP4 weights, uint8 ``[E, out, in / 2]`` with ue8m0 byte
     scales ``[E, out, in / 32]``, each tile decoded as it is loaded, so decode streams about a
-    quarter of the bytes of bf16 weights; otherwise as ``moe_experts_triton``."""
+    quarter of the bytes of bf16 weights; otherwise as ``moe_experts_triton``. ``wgmma``: the
+    Gluon GEMMs at decode on sm_90 (``run_experts``)."""
     for w, s in zip((w1, w3, w2), (w1_scale, w3_scale, w2_scale)):
         want = (w.shape[0], w.shape[1], 2 * w.shape[2] // MXFP4_BLOCK)
         if w.dtype != torch.uint8 or tuple(s.shape) != want or s.dtype != torch.uint8 or not s.is_contiguous():
@@ -447,7 +466,8 @@ def moe_experts_fp4_triton(
                 f"moe_experts_fp4: weights must be uint8 with contiguous uint8 scales {want}, "
                 f"got {w.dtype} {tuple(w.shape)} and {s.dtype} {tuple(s.shape)}"
             )
-    return run_experts(x, (w1, w3, w2), (w1_scale, w3_scale, w2_scale), 1, idx, weight, limit, out, tiles)
+    scales = (w1_scale, w3_scale, w2_scale)
+    return run_experts(x, (w1, w3, w2), scales, 1, idx, weight, limit, out, tiles, wgmma=wgmma)
 
 
 def moe_experts_shared_triton(

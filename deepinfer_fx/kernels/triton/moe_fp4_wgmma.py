@@ -1,0 +1,497 @@
+"""MXFP4 routed experts at decode on Hopper: Gluon GEMMs whose weights are wgmma's register operand.
+
+The gate/up and down launches of ``moe.run_experts(..., wgmma=True)`` for MXFP4 weights when each
+active expert takes few rows (decode) on an sm_90 GPU; the pair sort and the combine stay Triton's.
+Opt-in (``bench.moe_kernel --fp4`` times it) until measured on a GPU: written without one. Each
+program computes 64 output columns (weight rows) of one row block of ``TP`` sorted rows (8 or
+16: the MMA's N) over the whole k range, so a row's sum never meets another program's (no
+split-K, no atomics) and the grids are static as in ``moe_kernels.py``.
+
+Operand roles are swapped against ``x @ W^T``: the 64 weight rows are the A operand of
+``wgmma`` in registers (M = 64, one warpgroup), the block's rows the B operand from shared
+memory, so the accumulator is ``out^T [64, TP]``. The packed codes are loaded as 16-byte vectors
+straight into the registers of the A fragment (``_CODE_LAYOUT``) and decoded there by placing
+bits (``_DECODE``): a code's magnitude bits e1 e0 m land on bf16 bits 8:6 and its sign on bit
+15, which reads as the code's value times 2^-126 exactly; one ``mul.rn.bf16x2`` by 2^(e - 1)
+(e the block's ue8m0 byte) gives the dequantised weight exactly, and a CTA whose scales hold a
+byte above 128 (2^(e - 1) past bf16's range) multiplies twice. Both halves of a bf16x2 need the
+same shifts when they pair the codes k and k + 4 of a 32-bit word, so a word of 8 codes costs 7
+funnel shifts, 8 logic ops and 4 multiplies, and the checkpoint's layout is read as stored.
+
+The reduction order inside a 128-k tile is permuted (kappa = 8 (4 w + n) + 2 g + h for memory
+k = 32 g + 8 w + 4 h + n: g the lane's quarter of the tile, w the word, n the nibble, h the
+half), so that one lane's 16 bytes of a row are contiguous and in one 32-k scale group; the
+rows staged in shared memory are permuted the same way, which leaves the product unchanged.
+
+The design and its measurements: ``docs/decisions.md`` (a Gluon MXFP4 decode GEMM).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+MAG = 0x01C001C0  # bf16x2 bits 8:6 and 24:22: e1 e0 m of both codes
+SIGN = 0x80008000  # bf16x2 bits 15 and 31
+# Rotate-left amounts (mod 32) that move nibble n's magnitude (bits 4n .. 4n + 2) to bits 6..8,
+# and its sign (bit 4n + 3) to 15; the same shifts move nibble n + 4 to the upper half.
+MAG_ROTL = (6, 2, 30, 26)
+SIGN_ROTL = (12, 8, 4, 0)
+_CHUNK = 256  # k a program streams a loop step: two 128-k tiles
+CHUNK = gl.constexpr(_CHUNK)
+ROWS = gl.constexpr(64)  # weight rows a program computes: wgmma's M for one warpgroup
+
+
+def _decode_asm(big: bool) -> str:
+    """PTX: one 32-bit code word ($4) and the multiplier(s) ($5, $6) -> 4 bf16x2 ($0..$3),
+    output n holding the codes of nibbles n (low half) and n + 4 (high half)."""
+    lines = [".reg .b32 a<4>, b<4>;"]
+    for n in range(4):
+        lines.append(f"shf.l.wrap.b32 a{n}, $4, $4, {MAG_ROTL[n]};")
+        src = "$4"
+        if SIGN_ROTL[n]:
+            lines.append(f"shf.l.wrap.b32 b{n}, $4, $4, {SIGN_ROTL[n]};")
+            src = f"b{n}"
+        lines.append(f"and.b32 b{n}, {src}, {SIGN:#x};")
+        lines.append(f"lop3.b32 a{n}, a{n}, {MAG:#x}, b{n}, 0xEA;")  # (a & MAG) | b
+    for n in range(4):
+        if big:
+            lines.append(f"mul.rn.bf16x2 a{n}, a{n}, $5;")
+            lines.append(f"mul.rn.bf16x2 ${n}, a{n}, $6;")
+        else:
+            lines.append(f"mul.rn.bf16x2 ${n}, a{n}, $5;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_DECODE = gl.constexpr(_decode_asm(False))
+_DECODE_BIG = gl.constexpr(_decode_asm(True))
+
+
+@gluon.constexpr_function
+def _code_layout() -> gl.DistributedLinearLayout:
+    """int32 ``[64 rows, 4 (g), 4 (w)]`` code words of a 64 x 128 tile: a lane holds 4 contiguous
+    words (16 bytes) of rows r and r + 8, lane % 4 = g, lane // 4 = r % 8, warp = r // 16: wgmma's
+    A fragment. Words, not bytes: uint8 tensors carried through the loop were unpacked and packed
+    again with PRMTs."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]],
+        block_bases=[],
+        shape=[64, 4, 4],
+    )
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _block_rows(ends_ptr, block, E, E_P: gl.constexpr, TP: gl.constexpr):
+    """-> (expert, first row, end row) of row block ``block`` of ``TP`` rows; expert >= E: none
+    (as ``moe_kernels._block_rows``)."""
+    el: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs = gl.arange(0, E_P, layout=el)
+    ends = gl.load(ends_ptr + offs, mask=offs < E, other=0)
+    starts = gl.load(ends_ptr + offs - 1, mask=(offs > 0) & (offs < E), other=0)
+    n_blk = (ends - starts + TP - 1) // TP
+    blk_end = gl.associative_scan(n_blk, 0, _add)
+    e = gl.sum((blk_end <= block).to(gl.int32), 0)
+    sel = offs == e
+    first_blk = gl.sum(gl.where(sel, blk_end - n_blk, 0), 0)
+    row0 = gl.sum(gl.where(sel, starts, 0), 0) + (block - first_blk) * TP
+    return e, row0, gl.sum(gl.where(sel, ends, 0), 0)
+
+
+@gluon.jit
+def _has_big_scale(s_ptr, stride_s, K: gl.constexpr):
+    """Whether any scale byte of the program's 64 rows exceeds 128 (CTA-uniform)."""
+    sl: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sl))
+    c = gl.arange(0, 8, layout=gl.SliceLayout(0, sl))
+    offs = gl.expand_dims(r, 1) * stride_s + gl.expand_dims(c, 0)
+    top = gl.zeros([ROWS, 8], gl.int32, layout=sl)
+    for g0 in range(0, K // 32, 8):
+        top = gl.maximum(top, gl.load(s_ptr + offs + g0).to(gl.int32))
+    return gl.max(gl.max(top, axis=1), axis=0) > 128
+
+
+@gluon.jit
+def _weight_offsets(stride_c, stride_s):
+    """Offsets of a 64 x 128 tile's code words (int32 units) and scale bytes, in ``_code_layout``."""
+    cl: gl.constexpr = _code_layout()
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, cl)))
+    g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, cl)))
+    w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, cl)))
+    r3 = gl.expand_dims(gl.expand_dims(r, 1), 2)
+    c_offs = (
+        r3 * (stride_c // 4) + gl.expand_dims(gl.expand_dims(g, 0), 2) * 4 + gl.expand_dims(gl.expand_dims(w, 0), 1)
+    )
+    s_offs = gl.expand_dims(r, 1) * stride_s + gl.expand_dims(g, 0)
+    return c_offs, s_offs
+
+
+@gluon.jit
+def _load_tile(c_ptr, c_offs, s_ptr, s_offs, k0):
+    """Code words and scale bytes (int32) of the 64 x 128 tile at k ``k0``."""
+    codes = gl.load(c_ptr + (k0 // 8 + c_offs))
+    s = gl.load(s_ptr + (k0 // 32 + s_offs)).to(gl.int32)
+    return codes, s
+
+
+@gluon.jit
+def _decode_tile(codes, s, BIG: gl.constexpr, a_layout: gl.constexpr):
+    """A loaded tile (code words ``[64, 4, 4]``, scale bytes ``[64, 4]``) -> wgmma's A operand
+    (bf16 ``[64, 128]`` in kappa order), in the registers it was loaded into."""
+    if BIG:
+        # 2^(min(e, 128) - 1) * 2^(max(e, 128) - 128); e = 255 is NaN, as ue8m0 decodes it
+        m1 = gl.expand_dims((gl.minimum(s, 128) + 126) * 0x00800080, 2)
+        m2 = gl.where(s == 255, 0x7FC07FC0, (gl.maximum(s, 128) - 1) * 0x00800080)
+        m2 = gl.expand_dims(m2, 2)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            _DECODE_BIG, "=r,=r,=r,=r,r,r,r", [codes, m1, m2], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
+    else:
+        m = gl.expand_dims((s + 126) * 0x00800080, 2)  # bf16x2 2^(e - 1): exponent field e + 126
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            _DECODE, "=r,=r,=r,=r,r,r", [codes, m], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
+    w = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [64, 4 g, 4 w, 2, 2]: output n = 2 j1 + j0
+    w = gl.reshape(w, (ROWS, 4, 16))  # i = 4 w + n
+    lo = w.to(gl.int16).to(gl.bfloat16, bitcast=True)  # k = 32 g + 8 w + n
+    hi = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)  # k + 4
+    a = gl.permute(gl.join(lo, hi), (0, 2, 1, 3))  # [64, 16 i, 4 g, 2 h]: kappa = 8 i + 2 g + h
+    return gl.convert_layout(gl.reshape(a, (ROWS, 128)), a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _x_rows(x_ptr, row_offs, rmask, k0, xl: gl.constexpr):
+    """The block's ``[TP, 128]`` activations at k ``k0``, masked rows zero."""
+    xk = gl.arange(0, 128, layout=gl.SliceLayout(0, xl))
+    offs = gl.expand_dims(row_offs, 1) + gl.expand_dims(xk, 0) + k0
+    return gl.load(x_ptr + offs, mask=gl.expand_dims(rmask, 1) & gl.expand_dims(xk < 128, 0), other=0.0)
+
+
+@gluon.jit
+def _stage(x_smem, slot, xv, TP: gl.constexpr):
+    """Store a ``[TP, 128]`` activation tile in kappa order (memory k = 32 g + 8 w + 4 h + n)."""
+    xv = gl.permute(gl.reshape(xv, (TP, 4, 4, 2, 4)), (0, 2, 4, 1, 3))
+    x_smem.index(slot).store(gl.reshape(xv, (TP, 128)))
+
+
+@gluon.jit
+def _k_loop(
+    acc1,
+    acc3,
+    x_ptr,
+    row_offs,
+    rmask,
+    c1_ptr,
+    s1_ptr,
+    c3_ptr,
+    s3_ptr,
+    c_offs,
+    s_offs,
+    x_smem,
+    K: gl.constexpr,
+    TP: gl.constexpr,
+    GATED: gl.constexpr,
+    BIG: gl.constexpr,
+    a_layout: gl.constexpr,
+    xl: gl.constexpr,
+):
+    """acc1 (+ acc3 with ``GATED``) += the 64 weight rows times the block's rows over all of K.
+    Each step stages its two 128-k tiles of rows in one of two shared buffers (one barrier a
+    step), then loads the next step's codes and rows while it decodes and multiplies its own."""
+    xa = _x_rows(x_ptr, row_offs, rmask, 0, xl)
+    xb = _x_rows(x_ptr, row_offs, rmask, 128, xl)
+    p1a, t1a = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, 0)
+    p1b, t1b = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, 128)
+    p3a, t3a, p3b, t3b = p1a, t1a, p1b, t1b
+    if GATED:
+        p3a, t3a = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, 0)
+        p3b, t3b = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, 128)
+    for k0 in range(0, K, CHUNK):
+        slot = (k0 // CHUNK) % 2 * 2
+        _stage(x_smem, slot, xa, TP)
+        _stage(x_smem, slot + 1, xb, TP)
+        fence_async_shared()  # generic-proxy stores -> visible to wgmma's async proxy
+        gl.thread_barrier()  # ... from every warp; the other buffer's last reader finished before
+        kn = gl.minimum(k0 + CHUNK, K - CHUNK)  # the last step reloads itself rather than branch
+        xa = _x_rows(x_ptr, row_offs, rmask, kn, xl)
+        xb = _x_rows(x_ptr, row_offs, rmask, kn + 128, xl)
+        n1a, u1a = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, kn)
+        n1b, u1b = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, kn + 128)
+        if GATED:
+            n3a, u3a = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, kn)
+            n3b, u3b = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, kn + 128)
+        lo = x_smem.index(slot).permute((1, 0))
+        hi = x_smem.index(slot + 1).permute((1, 0))
+        acc1 = warpgroup_mma(_decode_tile(p1a, t1a, BIG, a_layout), lo, acc1)
+        if GATED:
+            acc3 = warpgroup_mma(_decode_tile(p3a, t3a, BIG, a_layout), lo, acc3)
+        acc1 = warpgroup_mma(_decode_tile(p1b, t1b, BIG, a_layout), hi, acc1)
+        if GATED:
+            acc3 = warpgroup_mma(_decode_tile(p3b, t3b, BIG, a_layout), hi, acc3)
+            p3a, t3a, p3b, t3b = n3a, u3a, n3b, u3b
+        p1a, t1a, p1b, t1b = n1a, u1a, n1b, u1b
+    return acc1, acc3
+
+
+@gluon.jit
+def _gemm(
+    x_ptr,
+    row_offs,
+    rmask,
+    c1_ptr,
+    s1_ptr,
+    c3_ptr,
+    s3_ptr,
+    stride_c,
+    stride_s,
+    K: gl.constexpr,
+    TP: gl.constexpr,
+    GATED: gl.constexpr,
+):
+    """``[64, TP]`` fp32 products of the 64 weight rows at ``c1_ptr`` (and ``c3_ptr``) with the
+    block's rows; the loop in its one- or two-multiply form by the rows' scale bytes."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TP, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TP, 128], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [4, TP, 128], x_sl)
+    c_offs, s_offs = _weight_offsets(stride_c, stride_s)
+    c1 = c1_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    c3 = c3_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    big = _has_big_scale(s1_ptr, stride_s, K)
+    if GATED:
+        big = big | _has_big_scale(s3_ptr, stride_s, K)
+    acc1 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
+    acc3 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
+    if big:
+        acc1, acc3 = _k_loop(
+            acc1,
+            acc3,
+            x_ptr,
+            row_offs,
+            rmask,
+            c1,
+            s1_ptr,
+            c3,
+            s3_ptr,
+            c_offs,
+            s_offs,
+            x_smem,
+            K,
+            TP,
+            GATED,
+            True,
+            a_layout,
+            xl,
+        )
+    else:
+        acc1, acc3 = _k_loop(
+            acc1,
+            acc3,
+            x_ptr,
+            row_offs,
+            rmask,
+            c1,
+            s1_ptr,
+            c3,
+            s3_ptr,
+            c_offs,
+            s_offs,
+            x_smem,
+            K,
+            TP,
+            GATED,
+            False,
+            a_layout,
+            xl,
+        )
+    return acc1, acc3
+
+
+@gluon.jit
+def fp4_gate_up_kernel(
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    s1_ptr,
+    s3_ptr,
+    h_ptr,
+    pairs_ptr,
+    rw_ptr,
+    ends_ptr,
+    E,
+    N,
+    limit,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    K: gl.constexpr,
+    TOPK: gl.constexpr,
+    E_P: gl.constexpr,
+    TP: gl.constexpr,
+    CLAMP: gl.constexpr,
+):
+    """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight for 64 columns
+    of I and one block of ``TP`` sorted rows (program = block * N / 64 + column tile); the GEMM
+    results are rounded to bf16 before the fp32 epilogue, as ``gate_up_kernel`` does."""
+    pid = gl.program_id(0)
+    n_tiles = N // ROWS
+    e, row0, row_end = _block_rows(ends_ptr, pid // n_tiles, E, E_P, TP)
+    if e < E:
+        n0 = (pid % n_tiles) * ROWS
+        xl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = row0 + gl.arange(0, TP, layout=gl.SliceLayout(1, xl))
+        rmask = rows < row_end
+        tok = gl.load(pairs_ptr + rows, mask=rmask, other=0) // TOPK
+        w_off = e.to(gl.int64) * stride_we + n0 * stride_wn
+        s_off = e.to(gl.int64) * stride_se + n0 * stride_sn
+        acc1, acc3 = _gemm(
+            x_ptr,
+            tok.to(gl.int64) * stride_x,
+            rmask,
+            w1_ptr + w_off,
+            s1_ptr + s_off,
+            w3_ptr + w_off,
+            s3_ptr + s_off,
+            stride_wn,
+            stride_sn,
+            K,
+            TP,
+            True,
+        )
+        ol: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
+        g = gl.convert_layout(acc1, ol).to(gl.bfloat16).to(gl.float32)
+        u = gl.convert_layout(acc3, ol).to(gl.bfloat16).to(gl.float32)
+        if CLAMP:
+            # comparisons rather than min/max so that NaN passes through, as torch.clamp does
+            g = gl.where(g > limit, limit, g)
+            u = gl.where(u > limit, limit, gl.where(u < -limit, -limit, u))
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ol))
+        t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, ol))
+        tmask = t < row_end
+        rw = gl.load(rw_ptr + gl.load(pairs_ptr + t, mask=tmask, other=0), mask=tmask, other=0.0).to(gl.float32)
+        h = g / (1.0 + gl.exp(-g)) * u * gl.expand_dims(rw, 0)
+        offs = gl.expand_dims(t.to(gl.int64), 0) * N + n0 + gl.expand_dims(r, 1)
+        gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=gl.expand_dims(tmask, 0) & gl.expand_dims(r < ROWS, 1))
+
+
+@gluon.jit
+def fp4_down_kernel(
+    h_ptr,
+    w2_ptr,
+    s2_ptr,
+    y_ptr,
+    pairs_ptr,
+    ends_ptr,
+    E,
+    N,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    K: gl.constexpr,
+    E_P: gl.constexpr,
+    TP: gl.constexpr,
+):
+    """y[pair] = h[row] w2^T, rounded to bf16, for 64 columns of D and one block of ``TP``
+    sorted rows, written at the pair's own row (as ``down_kernel``)."""
+    pid = gl.program_id(0)
+    n_tiles = N // ROWS
+    e, row0, row_end = _block_rows(ends_ptr, pid // n_tiles, E, E_P, TP)
+    if e < E:
+        n0 = (pid % n_tiles) * ROWS
+        xl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = row0 + gl.arange(0, TP, layout=gl.SliceLayout(1, xl))
+        rmask = rows < row_end
+        w_off = e.to(gl.int64) * stride_we + n0 * stride_wn
+        s_off = e.to(gl.int64) * stride_se + n0 * stride_sn
+        acc, _ = _gemm(
+            h_ptr,
+            rows.to(gl.int64) * K,
+            rmask,
+            w2_ptr + w_off,
+            s2_ptr + s_off,
+            w2_ptr + w_off,
+            s2_ptr + s_off,
+            stride_wn,
+            stride_sn,
+            K,
+            TP,
+            False,
+        )
+        ol: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
+        y = gl.convert_layout(acc, ol).to(gl.bfloat16)
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ol))
+        t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, ol))
+        tmask = t < row_end
+        pair = gl.load(pairs_ptr + t, mask=tmask, other=0)
+        offs = gl.expand_dims(pair.to(gl.int64), 0) * N + n0 + gl.expand_dims(r, 1)
+        gl.store(y_ptr + offs, y, mask=gl.expand_dims(tmask, 0) & gl.expand_dims(r < ROWS, 1))
+
+
+def wgmma_rows(pairs: int, experts: int) -> int:
+    """The block height (the MMA's N) for ``pairs`` rows over ``experts`` experts: 8 while an
+    active expert takes at most 4 rows on average, else 16."""
+    return 8 if pairs <= 4 * min(experts, pairs) else 16
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def fits(x: torch.Tensor, inter: int, dim: int, pairs: int, experts: int) -> bool:
+    """Whether these kernels take the GEMMs: bf16 rows on an sm_90 GPU, both widths multiples of
+    ``_CHUNK`` (every released config's are), and at most 32 rows per active expert (decode)."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        and inter % _CHUNK == 0
+        and dim % _CHUNK == 0
+        and pairs <= 32 * min(experts, pairs)
+    )
+
+
+def gate_up_down(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pairs: torch.Tensor,
+    ends: torch.Tensor,
+    rw: torch.Tensor,
+    limit: float,
+    h: torch.Tensor,
+    y: torch.Tensor,
+    top: int,
+    e_p: int,
+    tp: int,
+    n_blocks: int,
+) -> None:
+    """``moe.run_experts``'s gate/up and down launches for MXFP4 weights (``fits`` holds) in
+    ``n_blocks`` row blocks of ``tp`` rows (``wgmma_rows``): ``h`` and ``y`` written as
+    ``gate_up_kernel`` and ``down_kernel`` write them."""
+    (w1, w3, w2), (s1, s3, s2) = weights, scales
+    n_exp, inter, half_dim = w1.shape
+    dim = 2 * half_dim
+    fp4_gate_up_kernel[(n_blocks * (inter // 64),)](
+        x, w1, w3, s1, s3, h, pairs, rw, ends, n_exp, inter, float(limit), x.stride(0),
+        w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
+        K=dim, TOPK=top, E_P=e_p, TP=tp, CLAMP=bool(limit), num_warps=4,
+    )  # fmt: skip
+    fp4_down_kernel[(n_blocks * (dim // 64),)](
+        h, w2, s2, y, pairs, ends, n_exp, dim, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        K=inter, E_P=e_p, TP=tp, num_warps=4,
+    )  # fmt: skip
