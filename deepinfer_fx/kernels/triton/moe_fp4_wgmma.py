@@ -188,16 +188,7 @@ def _stage(x_smem, slot, xv, TP: gl.constexpr):
 def _k_loop(
     acc1,
     acc3,
-    x_ptr,
-    row_offs,
-    rmask,
-    c1_ptr,
-    s1_ptr,
-    c3_ptr,
-    s3_ptr,
-    c_offs,
-    s_offs,
-    x_smem,
+    args,
     K: gl.constexpr,
     TP: gl.constexpr,
     GATED: gl.constexpr,
@@ -207,7 +198,9 @@ def _k_loop(
 ):
     """acc1 (+ acc3 with ``GATED``) += the 64 weight rows times the block's rows over all of K.
     Each step stages its two 128-k tiles of rows in one of two shared buffers (one barrier a
-    step), then loads the next step's codes and rows while it decodes and multiplies its own."""
+    step), then loads the next step's codes and rows while it decodes and multiplies its own.
+    ``args``: the rows' pointer and offsets, both weights' codes and scales, and the ring."""
+    x_ptr, row_offs, rmask, c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, x_smem = args
     xa = _x_rows(x_ptr, row_offs, rmask, 0, xl)
     xb = _x_rows(x_ptr, row_offs, rmask, 128, xl)
     p1a, t1a = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, 0)
@@ -273,48 +266,11 @@ def _gemm(
         big = big | _has_big_scale(s3_ptr, stride_s, K)
     acc1 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
     acc3 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
-    if big:
-        acc1, acc3 = _k_loop(
-            acc1,
-            acc3,
-            x_ptr,
-            row_offs,
-            rmask,
-            c1,
-            s1_ptr,
-            c3,
-            s3_ptr,
-            c_offs,
-            s_offs,
-            x_smem,
-            K,
-            TP,
-            GATED,
-            True,
-            a_layout,
-            xl,
-        )
+    args = (x_ptr, row_offs, rmask, c1, s1_ptr, c3, s3_ptr, c_offs, s_offs, x_smem)
+    if big:  # the loop in its two-multiply form: one branch a program, not one a tile
+        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, True, a_layout, xl)
     else:
-        acc1, acc3 = _k_loop(
-            acc1,
-            acc3,
-            x_ptr,
-            row_offs,
-            rmask,
-            c1,
-            s1_ptr,
-            c3,
-            s3_ptr,
-            c_offs,
-            s_offs,
-            x_smem,
-            K,
-            TP,
-            GATED,
-            False,
-            a_layout,
-            xl,
-        )
+        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, False, a_layout, xl)
     return acc1, acc3
 
 
