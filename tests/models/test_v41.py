@@ -116,30 +116,71 @@ def test_engine_runs_v41_and_splits_prefill_decode(tmp_path: Path) -> None:
     assert [o.outputs[0].token_ids for o in done] == [o.outputs[0].token_ids for o in normal], f"seed={seed}"
 
 
-def test_index_key_quirk_switch() -> None:
+def _record_selection_gaps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every top-k the model takes from here on (index entries, candidate blocks, routed experts)
+    adds the relative gap between its k-th and (k+1)-th score to the returned list: where that gap
+    is within fp32 rounding, a one-shot and a token-by-token run may select differently."""
+    from deepinfer_fx.graphs import csa2, moe
+
+    gaps: list[float] = []
+
+    def note(scores: torch.Tensor, k: int) -> None:
+        if 0 < k < scores.shape[-1]:
+            v = scores.detach().float().topk(k + 1, dim=-1).values
+            a, b = v[..., k - 1], v[..., k]
+            real = torch.isfinite(a) & torch.isfinite(b)
+            if real.any():
+                gaps.append(((a - b) / a.abs().clamp_min(1e-30))[real].min().item())
+
+    top_k_mask, route_weights = csa2.top_k_mask, moe.route_weights
+
+    def noted_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+        note(scores, k)
+        return top_k_mask(scores, k)
+
+    def noted_route(logits, bias, ids, k, kind, temp, norm, scale):  # noqa: ANN001, ANN202
+        if ids is None:
+            note(moe._score(logits / temp, kind) + bias.float(), k)
+        return route_weights(logits, bias, ids, k, kind, temp, norm, scale)
+
+    monkeypatch.setattr(csa2, "top_k_mask", noted_mask)
+    monkeypatch.setattr(moe, "route_weights", noted_route)
+    return gaps
+
+
+def test_index_key_quirk_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Spec §11.1: with the reference's quirk, a ratio-2 owner whose group is open scores against
     the last published (ratio-1) keys. Prefill is unaffected; token-by-token decode then departs
-    from prefill. Off (the default), decode and prefill agree."""
+    from prefill. Off (the default), decode and prefill agree: on a model whose top-k selections
+    all clear fp32 rounding (a seed with a near-tie, gap under 1e-5, is redrawn: one such flipped an
+    index entry at the last step in a CI run)."""
     from deepinfer_fx.graphs.model import forward
     from deepinfer_fx.graphs.state import init_state
 
-    seed = random.SystemRandom().randrange(2**31)
-    model = deepinfer_fx.random_model(tiny_v41(index_topk=2), seed=seed)
-    c0 = model.config.replace(fake_quant=False)
-    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(seed))
+    gaps = _record_selection_gaps(monkeypatch)
+    for _ in range(5):
+        seed = random.SystemRandom().randrange(2**31)
+        model = deepinfer_fx.random_model(tiny_v41(index_topk=2), seed=seed)
+        c0 = model.config.replace(fake_quant=False)
+        ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(seed))
 
-    def run(c, chunks):
-        state = init_state(c, 40, torch.float32)
-        outs, start = [], 0
-        for n in chunks:
-            outs.append(forward(model.params, state, c, ids[start : start + n], start)[0])
-            start += n
-        return torch.cat(outs)
+        def run(c, chunks):
+            state = init_state(c, 40, torch.float32)
+            outs, start = [], 0
+            for n in chunks:
+                outs.append(forward(model.params, state, c, ids[start : start + n], start)[0])
+                start += n
+            return torch.cat(outs)
 
+        gaps.clear()
+        one, steps = run(c0, [40]), run(c0, [1] * 40)
+        if min(gaps, default=1.0) >= 1e-5:
+            break
+    else:
+        pytest.fail("five seeds in a row had a top-k near-tie: the gap record is suspect")
+    assert torch.allclose(steps, one, rtol=1e-5, atol=1e-5 * one.abs().max().item()), f"seed={seed}"
     quirk = c0.replace(index_key_quirk=True)
-    one = run(c0, [40])
     assert torch.allclose(run(quirk, [40]), one, rtol=0, atol=0), f"seed={seed}: the quirk changed a prefill"
-    assert torch.allclose(run(c0, [1] * 40), one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
     step = run(quirk, [1] * 40)
     assert (step - one).abs().max().item() > 1e-3 * one.abs().max().item(), f"seed={seed}: the quirk had no effect"
 
