@@ -41,7 +41,6 @@ import triton
 
 from .. import ops, ops_bi, ops_fp8  # noqa: F401  (declare the ops before we register for them)
 from ...io.quant import MXFP4_BLOCK
-from . import moe_fp4_wgmma as fp4_wgmma
 from .buffers import out_buffer
 from .moe_kernels import (
     combine_kernel,
@@ -287,6 +286,8 @@ def run_experts(
             "moe_experts: fp4_bits tiles decode MXFP4 weights in PTX: they need MXFP4 weights and a GPU "
             "(not the Triton interpreter)"
         )
+    if wgmma:  # imported here: Gluon is experimental, and a Triton without it must not cost the other paths
+        from . import moe_fp4_wgmma as fp4_wgmma
     if wgmma and (not fp4 or tiles or _INTERPRET or not fp4_wgmma.fits(x, inter, dim, p, n_exp)):
         raise ValueError(
             "moe_experts: the Gluon fp4 GEMMs take MXFP4 weights and bf16 rows on an sm_90 GPU (not the Triton "
