@@ -1,7 +1,7 @@
 """The Gluon MXFP4 expert GEMMs (``kernels/triton/moe_fp4_wgmma.py``) without a GPU: their decode
 PTX, run instruction by instruction on every code and scale byte, gives ``dequant_mxfp4``'s
 values in the pairing the kernels' k order assumes; both kernels compile for sm_90 at every
-released width without spilling, and the launcher takes them only where they apply. Their numerics
+released width without spilling, and asking for them where they do not apply is refused. Their numerics
 against the Triton path are the GPU tests of ``test_triton_moe.py``."""
 
 from __future__ import annotations
