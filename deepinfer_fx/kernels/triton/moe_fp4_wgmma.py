@@ -44,6 +44,9 @@ SIGN_ROTL = (12, 8, 4, 0)
 _CHUNK = 256  # k a program streams a loop step: two 128-k tiles
 CHUNK = gl.constexpr(_CHUNK)
 ROWS = gl.constexpr(64)  # weight rows a program computes: wgmma's M for one warpgroup
+# the block's rows as loaded (16-byte vectors along k), and the results as stored (lanes along n)
+ROW_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1]))
 
 
 def _decode_asm(big: bool) -> str:
@@ -255,7 +258,7 @@ def _gemm(
     block's rows; the loop in its one- or two-multiply form by the rows' scale bytes."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TP, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    xl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    xl: gl.constexpr = ROW_LAYOUT
     x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TP, 128], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [4, TP, 128], x_sl)
     c_offs, s_offs = _weight_offsets(stride_c, stride_s)
@@ -272,6 +275,33 @@ def _gemm(
     else:
         acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, False, a_layout, xl)
     return acc1, acc3
+
+
+@gluon.jit
+def _program(ends_ptr, E, N, stride_we, stride_wn, stride_se, stride_sn, E_P: gl.constexpr, TP: gl.constexpr):
+    """Program id -> its expert (>= E: no block), row block (first, end, the rows in
+    ``ROW_LAYOUT`` and their mask), first column, and the offsets of its weight and scale rows."""
+    pid = gl.program_id(0)
+    n_tiles = N // ROWS
+    e, row0, row_end = _block_rows(ends_ptr, pid // n_tiles, E, E_P, TP)
+    n0 = (pid % n_tiles) * ROWS
+    rows = row0 + gl.arange(0, TP, layout=gl.SliceLayout(1, ROW_LAYOUT))
+    w_off = e.to(gl.int64) * stride_we + n0 * stride_wn
+    s_off = e.to(gl.int64) * stride_se + n0 * stride_sn
+    return e, row0, row_end, n0, rows, rows < row_end, w_off, s_off
+
+
+@gluon.jit
+def _out_offsets(row_ids, row0, row_end, n0, N, TP: gl.constexpr):
+    """Offsets and mask of a ``[64, TP]`` result in ``OUT_LAYOUT``: column n0 + r of output row
+    ``row_ids[t]`` (``row_ids``: a pointer to the block's row ids, or None for the sorted rows)."""
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
+    t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, OUT_LAYOUT))
+    tmask = t < row_end
+    if row_ids is not None:
+        t = gl.load(row_ids + t, mask=tmask, other=0)
+    offs = gl.expand_dims(t.to(gl.int64), 0) * N + n0 + gl.expand_dims(r, 1)
+    return offs, gl.expand_dims(tmask, 0) & gl.expand_dims(r < ROWS, 1)
 
 
 @gluon.jit
@@ -302,45 +332,27 @@ def fp4_gate_up_kernel(
     """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight for 64 columns
     of I and one block of ``TP`` sorted rows (program = block * N / 64 + column tile); the GEMM
     results are rounded to bf16 before the fp32 epilogue, as ``gate_up_kernel`` does."""
-    pid = gl.program_id(0)
-    n_tiles = N // ROWS
-    e, row0, row_end = _block_rows(ends_ptr, pid // n_tiles, E, E_P, TP)
+    e, row0, row_end, n0, rows, rmask, w_off, s_off = _program(
+        ends_ptr, E, N, stride_we, stride_wn, stride_se, stride_sn, E_P, TP
+    )
     if e < E:
-        n0 = (pid % n_tiles) * ROWS
-        xl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rows = row0 + gl.arange(0, TP, layout=gl.SliceLayout(1, xl))
-        rmask = rows < row_end
         tok = gl.load(pairs_ptr + rows, mask=rmask, other=0) // TOPK
-        w_off = e.to(gl.int64) * stride_we + n0 * stride_wn
-        s_off = e.to(gl.int64) * stride_se + n0 * stride_sn
         acc1, acc3 = _gemm(
-            x_ptr,
-            tok.to(gl.int64) * stride_x,
-            rmask,
-            w1_ptr + w_off,
-            s1_ptr + s_off,
-            w3_ptr + w_off,
-            s3_ptr + s_off,
-            stride_wn,
-            stride_sn,
-            K,
-            TP,
-            True,
-        )
-        ol: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
-        g = gl.convert_layout(acc1, ol).to(gl.bfloat16).to(gl.float32)
-        u = gl.convert_layout(acc3, ol).to(gl.bfloat16).to(gl.float32)
+            x_ptr, tok.to(gl.int64) * stride_x, rmask, w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off,
+            s3_ptr + s_off, stride_wn, stride_sn, K, TP, True,
+        )  # fmt: skip
+        g = gl.convert_layout(acc1, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
+        u = gl.convert_layout(acc3, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
         if CLAMP:
             # comparisons rather than min/max so that NaN passes through, as torch.clamp does
             g = gl.where(g > limit, limit, g)
             u = gl.where(u > limit, limit, gl.where(u < -limit, -limit, u))
-        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ol))
-        t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, ol))
+        t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, OUT_LAYOUT))
         tmask = t < row_end
         rw = gl.load(rw_ptr + gl.load(pairs_ptr + t, mask=tmask, other=0), mask=tmask, other=0.0).to(gl.float32)
         h = g / (1.0 + gl.exp(-g)) * u * gl.expand_dims(rw, 0)
-        offs = gl.expand_dims(t.to(gl.int64), 0) * N + n0 + gl.expand_dims(r, 1)
-        gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=gl.expand_dims(tmask, 0) & gl.expand_dims(r < ROWS, 1))
+        offs, mask = _out_offsets(None, row0, row_end, n0, N, TP)
+        gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=mask)
 
 
 @gluon.jit
@@ -363,38 +375,16 @@ def fp4_down_kernel(
 ):
     """y[pair] = h[row] w2^T, rounded to bf16, for 64 columns of D and one block of ``TP``
     sorted rows, written at the pair's own row (as ``down_kernel``)."""
-    pid = gl.program_id(0)
-    n_tiles = N // ROWS
-    e, row0, row_end = _block_rows(ends_ptr, pid // n_tiles, E, E_P, TP)
+    e, row0, row_end, n0, rows, rmask, w_off, s_off = _program(
+        ends_ptr, E, N, stride_we, stride_wn, stride_se, stride_sn, E_P, TP
+    )
     if e < E:
-        n0 = (pid % n_tiles) * ROWS
-        xl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rows = row0 + gl.arange(0, TP, layout=gl.SliceLayout(1, xl))
-        rmask = rows < row_end
-        w_off = e.to(gl.int64) * stride_we + n0 * stride_wn
-        s_off = e.to(gl.int64) * stride_se + n0 * stride_sn
         acc, _ = _gemm(
-            h_ptr,
-            rows.to(gl.int64) * K,
-            rmask,
-            w2_ptr + w_off,
-            s2_ptr + s_off,
-            w2_ptr + w_off,
-            s2_ptr + s_off,
-            stride_wn,
-            stride_sn,
-            K,
-            TP,
-            False,
-        )
-        ol: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
-        y = gl.convert_layout(acc, ol).to(gl.bfloat16)
-        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ol))
-        t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, ol))
-        tmask = t < row_end
-        pair = gl.load(pairs_ptr + t, mask=tmask, other=0)
-        offs = gl.expand_dims(pair.to(gl.int64), 0) * N + n0 + gl.expand_dims(r, 1)
-        gl.store(y_ptr + offs, y, mask=gl.expand_dims(tmask, 0) & gl.expand_dims(r < ROWS, 1))
+            h_ptr, rows.to(gl.int64) * K, rmask, w2_ptr + w_off, s2_ptr + s_off, w2_ptr + w_off, s2_ptr + s_off,
+            stride_wn, stride_sn, K, TP, False,
+        )  # fmt: skip
+        offs, mask = _out_offsets(pairs_ptr, row0, row_end, n0, N, TP)
+        gl.store(y_ptr + offs, gl.convert_layout(acc, OUT_LAYOUT).to(gl.bfloat16), mask=mask)
 
 
 def wgmma_rows(pairs: int, experts: int) -> int:
