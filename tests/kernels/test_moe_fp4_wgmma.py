@@ -123,8 +123,8 @@ def test_wgmma_refuses_what_the_kernels_do_not_take() -> None:
             moe_experts_fp4_triton(x, *q, idx, rw, 10.0, wgmma=True)
     with pytest.raises(ValueError, match="leave wgmma off"):
         run_experts(x, (w["w1"], w["w3"], w["w2"]), None, 0, idx, rw, 10.0, None, wgmma=True)
-    assert not wg.fits(x, 256, 256, 4, 4)  # not on a GPU
-    assert wg.wgmma_rows(6, 64) == 8 and wg.wgmma_rows(64 * 6, 64) == 16
+    assert not wg.fits(x, 256, 256)  # not on a GPU
+    assert [wg.wgmma_rows(t * 6, 64) for t in (1, 64, 512, 4096)] == [8, 16, 32, 64]
 
 
 def _compile_for_sm90(out_dir: str) -> None:
@@ -135,7 +135,7 @@ def _compile_for_sm90(out_dir: str) -> None:
 
     rows = []
     for d, i in ((4096, 2048), (5120, 2304), (7168, 3072)):  # V4-Flash, V4.1-Flash, V4-Pro
-        for tp in (8, 16):
+        for tp in (8, 16, 32, 64):
             types = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "pairs_ptr": "*i32", "ends_ptr": "*i32"}
             types |= {n: "*u8" for n in ("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr")}
             types |= {"limit": "fp32", "stride_we": "i64", "stride_se": "i64"}
@@ -162,7 +162,7 @@ def test_kernels_compile_for_sm90_at_every_released_width(tmp_path: Path) -> Non
 
     compile_in_subprocess("test_moe_fp4_wgmma", tmp_path)
     rows = json.loads((tmp_path / "wgmma.json").read_text())
-    assert len(rows) == 12
+    assert len(rows) == 24
     for r in rows:
         assert r["spills"] == [0, 0], r
         assert r["wgmma"] > 0 and r["decode_muls"] > 0, r  # the register-A wgmma and the PTX decode are there

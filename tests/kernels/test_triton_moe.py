@@ -372,10 +372,10 @@ def _sm90() -> bool:
 
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon GEMMs run on sm_90 only")
-@pytest.mark.parametrize("t", [1, 3, 64, 256])
+@pytest.mark.parametrize("t", [1, 3, 64, 256, 4096])
 @pytest.mark.parametrize("big", [False, True])
 def test_p8_fp4_wgmma_matches_triton(p8_weights: dict, p8_fp4: tuple[dict, dict], t: int, big: bool) -> None:
-    """The Gluon decode GEMMs (``wgmma=True``) against Triton's fp4 tiles on the same codes
+    """The Gluon GEMMs (``wgmma=True``) against Triton's fp4 tiles on the same codes
     (``big``: four experts' scale bytes raised past 128, which the Gluon decode multiplies twice)."""
     q, _ = p8_fp4
     if big:
@@ -388,15 +388,18 @@ def test_p8_fp4_wgmma_matches_triton(p8_weights: dict, p8_fp4: tuple[dict, dict]
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon GEMMs run on sm_90 only")
 def test_p8_fp4_wgmma_batch_invariant(p8_weights: dict, p8_fp4: tuple[dict, dict]) -> None:
-    """Alone a token's block is 8 rows high, in a batch of 256 16: the MMA's N, which no row's
-    sum depends on, so the bits are the same."""
+    """Alone a token's block is 8 rows high, in a batch of 256 16 and in one of 4,096 64: the
+    MMA's N, which no row's sum depends on, so the bits are the same."""
     q, _ = p8_fp4
     w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
-    x, idx, rw = (p8_weights[n][:256] for n in ("x", "idx", "rw"))
-    batch = moe_experts_fp4_triton(x, *w4, idx, rw, 10.0, wgmma=True)
-    for r in (0, 5, 200):
-        alone = moe_experts_fp4_triton(x[r : r + 1], *w4, idx[r : r + 1], rw[r : r + 1], 10.0, wgmma=True)
-        assert torch.equal(alone[0], batch[r]), f"seed {p8_weights['seed']}: token {r} alone differs from its batch"
+    for t in (256, 4096):
+        x, idx, rw = (p8_weights[n][:t] for n in ("x", "idx", "rw"))
+        batch = moe_experts_fp4_triton(x, *w4, idx, rw, 10.0, wgmma=True)
+        for r in (0, 5, 200):
+            alone = moe_experts_fp4_triton(x[r : r + 1], *w4, idx[r : r + 1], rw[r : r + 1], 10.0, wgmma=True)
+            assert torch.equal(alone[0], batch[r]), (
+                f"seed {p8_weights['seed']}: token {r} alone differs from its batch of {t}"
+            )
 
 
 def test_fp4_tiles_do_not_follow_the_row_count() -> None:

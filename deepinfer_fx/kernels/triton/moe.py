@@ -288,12 +288,11 @@ def run_experts(
         )
     if wgmma:  # imported here: Gluon is experimental, and a Triton without it must not cost the other paths
         from . import moe_fp4_wgmma as fp4_wgmma
-    if wgmma and (not fp4 or tiles or _INTERPRET or not fp4_wgmma.fits(x, inter, dim, p, n_exp)):
+    if wgmma and (not fp4 or tiles or _INTERPRET or not fp4_wgmma.fits(x, inter, dim)):
         raise ValueError(
             "moe_experts: the Gluon fp4 GEMMs take MXFP4 weights and bf16 rows on an sm_90 GPU (not the Triton "
-            "interpreter), widths that are multiples of 256 and at most 32 rows per active expert, without tiles; "
-            f"got {w1.dtype} weights, {x.dtype} rows on {x.device}, widths {inter} x {dim}, {p} rows over "
-            f"{n_exp} experts{', tiles' if tiles else ''}: leave wgmma off"
+            "interpreter), widths that are multiples of 256, without tiles; got {w1.dtype} weights, "
+            f"{x.dtype} rows on {x.device}, widths {inter} x {dim}{', tiles' if tiles else ''}: leave wgmma off"
         )
     s1, s3, s2 = scales if scales is not None else (w1, w3, w2)  # placeholders, never read
     sw1, sw3, sw2 = shared if fold else (w1, w3, w2)  # placeholders, never read

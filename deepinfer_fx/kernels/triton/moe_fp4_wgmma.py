@@ -1,10 +1,10 @@
-"""MXFP4 routed experts at decode on Hopper: Gluon GEMMs whose weights are wgmma's register operand.
+"""MXFP4 routed experts on Hopper: Gluon GEMMs whose weights are wgmma's register operand.
 
-The gate/up and down launches of ``moe.run_experts(..., wgmma=True)`` for MXFP4 weights when each
-active expert takes few rows (decode) on an sm_90 GPU; the pair sort and the combine stay Triton's.
-Opt-in (``bench.moe_kernel --fp4`` times it) until measured on a GPU: written without one. Each
-program computes 64 output columns (weight rows) of one row block of ``TP`` sorted rows (8 or
-16: the MMA's N) over the whole k range, so a row's sum never meets another program's (no
+The gate/up and down launches of ``moe.run_experts(..., wgmma=True)`` for MXFP4 weights on an
+sm_90 GPU, at every row count; the pair sort and the combine stay Triton's. Opt-in
+(``bench.moe_kernel --fp4`` times it) until measured on a GPU: written without one. Each
+program computes 64 output columns (weight rows) of one row block of ``TP`` sorted rows (8 to
+64: the MMA's N, ``wgmma_rows``) over the whole k range, so a row's sum never meets another program's (no
 split-K, no atomics) and the grids are static as in ``moe_kernels.py``.
 
 Operand roles are swapped against ``x @ W^T``: the 64 weight rows are the A operand of
@@ -388,9 +388,11 @@ def fp4_down_kernel(
 
 
 def wgmma_rows(pairs: int, experts: int) -> int:
-    """The block height (the MMA's N) for ``pairs`` rows over ``experts`` experts: 8 while an
-    active expert takes at most 4 rows on average, else 16."""
-    return 8 if pairs <= 4 * min(experts, pairs) else 16
+    """The block height (the MMA's N) for ``pairs`` rows over ``experts`` experts, by the rows an
+    active expert takes on average: 8 up to 4, 16 up to 16, 32 up to 64, else 64 (prefill). A
+    row's sum does not depend on N, so the height moves no bit."""
+    rows = pairs / min(experts, pairs)
+    return 8 if rows <= 4 else 16 if rows <= 16 else 32 if rows <= 64 else 64
 
 
 @functools.cache
@@ -398,16 +400,15 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def fits(x: torch.Tensor, inter: int, dim: int, pairs: int, experts: int) -> bool:
+def fits(x: torch.Tensor, inter: int, dim: int) -> bool:
     """Whether these kernels take the GEMMs: bf16 rows on an sm_90 GPU, both widths multiples of
-    ``_CHUNK`` (every released config's are), and at most 32 rows per active expert (decode)."""
+    ``_CHUNK`` (every released config's are)."""
     return (
         x.is_cuda
         and x.dtype == torch.bfloat16
         and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
         and inter % _CHUNK == 0
         and dim % _CHUNK == 0
-        and pairs <= 32 * min(experts, pairs)
     )
 
 
