@@ -128,7 +128,8 @@ def test_wgmma_refuses_what_the_kernels_do_not_take() -> None:
 
 
 def _compile_for_sm90(out_dir: str) -> None:
-    """Both kernels at every released width (D, I) and block height, assembled by ptxas."""
+    """Both kernels at every released width (D, I) and block height (gate/up in the split form
+    where decode heights take it), assembled by ptxas."""
     import json
 
     from sm90_ptxas import compile_sm90, ptxas_report
@@ -139,10 +140,14 @@ def _compile_for_sm90(out_dir: str) -> None:
             types = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "pairs_ptr": "*i32", "ends_ptr": "*i32"}
             types |= {n: "*u8" for n in ("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr")}
             types |= {"limit": "fp32", "stride_we": "i64", "stride_se": "i64"}
+            consts = {"K": d, "TOPK": 6, "E_P": 512, "TP": tp, "CLAMP": True, "SPLIT": wg.split_gate_up(tp)}
             gate_up = compile_sm90(
-                wg.fp4_gate_up_kernel, types, {"K": d, "TOPK": 6, "E_P": 512, "TP": tp, "CLAMP": True},
-                ("N", "stride_x", "stride_we", "stride_wn", "stride_se"), num_warps=4,
-            )  # fmt: skip
+                wg.fp4_gate_up_kernel,
+                types,
+                consts,
+                ("N", "stride_x", "stride_we", "stride_wn", "stride_se"),
+                num_warps=4,
+            )
             down = compile_sm90(
                 wg.fp4_down_kernel, types, {"K": i, "E_P": 512, "TP": tp}, ("N", "stride_we", "stride_wn"), num_warps=4
             )
