@@ -141,6 +141,7 @@ def _compile_for_sm90(out_dir: str) -> None:
             types |= {n: "*u8" for n in ("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr")}
             types |= {"limit": "fp32", "stride_we": "i64", "stride_se": "i64"}
             consts = {"K": d, "TOPK": 6, "E_P": 512, "TP": tp, "CLAMP": True, "SPLIT": wg.split_gate_up(tp)}
+            consts["ASYNC"] = wg.ASYNC_MMA
             gate_up = compile_sm90(
                 wg.fp4_gate_up_kernel,
                 types,
@@ -149,7 +150,11 @@ def _compile_for_sm90(out_dir: str) -> None:
                 num_warps=4,
             )
             down = compile_sm90(
-                wg.fp4_down_kernel, types, {"K": i, "E_P": 512, "TP": tp}, ("N", "stride_we", "stride_wn"), num_warps=4
+                wg.fp4_down_kernel,
+                types,
+                {"K": i, "E_P": 512, "TP": tp, "ASYNC": wg.ASYNC_MMA},
+                ("N", "stride_we", "stride_wn"),
+                num_warps=4,
             )
             for name, k in (("gate_up", gate_up), ("down", down)):
                 spills, registers, _ = ptxas_report(k.asm["ptx"])

@@ -33,7 +33,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 MAG = 0x01C001C0  # bf16x2 bits 8:6 and 24:22: e1 e0 m of both codes
 SIGN = 0x80008000  # bf16x2 bits 15 and 31
@@ -189,6 +189,18 @@ def _stage(x_smem, slot, xv, TP: gl.constexpr):
 
 
 @gluon.jit
+def _mma(a, b, acc, prev, ASYNC: gl.constexpr):
+    """acc + a b; ``ASYNC``: issued without waiting for it (the tile's decode before the next
+    overlaps it), after which the MMA before it is waited for, so that ``prev``, its A tile, may
+    die. -> (acc, the A tile now in flight)."""
+    if ASYNC:
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+        acc, prev = warpgroup_mma_wait(1, deps=[acc, prev])
+        return acc, a
+    return warpgroup_mma(a, b, acc), prev
+
+
+@gluon.jit
 def _k_loop(
     acc1,
     acc3,
@@ -199,12 +211,14 @@ def _k_loop(
     BIG: gl.constexpr,
     a_layout: gl.constexpr,
     xl: gl.constexpr,
+    ASYNC: gl.constexpr,
 ):
     """acc1 (+ acc3 with ``GATED``) += the 64 weight rows times the block's rows over all of K.
     Each step stages its two 128-k tiles of rows in one of two shared buffers (one barrier a
     step), then loads the next step's codes and rows while it decodes and multiplies its own.
     ``args``: the rows' pointer and offsets, both weights' codes and scales, and the ring."""
     x_ptr, row_offs, rmask, c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, x_smem = args
+    prev = gl.zeros([ROWS, 128], gl.bfloat16, layout=a_layout)  # the A tile of the MMA in flight
     xa = _x_rows(x_ptr, row_offs, rmask, 0, xl)
     xb = _x_rows(x_ptr, row_offs, rmask, 128, xl)
     p1a, t1a = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, 0)
@@ -229,14 +243,16 @@ def _k_loop(
             n3b, u3b = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, kn + 128)
         lo = x_smem.index(slot).permute((1, 0))
         hi = x_smem.index(slot + 1).permute((1, 0))
-        acc1 = warpgroup_mma(_decode_tile(p1a, t1a, BIG, a_layout), lo, acc1)
+        acc1, prev = _mma(_decode_tile(p1a, t1a, BIG, a_layout), lo, acc1, prev, ASYNC)
         if GATED:
-            acc3 = warpgroup_mma(_decode_tile(p3a, t3a, BIG, a_layout), lo, acc3)
-        acc1 = warpgroup_mma(_decode_tile(p1b, t1b, BIG, a_layout), hi, acc1)
+            acc3, prev = _mma(_decode_tile(p3a, t3a, BIG, a_layout), lo, acc3, prev, ASYNC)
+        acc1, prev = _mma(_decode_tile(p1b, t1b, BIG, a_layout), hi, acc1, prev, ASYNC)
         if GATED:
-            acc3 = warpgroup_mma(_decode_tile(p3b, t3b, BIG, a_layout), hi, acc3)
+            acc3, prev = _mma(_decode_tile(p3b, t3b, BIG, a_layout), hi, acc3, prev, ASYNC)
             p3a, t3a, p3b, t3b = n3a, u3a, n3b, u3b
         p1a, t1a, p1b, t1b = n1a, u1a, n1b, u1b
+    if ASYNC:
+        acc1, acc3, prev = warpgroup_mma_wait(0, deps=[acc1, acc3, prev])
     return acc1, acc3
 
 
@@ -255,6 +271,7 @@ def _gemm(
     TP: gl.constexpr,
     GATED: gl.constexpr,
     SPLIT: gl.constexpr = False,
+    ASYNC: gl.constexpr = False,
 ):
     """``[64, TP]`` fp32 products of the 64 weight rows at ``c1_ptr`` (and ``c3_ptr`` with
     ``GATED``) with the block's rows; with ``SPLIT`` one product whose rows 0-31 are the first 32
@@ -284,9 +301,9 @@ def _gemm(
     acc3 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
     args = (x_ptr, row_offs, rmask, c1, s1, c3, s3_ptr, c_offs, s_offs, x_smem)
     if big:  # the loop in its two-multiply form: one branch a program, not one a tile
-        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, True, a_layout, xl)
+        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, True, a_layout, xl, ASYNC)
     else:
-        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, False, a_layout, xl)
+        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, False, a_layout, xl, ASYNC)
     return acc1, acc3
 
 
@@ -345,6 +362,7 @@ def fp4_gate_up_kernel(
     TP: gl.constexpr,
     CLAMP: gl.constexpr,
     SPLIT: gl.constexpr,
+    ASYNC: gl.constexpr,
 ):
     """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight for 64 columns
     of I (with ``SPLIT`` 32: 32 gate and 32 up rows in one product, twice the programs for
@@ -360,7 +378,7 @@ def fp4_gate_up_kernel(
         tok = gl.load(pairs_ptr + rows, mask=rmask, other=0) // TOPK
         acc1, acc3 = _gemm(
             x_ptr, tok.to(gl.int64) * stride_x, rmask, w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off,
-            s3_ptr + s_off, stride_wn, stride_sn, K, TP, not SPLIT, SPLIT,
+            s3_ptr + s_off, stride_wn, stride_sn, K, TP, not SPLIT, SPLIT, ASYNC,
         )  # fmt: skip
         if SPLIT:  # rows 0-31 gate, 32-63 up
             both = gl.convert_layout(acc1, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
@@ -399,6 +417,7 @@ def fp4_down_kernel(
     K: gl.constexpr,
     E_P: gl.constexpr,
     TP: gl.constexpr,
+    ASYNC: gl.constexpr,
 ):
     """y[pair] = h[row] w2^T, rounded to bf16, for 64 columns of D and one block of ``TP``
     sorted rows, written at the pair's own row (as ``down_kernel``)."""
@@ -408,7 +427,7 @@ def fp4_down_kernel(
     if e < E:
         acc, _ = _gemm(
             h_ptr, rows.to(gl.int64) * K, rmask, w2_ptr + w_off, s2_ptr + s_off, w2_ptr + w_off, s2_ptr + s_off,
-            stride_wn, stride_sn, K, TP, False,
+            stride_wn, stride_sn, K, TP, False, False, ASYNC,
         )  # fmt: skip
         offs, mask = _out_offsets(pairs_ptr, row0, row_end, n0, N, TP, ROWS, OUT_LAYOUT)
         gl.store(y_ptr + offs, gl.convert_layout(acc, OUT_LAYOUT).to(gl.bfloat16), mask=mask)
@@ -420,6 +439,9 @@ def wgmma_rows(pairs: int, experts: int) -> int:
     row's sum does not depend on N, so the height moves no bit."""
     rows = pairs / min(experts, pairs)
     return 8 if rows <= 4 else 16 if rows <= 16 else 32 if rows <= 64 else 64
+
+
+ASYNC_MMA = False  # under measurement (docs/decisions.md, session 50): each MMA waited for only before the next
 
 
 def split_gate_up(tp: int) -> bool:
@@ -471,9 +493,9 @@ def gate_up_down(
     fp4_gate_up_kernel[(n_blocks * (inter // (32 if split else 64)),)](
         x, w1, w3, s1, s3, h, pairs, rw, ends, n_exp, inter, float(limit), x.stride(0),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        K=dim, TOPK=top, E_P=e_p, TP=tp, CLAMP=bool(limit), SPLIT=split, num_warps=4,
+        K=dim, TOPK=top, E_P=e_p, TP=tp, CLAMP=bool(limit), SPLIT=split, ASYNC=ASYNC_MMA, num_warps=4,
     )  # fmt: skip
     fp4_down_kernel[(n_blocks * (dim // 64),)](
         h, w2, s2, y, pairs, ends, n_exp, dim, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        K=inter, E_P=e_p, TP=tp, num_warps=4,
+        K=inter, E_P=e_p, TP=tp, ASYNC=ASYNC_MMA, num_warps=4,
     )  # fmt: skip
