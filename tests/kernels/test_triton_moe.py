@@ -402,6 +402,23 @@ def test_p8_fp4_wgmma_batch_invariant(p8_weights: dict, p8_fp4: tuple[dict, dict
             )
 
 
+@pytest.mark.skipif(not _sm90(), reason="the Gluon GEMMs run on sm_90 only")
+def test_p8_fp4_wgmma_async_form_same_bits(p8_weights: dict, p8_fp4: tuple[dict, dict], monkeypatch) -> None:
+    """The k loop with each MMA left in flight over the next tile's decode sums in the same order
+    as the waiting one: the same bits at decode and prefill heights."""
+    from deepinfer_fx.kernels.triton import moe_fp4_wgmma as wg
+
+    q, _ = p8_fp4
+    w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
+    for t in (1, 64, 4096):
+        x, idx, rw = (p8_weights[n][:t] for n in ("x", "idx", "rw"))
+        monkeypatch.setattr(wg, "ASYNC_MMA", False)
+        waited = moe_experts_fp4_triton(x, *w4, idx, rw, 10.0, wgmma=True)
+        monkeypatch.setattr(wg, "ASYNC_MMA", True)
+        in_flight = moe_experts_fp4_triton(x, *w4, idx, rw, 10.0, wgmma=True)
+        assert torch.equal(waited, in_flight), f"seed {p8_weights['seed']}: {t} tokens"
+
+
 def test_fp4_tiles_do_not_follow_the_row_count() -> None:
     """A row's sum has one order at every batch size only if the k tile is the same for all and
     the column tile never 32 (where sm_90's microscaled dot rounds differently), at every width."""
