@@ -168,3 +168,28 @@ def test_gpu_memory_without_plan_is_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         generate.main(["--gpu-memory-gb", "80"])
     assert "only --plan reads it" in capsys.readouterr().err
+
+
+def test_bench_memory_plans_finds_the_smallest_mesh(tmp_path) -> None:
+    """``bench.memory_plans``: the mesh it reports fits and the one before it does not; the
+    released form needs fewer GPUs and fewer state bytes a token than the dequantised one."""
+    from deepinfer_fx.bench import memory_plans
+    from deepinfer_fx.sharding.mesh import parse_mesh
+
+    meshes = ["1", "ep2", "ep4", "ep8", "ep16"]
+    rows = {
+        form: memory_plans.smallest_fit("deepseek_v4_flash", form, 141.0, meshes, 8192, 64)
+        for form in memory_plans.FORMATS
+    }
+    for form, row in rows.items():
+        at = meshes.index(row["mesh"])
+        c = released_config("v4-flash")
+        fit = [
+            memory_plan(c, parse_mesh(m), gpu_memory_gib=141.0, max_model_len=8192, **memory_plans.FORMATS[form]).fits
+            for m in meshes[at - 1 : at + 1]
+        ]
+        assert fit == [False, True], (form, row)
+    assert rows["released"]["gpus"] < rows["dequantised"]["gpus"]
+    assert rows["released"]["state_bytes_per_token"] < rows["dequantised"]["state_bytes_per_token"]
+    assert memory_plans.main(["--meshes", "ep64", "--max-num-seqs", "1", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "memory_plans_released.json").exists()
