@@ -435,8 +435,9 @@ def fp4_down_kernel(
 
 def wgmma_rows(pairs: int, experts: int) -> int:
     """The block height (the MMA's N) for ``pairs`` rows over ``experts`` experts, by the rows an
-    active expert takes on average: 8 up to 4, 16 up to 16, 32 up to 64, else 64 (prefill). A
-    row's sum does not depend on N, so the height moves no bit."""
+    active expert takes on average: 8 up to 4, 16 up to 16, 32 up to 64, else 64 (prefill). No
+    row's sum should depend on N, so the height should move no bit (``test_triton_moe.py``
+    compares a token alone with its batches on the GPU)."""
     rows = pairs / min(experts, pairs)
     return 8 if rows <= 4 else 16 if rows <= 16 else 32 if rows <= 64 else 64
 
