@@ -14,8 +14,9 @@ least one pair, each read once, over the time: the figure that matters for decod
 (6 * pairs * D * I flops, the figure that matters for prefill), plus the max difference from the
 reference relative to its max. ``--fp8`` adds the fp8-weight kernel (block-128 scales),
 ``--fp4`` the MXFP4 one (the weights quantised, its bandwidth counting packed bytes + scales), on
-its tiles as chosen, again with the codes decoded in PTX (``fp4bits``, ``Tiles.fp4_bits``) and, on
-sm_90 at decode sizes, through the Gluon GEMMs (``fp4wgmma``, ``moe_fp4_wgmma.py``);
+Triton's tiles as chosen (``fp4``), again with the codes decoded in PTX (``fp4bits``,
+``Tiles.fp4_bits``) and, on sm_90, through the Gluon GEMMs (``fp4wgmma``, ``moe_fp4_wgmma.py``:
+the op's default there);
 ``--shared`` the op with the shared expert folded in as expert E (``moe_experts_shared``), whose
 bandwidth counts its weights too: in a P8 decode step at b1 the fold made gate/up and down
 slower per byte (session 10), which this isolates.
@@ -150,9 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
         if q4:
             w4 = (q4["w1"][0], q4["w1"][1], q4["w3"][0], q4["w3"][1], q4["w2"][0], q4["w2"][1])
             fp4_args = (x, *w4, idx, rw, limit)
-            t_fp4 = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out), args.iters)
+            t_fp4 = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out, wgmma=False), args.iters)
             ref4 = routed_experts.reference({n: dequant_mxfp4(*q4[n], x.dtype) for n in q4}, limit, x, idx, rw)
-            err4 = ((moe_experts_fp4_triton(*fp4_args) - ref4).abs().max() / ref4.abs().max()).item()
+            err4 = ((moe_experts_fp4_triton(*fp4_args, wgmma=False) - ref4).abs().max() / ref4.abs().max()).item()
             row.update(_row("fp4", t_fp4, weight_bytes // 4 + weight_bytes // 64, flops), fp4_max_rel_diff=err4)
             # the same tiles with the weights decoded in PTX (Tiles.fp4_bits) instead of Triton's microscaled dot
             pairs = t * top

@@ -29,6 +29,10 @@ token's last pair from its index (``moe_kernels.py``). Run on its own at decode 
 launches a layer, two of them skinny GEMVs at ~3.5 TB/s where these GEMMs stream weights at
 4.1-4.3 TB/s; folded in, a MoE layer's FFN is these five launches. fp8 experts do not take it
 (the shared expert is held in the run dtype, and one kernel reads one weight format).
+
+MXFP4 experts on sm_90 take Gluon GEMMs for gate/up and down instead, at every row count
+(``moe_fp4_wgmma.py``: the weights decoded in wgmma's register operand), the sort and the
+combine staying these.
 """
 
 from __future__ import annotations
@@ -239,6 +243,16 @@ def _check_shared(
             )
 
 
+def _wgmma_fits(x: torch.Tensor, inter: int, dim: int) -> bool:
+    """``moe_fp4_wgmma.fits``, imported only for CUDA rows: Gluon is experimental, and a Triton
+    without it must not cost the other paths."""
+    if not x.is_cuda:
+        return False
+    from . import moe_fp4_wgmma
+
+    return moe_fp4_wgmma.fits(x, inter, dim)
+
+
 def run_experts(
     x: torch.Tensor,
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -250,7 +264,7 @@ def run_experts(
     out: torch.Tensor | None,
     tiles: tuple[Tiles, Tiles] | None = None,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    wgmma: bool = False,
+    wgmma: bool | None = None,
 ) -> torch.Tensor:
     """The five launches for bf16/fp32 weights (``scales`` None), fp8 weights with fp32 block
     ``scales`` of ``qblock``, or MXFP4 weights (uint8, two codes a byte) with ue8m0 byte
@@ -258,8 +272,9 @@ def run_experts(
     and ``moe_experts_shared`` ops. ``shared`` (w1, w3, w2 of the shared expert, bf16/fp32 weights
     only) adds it to every token as expert E with weight 1, after the routed sum.
     ``tiles`` (gate/up, down) overrides ``choose_tiles``: the tile sweep of ``bench/moe_kernel.py``.
-    ``wgmma``: MXFP4 gate/up and down through the Gluon GEMMs (``moe_fp4_wgmma.py``; opt-in until
-    measured on a GPU, ``docs/decisions.md``), refused where they do not apply."""
+    ``wgmma``: MXFP4 gate/up and down through the Gluon GEMMs (``moe_fp4_wgmma.py``): None takes
+    them where they apply (sm_90, no ``tiles``), True insists (refused where they do not apply),
+    False keeps Triton's."""
     w1, w3, w2 = weights
     t, top = idx.shape
     n_exp, inter, dim = w1.shape
@@ -286,12 +301,11 @@ def run_experts(
             "moe_experts: fp4_bits tiles decode MXFP4 weights in PTX: they need MXFP4 weights and a GPU "
             "(not the Triton interpreter)"
         )
-    if wgmma:  # imported here: Gluon is experimental, and a Triton without it must not cost the other paths
-        from . import moe_fp4_wgmma as fp4_wgmma
-    if wgmma and (not fp4 or tiles or _INTERPRET or not fp4_wgmma.fits(x, inter, dim)):
+    applies = fp4 and not tiles and not _INTERPRET and _wgmma_fits(x, inter, dim)
+    if wgmma and not applies:
         raise ValueError(
             "moe_experts: the Gluon fp4 GEMMs take MXFP4 weights and bf16 rows on an sm_90 GPU (not the Triton "
-            "interpreter), widths that are multiples of 256, without tiles; got {w1.dtype} weights, "
+            f"interpreter), widths that are multiples of 256, without tiles; got {w1.dtype} weights, "
             f"{x.dtype} rows on {x.device}, widths {inter} x {dim}{', tiles' if tiles else ''}: leave wgmma off"
         )
     s1, s3, s2 = scales if scales is not None else (w1, w3, w2)  # placeholders, never read
@@ -306,7 +320,9 @@ def run_experts(
 
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(p, dim, dtype=x.dtype, device=x.device)
-    if wgmma:
+    if applies if wgmma is None else wgmma:
+        from . import moe_fp4_wgmma as fp4_wgmma
+
         tp = fp4_wgmma.wgmma_rows(p, experts)
         fp4_wgmma.gate_up_down(
             x, weights, scales, pairs, ends, rw, limit, h, y, top, e_p, tp, max_blocks(p, experts, tp)
@@ -453,12 +469,12 @@ def moe_experts_fp4_triton(
     limit: float,
     out: torch.Tensor | None = None,
     tiles: tuple[Tiles, Tiles] | None = None,
-    wgmma: bool = False,
+    wgmma: bool | None = None,
 ) -> torch.Tensor:
     """``deepinfer::moe_experts_fp4``: MXFP4 weights, uint8 ``[E, out, in / 2]`` with ue8m0 byte
     scales ``[E, out, in / 32]``, each tile decoded as it is loaded, so decode streams about a
     quarter of the bytes of bf16 weights; otherwise as ``moe_experts_triton``. ``wgmma``: the
-    Gluon GEMMs at decode on sm_90 (``run_experts``)."""
+    Gluon GEMMs on sm_90 (``run_experts``; taken where they apply unless False)."""
     for w, s in zip((w1, w3, w2), (w1_scale, w3_scale, w2_scale)):
         want = (w.shape[0], w.shape[1], 2 * w.shape[2] // MXFP4_BLOCK)
         if w.dtype != torch.uint8 or tuple(s.shape) != want or s.dtype != torch.uint8 or not s.is_contiguous():

@@ -1,9 +1,8 @@
 """MXFP4 routed experts on Hopper: Gluon GEMMs whose weights are wgmma's register operand.
 
 The gate/up and down launches of ``moe.run_experts(..., wgmma=True)`` for MXFP4 weights on an
-sm_90 GPU, at every row count; the pair sort and the combine stay Triton's. Opt-in
-(``bench.moe_kernel --fp4`` times it) until measured on a GPU: written without one. Each
-program computes 64 output columns (weight rows) of one row block of ``TP`` sorted rows (8 to
+sm_90 GPU, at every row count (the op's default there: about 2x Triton's fp4 tiles at decode,
+``docs/decisions.md``); the pair sort and the combine stay Triton's. Each program computes 64 output columns (weight rows) of one row block of ``TP`` sorted rows (8 to
 64: the MMA's N, ``wgmma_rows``) over the whole k range, so a row's sum never meets another program's (no
 split-K, no atomics) and the grids are static as in ``moe_kernels.py``.
 
@@ -33,7 +32,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 MAG = 0x01C001C0  # bf16x2 bits 8:6 and 24:22: e1 e0 m of both codes
 SIGN = 0x80008000  # bf16x2 bits 15 and 31
@@ -47,7 +46,6 @@ ROWS = gl.constexpr(64)  # weight rows a program computes: wgmma's M for one war
 # the block's rows as loaded (16-byte vectors along k), and the results as stored (lanes along n)
 ROW_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1]))
-HALF_OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1]))  # a [32, TP] result
 
 
 def _decode_asm(big: bool) -> str:
@@ -113,13 +111,13 @@ def _block_rows(ends_ptr, block, E, E_P: gl.constexpr, TP: gl.constexpr):
 
 
 @gluon.jit
-def _has_big_scale(s_ptr, stride_s, K: gl.constexpr, R: gl.constexpr):
-    """Whether any scale byte of the ``R`` rows at ``s_ptr`` exceeds 128 (CTA-uniform)."""
+def _has_big_scale(s_ptr, stride_s, K: gl.constexpr):
+    """Whether any scale byte of the 64 rows at ``s_ptr`` exceeds 128 (CTA-uniform)."""
     sl: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
-    r = gl.arange(0, R, layout=gl.SliceLayout(1, sl))
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sl))
     c = gl.arange(0, 8, layout=gl.SliceLayout(0, sl))
     offs = gl.expand_dims(r, 1) * stride_s + gl.expand_dims(c, 0)
-    top = gl.zeros([R, 8], gl.int32, layout=sl)
+    top = gl.zeros([ROWS, 8], gl.int32, layout=sl)
     for g0 in range(0, K // 32, 8):
         top = gl.maximum(top, gl.load(s_ptr + offs + g0).to(gl.int32))
     return gl.max(gl.max(top, axis=1), axis=0) > 128
@@ -189,18 +187,6 @@ def _stage(x_smem, slot, xv, TP: gl.constexpr):
 
 
 @gluon.jit
-def _mma(a, b, acc, prev, ASYNC: gl.constexpr):
-    """acc + a b; ``ASYNC``: issued without waiting for it (the tile's decode before the next
-    overlaps it), after which the MMA before it is waited for, so that ``prev``, its A tile, may
-    die. -> (acc, the A tile now in flight)."""
-    if ASYNC:
-        acc = warpgroup_mma(a, b, acc, is_async=True)
-        acc, prev = warpgroup_mma_wait(1, deps=[acc, prev])
-        return acc, a
-    return warpgroup_mma(a, b, acc), prev
-
-
-@gluon.jit
 def _k_loop(
     acc1,
     acc3,
@@ -211,14 +197,12 @@ def _k_loop(
     BIG: gl.constexpr,
     a_layout: gl.constexpr,
     xl: gl.constexpr,
-    ASYNC: gl.constexpr,
 ):
     """acc1 (+ acc3 with ``GATED``) += the 64 weight rows times the block's rows over all of K.
     Each step stages its two 128-k tiles of rows in one of two shared buffers (one barrier a
     step), then loads the next step's codes and rows while it decodes and multiplies its own.
     ``args``: the rows' pointer and offsets, both weights' codes and scales, and the ring."""
     x_ptr, row_offs, rmask, c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, x_smem = args
-    prev = gl.zeros([ROWS, 128], gl.bfloat16, layout=a_layout)  # the A tile of the MMA in flight
     xa = _x_rows(x_ptr, row_offs, rmask, 0, xl)
     xb = _x_rows(x_ptr, row_offs, rmask, 128, xl)
     p1a, t1a = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, 0)
@@ -243,16 +227,14 @@ def _k_loop(
             n3b, u3b = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, kn + 128)
         lo = x_smem.index(slot).permute((1, 0))
         hi = x_smem.index(slot + 1).permute((1, 0))
-        acc1, prev = _mma(_decode_tile(p1a, t1a, BIG, a_layout), lo, acc1, prev, ASYNC)
+        acc1 = warpgroup_mma(_decode_tile(p1a, t1a, BIG, a_layout), lo, acc1)
         if GATED:
-            acc3, prev = _mma(_decode_tile(p3a, t3a, BIG, a_layout), lo, acc3, prev, ASYNC)
-        acc1, prev = _mma(_decode_tile(p1b, t1b, BIG, a_layout), hi, acc1, prev, ASYNC)
+            acc3 = warpgroup_mma(_decode_tile(p3a, t3a, BIG, a_layout), lo, acc3)
+        acc1 = warpgroup_mma(_decode_tile(p1b, t1b, BIG, a_layout), hi, acc1)
         if GATED:
-            acc3, prev = _mma(_decode_tile(p3b, t3b, BIG, a_layout), hi, acc3, prev, ASYNC)
+            acc3 = warpgroup_mma(_decode_tile(p3b, t3b, BIG, a_layout), hi, acc3)
             p3a, t3a, p3b, t3b = n3a, u3a, n3b, u3b
         p1a, t1a, p1b, t1b = n1a, u1a, n1b, u1b
-    if ASYNC:
-        acc1, acc3, prev = warpgroup_mma_wait(0, deps=[acc1, acc3, prev])
     return acc1, acc3
 
 
@@ -270,13 +252,10 @@ def _gemm(
     K: gl.constexpr,
     TP: gl.constexpr,
     GATED: gl.constexpr,
-    SPLIT: gl.constexpr = False,
-    ASYNC: gl.constexpr = False,
 ):
     """``[64, TP]`` fp32 products of the 64 weight rows at ``c1_ptr`` (and ``c3_ptr`` with
-    ``GATED``) with the block's rows; with ``SPLIT`` one product whose rows 0-31 are the first 32
-    at ``c1_ptr`` and rows 32-63 the first 32 at ``c3_ptr``. The loop in its one- or two-multiply
-    form by the rows' scale bytes."""
+    ``GATED``) with the block's rows, the loop in its one- or two-multiply form by the rows'
+    scale bytes."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TP, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     xl: gl.constexpr = ROW_LAYOUT
@@ -285,39 +264,28 @@ def _gemm(
     c_offs, s_offs = _weight_offsets(stride_c, stride_s)
     c1 = c1_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     c3 = c3_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    s1 = s1_ptr
-    if SPLIT:  # rows 32-63 read c3's rows 0-31: a base pointer a row
-        cl: gl.constexpr = _code_layout()
-        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, cl)))
-        upper = gl.expand_dims(r >= 32, 1)
-        c1 = gl.where(gl.expand_dims(upper, 2), c3 - 32 * (stride_c // 4), c1)
-        s1 = gl.where(upper, s3_ptr - 32 * stride_s, s1_ptr)
-        big = _has_big_scale(s1_ptr, stride_s, K, 32) | _has_big_scale(s3_ptr, stride_s, K, 32)
-    else:
-        big = _has_big_scale(s1_ptr, stride_s, K, ROWS)
-        if GATED:
-            big = big | _has_big_scale(s3_ptr, stride_s, K, ROWS)
+    big = _has_big_scale(s1_ptr, stride_s, K)
+    if GATED:
+        big = big | _has_big_scale(s3_ptr, stride_s, K)
     acc1 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
     acc3 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
-    args = (x_ptr, row_offs, rmask, c1, s1, c3, s3_ptr, c_offs, s_offs, x_smem)
+    args = (x_ptr, row_offs, rmask, c1, s1_ptr, c3, s3_ptr, c_offs, s_offs, x_smem)
     if big:  # the loop in its two-multiply form: one branch a program, not one a tile
-        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, True, a_layout, xl, ASYNC)
+        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, True, a_layout, xl)
     else:
-        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, False, a_layout, xl, ASYNC)
+        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, False, a_layout, xl)
     return acc1, acc3
 
 
 @gluon.jit
-def _program(
-    ends_ptr, E, N, stride_we, stride_wn, stride_se, stride_sn, E_P: gl.constexpr, TP: gl.constexpr, COLS: gl.constexpr
-):
+def _program(ends_ptr, E, N, stride_we, stride_wn, stride_se, stride_sn, E_P: gl.constexpr, TP: gl.constexpr):
     """Program id -> its expert (>= E: no block), row block (first, end, the rows in
-    ``ROW_LAYOUT`` and their mask), first of its ``COLS`` columns, and the offsets of its weight
-    and scale rows."""
+    ``ROW_LAYOUT`` and their mask), first of its 64 columns, and the offsets of its weight and
+    scale rows."""
     pid = gl.program_id(0)
-    n_tiles = N // COLS
+    n_tiles = N // ROWS
     e, row0, row_end = _block_rows(ends_ptr, pid // n_tiles, E, E_P, TP)
-    n0 = (pid % n_tiles) * COLS
+    n0 = (pid % n_tiles) * ROWS
     rows = row0 + gl.arange(0, TP, layout=gl.SliceLayout(1, ROW_LAYOUT))
     w_off = e.to(gl.int64) * stride_we + n0 * stride_wn
     s_off = e.to(gl.int64) * stride_se + n0 * stride_sn
@@ -325,16 +293,16 @@ def _program(
 
 
 @gluon.jit
-def _out_offsets(row_ids, row0, row_end, n0, N, TP: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
-    """Offsets and mask of a ``[COLS, TP]`` result in ``layout``: column n0 + r of output row
+def _out_offsets(row_ids, row0, row_end, n0, N, TP: gl.constexpr):
+    """Offsets and mask of a ``[64, TP]`` result in ``OUT_LAYOUT``: column n0 + r of output row
     ``row_ids[t]`` (``row_ids``: a pointer to the block's row ids, or None for the sorted rows)."""
-    r = gl.arange(0, COLS, layout=gl.SliceLayout(1, layout))
-    t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, layout))
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
+    t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, OUT_LAYOUT))
     tmask = t < row_end
     if row_ids is not None:
         t = gl.load(row_ids + t, mask=tmask, other=0)
     offs = gl.expand_dims(t.to(gl.int64), 0) * N + n0 + gl.expand_dims(r, 1)
-    return offs, gl.expand_dims(tmask, 0) & gl.expand_dims(r < COLS, 1)
+    return offs, gl.expand_dims(tmask, 0) & gl.expand_dims(r < ROWS, 1)
 
 
 @gluon.jit
@@ -361,42 +329,30 @@ def fp4_gate_up_kernel(
     E_P: gl.constexpr,
     TP: gl.constexpr,
     CLAMP: gl.constexpr,
-    SPLIT: gl.constexpr,
-    ASYNC: gl.constexpr,
 ):
     """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight for 64 columns
-    of I (with ``SPLIT`` 32: 32 gate and 32 up rows in one product, twice the programs for
-    decode's few row blocks) and one block of ``TP`` sorted rows (program = block * column tiles
-    + column tile); the GEMM results are rounded to bf16 before the fp32 epilogue, as
-    ``gate_up_kernel`` does."""
-    COLS: gl.constexpr = ROWS // 2 if SPLIT else ROWS
-    ol: gl.constexpr = HALF_OUT_LAYOUT if SPLIT else OUT_LAYOUT
+    of I and one block of ``TP`` sorted rows (program = block * column tiles + column tile); the
+    GEMM results are rounded to bf16 before the fp32 epilogue, as ``gate_up_kernel`` does."""
     e, row0, row_end, n0, rows, rmask, w_off, s_off = _program(
-        ends_ptr, E, N, stride_we, stride_wn, stride_se, stride_sn, E_P, TP, COLS
+        ends_ptr, E, N, stride_we, stride_wn, stride_se, stride_sn, E_P, TP
     )
     if e < E:
         tok = gl.load(pairs_ptr + rows, mask=rmask, other=0) // TOPK
         acc1, acc3 = _gemm(
             x_ptr, tok.to(gl.int64) * stride_x, rmask, w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off,
-            s3_ptr + s_off, stride_wn, stride_sn, K, TP, not SPLIT, SPLIT, ASYNC,
+            s3_ptr + s_off, stride_wn, stride_sn, K, TP, True,
         )  # fmt: skip
-        if SPLIT:  # rows 0-31 gate, 32-63 up
-            both = gl.convert_layout(acc1, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
-            pl: gl.constexpr = gl.BlockedLayout([1, 1, 2], [32, 1, 1], [1, 4, 1], [2, 1, 0])  # a lane holds both
-            g, u = gl.split(gl.convert_layout(gl.permute(gl.reshape(both, (2, COLS, TP)), (1, 2, 0)), pl))
-            g, u = gl.convert_layout(g, ol), gl.convert_layout(u, ol)
-        else:
-            g = gl.convert_layout(acc1, ol).to(gl.bfloat16).to(gl.float32)
-            u = gl.convert_layout(acc3, ol).to(gl.bfloat16).to(gl.float32)
+        g = gl.convert_layout(acc1, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
+        u = gl.convert_layout(acc3, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
         if CLAMP:
             # comparisons rather than min/max so that NaN passes through, as torch.clamp does
             g = gl.where(g > limit, limit, g)
             u = gl.where(u > limit, limit, gl.where(u < -limit, -limit, u))
-        t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, ol))
+        t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, OUT_LAYOUT))
         tmask = t < row_end
         rw = gl.load(rw_ptr + gl.load(pairs_ptr + t, mask=tmask, other=0), mask=tmask, other=0.0).to(gl.float32)
         h = g / (1.0 + gl.exp(-g)) * u * gl.expand_dims(rw, 0)
-        offs, mask = _out_offsets(None, row0, row_end, n0, N, TP, COLS, ol)
+        offs, mask = _out_offsets(None, row0, row_end, n0, N, TP)
         gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=mask)
 
 
@@ -417,39 +373,28 @@ def fp4_down_kernel(
     K: gl.constexpr,
     E_P: gl.constexpr,
     TP: gl.constexpr,
-    ASYNC: gl.constexpr,
 ):
     """y[pair] = h[row] w2^T, rounded to bf16, for 64 columns of D and one block of ``TP``
     sorted rows, written at the pair's own row (as ``down_kernel``)."""
     e, row0, row_end, n0, rows, rmask, w_off, s_off = _program(
-        ends_ptr, E, N, stride_we, stride_wn, stride_se, stride_sn, E_P, TP, ROWS
+        ends_ptr, E, N, stride_we, stride_wn, stride_se, stride_sn, E_P, TP
     )
     if e < E:
         acc, _ = _gemm(
             h_ptr, rows.to(gl.int64) * K, rmask, w2_ptr + w_off, s2_ptr + s_off, w2_ptr + w_off, s2_ptr + s_off,
-            stride_wn, stride_sn, K, TP, False, False, ASYNC,
+            stride_wn, stride_sn, K, TP, False,
         )  # fmt: skip
-        offs, mask = _out_offsets(pairs_ptr, row0, row_end, n0, N, TP, ROWS, OUT_LAYOUT)
+        offs, mask = _out_offsets(pairs_ptr, row0, row_end, n0, N, TP)
         gl.store(y_ptr + offs, gl.convert_layout(acc, OUT_LAYOUT).to(gl.bfloat16), mask=mask)
 
 
 def wgmma_rows(pairs: int, experts: int) -> int:
     """The block height (the MMA's N) for ``pairs`` rows over ``experts`` experts, by the rows an
-    active expert takes on average: 8 up to 4, 16 up to 16, 32 up to 64, else 64 (prefill). No
-    row's sum should depend on N, so the height should move no bit (``test_triton_moe.py``
-    compares a token alone with its batches on the GPU)."""
+    active expert takes on average: 8 up to 4, 16 up to 16, 32 up to 32, else 64 (64 beat 32 at
+    48 rows on an H100, docs/decisions.md). No row's sum depends on N, so the height moves no
+    bit (``test_triton_moe.py`` compares a token alone with its batches on the GPU)."""
     rows = pairs / min(experts, pairs)
-    return 8 if rows <= 4 else 16 if rows <= 16 else 32 if rows <= 64 else 64
-
-
-ASYNC_MMA = False  # under measurement (docs/decisions.md, session 50): each MMA waited for only before the next
-
-
-def split_gate_up(tp: int) -> bool:
-    """Whether gate/up programs take 32 gate + 32 up rows (decode: twice as many programs for
-    the few active experts' row blocks) rather than 64 + 64 (prefill: each staged row serves
-    twice the weights)."""
-    return tp <= 16
+    return 8 if rows <= 4 else 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
 @functools.cache
@@ -490,13 +435,12 @@ def gate_up_down(
     (w1, w3, w2), (s1, s3, s2) = weights, scales
     n_exp, inter, half_dim = w1.shape
     dim = 2 * half_dim
-    split = split_gate_up(tp)
-    fp4_gate_up_kernel[(n_blocks * (inter // (32 if split else 64)),)](
+    fp4_gate_up_kernel[(n_blocks * (inter // 64),)](
         x, w1, w3, s1, s3, h, pairs, rw, ends, n_exp, inter, float(limit), x.stride(0),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        K=dim, TOPK=top, E_P=e_p, TP=tp, CLAMP=bool(limit), SPLIT=split, ASYNC=ASYNC_MMA, num_warps=4,
+        K=dim, TOPK=top, E_P=e_p, TP=tp, CLAMP=bool(limit), num_warps=4,
     )  # fmt: skip
     fp4_down_kernel[(n_blocks * (dim // 64),)](
         h, w2, s2, y, pairs, ends, n_exp, dim, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        K=inter, E_P=e_p, TP=tp, ASYNC=ASYNC_MMA, num_warps=4,
+        K=inter, E_P=e_p, TP=tp, num_warps=4,
     )  # fmt: skip
