@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
             from ..kernels.triton import moe_fp4_wgmma as fp4_wgmma  # Gluon: only where it is timed
 
-            if fp4_wgmma.fits(x, inter, d):  # the Gluon GEMMs (sm_90)
+            if fp4_wgmma.fits(x, inter, d, w4):  # the Gluon GEMMs (sm_90)
                 t_wg = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out, wgmma=True), args.iters)
                 err_wg = ((moe_experts_fp4_triton(*fp4_args, wgmma=True) - ref4).abs().max() / ref4.abs().max()).item()
                 row.update(

@@ -412,6 +412,25 @@ def test_p8_fp4_wgmma_batch_invariant(p8_weights: dict, p8_fp4: tuple[dict, dict
             )
 
 
+@pytest.mark.skipif(not _sm90(), reason="the Gluon GEMMs run on sm_90 only")
+def test_p8_fp4_unaligned_weights_take_triton(p8_weights: dict, p8_fp4: tuple[dict, dict]) -> None:
+    """Codes or scales not 16-byte aligned (a view at an odd offset) cannot be read as the Gluon
+    GEMMs read them: the op's default takes Triton's tiles (the same bits as ``wgmma=False``) and
+    ``wgmma=True`` is refused by name."""
+    q, _ = p8_fp4
+
+    def odd(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+        return buf.view(t.shape).copy_(t)
+
+    w4 = (q["w1"][0], odd(q["w1"][1]), q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
+    x, idx, rw = (p8_weights[n][:8] for n in ("x", "idx", "rw"))
+    want = moe_experts_fp4_triton(x, *w4, idx, rw, 10.0, wgmma=False)
+    assert torch.equal(moe_experts_fp4_triton(x, *w4, idx, rw, 10.0), want), f"seed {p8_weights['seed']}"
+    with pytest.raises(ValueError, match="leave wgmma off"):
+        moe_experts_fp4_triton(x, *w4, idx, rw, 10.0, wgmma=True)
+
+
 def test_fp4_tiles_do_not_follow_the_row_count() -> None:
     """A row's sum has one order at every batch size only if the k tile is the same for all and
     the column tile never 32 (where sm_90's microscaled dot rounds differently), at every width."""

@@ -243,14 +243,14 @@ def _check_shared(
             )
 
 
-def _wgmma_fits(x: torch.Tensor, inter: int, dim: int) -> bool:
+def _wgmma_fits(x: torch.Tensor, inter: int, dim: int, held: tuple[torch.Tensor, ...]) -> bool:
     """``moe_fp4_wgmma.fits``, imported only for CUDA rows: Gluon is experimental, and a Triton
     without it must not cost the other paths."""
     if not x.is_cuda:
         return False
     from . import moe_fp4_wgmma
 
-    return moe_fp4_wgmma.fits(x, inter, dim)
+    return moe_fp4_wgmma.fits(x, inter, dim, held)
 
 
 def run_experts(
@@ -301,11 +301,12 @@ def run_experts(
             "moe_experts: fp4_bits tiles decode MXFP4 weights in PTX: they need MXFP4 weights and a GPU "
             "(not the Triton interpreter)"
         )
-    applies = fp4 and not tiles and not _INTERPRET and _wgmma_fits(x, inter, dim)
+    applies = fp4 and not tiles and not _INTERPRET and _wgmma_fits(x, inter, dim, (*weights, *scales))
     if wgmma and not applies:
         raise ValueError(
             "moe_experts: the Gluon fp4 GEMMs take MXFP4 weights and bf16 rows on an sm_90 GPU (not the Triton "
-            f"interpreter), widths that are multiples of 256, without tiles; got {w1.dtype} weights, "
+            "interpreter), widths that are multiples of 256, 16-byte-aligned codes and scales, without tiles; "
+            f"got {w1.dtype} weights, "
             f"{x.dtype} rows on {x.device}, widths {inter} x {dim}{', tiles' if tiles else ''}: leave wgmma off"
         )
     s1, s3, s2 = scales if scales is not None else (w1, w3, w2)  # placeholders, never read

@@ -110,17 +110,27 @@ def _block_rows(ends_ptr, block, E, E_P: gl.constexpr, TP: gl.constexpr):
     return e, row0, gl.sum(gl.where(sel, ends, 0), 0)
 
 
+@gluon.constexpr_function
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 @gluon.jit
 def _has_big_scale(s_ptr, stride_s, K: gl.constexpr):
-    """Whether any scale byte of the 64 rows at ``s_ptr`` exceeds 128 (CTA-uniform)."""
-    sl: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+    """Whether any scale byte of the 64 rows at ``s_ptr`` exceeds 128 (CTA-uniform). The rows'
+    K / 32 bytes are read as int32 words in one load, so the check waits for memory once (a loop
+    over byte tiles waited once a step, before any weight was read)."""
+    W: gl.constexpr = K // 128  # words a row
+    WP: gl.constexpr = _pow2_at_least(W)
+    sl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sl))
-    c = gl.arange(0, 8, layout=gl.SliceLayout(0, sl))
-    offs = gl.expand_dims(r, 1) * stride_s + gl.expand_dims(c, 0)
-    top = gl.zeros([ROWS, 8], gl.int32, layout=sl)
-    for g0 in range(0, K // 32, 8):
-        top = gl.maximum(top, gl.load(s_ptr + offs + g0).to(gl.int32))
-    return gl.max(gl.max(top, axis=1), axis=0) > 128
+    c = gl.arange(0, WP, layout=gl.SliceLayout(0, sl))
+    offs = gl.expand_dims(r, 1) * (stride_s // 4) + gl.expand_dims(c, 0)
+    words = gl.load(s_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + offs, mask=gl.expand_dims(c < W, 0), other=0)
+    big = gl.zeros([ROWS, WP], gl.int32, layout=sl)
+    for j in gl.static_range(4):
+        big = big | (((words >> (8 * j)) & 0xFF) > 128).to(gl.int32)
+    return gl.max(gl.max(big, axis=1), axis=0) > 0
 
 
 @gluon.jit
@@ -402,15 +412,17 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def fits(x: torch.Tensor, inter: int, dim: int) -> bool:
+def fits(x: torch.Tensor, inter: int, dim: int, held: tuple[torch.Tensor, ...] = ()) -> bool:
     """Whether these kernels take the GEMMs: bf16 rows on an sm_90 GPU, both widths multiples of
-    ``_CHUNK`` (every released config's are)."""
+    ``_CHUNK`` (every released config's are), and the ``held`` codes and scales 16-byte aligned
+    (they are read as 16-byte and 4-byte words)."""
     return (
         x.is_cuda
         and x.dtype == torch.bfloat16
         and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
         and inter % _CHUNK == 0
         and dim % _CHUNK == 0
+        and all(t.data_ptr() % 16 == 0 for t in held)
     )
 
 
