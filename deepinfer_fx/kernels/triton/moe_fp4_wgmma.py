@@ -1,9 +1,10 @@
 """MXFP4 routed experts on Hopper: Gluon GEMMs whose weights are wgmma's register operand.
 
-The gate/up and down launches of ``moe.run_experts(..., wgmma=True)`` for MXFP4 weights on an
+``moe.run_experts``'s gate/up and down launches for MXFP4 weights on an
 sm_90 GPU, at every row count (the op's default there: about 2x Triton's fp4 tiles at decode,
-``docs/decisions.md``); the pair sort and the combine stay Triton's. Each program computes 64 output columns (weight rows) of one row block of ``TP`` sorted rows (8 to
-64: the MMA's N, ``wgmma_rows``) over the whole k range, so a row's sum never meets another program's (no
+``docs/decisions.md``); the pair sort and the combine stay Triton's. Each program computes 64
+output columns (weight rows) of one row block of ``TP`` sorted rows (8 to 64: the MMA's N,
+``wgmma_rows``) over the whole k range, so a row's sum never meets another program's (no
 split-K, no atomics) and the grids are static as in ``moe_kernels.py``.
 
 Operand roles are swapped against ``x @ W^T``: the 64 weight rows are the A operand of
@@ -118,8 +119,7 @@ def _pow2_at_least(n: int) -> int:
 @gluon.jit
 def _has_big_scale(s_ptr, stride_s, K: gl.constexpr):
     """Whether any scale byte of the 64 rows at ``s_ptr`` exceeds 128 (CTA-uniform). The rows'
-    K / 32 bytes are read as int32 words in one load, so the check waits for memory once (a loop
-    over byte tiles waited once a step, before any weight was read)."""
+    K / 32 bytes are read as int32 words in one load, so the check waits for memory once."""
     W: gl.constexpr = K // 128  # words a row
     WP: gl.constexpr = _pow2_at_least(W)
     sl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
