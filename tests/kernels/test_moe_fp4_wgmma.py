@@ -128,18 +128,19 @@ def test_wgmma_refuses_what_the_kernels_do_not_take() -> None:
 
 
 def _compile_for_sm90(out_dir: str) -> None:
-    """Both kernels at every released width (D, I) and block height, assembled by ptxas."""
+    """Both kernels at every released width (D, I) and block height, and loading two steps ahead
+    at the decode heights, assembled by ptxas."""
     import json
 
     from sm90_ptxas import compile_sm90, ptxas_report
 
     rows = []
     for d, i in ((4096, 2048), (5120, 2304), (7168, 3072)):  # V4-Flash, V4.1-Flash, V4-Pro
-        for tp in (8, 16, 32, 64):
+        for tp, ahead in ((8, 1), (16, 1), (32, 1), (64, 1), (8, 2), (16, 2)):
             types = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "pairs_ptr": "*i32", "ends_ptr": "*i32"}
             types |= {n: "*u8" for n in ("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr")}
             types |= {"limit": "fp32", "stride_we": "i64", "stride_se": "i64"}
-            consts = {"K": d, "TOPK": 6, "E_P": 512, "TP": tp, "CLAMP": True}
+            consts = {"K": d, "TOPK": 6, "E_P": 512, "TP": tp, "CLAMP": True, "AHEAD": ahead}
             gate_up = compile_sm90(
                 wg.fp4_gate_up_kernel,
                 types,
@@ -150,7 +151,7 @@ def _compile_for_sm90(out_dir: str) -> None:
             down = compile_sm90(
                 wg.fp4_down_kernel,
                 types,
-                {"K": i, "E_P": 512, "TP": tp},
+                {"K": i, "E_P": 512, "TP": tp, "AHEAD": ahead},
                 ("N", "stride_we", "stride_wn"),
                 num_warps=4,
             )
@@ -158,7 +159,7 @@ def _compile_for_sm90(out_dir: str) -> None:
                 spills, registers, _ = ptxas_report(k.asm["ptx"])
                 ptx = k.asm["ptx"]
                 rows.append(
-                    {"kernel": name, "d": d, "i": i, "tp": tp, "spills": spills, "registers": registers,
+                    {"kernel": name, "d": d, "i": i, "tp": tp, "ahead": ahead, "spills": spills, "registers": registers,
                      "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "decode_muls": ptx.count("mul.rn.bf16x2")}
                 )  # fmt: skip
     Path(out_dir, "wgmma.json").write_text(json.dumps(rows))
@@ -170,7 +171,7 @@ def test_kernels_compile_for_sm90_at_every_released_width(tmp_path: Path) -> Non
 
     compile_in_subprocess("test_moe_fp4_wgmma", tmp_path)
     rows = json.loads((tmp_path / "wgmma.json").read_text())
-    assert len(rows) == 24
+    assert len(rows) == 36
     for r in rows:
         assert r["spills"] == [0, 0], r
         assert r["wgmma"] > 0 and r["decode_muls"] > 0, r  # the register-A wgmma and the PTX decode are there

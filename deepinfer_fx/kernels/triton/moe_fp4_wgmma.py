@@ -197,6 +197,19 @@ def _stage(x_smem, slot, xv, TP: gl.constexpr):
 
 
 @gluon.jit
+def _load_step(c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, k0, GATED: gl.constexpr):
+    """Code words and scale bytes of a loop step's two 128-k tiles of both weights at k ``k0``
+    (without ``GATED`` the second weight's are the first's)."""
+    p1a, t1a = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, k0)
+    p1b, t1b = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, k0 + 128)
+    p3a, t3a, p3b, t3b = p1a, t1a, p1b, t1b
+    if GATED:
+        p3a, t3a = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, k0)
+        p3b, t3b = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, k0 + 128)
+    return p1a, t1a, p1b, t1b, p3a, t3a, p3b, t3b
+
+
+@gluon.jit
 def _k_loop(
     acc1,
     acc3,
@@ -207,34 +220,33 @@ def _k_loop(
     BIG: gl.constexpr,
     a_layout: gl.constexpr,
     xl: gl.constexpr,
+    AHEAD: gl.constexpr,
 ):
     """acc1 (+ acc3 with ``GATED``) += the 64 weight rows times the block's rows over all of K.
     Each step stages its two 128-k tiles of rows in one of two shared buffers (one barrier a
-    step), then loads the next step's codes and rows while it decodes and multiplies its own.
-    ``args``: the rows' pointer and offsets, both weights' codes and scales, and the ring."""
+    step), then loads the next step's rows and the weights ``AHEAD`` (1 or 2) steps on while it
+    decodes and multiplies its own: two steps keep twice the bytes in flight, for the few
+    programs of a decode launch. ``args``: the rows' pointer and offsets, both weights' codes and
+    scales, and the ring."""
     x_ptr, row_offs, rmask, c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, x_smem = args
+    ptrs = (c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs)
     xa = _x_rows(x_ptr, row_offs, rmask, 0, xl)
     xb = _x_rows(x_ptr, row_offs, rmask, 128, xl)
-    p1a, t1a = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, 0)
-    p1b, t1b = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, 128)
-    p3a, t3a, p3b, t3b = p1a, t1a, p1b, t1b
-    if GATED:
-        p3a, t3a = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, 0)
-        p3b, t3b = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, 128)
+    cur = _load_step(*ptrs, 0, GATED)
+    nxt = cur
+    if AHEAD == 2:
+        nxt = _load_step(*ptrs, gl.minimum(CHUNK, K - CHUNK), GATED)
     for k0 in range(0, K, CHUNK):
         slot = (k0 // CHUNK) % 2 * 2
         _stage(x_smem, slot, xa, TP)
         _stage(x_smem, slot + 1, xb, TP)
         fence_async_shared()  # generic-proxy stores -> visible to wgmma's async proxy
         gl.thread_barrier()  # ... from every warp; the other buffer's last reader finished before
-        kn = gl.minimum(k0 + CHUNK, K - CHUNK)  # the last step reloads itself rather than branch
+        kn = gl.minimum(k0 + CHUNK, K - CHUNK)  # the last steps reload themselves rather than branch
         xa = _x_rows(x_ptr, row_offs, rmask, kn, xl)
         xb = _x_rows(x_ptr, row_offs, rmask, kn + 128, xl)
-        n1a, u1a = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, kn)
-        n1b, u1b = _load_tile(c1_ptr, c_offs, s1_ptr, s_offs, kn + 128)
-        if GATED:
-            n3a, u3a = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, kn)
-            n3b, u3b = _load_tile(c3_ptr, c_offs, s3_ptr, s_offs, kn + 128)
+        new = _load_step(*ptrs, gl.minimum(k0 + AHEAD * CHUNK, K - CHUNK), GATED)
+        p1a, t1a, p1b, t1b, p3a, t3a, p3b, t3b = cur
         lo = x_smem.index(slot).permute((1, 0))
         hi = x_smem.index(slot + 1).permute((1, 0))
         acc1 = warpgroup_mma(_decode_tile(p1a, t1a, BIG, a_layout), lo, acc1)
@@ -243,8 +255,11 @@ def _k_loop(
         acc1 = warpgroup_mma(_decode_tile(p1b, t1b, BIG, a_layout), hi, acc1)
         if GATED:
             acc3 = warpgroup_mma(_decode_tile(p3b, t3b, BIG, a_layout), hi, acc3)
-            p3a, t3a, p3b, t3b = n3a, u3a, n3b, u3b
-        p1a, t1a, p1b, t1b = n1a, u1a, n1b, u1b
+        if AHEAD == 2:
+            cur = nxt
+        else:
+            cur = new
+        nxt = new
     return acc1, acc3
 
 
@@ -262,10 +277,11 @@ def _gemm(
     K: gl.constexpr,
     TP: gl.constexpr,
     GATED: gl.constexpr,
+    AHEAD: gl.constexpr,
 ):
     """``[64, TP]`` fp32 products of the 64 weight rows at ``c1_ptr`` (and ``c3_ptr`` with
     ``GATED``) with the block's rows, the loop in its one- or two-multiply form by the rows'
-    scale bytes."""
+    scale bytes, loading weights ``AHEAD`` steps on."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TP, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     xl: gl.constexpr = ROW_LAYOUT
@@ -281,9 +297,9 @@ def _gemm(
     acc3 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
     args = (x_ptr, row_offs, rmask, c1, s1_ptr, c3, s3_ptr, c_offs, s_offs, x_smem)
     if big:  # the loop in its two-multiply form: one branch a program, not one a tile
-        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, True, a_layout, xl)
+        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, True, a_layout, xl, AHEAD)
     else:
-        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, False, a_layout, xl)
+        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, False, a_layout, xl, AHEAD)
     return acc1, acc3
 
 
@@ -339,6 +355,7 @@ def fp4_gate_up_kernel(
     E_P: gl.constexpr,
     TP: gl.constexpr,
     CLAMP: gl.constexpr,
+    AHEAD: gl.constexpr,
 ):
     """h[row] = silu(min(x w1^T, limit)) * clamp(x w3^T, +-limit) * routing weight for 64 columns
     of I and one block of ``TP`` sorted rows (program = block * column tiles + column tile); the
@@ -350,7 +367,7 @@ def fp4_gate_up_kernel(
         tok = gl.load(pairs_ptr + rows, mask=rmask, other=0) // TOPK
         acc1, acc3 = _gemm(
             x_ptr, tok.to(gl.int64) * stride_x, rmask, w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off,
-            s3_ptr + s_off, stride_wn, stride_sn, K, TP, True,
+            s3_ptr + s_off, stride_wn, stride_sn, K, TP, True, AHEAD,
         )  # fmt: skip
         g = gl.convert_layout(acc1, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
         u = gl.convert_layout(acc3, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
@@ -383,6 +400,7 @@ def fp4_down_kernel(
     K: gl.constexpr,
     E_P: gl.constexpr,
     TP: gl.constexpr,
+    AHEAD: gl.constexpr,
 ):
     """y[pair] = h[row] w2^T, rounded to bf16, for 64 columns of D and one block of ``TP``
     sorted rows, written at the pair's own row (as ``down_kernel``)."""
@@ -392,7 +410,7 @@ def fp4_down_kernel(
     if e < E:
         acc, _ = _gemm(
             h_ptr, rows.to(gl.int64) * K, rmask, w2_ptr + w_off, s2_ptr + s_off, w2_ptr + w_off, s2_ptr + s_off,
-            stride_wn, stride_sn, K, TP, False,
+            stride_wn, stride_sn, K, TP, False, AHEAD,
         )  # fmt: skip
         offs, mask = _out_offsets(pairs_ptr, row0, row_end, n0, N, TP)
         gl.store(y_ptr + offs, gl.convert_layout(acc, OUT_LAYOUT).to(gl.bfloat16), mask=mask)
@@ -407,9 +425,26 @@ def wgmma_rows(pairs: int, experts: int) -> int:
     return 8 if rows <= 4 else 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
+FEW_AHEAD = 1  # under measurement (docs/decisions.md, session 51): 2 loads two steps on in small launches
+
+
+def steps_ahead(programs: int, device: torch.device, per_sm: int) -> int:
+    """How many loop steps on a program loads its weights: ``FEW_AHEAD`` for a launch of at most
+    ``per_sm`` programs an SM, as many as stay resident with a second step's registers (185 for
+    gate/up: 2, 109 for down: 4; b1: each program waits on memory with one step's bytes in
+    flight), else 1."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return FEW_AHEAD if programs <= per_sm * _sms(index) else 1
+
+
 @functools.cache
 def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def fits(x: torch.Tensor, inter: int, dim: int, held: tuple[torch.Tensor, ...] = ()) -> bool:
@@ -447,12 +482,14 @@ def gate_up_down(
     (w1, w3, w2), (s1, s3, s2) = weights, scales
     n_exp, inter, half_dim = w1.shape
     dim = 2 * half_dim
-    fp4_gate_up_kernel[(n_blocks * (inter // 64),)](
+    gate_up_programs, down_programs = n_blocks * (inter // 64), n_blocks * (dim // 64)
+    fp4_gate_up_kernel[(gate_up_programs,)](
         x, w1, w3, s1, s3, h, pairs, rw, ends, n_exp, inter, float(limit), x.stride(0),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        K=dim, TOPK=top, E_P=e_p, TP=tp, CLAMP=bool(limit), num_warps=4,
+        K=dim, TOPK=top, E_P=e_p, TP=tp, CLAMP=bool(limit), AHEAD=steps_ahead(gate_up_programs, x.device, 2),
+        num_warps=4,
     )  # fmt: skip
-    fp4_down_kernel[(n_blocks * (dim // 64),)](
+    fp4_down_kernel[(down_programs,)](
         h, w2, s2, y, pairs, ends, n_exp, dim, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        K=inter, E_P=e_p, TP=tp, num_warps=4,
+        K=inter, E_P=e_p, TP=tp, AHEAD=steps_ahead(down_programs, x.device, 4), num_warps=4,
     )  # fmt: skip
