@@ -117,9 +117,9 @@ def _pow2_at_least(n: int) -> int:
 
 
 @gluon.jit
-def _has_big_scale(s_ptr, stride_s, K: gl.constexpr):
-    """Whether any scale byte of the 64 rows at ``s_ptr`` exceeds 128 (CTA-uniform). The rows'
-    K / 32 bytes are read as int32 words in one load, so the check waits for memory once."""
+def _big_scales(s_ptr, stride_s, K: gl.constexpr):
+    """Per loaded word of the 64 rows' scale bytes at ``s_ptr`` (K / 32 a row, read as int32
+    words in one load, so that a check waits for memory once): 1 where a byte exceeds 128."""
     W: gl.constexpr = K // 128  # words a row
     WP: gl.constexpr = _pow2_at_least(W)
     sl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
@@ -130,7 +130,7 @@ def _has_big_scale(s_ptr, stride_s, K: gl.constexpr):
     big = gl.zeros([ROWS, WP], gl.int32, layout=sl)
     for j in gl.static_range(4):
         big = big | (((words >> (8 * j)) & 0xFF) > 128).to(gl.int32)
-    return gl.max(gl.max(big, axis=1), axis=0) > 0
+    return big
 
 
 @gluon.jit
@@ -210,10 +210,26 @@ def _load_step(c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, k0, GATED: gl.con
 
 
 @gluon.jit
+def _first_loads(args, K: gl.constexpr, GATED: gl.constexpr, xl: gl.constexpr, AHEAD: gl.constexpr):
+    """The loop's first rows and its first ``AHEAD`` steps of weights, loaded before the scale
+    check so that both wait for memory together."""
+    x_ptr, row_offs, rmask, c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, x_smem = args
+    ptrs = (c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs)
+    xa = _x_rows(x_ptr, row_offs, rmask, 0, xl)
+    xb = _x_rows(x_ptr, row_offs, rmask, 128, xl)
+    cur = _load_step(*ptrs, 0, GATED)
+    nxt = cur
+    if AHEAD == 2:
+        nxt = _load_step(*ptrs, gl.minimum(CHUNK, K - CHUNK), GATED)
+    return xa, xb, cur, nxt
+
+
+@gluon.jit
 def _k_loop(
     acc1,
     acc3,
     args,
+    first,
     K: gl.constexpr,
     TP: gl.constexpr,
     GATED: gl.constexpr,
@@ -227,15 +243,10 @@ def _k_loop(
     step), then loads the next step's rows and the weights ``AHEAD`` (1 or 2) steps on while it
     decodes and multiplies its own: two steps keep twice the bytes in flight, for the few
     programs of a decode launch. ``args``: the rows' pointer and offsets, both weights' codes and
-    scales, and the ring."""
+    scales, and the ring; ``first``: ``_first_loads``."""
     x_ptr, row_offs, rmask, c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, x_smem = args
     ptrs = (c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs)
-    xa = _x_rows(x_ptr, row_offs, rmask, 0, xl)
-    xb = _x_rows(x_ptr, row_offs, rmask, 128, xl)
-    cur = _load_step(*ptrs, 0, GATED)
-    nxt = cur
-    if AHEAD == 2:
-        nxt = _load_step(*ptrs, gl.minimum(CHUNK, K - CHUNK), GATED)
+    xa, xb, cur, nxt = first
     for k0 in range(0, K, CHUNK):
         slot = (k0 // CHUNK) % 2 * 2
         _stage(x_smem, slot, xa, TP)
@@ -290,16 +301,18 @@ def _gemm(
     c_offs, s_offs = _weight_offsets(stride_c, stride_s)
     c1 = c1_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     c3 = c3_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    big = _has_big_scale(s1_ptr, stride_s, K)
+    args = (x_ptr, row_offs, rmask, c1, s1_ptr, c3, s3_ptr, c_offs, s_offs, x_smem)
+    first = _first_loads(args, K, GATED, xl, AHEAD)
+    flags = _big_scales(s1_ptr, stride_s, K)
     if GATED:
-        big = big | _has_big_scale(s3_ptr, stride_s, K)
+        flags = flags | _big_scales(s3_ptr, stride_s, K)
+    big = gl.max(gl.max(flags, axis=1), axis=0) > 0  # CTA-uniform
     acc1 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
     acc3 = gl.zeros([ROWS, TP], gl.float32, layout=mma)
-    args = (x_ptr, row_offs, rmask, c1, s1_ptr, c3, s3_ptr, c_offs, s_offs, x_smem)
     if big:  # the loop in its two-multiply form: one branch a program, not one a tile
-        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, True, a_layout, xl, AHEAD)
+        acc1, acc3 = _k_loop(acc1, acc3, args, first, K, TP, GATED, True, a_layout, xl, AHEAD)
     else:
-        acc1, acc3 = _k_loop(acc1, acc3, args, K, TP, GATED, False, a_layout, xl, AHEAD)
+        acc1, acc3 = _k_loop(acc1, acc3, args, first, K, TP, GATED, False, a_layout, xl, AHEAD)
     return acc1, acc3
 
 
@@ -430,9 +443,9 @@ FEW_AHEAD = 1  # under measurement (docs/decisions.md, session 51): 2 loads two 
 
 def steps_ahead(programs: int, device: torch.device, per_sm: int) -> int:
     """How many loop steps on a program loads its weights: ``FEW_AHEAD`` for a launch of at most
-    ``per_sm`` programs an SM, as many as stay resident with a second step's registers (185 for
-    gate/up: 2, 109 for down: 4; b1: each program waits on memory with one step's bytes in
-    flight), else 1."""
+    ``per_sm`` programs an SM, as many as stay resident with a second step's registers (up to
+    187 for gate/up: 2, 117 for down: 4; b1: each program waits on memory with one step's bytes
+    in flight), else 1."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return FEW_AHEAD if programs <= per_sm * _sms(index) else 1
 
