@@ -175,3 +175,16 @@ def test_kernels_compile_for_sm90_at_every_released_width(tmp_path: Path) -> Non
     for r in rows:
         assert r["spills"] == [0, 0], r
         assert r["wgmma"] > 0 and r["decode_muls"] > 0, r  # the register-A wgmma and the PTX decode are there
+
+
+def test_two_steps_ahead_only_in_small_launches(monkeypatch) -> None:
+    """``FEW_AHEAD`` applies to launches of at most ``per_sm`` programs an SM (all of them stay
+    resident with the second step's registers); larger launches load one step ahead, and with
+    ``FEW_AHEAD`` 1 every launch does."""
+    monkeypatch.setattr(wg, "_sms", lambda index: 132)
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(wg, "FEW_AHEAD", 2)
+    assert [wg.steps_ahead(n, cuda0, 2) for n in (192, 264, 265, 2048)] == [2, 2, 1, 1]
+    assert [wg.steps_ahead(n, cuda0, 4) for n in (384, 528, 529)] == [2, 2, 1]
+    monkeypatch.setattr(wg, "FEW_AHEAD", 1)
+    assert wg.steps_ahead(192, cuda0, 2) == 1
