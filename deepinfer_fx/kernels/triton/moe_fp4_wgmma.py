@@ -211,8 +211,8 @@ def _load_step(c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, k0, GATED: gl.con
 
 @gluon.jit
 def _first_loads(args, K: gl.constexpr, GATED: gl.constexpr, xl: gl.constexpr, AHEAD: gl.constexpr):
-    """The loop's first rows and its first ``AHEAD`` steps of weights, loaded before the scale
-    check so that both wait for memory together."""
+    """The loop's first rows and its first ``AHEAD`` steps of weights, before the scale check in
+    program order (ptxas may still issue them after its compares)."""
     x_ptr, row_offs, rmask, c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs, x_smem = args
     ptrs = (c1_ptr, s1_ptr, c3_ptr, s3_ptr, c_offs, s_offs)
     xa = _x_rows(x_ptr, row_offs, rmask, 0, xl)
