@@ -438,7 +438,7 @@ def wgmma_rows(pairs: int, experts: int) -> int:
     return 8 if rows <= 4 else 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-FEW_AHEAD = 1  # under measurement (docs/decisions.md, session 51): 2 loads two steps on in small launches
+FEW_AHEAD = 2  # small launches load two steps on: up to 6 % faster at b1, never slower (docs/decisions.md, session 52)
 
 
 def steps_ahead(programs: int, device: torch.device, per_sm: int) -> int:
