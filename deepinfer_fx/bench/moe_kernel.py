@@ -16,7 +16,8 @@ reference relative to its max. ``--fp8`` adds the fp8-weight kernel (block-128 s
 ``--fp4`` the MXFP4 one (the weights quantised, its bandwidth counting packed bytes + scales), on
 Triton's tiles as chosen (``fp4``), again with the codes decoded in PTX (``fp4bits``,
 ``Tiles.fp4_bits``) and, on sm_90, through the Gluon GEMMs (``fp4wgmma``, ``moe_fp4_wgmma.py``:
-the op's default there);
+the op's default there, in blocks of at most 64 rows) and, where an expert has more than 64 rows,
+their 128-row prefill form (``fp4tall``, ``moe_fp4_tall.py``, with ``fp4tall_same_bits``);
 ``--shared`` the op with the shared expert folded in as expert E (``moe_experts_shared``), whose
 bandwidth counts its weights too: in a P8 decode step at b1 the fold made gate/up and down
 slower per byte (session 10), which this isolates.
@@ -166,11 +167,24 @@ def main(argv: list[str] | None = None) -> dict:
             from ..kernels.triton import moe_fp4_wgmma as fp4_wgmma  # Gluon: only where it is timed
 
             if fp4_wgmma.fits(x, inter, d, w4):  # the Gluon GEMMs (sm_90)
-                t_wg = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out, wgmma=True), args.iters)
-                err_wg = ((moe_experts_fp4_triton(*fp4_args, wgmma=True) - ref4).abs().max() / ref4.abs().max()).item()
-                row.update(
-                    _row("fp4wgmma", t_wg, weight_bytes // 4 + weight_bytes // 64, flops), fp4wgmma_max_rel_diff=err_wg
-                )
+                for form, tall_from in (("fp4wgmma", None), ("fp4tall", 64)):
+                    if tall_from is not None and pairs / min(e, pairs) <= tall_from:
+                        continue  # the 128-row prefill form (moe_fp4_tall) only where an expert has > 64 rows
+                    fp4_wgmma.TALL_FROM, default = tall_from, fp4_wgmma.TALL_FROM
+                    try:
+                        t_wg = graph_ms(lambda: moe_experts_fp4_triton(*fp4_args, out=out, wgmma=True), args.iters)
+                        got = moe_experts_fp4_triton(*fp4_args, wgmma=True)
+                    finally:
+                        fp4_wgmma.TALL_FROM = default
+                    err_wg = ((got - ref4).abs().max() / ref4.abs().max()).item()
+                    row.update(
+                        _row(form, t_wg, weight_bytes // 4 + weight_bytes // 64, flops),
+                        **{f"{form}_max_rel_diff": err_wg},
+                    )
+                    if form == "fp4wgmma":
+                        short = got
+                    else:  # a row's sums in the same order: the same bits as the 64-row blocks
+                        row["fp4tall_same_bits"] = torch.equal(got, short)
         rows.append(row)
         print(row, flush=True)
     cols = (
@@ -187,7 +201,11 @@ def main(argv: list[str] | None = None) -> dict:
         ]
         + (["shared_ms", "shared_TBps"] if sh else [])
         + (["fp8_ms", "fp8_TBps"] if q else [])
-        + (["fp4_ms", "fp4_TBps", "fp4bits_ms", "fp4bits_TBps", "fp4wgmma_ms", "fp4wgmma_TBps"] if q4 else [])
+        + (
+            ["fp4_ms", "fp4_TBps", "fp4bits_ms", "fp4bits_TBps", "fp4wgmma_ms", "fp4wgmma_TBps", "fp4tall_ms"]
+            if q4
+            else []
+        )
     )
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:

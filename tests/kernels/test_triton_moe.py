@@ -413,6 +413,33 @@ def test_p8_fp4_wgmma_batch_invariant(p8_weights: dict, p8_fp4: tuple[dict, dict
 
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon GEMMs run on sm_90 only")
+@pytest.mark.parametrize("big", [False, True])
+def test_p8_fp4_tall_same_bits(p8_weights: dict, p8_fp4: tuple[dict, dict], big: bool, monkeypatch) -> None:
+    """The 128-row prefill form (``moe_fp4_tall``: each weight tile decoded once into shared
+    memory for two warpgroups, the rows by TMA in kappa order) sums a row as the 64-row blocks do:
+    the same bits at 4,096 tokens (384 rows an expert) and 1,000 (ragged last blocks), with four
+    experts' scale bytes past 128 (the two-multiply decode) too; so a token alone (8-row blocks)
+    and in a prefill batch agree."""
+    from deepinfer_fx.kernels.triton import moe_fp4_wgmma as wg
+
+    q, _ = p8_fp4
+    if big:
+        q = {n: (w, torch.cat([s[:4] + 12, s[4:]])) for n, (w, s) in q.items()}
+    w4 = (q["w1"][0], q["w1"][1], q["w3"][0], q["w3"][1], q["w2"][0], q["w2"][1])
+    for t in (1000, 4096):
+        x, idx, rw = (p8_weights[n][:t] for n in ("x", "idx", "rw"))
+        monkeypatch.setattr(wg, "TALL_FROM", None)
+        short = moe_experts_fp4_triton(x, *w4, idx, rw, 10.0, wgmma=True)
+        monkeypatch.setattr(wg, "TALL_FROM", 64)
+        assert wg.wgmma_rows(6 * t, 64) == 128
+        tall = moe_experts_fp4_triton(x, *w4, idx, rw, 10.0, wgmma=True)
+        assert torch.isfinite(tall).all()
+        assert torch.equal(tall, short), f"seed {p8_weights['seed']}, {t} tokens, big {big}"
+        alone = moe_experts_fp4_triton(x[5:6], *w4, idx[5:6], rw[5:6], 10.0, wgmma=True)
+        assert torch.equal(alone[0], tall[5]), f"seed {p8_weights['seed']}: token 5 alone against {t} tall"
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon GEMMs run on sm_90 only")
 def test_p8_fp4_wgmma_two_steps_ahead_same_bits(p8_weights: dict, p8_fp4: tuple[dict, dict], monkeypatch) -> None:
     """Loading the weights two loop steps ahead (a token's launches, ``FEW_AHEAD``) sums in the
     same order as one step ahead: the same bits."""

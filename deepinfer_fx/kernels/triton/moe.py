@@ -325,9 +325,16 @@ def run_experts(
         from . import moe_fp4_wgmma as fp4_wgmma
 
         tp = fp4_wgmma.wgmma_rows(p, experts)
-        fp4_wgmma.gate_up_down(
-            x, weights, scales, pairs, ends, rw, limit, h, y, top, e_p, tp, max_blocks(p, experts, tp)
-        )
+        if tp == 128:
+            from . import moe_fp4_tall
+
+            moe_fp4_tall.gate_up_down(
+                x, weights, scales, pairs, ends, rw, limit, h, y, top, e_p, max_blocks(p, experts, tp)
+            )
+        else:
+            fp4_wgmma.gate_up_down(
+                x, weights, scales, pairs, ends, rw, limit, h, y, top, e_p, tp, max_blocks(p, experts, tp)
+            )
     else:
         sizes = (x.element_size(), w1.element_size())
         g, d = tiles or expert_tiles(p, experts, inter, dim, qblock if fp8 else 0, fp4, *sizes)

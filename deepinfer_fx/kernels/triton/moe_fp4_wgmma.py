@@ -75,17 +75,17 @@ _DECODE_BIG = gl.constexpr(_decode_asm(True))
 
 
 @gluon.constexpr_function
-def _code_layout() -> gl.DistributedLinearLayout:
-    """int32 ``[64 rows, 4 (g), 4 (w)]`` code words of a 64 x 128 tile: a lane holds 4 contiguous
+def _code_layout(rows: int = 64) -> gl.DistributedLinearLayout:
+    """int32 ``[rows, 4 (g), 4 (w)]`` code words of a rows x 128 tile: a lane holds 4 contiguous
     words (16 bytes) of rows r and r + 8, lane % 4 = g, lane // 4 = r % 8, warp = r // 16: wgmma's
-    A fragment. Words, not bytes: uint8 tensors carried through the loop were unpacked and packed
-    again with PRMTs."""
+    A fragment (one warpgroup a 64 rows). Words, not bytes: uint8 tensors carried through the loop
+    were unpacked and packed again with PRMTs."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
         lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0]],
+        warp_bases=[[16 << j, 0, 0] for j in range((rows // 16).bit_length() - 1)],
         block_bases=[],
-        shape=[64, 4, 4],
+        shape=[rows, 4, 4],
     )
 
 
@@ -98,7 +98,7 @@ def _add(a, b):
 def _block_rows(ends_ptr, block, E, E_P: gl.constexpr, TP: gl.constexpr):
     """-> (expert, first row, end row) of row block ``block`` of ``TP`` rows; expert >= E: none
     (as ``moe_kernels._block_rows``)."""
-    el: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    el: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     offs = gl.arange(0, E_P, layout=el)
     ends = gl.load(ends_ptr + offs, mask=offs < E, other=0)
     starts = gl.load(ends_ptr + offs - 1, mask=(offs > 0) & (offs < E), other=0)
@@ -122,7 +122,7 @@ def _big_scales(s_ptr, stride_s, K: gl.constexpr):
     words in one load, so that a check waits for memory once): 1 where a byte exceeds 128."""
     W: gl.constexpr = K // 128  # words a row
     WP: gl.constexpr = _pow2_at_least(W)
-    sl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
+    sl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [gl.num_warps(), 1], [1, 0])
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sl))
     c = gl.arange(0, WP, layout=gl.SliceLayout(0, sl))
     offs = gl.expand_dims(r, 1) * (stride_s // 4) + gl.expand_dims(c, 0)
@@ -160,6 +160,14 @@ def _load_tile(c_ptr, c_offs, s_ptr, s_offs, k0):
 def _decode_tile(codes, s, BIG: gl.constexpr, a_layout: gl.constexpr):
     """A loaded tile (code words ``[64, 4, 4]``, scale bytes ``[64, 4]``) -> wgmma's A operand
     (bf16 ``[64, 128]`` in kappa order), in the registers it was loaded into."""
+    return gl.convert_layout(_decode_values(codes, s, BIG), a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _decode_values(codes, s, BIG: gl.constexpr):
+    """Code words ``[R, 4, 4]`` and scale bytes ``[R, 4]`` -> bf16 ``[R, 128]`` in kappa order, in
+    the layout the decode leaves them (``_code_layout``'s lanes and warps)."""
+    R: gl.constexpr = codes.shape[0]
     if BIG:
         # 2^(min(e, 128) - 1) * 2^(max(e, 128) - 128); e = 255 is NaN, as ue8m0 decodes it
         m1 = gl.expand_dims((gl.minimum(s, 128) + 126) * 0x00800080, 2)
@@ -173,12 +181,12 @@ def _decode_tile(codes, s, BIG: gl.constexpr, a_layout: gl.constexpr):
         o0, o1, o2, o3 = gl.inline_asm_elementwise(
             _DECODE, "=r,=r,=r,=r,r,r", [codes, m], dtype=(gl.int32,) * 4, is_pure=True, pack=1
         )
-    w = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [64, 4 g, 4 w, 2, 2]: output n = 2 j1 + j0
-    w = gl.reshape(w, (ROWS, 4, 16))  # i = 4 w + n
+    w = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [R, 4 g, 4 w, 2, 2]: output n = 2 j1 + j0
+    w = gl.reshape(w, (R, 4, 16))  # i = 4 w + n
     lo = w.to(gl.int16).to(gl.bfloat16, bitcast=True)  # k = 32 g + 8 w + n
     hi = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)  # k + 4
-    a = gl.permute(gl.join(lo, hi), (0, 2, 1, 3))  # [64, 16 i, 4 g, 2 h]: kappa = 8 i + 2 g + h
-    return gl.convert_layout(gl.reshape(a, (ROWS, 128)), a_layout, assert_trivial=True)
+    a = gl.permute(gl.join(lo, hi), (0, 2, 1, 3))  # [R, 16 i, 4 g, 2 h]: kappa = 8 i + 2 g + h
+    return gl.reshape(a, (R, 128))
 
 
 @gluon.jit
@@ -429,12 +437,18 @@ def fp4_down_kernel(
         gl.store(y_ptr + offs, gl.convert_layout(acc, OUT_LAYOUT).to(gl.bfloat16), mask=mask)
 
 
+TALL_FROM: int | None = None  # rows an expert above which moe_fp4_tall runs; None: never (not yet timed)
+
+
 def wgmma_rows(pairs: int, experts: int) -> int:
     """The block height (the MMA's N) for ``pairs`` rows over ``experts`` experts, by the rows an
     active expert takes on average: 8 up to 4, 16 up to 16, 32 up to 32, else 64 (64 beat 32 at
-    48 rows on an H100, docs/decisions.md). No row's sum depends on N, so the height moves no
-    bit (``test_triton_moe.py`` compares a token alone with its batches on the GPU)."""
+    48 rows on an H100, docs/decisions.md), and 128 (``moe_fp4_tall``'s prefill form) above
+    ``TALL_FROM``. No row's sum depends on N, so the height moves no bit (``test_triton_moe.py``
+    compares a token alone with its batches on the GPU)."""
     rows = pairs / min(experts, pairs)
+    if TALL_FROM is not None and rows > TALL_FROM:
+        return 128
     return 8 if rows <= 4 else 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
