@@ -36,7 +36,8 @@ import torch
 
 from ..graphs.moe import routed_experts
 from ..io.quant import dequant_mxfp4, quant_mxfp4
-from ..kernels.triton.moe import expert_tiles, moe_experts_fp4_triton, moe_experts_fp8_triton, moe_experts_triton
+from ..kernels.triton.moe import moe_experts_fp4_triton, moe_experts_fp8_triton, moe_experts_triton
+from ..kernels.triton.moe_tiles import expert_tiles
 from .configs import BENCH_CONFIGS
 from .moe_tile_sweep import expert_op, sweep
 from .p8 import run_info, write_result

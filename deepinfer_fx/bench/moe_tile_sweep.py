@@ -11,14 +11,8 @@ import triton
 
 from ..graphs.moe import routed_experts, shared_expert
 from ..io.quant import dequant_mxfp4
-from ..kernels.triton.moe import (
-    Tiles,
-    expert_tiles,
-    max_blocks,
-    moe_experts_fp4_triton,
-    moe_experts_shared_triton,
-    moe_experts_triton,
-)
+from ..kernels.triton.moe import moe_experts_fp4_triton, moe_experts_shared_triton, moe_experts_triton
+from ..kernels.triton.moe_tiles import Tiles, expert_tiles, max_blocks
 from .timing import graph_ms
 
 # Candidates of the prefill tile sweep (bm, bn, bk, group_m, warps, stages, half); each list
@@ -74,7 +68,7 @@ _DECODE_SWEEP = [
 
 
 # MXFP4 decode candidates: only tiles that keep a row's bits at every row count (k tile 64,
-# columns >= 64, ``moe.fp4_tiles``), over columns, warps and pipeline depth; the first is the chosen one.
+# columns >= 64, ``moe_tiles.fp4_tiles``), over columns, warps and pipeline depth; the first is the chosen one.
 _FP4_DECODE_SWEEP = [(16, 64, 64, 1, 4, 3, False)] + [
     (16, bn, 64, 1, w, st, False)
     for bn in (64, 128, 256)

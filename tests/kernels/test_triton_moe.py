@@ -14,18 +14,15 @@ import torch
 
 from deepinfer_fx.graphs.moe import routed_experts
 from deepinfer_fx.io.quant import dequant_fp8_block, dequant_mxfp4, quant_mxfp4
-from deepinfer_fx.kernels.triton import moe
+from deepinfer_fx.kernels.triton import moe, moe_tiles
 from deepinfer_fx.kernels.triton.moe import (
-    Tiles,
-    choose_tiles,
-    expert_tiles,
-    tile_smem,
     moe_experts_fp4_triton,
     moe_experts_fp8_triton,
     moe_experts_triton,
     run_experts,
     sort_pairs,
 )
+from deepinfer_fx.kernels.triton.moe_tiles import Tiles, choose_tiles, expert_tiles, tile_smem
 
 reference = routed_experts.reference
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -193,10 +190,10 @@ def test_narrow_decode_tiles_run_in_one_wave(gated: bool) -> None:
     assert (two.bn, two.stages) == ((32, 4) if gated else (128, 3))
     assert routed.bk == folded.bk == two.bk == 128
     for tiles, blocks in ((routed, 6), (folded, 7)):
-        per_sm = moe._SMEM_PER_SM // (tile_smem(tiles, gated) + moe._SMEM_RESERVED)
-        assert blocks * (n // tiles.bn) <= moe._SMS * per_sm, (tiles, per_sm)
-    per_sm4 = moe._SMEM_PER_SM // (tile_smem(folded._replace(stages=4), gated) + moe._SMEM_RESERVED)
-    assert 7 * (n // 32) > moe._SMS * per_sm4  # why the fold needs the shallower pipeline
+        per_sm = moe_tiles._SMEM_PER_SM // (tile_smem(tiles, gated) + moe_tiles._SMEM_RESERVED)
+        assert blocks * (n // tiles.bn) <= moe_tiles._SMS * per_sm, (tiles, per_sm)
+    per_sm4 = moe_tiles._SMEM_PER_SM // (tile_smem(folded._replace(stages=4), gated) + moe_tiles._SMEM_RESERVED)
+    assert 7 * (n // 32) > moe_tiles._SMS * per_sm4  # why the fold needs the shallower pipeline
     # fp8 weights (a byte an element) fit more programs: the 4-stage tiles stay one wave folded
     assert choose_tiles(7, 65, n, k, gated, 128, 2, 1).stages == 4
 
@@ -478,7 +475,7 @@ def test_p8_fp4_unaligned_weights_take_triton(p8_weights: dict, p8_fp4: tuple[di
 def test_fp4_tiles_do_not_follow_the_row_count() -> None:
     """A row's sum has one order at every batch size only if the k tile is the same for all and
     the column tile never 32 (where sm_90's microscaled dot rounds differently), at every width."""
-    from deepinfer_fx.kernels.triton.moe import fp4_tiles
+    from deepinfer_fx.kernels.triton.moe_tiles import fp4_tiles
 
     for d, i in ((4096, 2048), (5120, 2304), (7168, 3072)):  # V4-Flash, V4.1-Flash, V4-Pro
         ks = set()

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from deepinfer_fx.graphs.moe import experts_with_shared
-from deepinfer_fx.kernels.triton.moe import Tiles, moe_experts_shared_triton, run_experts, sort_pairs
+from deepinfer_fx.kernels.triton.moe import moe_experts_shared_triton, run_experts, sort_pairs
+from deepinfer_fx.kernels.triton.moe_tiles import Tiles
 
 
 def _case(seed: int, t: int, e: int, d: int, i: int, k: int, device: str) -> dict:

@@ -1,7 +1,7 @@
 """The offline sm_90 compile of the Triton routed-experts kernels (``kernels/triton/moe_kernels.py``)
 with and without the shared expert folded in (``test_triton_moe_shared.py``), and of their MXFP4
 variants, at the P8 benchmark's widths: no spills, tensor cores, PDL waits, and the shared memory
-that ``moe.tile_smem`` assumes. Needs ptxas, no GPU."""
+that ``moe_tiles.tile_smem`` assumes. Needs ptxas, no GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sm90_ptxas import PTXAS, compile_in_subprocess, compile_sm90, ptxas_report
 
-from deepinfer_fx.kernels.triton.moe import Tiles, tile_smem
+from deepinfer_fx.kernels.triton.moe_tiles import Tiles, tile_smem
 
 # (bm, bn, bk, group_m, warps, stages, half) of choose_tiles' decode and prefill tiles at P8 widths
 # (narrow: the T = 1 tiles at 4 stages, and at 3 as ``_one_wave`` picks them with the fold)
@@ -27,7 +27,7 @@ def _compile_for_sm90(out_dir: str) -> None:
     of the pair sort and the combine, with and without the shared expert, into ``out_dir`` (run in a child
     process without the interpreter, see ``sm90_ptxas.compile_in_subprocess``). Pointers,
     strides and widths carry the 16-divisibility a real launch at these sizes specialises on."""
-    from deepinfer_fx.kernels.triton.moe import Tiles, fp4_tiles
+    from deepinfer_fx.kernels.triton.moe_tiles import Tiles, fp4_tiles
     from deepinfer_fx.kernels.triton.moe_kernels import (
         combine_kernel,
         count_pairs_kernel,
@@ -237,7 +237,7 @@ def test_kernels_compile_for_sm90_without_spills(kernel: str, shared: bool, sm90
 @pytest.mark.parametrize("kind", ["decode", "narrow4", "narrow3"])
 @pytest.mark.parametrize("kernel", ["gate_up", "down"])
 def test_decode_tiles_shared_memory_is_what_the_one_wave_rule_assumes(kernel: str, kind: str, sm90_ptx: Path) -> None:
-    """``moe.tile_smem`` (which sizes the narrow tiles' pipeline so that a launch is one wave)
+    """``moe_tiles.tile_smem`` (which sizes the narrow tiles' pipeline so that a launch is one wave)
     against the compiler's figure for sm_90, bf16."""
     gated = kernel == "gate_up"
     tiles = Tiles(*_P8_TILES[kind][0 if gated else 1])
