@@ -33,6 +33,15 @@ def test_kappa_rows_put_each_k_where_the_kernels_sum_it() -> None:
         assert torch.equal(got[:, tile * 128 + 8 * (4 * w + n) + 2 * g + h], x[:, m]), m
 
 
+def test_gate_up_writes_h_where_the_down_rows_are_read() -> None:
+    """The gate/up epilogue's column map (``_kappa_column``, its Python body run on a tensor) puts
+    column c of h where ``kappa_rows`` would move it, so the down programs' TMA reads h as the
+    gate/up input was read."""
+    c = torch.arange(2304)  # V4.1's I: 18 tiles of 128
+    x = torch.randn(2, 2304)
+    assert torch.equal(tall.kappa_rows(x)[:, tall._kappa_column.fn(c)], x[:, c])
+
+
 def test_tall_blocks_only_above_tall_from(monkeypatch) -> None:
     """128-row blocks are taken where an expert has more than ``TALL_FROM`` rows on average, and
     never while it is None."""
