@@ -2,7 +2,7 @@
 kappa layout, when the op takes them, and both kernels compiled for sm_90 at every released width
 (no spills, the shared-memory ring within an SM's 227 KB, each step's two MMAs one commit group
 apiece with the loop leaving exactly those in flight). Their bits against the 64-row kernels are
-the GPU tests of ``test_triton_moe.py``."""
+the GPU tests of ``test_triton_moe_fp4.py``."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 PTX, run instruction by instruction on every code and scale byte, gives ``dequant_mxfp4``'s
 values in the pairing the kernels' k order assumes; both kernels compile for sm_90 at every
 released width without spilling, and asking for them where they do not apply is refused. Their numerics
-against the Triton path are the GPU tests of ``test_triton_moe.py``."""
+against the Triton path are the GPU tests of ``test_triton_moe_fp4.py``."""
 
 from __future__ import annotations
 

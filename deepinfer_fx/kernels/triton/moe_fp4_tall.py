@@ -9,7 +9,7 @@ codes are decoded once (``_decode_values``, the same PTX) into a two-slot shared
 block's rows arrive by TMA from a copy laid out in the kappa k order (``kappa_rows``), and the
 step's two 64-k halves run as asynchronous wgmma from shared memory while the next step decodes.
 A row's products are summed in the same kappa order, 16 k an MMA step, as in the register-operand
-kernels, so a token's bits do not depend on which form its batch took (``test_triton_moe.py``).
+kernels, so a token's bits do not depend on which form its batch took (``test_triton_moe_fp4.py``).
 
 Gate/up programs interleave the two weights by 8 rows (A row 16 j + t is gate column 8 j + t,
 A row 16 j + 8 + t its up column): a thread's accumulator holds rows r and r + 8, so each thread

@@ -444,7 +444,7 @@ def wgmma_rows(pairs: int, experts: int) -> int:
     """The block height (the MMA's N) for ``pairs`` rows over ``experts`` experts, by the rows an
     active expert takes on average: 8 up to 4, 16 up to 16, 32 up to 32, else 64 (64 beat 32 at
     48 rows on an H100, docs/decisions.md), and 128 (``moe_fp4_tall``'s prefill form) above
-    ``TALL_FROM``. No row's sum depends on N, so the height moves no bit (``test_triton_moe.py``
+    ``TALL_FROM``. No row's sum depends on N, so the height moves no bit (``test_triton_moe_fp4.py``
     compares a token alone with its batches on the GPU)."""
     rows = pairs / min(experts, pairs)
     if TALL_FROM is not None and rows > TALL_FROM:
