@@ -19,8 +19,8 @@ Grids are static: a GEMM grid covers the most row blocks any routing can need (s
 with no pairs get no block, so their weights are never read. Tile sizes depend on the shapes
 only, through the mean rows per active expert (``moe_tiles.py``): small blocks (``BLOCK_M``
 16) with long k tiles for decode, where the kernels stream each active expert's weights once,
-and 128-row tiles for
-prefill, where ``tl.dot`` throughput matters. There an expert's last row block is on average
+and 128-row tiles for prefill, where ``tl.dot`` throughput matters. There an expert's last
+row block is on average
 half empty (64 of 128 rows at ~384 rows an expert, ~17 % of the tile work), so a last block
 with at most 64 rows runs as a 64-row tile (``Tiles.half``).
 
