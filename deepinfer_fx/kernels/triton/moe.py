@@ -20,9 +20,8 @@ with no pairs get no block, so their weights are never read. Tile sizes depend o
 only, through the mean rows per active expert (``moe_tiles.py``): small blocks (``BLOCK_M``
 16) with long k tiles for decode, where the kernels stream each active expert's weights once,
 and 128-row tiles for prefill, where ``tl.dot`` throughput matters. There an expert's last
-row block is on average
-half empty (64 of 128 rows at ~384 rows an expert, ~17 % of the tile work), so a last block
-with at most 64 rows runs as a 64-row tile (``Tiles.half``).
+row block is on average half empty (64 of 128 rows at ~384 rows an expert, ~17 % of the tile
+work), so a last block with at most 64 rows runs as a 64-row tile (``Tiles.half``).
 
 The shared expert (``moe_experts_shared``) is expert ``E``, one past the routed ones, which
 every token takes with weight 1: T*(k+1) pairs over E+1 experts, the kernels deriving each
