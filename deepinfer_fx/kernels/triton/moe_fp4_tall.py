@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .moe_fp4_wgmma import _big_scales, _block_rows, _code_layout, _decode_values
+from .moe_fp4_wgmma import _big_scales, _block_rows, _code_layout, _decode_values, _swiglu
 
 TALL = 128  # sorted rows a block (wgmma's N) and weight rows a program (two warpgroups' M)
 STAGES = 4  # k steps of rows in the TMA ring (each two [TALL, 64] boxes): two steps ahead
@@ -147,6 +147,24 @@ def _gemm(
 
 
 @gluon.jit
+def _program(ends_ptr, E, N, COLS: gl.constexpr, stride_we, stride_wn, stride_se, stride_sn, E_P: gl.constexpr):
+    """Program id -> its expert (>= E: no block), row block (first and end row), first of its
+    ``COLS`` output columns, and the offsets of its weight and scale rows."""
+    pid = gl.program_id(0)
+    n_tiles = N // COLS
+    e, row0, row_end = _block_rows(ends_ptr, pid // n_tiles, E, E_P, M)
+    n0 = (pid % n_tiles) * COLS
+    return (
+        e,
+        row0,
+        row_end,
+        n0,
+        e.to(gl.int64) * stride_we + n0 * stride_wn,
+        e.to(gl.int64) * stride_se + n0 * stride_sn,
+    )
+
+
+@gluon.jit
 def _kappa_column(c):
     """Where column ``c`` of h sits with each 128-k tile in kappa order."""
     k = c % 128
@@ -180,29 +198,19 @@ def fp4_tall_gate_up_kernel(
     columns of I and one block of 128 sorted rows (program = block * column tiles + column
     tile), h's columns in kappa order; the GEMM results rounded to bf16 before the fp32 epilogue,
     as ``moe_fp4_wgmma.fp4_gate_up_kernel`` does."""
-    pid = gl.program_id(0)
-    n_tiles = N // 64
-    e, row0, row_end = _block_rows(ends_ptr, pid // n_tiles, E, E_P, M)
-    n0 = (pid % n_tiles) * 64
+    e, row0, row_end, n0, w_off, s_off = _program(ends_ptr, E, N, 64, stride_we, stride_wn, stride_se, stride_sn, E_P)
     if e < E:
-        w_off = e.to(gl.int64) * stride_we + n0 * stride_wn
-        s_off = e.to(gl.int64) * stride_se + n0 * stride_sn
         acc = _gemm(
             x_desc, row0, w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, stride_wn, stride_sn,
             K, True, STAGES,
         )  # fmt: skip
         gu = gl.reshape(acc.to(gl.bfloat16).to(gl.float32), (8, 2, 8, M))  # [j, gate | up, t, rows]
         g, u = gl.split(gl.reshape(gl.permute(gu, (0, 2, 3, 1)), (64, M, 2)))
-        g = gl.convert_layout(g, H_LAYOUT)
-        u = gl.convert_layout(u, H_LAYOUT)
-        if CLAMP:
-            # comparisons rather than min/max so that NaN passes through, as torch.clamp does
-            g = gl.where(g > limit, limit, g)
-            u = gl.where(u > limit, limit, gl.where(u < -limit, -limit, u))
         t = row0 + gl.arange(0, M, layout=gl.SliceLayout(0, H_LAYOUT))
         tmask = t < row_end
-        rw = gl.load(rw_ptr + gl.load(pairs_ptr + t, mask=tmask, other=0), mask=tmask, other=0.0).to(gl.float32)
-        h = g / (1.0 + gl.exp(-g)) * u * gl.expand_dims(rw, 0)
+        h = _swiglu(
+            gl.convert_layout(g, H_LAYOUT), gl.convert_layout(u, H_LAYOUT), rw_ptr, pairs_ptr, t, tmask, limit, CLAMP
+        )
         c = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, H_LAYOUT))
         offs = gl.expand_dims(t.to(gl.int64), 0) * N + gl.expand_dims(_kappa_column(c), 1)
         gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=gl.expand_dims(tmask, 0) & gl.expand_dims(c < N, 1))
@@ -228,13 +236,8 @@ def fp4_tall_down_kernel(
 ):
     """y[pair] = h[row] w2^T, rounded to bf16, for 128 columns of D and one block of 128 sorted
     rows (h in kappa order), written at the pair's own row."""
-    pid = gl.program_id(0)
-    n_tiles = N // 128
-    e, row0, row_end = _block_rows(ends_ptr, pid // n_tiles, E, E_P, M)
-    n0 = (pid % n_tiles) * 128
+    e, row0, row_end, n0, w_off, s_off = _program(ends_ptr, E, N, 128, stride_we, stride_wn, stride_se, stride_sn, E_P)
     if e < E:
-        w_off = e.to(gl.int64) * stride_we + n0 * stride_wn
-        s_off = e.to(gl.int64) * stride_se + n0 * stride_sn
         acc = _gemm(
             h_desc, row0, w2_ptr + w_off, s2_ptr + s_off, w2_ptr + w_off + 64 * stride_wn,
             s2_ptr + s_off + 64 * stride_sn, stride_wn, stride_sn, K, False, STAGES,

@@ -353,6 +353,18 @@ def _out_offsets(row_ids, row0, row_end, n0, N, TP: gl.constexpr):
 
 
 @gluon.jit
+def _swiglu(g, u, rw_ptr, pairs_ptr, t, tmask, limit, CLAMP: gl.constexpr):
+    """silu(min(g, limit)) * clamp(u, +-limit) * the routing weight of sorted row ``t`` (one a
+    column of ``[columns, rows]``), in fp32: the gate/up epilogue of both Gluon GEMM forms."""
+    if CLAMP:
+        # comparisons rather than min/max so that NaN passes through, as torch.clamp does
+        g = gl.where(g > limit, limit, g)
+        u = gl.where(u > limit, limit, gl.where(u < -limit, -limit, u))
+    rw = gl.load(rw_ptr + gl.load(pairs_ptr + t, mask=tmask, other=0), mask=tmask, other=0.0).to(gl.float32)
+    return g / (1.0 + gl.exp(-g)) * u * gl.expand_dims(rw, 0)
+
+
+@gluon.jit
 def fp4_gate_up_kernel(
     x_ptr,
     w1_ptr,
@@ -392,14 +404,8 @@ def fp4_gate_up_kernel(
         )  # fmt: skip
         g = gl.convert_layout(acc1, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
         u = gl.convert_layout(acc3, OUT_LAYOUT).to(gl.bfloat16).to(gl.float32)
-        if CLAMP:
-            # comparisons rather than min/max so that NaN passes through, as torch.clamp does
-            g = gl.where(g > limit, limit, g)
-            u = gl.where(u > limit, limit, gl.where(u < -limit, -limit, u))
         t = row0 + gl.arange(0, TP, layout=gl.SliceLayout(0, OUT_LAYOUT))
-        tmask = t < row_end
-        rw = gl.load(rw_ptr + gl.load(pairs_ptr + t, mask=tmask, other=0), mask=tmask, other=0.0).to(gl.float32)
-        h = g / (1.0 + gl.exp(-g)) * u * gl.expand_dims(rw, 0)
+        h = _swiglu(g, u, rw_ptr, pairs_ptr, t, t < row_end, limit, CLAMP)
         offs, mask = _out_offsets(None, row0, row_end, n0, N, TP)
         gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=mask)
 
