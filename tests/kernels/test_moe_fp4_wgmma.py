@@ -1,5 +1,5 @@
 """The Gluon MXFP4 expert GEMMs (``kernels/triton/moe_fp4_wgmma.py``) without a GPU: their decode
-PTX, run instruction by instruction on every code and scale byte, gives ``dequant_mxfp4``'s
+PTX (``moe_fp4_decode.py``), run instruction by instruction on every code and scale byte, gives ``dequant_mxfp4``'s
 values in the pairing the kernels' k order assumes; both kernels compile for sm_90 at every
 released width without spilling, and asking for them where they do not apply is refused. Their numerics
 against the Triton path are the GPU tests of ``test_triton_moe_fp4.py``."""
@@ -16,6 +16,7 @@ from sm90_ptxas import PTXAS, compile_in_subprocess
 
 from deepinfer_fx.io.quant import dequant_mxfp4
 from deepinfer_fx.kernels.triton import moe_fp4_wgmma as wg
+from deepinfer_fx.kernels.triton.moe_fp4_decode import _decode_asm
 
 _MASK = 0xFFFFFFFF
 
@@ -90,7 +91,7 @@ def test_decode_ptx_gives_dequant_values_paired_k_and_k_plus_4(big: bool) -> Non
     codes = nib[:, None, :].expand(-1, len(scales), -1)  # [W, S, 8]
     e = scales[None, :].expand(len(nib), -1)
     words = sum(codes[..., j].to(torch.int64) << (4 * j) for j in range(8))
-    out = _run_ptx(wg._decode_asm(big), [words, *_multipliers(e, big)])
+    out = _run_ptx(_decode_asm(big), [words, *_multipliers(e, big)])
     got = torch.stack(
         [
             ((o >> s) & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.bfloat16).float()

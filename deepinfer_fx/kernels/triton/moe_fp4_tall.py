@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .moe_fp4_wgmma import _big_scales, _block_rows, _code_layout, _decode_values, _swiglu
+from .moe_fp4_decode import _big_scales, _block_rows, _code_layout, _decode_values, _swiglu
 
 TALL = 128  # sorted rows a block (wgmma's N) and weight rows a program (two warpgroups' M)
 STAGES = 4  # k steps of rows in the TMA ring (each two [TALL, 64] boxes): two steps ahead
